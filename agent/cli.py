@@ -1,0 +1,116 @@
+"""`xpusense-agent`: run the agent, print this node's inventory, or list its sources."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from .config import ConfigError, load_agent
+from .stream import resolve
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="xpusense-agent", description="xpusense per-node telemetry agent")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp):
+        sp.add_argument("--config", help="TOML config file (env XPUSENSE_CONFIG)")
+
+    r = sub.add_parser("run", help="measure this node and stream to the collector")
+    common(r)
+    r.add_argument("--collector", metavar="HOST:PORT", help="collector address (env XPUSENSE_COLLECTOR)")
+    r.add_argument("--node-id", metavar="ID", help="node id (env XPUSENSE_NODE_ID; default: host name)")
+    r.add_argument("--once", action="store_true", help="one round of every tier, send it, exit")
+    r.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+    i = sub.add_parser("inventory", help="this node's resources in the inventory schema")
+    common(i)
+    i.add_argument("--format", choices=["yaml", "json"], default="yaml")
+
+    s = sub.add_parser("sources", help="every source: whether it runs here, and why not")
+    common(s)
+    s.add_argument("--format", choices=["table", "json"], default="table")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    path = args.config or os.environ.get("XPUSENSE_CONFIG")
+    flags = {}
+    if args.cmd == "run":
+        flags = {"collector.address": args.collector, "node_id": args.node_id, "log_level": args.log_level}
+    try:
+        cfg = load_agent(path, flags)
+        if args.cmd == "run":
+            resolve(cfg.collector.address)
+    except (ConfigError, ValueError) as e:
+        print(f"xpusense-agent: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return {"run": _run, "inventory": _inventory, "sources": _sources}[args.cmd](cfg, args)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def _run(cfg, args) -> int:
+    from .daemon import Agent
+    agent = Agent(cfg)
+    agent.install_signal_handlers()
+    return agent.run(once=args.once)
+
+
+def _with_sources(cfg):
+    from .daemon import build_sources
+    from .tiers import setup_sources
+    states, _ = setup_sources(build_sources(cfg))
+    return states
+
+
+def _close(states) -> None:
+    for st in states:
+        if st.state == "running":
+            st.source.close()
+
+
+def _inventory(cfg, args) -> int:
+    from .daemon import inventory
+    states = _with_sources(cfg)
+    try:
+        inv = inventory(cfg, states)
+    finally:
+        _close(states)
+    if args.format == "json":
+        print(json.dumps(inv, indent=2))
+    else:
+        import yaml
+        print(yaml.safe_dump(inv, sort_keys=False), end="")
+    return EXIT_OK
+
+
+def _sources(cfg, args) -> int:
+    states = _with_sources(cfg)
+    rows = [st.as_dict() for st in states]
+    _close(states)
+    known = {st.name for st in states}
+    # Sources switched off in config are listed too, so the answer is complete.
+    for name, sect in vars(cfg.sources).items():
+        if name not in known and not sect.enabled:
+            rows.append({"name": name, "state": "disabled", "reason": f"[sources.{name}] enabled = false",
+                         "tiers": []})
+    if args.format == "json":
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    print(f"{'SOURCE':<12} {'STATE':<12} {'TIERS':<26} REASON")
+    for r in rows:
+        print(f"{r['name']:<12} {r['state']:<12} {','.join(r['tiers']):<26} {r['reason']}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Configuration: one TOML file, then environment, then flags; every key checked against a schema.
+
+An unknown key, a value of the wrong type or out of range raises ConfigError naming the key and
+the file, which the CLIs turn into exit status 2. The schemas are data (`AGENT_SCHEMA` here, the
+collector's in collector/), so `--help`, the docs and the checks cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+from types import SimpleNamespace
+from typing import Any, Callable
+
+DEFAULT_PORT = 7470
+DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORT}"
+
+
+class ConfigError(Exception):
+    """A bad configuration; the message names the key and where it came from."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    type: type | tuple[type, ...]
+    default: Any
+    check: Callable[[Any], str | None] | None = None  # returns a complaint, or None when fine
+    help: str = ""
+
+
+class Table(dict):
+    """A table of free-form string keys and string values (e.g. node labels)."""
+
+
+def positive(v: Any) -> str | None:
+    return None if v > 0 else "must be greater than 0"
+
+
+def non_negative(v: Any) -> str | None:
+    return None if v >= 0 else "must be 0 or more"
+
+
+def host_port(v: str) -> str | None:
+    try:
+        split_host_port(v)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def split_host_port(v: str) -> tuple[str, int]:
+    host, sep, port = v.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{v!r} is not HOST:PORT (e.g. 127.0.0.1:{DEFAULT_PORT})")
+    return host.strip("[]"), int(port)
+
+
+def log_level(v: str) -> str | None:
+    return None if v.lower() in ("debug", "info", "warning", "error") else "must be debug, info, warning or error"
+
+
+AGENT_SCHEMA: dict[str, Any] = {
+    "node_id": Key(str, "", help="node id; default: the host name"),
+    "log_level": Key(str, "info", log_level),
+    "labels": Key(Table, Table(), help="cloud, region, zone, price... sent with the inventory"),
+    "collector": {
+        "address": Key(str, DEFAULT_ADDRESS, host_port),
+    },
+    "tiers": {
+        "realtime_s": Key((int, float), 1.0, positive),
+        "nearline_s": Key((int, float), 15.0, positive),
+        "offline_s": Key((int, float), 300.0, positive),
+        "timeout_ratio": Key((int, float), 0.8, lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
+                             help="a source round is abandoned after this share of its tier's period"),
+    },
+    "stream": {
+        "queue_batches": Key(int, 3600, positive, help="batches kept in memory while the collector is away"),
+        "flush_s": Key((int, float), 0.2, positive),
+        "max_samples_per_batch": Key(int, 5000, positive),
+        "backoff_initial_s": Key((int, float), 0.2, positive),
+        "backoff_max_s": Key((int, float), 10.0, positive),
+    },
+    "sources": {
+        "host": {
+            "enabled": Key(bool, True),
+            "procfs": Key(str, "/proc"),
+            "netns": Key(str, "", help="read interfaces of this network namespace (default: the agent's)"),
+            "disk_exclude": Key(str, r"^(z?ram|loop|fd|(h|s|v|xv)d[a-z]|nvme\d+n\d+p|mmcblk\d+p)\d+$"),
+            "interface_include": Key(str, ""),
+            "interface_exclude": Key(str, ""),
+        },
+    },
+}
+
+
+def _check(schema: dict, data: dict, where: str, prefix: str = "") -> dict:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if k not in schema:
+            known = ", ".join(sorted(f"{prefix}{n}" for n in schema))
+            raise ConfigError(f"{where}: unknown key '{key}' (known here: {known})")
+        spec = schema[k]
+        if isinstance(spec, dict):
+            if not isinstance(v, dict):
+                raise ConfigError(f"{where}: '{key}' must be a table")
+            out[k] = _check(spec, v, where, key + ".")
+            continue
+        if spec.type is Table:
+            if not isinstance(v, dict) or not all(isinstance(x, (str, int, float)) for x in v.values()):
+                raise ConfigError(f"{where}: '{key}' must be a table of strings")
+            out[k] = Table({str(a): str(b) for a, b in v.items()})
+            continue
+        types = spec.type if isinstance(spec.type, tuple) else (spec.type,)
+        # bool is an int in Python; a number key must not accept true/false.
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            names = " or ".join(t.__name__ for t in types)
+            raise ConfigError(f"{where}: '{key}' must be {names}, got {v!r}")
+        if spec.check and (why := spec.check(v)):
+            raise ConfigError(f"{where}: '{key}' {why}, got {v!r}")
+        out[k] = v
+    return out
+
+
+def _defaults(schema: dict) -> dict:
+    return {k: _defaults(v) if isinstance(v, dict) else v.default for k, v in schema.items()}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(base[k], v) if isinstance(v, dict) and not isinstance(v, Table) and isinstance(base.get(k), dict) else v
+    return out
+
+
+def _nest(dotted: dict[str, Any]) -> dict:
+    out: dict = {}
+    for key, v in dotted.items():
+        cur = out
+        *parents, last = key.split(".")
+        for p in parents:
+            cur = cur.setdefault(p, {})
+        cur[last] = v
+    return out
+
+
+def _namespace(d: dict) -> Any:
+    if isinstance(d, Table):
+        return dict(d)
+    if isinstance(d, dict):
+        return SimpleNamespace(**{k: _namespace(v) for k, v in d.items()})
+    return d
+
+
+def load(schema: dict, path: str | None, env: dict[str, str] | None = None,
+         env_map: dict[str, str] | None = None, flags: dict[str, Any] | None = None) -> SimpleNamespace:
+    """Defaults <- TOML file <- environment (env_map: VAR -> dotted key) <- flags (dotted key -> value)."""
+    merged = _defaults(schema)
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except PermissionError:
+            raise ConfigError(f"{path}: config file is not readable (permission denied)") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        merged = _merge(merged, _check(schema, data, path))
+    env = os.environ if env is None else env
+    for var, key in (env_map or {}).items():
+        if env.get(var):
+            merged = _merge(merged, _check(schema, _nest({key: env[var]}), f"environment {var}"))
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
+    if given:
+        merged = _merge(merged, _check(schema, _nest(given), "command line"))
+    return _namespace(merged)
+
+
+AGENT_ENV = {"XPUSENSE_NODE_ID": "node_id", "XPUSENSE_COLLECTOR": "collector.address"}
+
+
+def load_agent(path: str | None = None, flags: dict[str, Any] | None = None,
+               env: dict[str, str] | None = None) -> SimpleNamespace:
+    cfg = load(AGENT_SCHEMA, path, env, AGENT_ENV, flags)
+    if not cfg.node_id:
+        cfg.node_id = socket.gethostname()
+    return cfg

@@ -1,0 +1,114 @@
+"""Wires the agent together: sources from config -> tier loop -> stream client to the collector."""
+
+from __future__ import annotations
+
+import logging
+import platform
+import signal
+import socket
+import threading
+import uuid
+
+from xpusense import __version__
+from xpusense.v1 import telemetry_pb2 as pb
+
+from .sources.agent_self import AgentSelfSource
+from .sources.base import Source
+from .sources.host import HostSource
+from .stream import StreamClient
+from .tiers import SourceState, TierLoop, periods_from_config, setup_sources
+
+log = logging.getLogger("xpusense.agent")
+
+
+def build_sources(cfg) -> list[Source]:
+    """Every source enabled in config, in a fixed order (host first)."""
+    out: list[Source] = []
+    h = cfg.sources.host
+    if h.enabled:
+        out.append(HostSource(procfs=h.procfs, netns=h.netns, disk_exclude=h.disk_exclude,
+                              interface_include=h.interface_include, interface_exclude=h.interface_exclude))
+    return out
+
+
+def host_resource() -> dict:
+    import psutil
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem_gb = psutil.virtual_memory().total / 1e9
+    return {"type": "CPU", "vendor": platform.machine(), "model": model,
+            "attributes": {"logical_cpus": str(psutil.cpu_count() or 0), "memory": f"{mem_gb:.0f}GB"},
+            "interconnects": []}
+
+
+def inventory(cfg, states: list[SourceState]) -> dict:
+    resources = [host_resource()]
+    for st in states:
+        if st.state == "running":
+            resources.extend(st.source.inventory())
+    return {"hostname": socket.gethostname(), "node_id": cfg.node_id, "labels": dict(cfg.labels),
+            "resources": resources}
+
+
+def inventory_to_proto(inv: dict) -> pb.Inventory:
+    m = pb.Inventory(hostname=inv["hostname"], labels=inv["labels"])
+    for r in inv["resources"]:
+        m.resources.add(type=r["type"], vendor=r.get("vendor", ""), model=r.get("model", ""),
+                        id=str(r.get("id", "")),
+                        attributes={k: str(v) for k, v in r.get("attributes", {}).items()},
+                        interconnects=[pb.Interconnect(type=i["type"], bandwidth=str(i.get("bandwidth", "")))
+                                       for i in r.get("interconnects", [])])
+    return m
+
+
+class Agent:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.boot_id = uuid.uuid4().hex
+        self.stop_event = threading.Event()
+        self.states, startup_events = setup_sources(build_sources(cfg))
+        s = cfg.stream
+        self.stream = StreamClient(
+            cfg.collector.address, cfg.node_id, self.boot_id,
+            lambda: inventory_to_proto(inventory(cfg, self.states)),
+            queue_batches=s.queue_batches, flush_s=s.flush_s, max_samples_per_batch=s.max_samples_per_batch,
+            backoff_initial_s=s.backoff_initial_s, backoff_max_s=s.backoff_max_s, agent_version=__version__)
+        self_state, _ = setup_sources([AgentSelfSource(self.stream.status)])
+        self.states += self_state
+        self.loop = TierLoop(self.states, periods_from_config(cfg.tiers), self.stream.put,
+                             timeout_ratio=cfg.tiers.timeout_ratio)
+        if startup_events:
+            self.stream.put([], startup_events)
+
+    def run(self, once: bool = False) -> int:
+        self.stream.start()
+        try:
+            if once:
+                self.loop.run_once()
+                if not self.stream.drain(timeout_s=15.0):
+                    log.error("collector %s did not acknowledge %d batches within 15 s (%s)",
+                              self.cfg.collector.address, self.stream.pending(), self.stream.last_error)
+                    return 1
+                return 0
+            log.info("agent %s (boot %s) streaming to %s; sources: %s", self.cfg.node_id, self.boot_id,
+                     self.cfg.collector.address,
+                     ", ".join(f"{s.name}={s.state}" for s in self.states))
+            self.loop.run(self.stop_event)
+            return 0
+        finally:
+            self.loop.close()
+            self.stream.stop(drain_s=2.0)
+
+    def install_signal_handlers(self) -> None:
+        def on_signal(signum, _frame):
+            log.info("received %s, stopping", signal.Signals(signum).name)
+            self.stop_event.set()
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)

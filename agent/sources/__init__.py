@@ -1,0 +1,1 @@
+"""Sources of measurements, one module per subsystem, all behind `base.Source`."""

@@ -1,0 +1,30 @@
+"""The agent's own health: its CPU time and memory (from /proc via psutil) and its stream figures."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import psutil
+
+from .base import COUNTER, NEARLINE, Sample, Source
+
+
+class AgentSelfSource(Source):
+    name = "agent"
+    tiers = (NEARLINE,)
+
+    def __init__(self, stream_status: Callable[[], dict]):
+        self.stream_status = stream_status
+        self._proc = psutil.Process()
+
+    def collect(self, tier: str) -> list[Sample]:
+        t = self._proc.cpu_times()
+        st = self.stream_status()
+        return [
+            Sample("process.cpu.time", t.user + t.system, "s", {"process": "xpusense-agent"}, COUNTER),
+            Sample("process.memory.usage", float(self._proc.memory_info().rss), "By", {"process": "xpusense-agent"}),
+            Sample("xpusense.agent.stream.pending", float(st["pending_batches"]), "{batch}"),
+            Sample("xpusense.agent.stream.dropped", float(st["dropped_samples"]), "{sample}", {}, COUNTER),
+            Sample("xpusense.agent.stream.dropped_batches", float(st["dropped_batches"]), "{batch}", {}, COUNTER),
+            Sample("xpusense.agent.stream.reconnects", float(st["reconnects"]), "{connection}", {}, COUNTER),
+        ]

@@ -1,0 +1,181 @@
+"""Host CPU, memory, load and disks from psutil (/proc), and per-interface counters over netlink.
+
+Network counters (bytes, packets, errors, drops per interface and direction) are read with
+pyroute2's rtnetlink `get_links()` (IFLA_STATS64), not by parsing /proc/net/dev. Everything here
+is at the nearline tier. Converting readings to samples is done by pure functions so tests can
+feed them recorded readings.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Iterable, Mapping
+
+import psutil
+
+from .base import COUNTER, GAUGE, NEARLINE, Sample, Source, SourceError, Unavailable
+
+# Partitions, RAM disks and loop devices would count the same I/O twice or not be disks at all
+# (the same default as node_exporter's diskstats collector).
+DEFAULT_DISK_EXCLUDE = r"^(z?ram|loop|fd|(h|s|v|xv)d[a-z]|nvme\d+n\d+p|mmcblk\d+p)\d+$"
+
+CPU_STATES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal", "guest", "guest_nice")
+
+# IFLA_STATS64 field -> (metric, direction)
+LINK_COUNTERS = {
+    "rx_bytes": ("system.network.io", "receive", "By"),
+    "tx_bytes": ("system.network.io", "transmit", "By"),
+    "rx_packets": ("system.network.packet.count", "receive", "{packet}"),
+    "tx_packets": ("system.network.packet.count", "transmit", "{packet}"),
+    "rx_errors": ("system.network.errors", "receive", "{error}"),
+    "tx_errors": ("system.network.errors", "transmit", "{error}"),
+    "rx_dropped": ("system.network.packet.dropped", "receive", "{packet}"),
+    "tx_dropped": ("system.network.packet.dropped", "transmit", "{packet}"),
+}
+
+
+def cpu_utilization(prev: Mapping[str, float], cur: Mapping[str, float]) -> list[Sample]:
+    """Ratio 0..1 of CPU time per state between two readings of cumulative CPU seconds."""
+    deltas = {k: max(cur.get(k, 0.0) - prev.get(k, 0.0), 0.0) for k in CPU_STATES if k in cur}
+    # guest time is already included in user (and guest_nice in nice) on Linux.
+    total = sum(v for k, v in deltas.items() if k not in ("guest", "guest_nice"))
+    if total <= 0:
+        return []
+    return [
+        Sample("system.cpu.utilization", deltas[k] / total, "1", {"state": k})
+        for k in deltas
+    ]
+
+
+def cpu_time_samples(cur: Mapping[str, float], logical_count: int) -> list[Sample]:
+    out = [Sample("system.cpu.time", v, "s", {"state": k}, COUNTER) for k, v in cur.items() if k in CPU_STATES]
+    out.append(Sample("system.cpu.logical.count", logical_count, "{cpu}"))
+    return out
+
+
+def memory_samples(vm: Mapping[str, int]) -> list[Sample]:
+    """psutil.virtual_memory() fields -> system.memory.usage by state and utilisation."""
+    out = []
+    for state in ("used", "free", "buffers", "cached"):
+        if state in vm:
+            out.append(Sample("system.memory.usage", float(vm[state]), "By", {"state": state}))
+    total = vm.get("total", 0)
+    if total:
+        out.append(Sample("system.memory.limit", float(total), "By"))
+        avail = vm.get("available", vm.get("free", 0))
+        out.append(Sample("system.memory.utilization", (total - avail) / total, "1"))
+    return out
+
+
+def load_samples(load: tuple[float, float, float]) -> list[Sample]:
+    return [
+        Sample(f"system.cpu.load_average.{w}", v, "{thread}")
+        for w, v in zip(("1m", "5m", "15m"), load)
+    ]
+
+
+def disk_samples(perdisk: Mapping[str, Any], exclude: str = DEFAULT_DISK_EXCLUDE) -> list[Sample]:
+    """psutil.disk_io_counters(perdisk=True) -> operations, bytes and time per disk and direction."""
+    skip = re.compile(exclude) if exclude else None
+    out = []
+    for dev, c in sorted(perdisk.items()):
+        if skip and skip.match(dev):
+            continue
+        for direction, ops, nbytes, ms in (
+            ("read", c.read_count, c.read_bytes, c.read_time),
+            ("write", c.write_count, c.write_bytes, c.write_time),
+        ):
+            labels = {"device": dev, "direction": direction}
+            out.append(Sample("system.disk.operations", float(ops), "{operation}", labels, COUNTER))
+            out.append(Sample("system.disk.io", float(nbytes), "By", dict(labels), COUNTER))
+            out.append(Sample("system.disk.operation_time", ms / 1000.0, "s", dict(labels), COUNTER))
+        busy = getattr(c, "busy_time", None)
+        if busy is not None:
+            out.append(Sample("system.disk.io_time", busy / 1000.0, "s", {"device": dev}, COUNTER))
+    return out
+
+
+def link_samples(links: Iterable[Mapping[str, Any]], include: str = "", exclude: str = "") -> list[Sample]:
+    """Links as {"ifname": str, "stats": {rx_bytes: ...}, "operstate": str} -> network samples."""
+    inc = re.compile(include) if include else None
+    exc = re.compile(exclude) if exclude else None
+    out = []
+    for link in links:
+        name = link["ifname"]
+        if (inc and not inc.search(name)) or (exc and exc.search(name)):
+            continue
+        stats = link.get("stats") or {}
+        for field, (metric, direction, unit) in LINK_COUNTERS.items():
+            if field in stats:
+                out.append(Sample(metric, float(stats[field]), unit, {"device": name, "direction": direction}, COUNTER))
+        up = 1.0 if link.get("operstate") in ("UP", "UNKNOWN") else 0.0
+        out.append(Sample("xpusense.network.interface.up", up, "1", {"device": name}))
+    return out
+
+
+def netlink_links(msgs: Iterable[Any]) -> list[dict]:
+    """pyroute2 ifinfmsg objects -> plain dicts for link_samples()."""
+    out = []
+    for m in msgs:
+        name = m.get("IFLA_IFNAME")
+        stats = m.get("IFLA_STATS64") or m.get("IFLA_STATS")
+        if not name:
+            continue
+        out.append({
+            "ifname": name,
+            "operstate": m.get("IFLA_OPERSTATE"),
+            "stats": {k: stats.get(k) for k in LINK_COUNTERS} if stats is not None else {},
+        })
+    return out
+
+
+class HostSource(Source):
+    """CPU, memory, load, disks (psutil) and interfaces (rtnetlink) of this host."""
+
+    name = "host"
+    tiers = (NEARLINE,)
+
+    def __init__(self, procfs: str = "/proc", netns: str = "", disk_exclude: str = DEFAULT_DISK_EXCLUDE,
+                 interface_include: str = "", interface_exclude: str = ""):
+        self.procfs = procfs
+        self.netns = netns
+        self.disk_exclude = disk_exclude
+        self.interface_include = interface_include
+        self.interface_exclude = interface_exclude
+        self._prev_cpu: dict[str, float] | None = None
+        self._ipr = None
+
+    def setup(self) -> None:
+        if not os.path.isdir(self.procfs):
+            raise Unavailable(f"procfs {self.procfs!r} does not exist; set [sources.host] procfs")
+        psutil.PROCFS_PATH = self.procfs
+        from pyroute2 import IPRoute
+        try:
+            self._ipr = IPRoute(netns=self.netns) if self.netns else IPRoute()
+        except Exception as e:  # pyroute2 raises plain OSError/NetlinkError subclasses
+            where = f"network namespace {self.netns!r}" if self.netns else "this host"
+            raise Unavailable(f"cannot open rtnetlink in {where}: {e}") from e
+        self._prev_cpu = psutil.cpu_times()._asdict()
+
+    def collect(self, tier: str) -> list[Sample]:
+        cur = psutil.cpu_times()._asdict()
+        out = cpu_utilization(self._prev_cpu or {}, cur) + cpu_time_samples(cur, psutil.cpu_count() or 0)
+        self._prev_cpu = cur
+        out += memory_samples(psutil.virtual_memory()._asdict())
+        out += load_samples(psutil.getloadavg())
+        out += disk_samples(psutil.disk_io_counters(perdisk=True) or {}, self.disk_exclude)
+        try:
+            msgs = self._ipr.get_links()
+        except Exception as e:
+            raise SourceError(f"rtnetlink get_links failed: {e}", out) from e
+        out += link_samples(netlink_links(msgs), self.interface_include, self.interface_exclude)
+        return out
+
+    def describe(self) -> dict:
+        return {"procfs": self.procfs, "netns": self.netns or "(host)"}
+
+    def close(self) -> None:
+        if self._ipr is not None:
+            self._ipr.close()
+            self._ipr = None

@@ -1,0 +1,272 @@
+"""The stream to the collector: one long-lived gRPC bidirectional stream, batches, acks, resends.
+
+Samples and events handed to `put()` are cut into batches every `flush_s`; each batch gets the next
+sequence number of this boot and stays in a bounded in-memory queue until the collector
+acknowledges it. On a reconnect every unacknowledged batch is sent again, in order; the collector
+drops one it has already stored, so nothing counts twice. When the queue is full the oldest batch
+is dropped and counted (samples and batches): loss is never silent. Reconnects back off
+exponentially with jitter, and stop() interrupts the wait.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import socket
+import threading
+import time
+from typing import Callable
+
+import grpc
+
+from xpusense.v1 import telemetry_pb2 as pb
+from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
+
+from .config import split_host_port
+from .sources.base import COUNTER, GAUGE, HISTOGRAM, Event, Sample
+
+log = logging.getLogger("xpusense.agent.stream")
+
+KINDS = {GAUGE: pb.GAUGE, COUNTER: pb.COUNTER, HISTOGRAM: pb.HISTOGRAM}
+
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+]
+
+
+def sample_to_proto(s: Sample) -> pb.Sample:
+    m = pb.Sample(name=s.name, unit=s.unit, kind=KINDS[s.kind], labels=s.labels, value=s.value,
+                  time_unix_nano=s.time_ns)
+    if s.kind == HISTOGRAM:
+        m.histogram.bounds.extend(s.bounds)
+        m.histogram.counts.extend(s.counts)
+        m.histogram.sum = s.value
+        m.histogram.count = s.counts[-1] if s.counts else 0
+    return m
+
+
+def event_to_proto(e: Event) -> pb.Event:
+    return pb.Event(id=e.id, type=e.type, severity=e.severity, device=e.device, message=e.message,
+                    attributes=e.attributes, time_unix_nano=e.time_ns)
+
+
+def resolve(address: str) -> None:
+    """Raise ValueError with a person-readable reason when HOST:PORT cannot be resolved."""
+    host, port = split_host_port(address)
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"collector address {address!r}: host {host!r} does not resolve ({e.strerror})") from None
+
+
+def backoff_delays(initial_s: float, max_s: float, rng: random.Random | None = None):
+    """Exponential backoff with full jitter in [d/2, d], d doubling from initial_s up to max_s."""
+    rng = rng or random.Random()
+    d = initial_s
+    while True:
+        yield rng.uniform(d / 2, d)
+        d = min(d * 2, max_s)
+
+
+class StreamClient:
+    def __init__(self, address: str, node_id: str, boot_id: str, inventory: Callable[[], pb.Inventory],
+                 queue_batches: int = 3600, flush_s: float = 0.2, max_samples_per_batch: int = 5000,
+                 backoff_initial_s: float = 0.2, backoff_max_s: float = 10.0, agent_version: str = ""):
+        self.address = address
+        self.node_id = node_id
+        self.boot_id = boot_id
+        self.inventory = inventory
+        self.queue_batches = queue_batches
+        self.flush_s = flush_s
+        self.max_samples = max_samples_per_batch
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.agent_version = agent_version
+
+        self._cond = threading.Condition()
+        self._samples: list[Sample] = []
+        self._events: list[Event] = []
+        self._pending: collections.OrderedDict[int, pb.Batch] = collections.OrderedDict()
+        self._seq = 0
+        self._sent_upto = 0                # highest seq handed to the current connection
+        self._inventory_dirty = False
+        self._stop = threading.Event()
+        self._conn_closed = True
+        self._call = None
+        self._threads: list[threading.Thread] = []
+        # Figures, reported by the agent source and by `status()`.
+        self.connected = False
+        self.reconnects = 0
+        self.acked = 0
+        self.duplicates = 0
+        self.dropped_batches = 0
+        self.dropped_samples = 0
+        self.last_error = ""
+
+    # -- producer side -------------------------------------------------------------------------
+    def put(self, samples: list[Sample], events: list[Event] | None = None) -> None:
+        with self._cond:
+            self._samples.extend(samples)
+            if events:
+                self._events.extend(events)
+            if len(self._samples) >= self.max_samples:
+                self._cut_locked()
+
+    def inventory_changed(self) -> None:
+        with self._cond:
+            self._inventory_dirty = True
+            self._cond.notify_all()
+
+    def _cut_locked(self) -> None:
+        """Turn what was put so far into batches (sequence numbers assigned here)."""
+        while self._samples or self._events:
+            chunk, self._samples = self._samples[: self.max_samples], self._samples[self.max_samples:]
+            events, self._events = self._events, []
+            self._seq += 1
+            b = pb.Batch(node_id=self.node_id, boot_id=self.boot_id, seq=self._seq,
+                         sent_unix_nano=time.time_ns())
+            b.samples.extend(sample_to_proto(s) for s in chunk)
+            b.events.extend(event_to_proto(e) for e in events)
+            self._pending[self._seq] = b
+            while len(self._pending) > self.queue_batches:
+                _, old = self._pending.popitem(last=False)
+                self.dropped_batches += 1
+                self.dropped_samples += len(old.samples)
+                if self.dropped_batches == 1 or self.dropped_batches % 100 == 0:
+                    log.warning("in-memory queue full (%d batches): dropped the oldest; %d batches, "
+                                "%d samples lost so far", self.queue_batches, self.dropped_batches,
+                                self.dropped_samples)
+        self._cond.notify_all()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def last_seq(self) -> int:
+        with self._cond:
+            return self._seq
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        for target, name in ((self._batcher, "stream-batcher"), (self._sender, "stream-sender")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def flush(self) -> None:
+        with self._cond:
+            self._cut_locked()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Cut what is buffered and wait until the collector has acknowledged everything."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._cut_locked()
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def stop(self, drain_s: float = 2.0) -> None:
+        if self.connected:
+            self.drain(drain_s)
+        self._stop.set()
+        with self._cond:
+            self._conn_closed = True
+            self._cond.notify_all()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    # -- threads ----------------------------------------------------------------------------------
+    def _batcher(self) -> None:
+        while not self._stop.wait(self.flush_s):
+            with self._cond:
+                if self._samples or self._events:
+                    self._cut_locked()
+
+    def _requests(self):
+        """The agent's half of one connection: Hello, then every batch not yet sent on it."""
+        yield pb.AgentMessage(hello=pb.Hello(node_id=self.node_id, boot_id=self.boot_id,
+                                             agent_version=self.agent_version,
+                                             inventory=self.inventory(), time_unix_nano=time.time_ns()))
+        while True:
+            with self._cond:
+                while (not self._conn_closed and not self._inventory_dirty
+                       and next(reversed(self._pending), 0) <= self._sent_upto):
+                    self._cond.wait(1.0)
+                if self._conn_closed:
+                    return
+                send_inventory, self._inventory_dirty = self._inventory_dirty, False
+                batches = [b for seq, b in self._pending.items() if seq > self._sent_upto]
+                if batches:
+                    self._sent_upto = batches[-1].seq
+            if send_inventory:
+                yield pb.AgentMessage(inventory=self.inventory())
+            for b in batches:
+                yield pb.AgentMessage(batch=b)
+
+    def _handle(self, msg: pb.CollectorMessage) -> None:
+        with self._cond:
+            if msg.HasField("ack"):
+                if msg.ack.boot_id == self.boot_id and self._pending.pop(msg.ack.seq, None) is not None:
+                    self.acked += 1
+                    self.duplicates += msg.ack.duplicate
+            elif msg.HasField("welcome") and msg.welcome.boot_id == self.boot_id:
+                for seq in [s for s in self._pending if s <= msg.welcome.stored_up_to]:
+                    del self._pending[seq]
+            self._cond.notify_all()
+
+    def _sender(self) -> None:
+        delays = backoff_delays(self.backoff_initial_s, self.backoff_max_s)
+        channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        stub = pb_grpc.IngestStub(channel)
+        try:
+            while not self._stop.is_set():
+                with self._cond:
+                    self._conn_closed = False
+                    self._sent_upto = 0   # resend everything not acknowledged, in order
+                    self._inventory_dirty = False
+                try:
+                    self._call = stub.Stream(self._requests())
+                    for msg in self._call:
+                        if not self.connected:
+                            self.connected = True
+                            self.reconnects += 1
+                            delays = backoff_delays(self.backoff_initial_s, self.backoff_max_s)
+                            log.info("connected to collector %s (%d batches to send)", self.address,
+                                     self.pending())
+                        self._handle(msg)
+                    err = "collector closed the stream"
+                except grpc.RpcError as e:
+                    err = f"{e.code().name}: {e.details()}"
+                finally:
+                    with self._cond:
+                        self._conn_closed = True
+                        self._cond.notify_all()
+                if self._stop.is_set():
+                    break
+                if self.connected or err != self.last_error:
+                    log.warning("collector %s unreachable (%s); retrying with backoff, %d batches queued",
+                                self.address, err, self.pending())
+                self.connected = False
+                self.last_error = err
+                self._stop.wait(next(delays))
+        finally:
+            self.connected = False
+            channel.close()
+
+    def status(self) -> dict:
+        return {"address": self.address, "connected": self.connected, "pending_batches": self.pending(),
+                "last_seq": self.last_seq(), "acked": self.acked, "duplicates": self.duplicates,
+                "reconnects": self.reconnects, "dropped_batches": self.dropped_batches,
+                "dropped_samples": self.dropped_samples, "last_error": self.last_error}

@@ -1,0 +1,209 @@
+"""The one scheduling loop: every tier's rounds from time.monotonic() deadlines, no thread per tier.
+
+Each source runs its collect() in a worker thread of its own, so a slow source never delays the
+loop or another source. A round of a source that is still busy with its previous round of that tier is skipped
+and counted (never queued behind); a round that finishes later than its timeout (a share of the
+tier's period) is discarded and counted as a timeout. The loop records, for every source, its last
+duration and success as samples of its own (`xpusense.agent.source.*`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Callable
+
+from .sources.base import COUNTER, Event, NEARLINE, OFFLINE, REALTIME, TIERS, Sample, Source, SourceError, Unavailable, stamp
+
+log = logging.getLogger("xpusense.agent.tiers")
+
+Sink = Callable[[list[Sample], list[Event]], None]
+
+
+class SourceState:
+    """What the agent knows about one source: availability, last round, counters."""
+
+    def __init__(self, source: Source):
+        self.source = source
+        self.name = source.name
+        self.state = "new"          # running | unavailable | failed
+        self.reason = ""
+        self.busy: set[str] = set()   # tiers with a round in progress
+        self.last_duration_s = 0.0
+        self.last_ok = False
+        self.last_error = ""
+        self.rounds = 0
+        self.errors = 0
+        self.timeouts = 0
+        self.skipped = 0
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name, "state": self.state, "reason": self.reason,
+            "tiers": list(self.source.tiers), "rounds": self.rounds, "errors": self.errors,
+            "timeouts": self.timeouts, "skipped": self.skipped, "last_error": self.last_error,
+            "last_duration_s": round(self.last_duration_s, 6), **self.source.describe(),
+        }
+
+
+def setup_sources(sources: list[Source]) -> tuple[list[SourceState], list[Event]]:
+    """Run setup() of every source; an unavailable one is logged once and kept with its reason."""
+    states, events = [], []
+    for src in sources:
+        st = SourceState(src)
+        try:
+            src.setup()
+            st.state = "running"
+        except Unavailable as e:
+            st.state, st.reason = "unavailable", str(e)
+            log.warning("source %s unavailable: %s", src.name, e)
+            events.append(Event("source_unavailable", f"{src.name}: {e}", "warning",
+                                attributes={"source": src.name}))
+        except Exception as e:  # a bug or an unexpected environment: say it, run the others
+            st.state, st.reason = "failed", f"setup failed: {type(e).__name__}: {e}"
+            log.exception("source %s failed to set up", src.name)
+            events.append(Event("source_unavailable", f"{src.name}: {st.reason}", "warning",
+                                attributes={"source": src.name}))
+        states.append(st)
+    return states, events
+
+
+class TierLoop:
+    def __init__(self, states: list[SourceState], periods_s: dict[str, float], sink: Sink,
+                 timeout_ratio: float = 0.8, clock: Callable[[], float] = time.monotonic):
+        self.states = [s for s in states if s.state == "running"]
+        self.periods_s = periods_s
+        self.sink = sink
+        self.timeout_ratio = timeout_ratio
+        self.clock = clock
+        self.missed_rounds = {t: 0 for t in TIERS}
+        self.rounds = {t: 0 for t in TIERS}
+        self._lock = threading.Lock()
+        self._pending: set[concurrent.futures.Future] = set()
+        for st in self.states:
+            # One worker per tier: a slow 15 s round of a source never holds up its 1 s round.
+            st.pool = concurrent.futures.ThreadPoolExecutor(len(st.source.tiers) or 1,
+                                                            thread_name_prefix=f"src-{st.name}")
+
+    def tiers_in_use(self) -> list[str]:
+        return [t for t in TIERS if any(t in st.source.tiers for st in self.states)]
+
+    def dispatch(self, tier: str) -> list[concurrent.futures.Future]:
+        """Start one round of `tier` on every source that has it; never blocks."""
+        now_ns = time.time_ns()
+        timeout_s = self.periods_s[tier] * self.timeout_ratio
+        self.rounds[tier] += 1
+        futures = []
+        for st in self.states:
+            if tier not in st.source.tiers:
+                continue
+            with self._lock:
+                if tier in st.busy:
+                    st.skipped += 1
+                    self.sink([Sample("xpusense.agent.source.skipped", st.skipped, "{round}",
+                                      {"source": st.name}, COUNTER, now_ns)], [])
+                    continue
+                st.busy.add(tier)
+            fut = st.pool.submit(self._run, st, tier, now_ns, timeout_s)
+            futures.append(fut)
+            with self._lock:
+                self._pending.add(fut)
+            fut.add_done_callback(self._done)
+        return futures
+
+    def _done(self, fut: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+
+    def _run(self, st: SourceState, tier: str, now_ns: int, timeout_s: float) -> None:
+        t0 = time.perf_counter()
+        samples: list[Sample] = []
+        events: list[Event] = []
+        error = ""
+        try:
+            samples = st.source.collect(tier)
+            events = st.source.events()
+        except SourceError as e:
+            error, samples = str(e), e.samples
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            log.debug("source %s round failed", st.name, exc_info=True)
+        duration = time.perf_counter() - t0
+        labels = {"source": st.name, "tier": tier}
+        with self._lock:
+            st.busy.discard(tier)
+            st.rounds += 1
+            st.last_duration_s = duration
+            if duration > timeout_s:
+                st.timeouts += 1
+                st.last_ok = False
+                st.last_error = f"round took {duration:.3f} s, over its {timeout_s:.3f} s budget; discarded"
+                log.warning("source %s: %s", st.name, st.last_error)
+                samples, events = [], events  # events are facts that happened: keep them
+            elif error:
+                st.errors += 1
+                st.last_ok = False
+                if error != st.last_error:
+                    log.warning("source %s: %s", st.name, error)
+                st.last_error = error
+            else:
+                st.last_ok = True
+                st.last_error = ""
+            own = [
+                Sample("xpusense.agent.source.duration", duration, "s", labels),
+                Sample("xpusense.agent.source.up", 1.0 if st.last_ok else 0.0, "1", dict(labels)),
+                Sample("xpusense.agent.source.errors", st.errors, "{error}", {"source": st.name}, COUNTER),
+                Sample("xpusense.agent.source.timeouts", st.timeouts, "{round}", {"source": st.name}, COUNTER),
+            ]
+        self.sink(stamp(samples + own, now_ns), stamp_events(events))
+
+    def run(self, stop: threading.Event) -> None:
+        """Dispatch rounds at their deadlines until `stop` is set."""
+        tiers = self.tiers_in_use()
+        start = self.clock()
+        due = {t: start for t in tiers}
+        while not stop.is_set():
+            now = self.clock()
+            for t in tiers:
+                if due[t] <= now:
+                    self.dispatch(t)
+                    period = self.periods_s[t]
+                    due[t] += period
+                    if due[t] <= now:  # we were held up: skip the rounds we missed, keep the phase
+                        missed = int((now - due[t]) // period) + 1
+                        self.missed_rounds[t] += missed
+                        due[t] += missed * period
+            if not tiers:
+                stop.wait()
+                break
+            stop.wait(max(0.0, min(due.values()) - self.clock()))
+
+    def run_once(self, wait_s: float = 30.0) -> None:
+        """One round of every tier in use, waiting for all of them (`run --once`)."""
+        futures = [f for t in self.tiers_in_use() for f in self.dispatch(t)]
+        concurrent.futures.wait(futures, timeout=wait_s)
+
+    def close(self) -> None:
+        for st in self.states:
+            if st.pool:
+                st.pool.shutdown(wait=False, cancel_futures=True)
+            try:
+                st.source.close()
+            except Exception:
+                log.exception("source %s: close failed", st.name)
+
+
+def stamp_events(events: list[Event]) -> list[Event]:
+    import uuid
+    for ev in events:
+        ev.time_ns = ev.time_ns or time.time_ns()
+        ev.id = ev.id or uuid.uuid4().hex
+    return events
+
+
+def periods_from_config(tiers_cfg) -> dict[str, float]:
+    return {REALTIME: float(tiers_cfg.realtime_s), NEARLINE: float(tiers_cfg.nearline_s),
+            OFFLINE: float(tiers_cfg.offline_s)}

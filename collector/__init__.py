@@ -1,0 +1,1 @@
+"""The xpusense collector: ingest stream, fleet state, query API, exporters, scheduler core."""

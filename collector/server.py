@@ -1,0 +1,110 @@
+"""The collector's gRPC server: the Ingest stream from agents, the Query API and gRPC health,
+all on one port, on one asyncio event loop that owns the fleet state."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from xpusense.v1 import telemetry_pb2 as pb
+from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
+
+from .state import FleetState
+
+log = logging.getLogger("xpusense.collector")
+
+INGEST_SERVICE = pb.DESCRIPTOR.services_by_name["Ingest"].full_name
+QUERY_SERVICE = pb.DESCRIPTOR.services_by_name["Query"].full_name
+
+
+class IngestServicer(pb_grpc.IngestServicer):
+    def __init__(self, state: FleetState):
+        self.state = state
+
+    async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
+        peer = context.peer()
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return
+        if not first.HasField("hello") or not first.hello.node_id or not first.hello.boot_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the first message of a stream must be a Hello with node_id and boot_id")
+        hello = first.hello
+        node_id, boot_id = hello.node_id, hello.boot_id
+        welcome = self.state.hello(hello, peer)
+        log.info("node %s connected from %s (boot %s, stored up to %d)", node_id, peer, boot_id,
+                 welcome.stored_up_to)
+        try:
+            yield pb.CollectorMessage(welcome=welcome)
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("msg")
+                if kind == "batch":
+                    b = msg.batch
+                    if b.node_id != node_id or b.boot_id != boot_id:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                            f"batch for node {b.node_id!r} boot {b.boot_id!r} on a stream "
+                                            f"opened by node {node_id!r} boot {boot_id!r}")
+                    stored = self.state.ingest(b)
+                    yield pb.CollectorMessage(ack=pb.Ack(boot_id=boot_id, seq=b.seq, duplicate=not stored))
+                elif kind == "inventory":
+                    self.state.set_inventory(node_id, msg.inventory)
+                else:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected message {kind!r} after Hello")
+        finally:
+            self.state.disconnected(node_id)
+            log.info("node %s disconnected", node_id)
+
+
+class QueryServicer(pb_grpc.QueryServicer):
+    def __init__(self, state: FleetState):
+        self.state = state
+
+    async def ListNodes(self, request, context):
+        return self.state.view(request.node_id, request.name_prefix)
+
+    async def GetHistory(self, request, context):
+        reply = self.state.history(request.node_id, request.name, dict(request.labels))
+        if reply is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no series {request.name!r} {dict(request.labels)} on node {request.node_id!r}")
+        return reply
+
+
+class BindError(Exception):
+    pass
+
+
+async def start_server(listen: str, state: FleetState, max_message_bytes: int = 16 * 1024 * 1024) -> grpc.aio.Server:
+    server = grpc.aio.server(options=[
+        ("grpc.so_reuseport", 0),   # a second collector on the same port must fail, not share it
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 0),
+    ])
+    pb_grpc.add_IngestServicer_to_server(IngestServicer(state), server)
+    pb_grpc.add_QueryServicer_to_server(QueryServicer(state), server)
+    hs = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as e:
+        raise BindError(f"cannot listen on {listen}: {e}; is another collector running? "
+                        f"choose another address with --listen") from None
+    if port == 0:
+        raise BindError(f"cannot listen on {listen}: address in use or not local; "
+                        f"choose another address with --listen")
+    await server.start()
+    for svc in ("", INGEST_SERVICE, QUERY_SERVICE):
+        await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    return server
+
+
+async def serve(listen: str, state: FleetState, max_message_bytes: int, stop: asyncio.Event) -> None:
+    server = await start_server(listen, state, max_message_bytes)
+    log.info("collector listening on %s", listen)
+    await stop.wait()
+    await server.stop(grace=2.0)

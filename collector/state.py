@@ -1,0 +1,158 @@
+"""Fleet state kept by the collector: per node its inventory, the latest value of every series,
+a short history (default 15 min), recent events, and what it has stored per agent boot.
+
+Exactly once: a batch is stored only if its sequence number is above the highest one already
+stored for that node and agent boot; agents send in order on one stream, so anything at or below
+that mark is a resend of something stored (acknowledged again, never stored twice).
+All methods run on the collector's event loop thread; no locks.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+
+from xpusense.v1 import telemetry_pb2 as pb
+
+MAX_BOOTS_REMEMBERED = 8
+
+
+class Series:
+    __slots__ = ("name", "unit", "kind", "labels", "value", "time_ns", "prev_value", "prev_time_ns",
+                 "histogram", "history")
+
+    def __init__(self, s: pb.Sample, history_points: int):
+        self.name = s.name
+        self.unit = s.unit
+        self.kind = s.kind
+        self.labels = dict(s.labels)
+        self.value = math.nan
+        self.time_ns = 0
+        self.prev_value = math.nan
+        self.prev_time_ns = 0
+        self.histogram = None
+        self.history: collections.deque = collections.deque(maxlen=history_points)
+
+    def rate(self) -> float:
+        if self.kind != pb.COUNTER or not self.prev_time_ns or self.time_ns <= self.prev_time_ns:
+            return math.nan
+        if self.value < self.prev_value:  # counter reset (agent or device restart)
+            return math.nan
+        return (self.value - self.prev_value) / ((self.time_ns - self.prev_time_ns) / 1e9)
+
+
+class NodeState:
+    def __init__(self, node_id: str, events_kept: int):
+        self.node_id = node_id
+        self.boot_id = ""
+        self.streams = 0
+        self.last_seen_ns = 0
+        self.peer = ""
+        self.inventory = pb.Inventory()
+        self.stored_up_to: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.series: dict[tuple, Series] = {}
+        self.events: collections.deque = collections.deque(maxlen=events_kept)
+        self.batches_stored = 0
+        self.batches_duplicate = 0
+
+
+class FleetState:
+    def __init__(self, history_s: float = 900.0, events_kept: int = 200, clock=time.time_ns):
+        self.history_ns = int(history_s * 1e9)
+        # A point per second for history_s, with room for faster tiers; time pruning does the rest.
+        self.history_points = int(history_s * 4) + 16
+        self.events_kept = events_kept
+        self.clock = clock
+        self.nodes: dict[str, NodeState] = {}
+
+    def _node(self, node_id: str) -> NodeState:
+        n = self.nodes.get(node_id)
+        if n is None:
+            n = self.nodes[node_id] = NodeState(node_id, self.events_kept)
+        return n
+
+    def hello(self, hello: pb.Hello, peer: str = "") -> pb.Welcome:
+        n = self._node(hello.node_id)
+        n.boot_id = hello.boot_id
+        n.streams += 1
+        n.peer = peer
+        n.last_seen_ns = self.clock()
+        n.inventory.CopyFrom(hello.inventory)
+        n.stored_up_to.setdefault(hello.boot_id, 0)
+        n.stored_up_to.move_to_end(hello.boot_id)
+        while len(n.stored_up_to) > MAX_BOOTS_REMEMBERED:
+            n.stored_up_to.popitem(last=False)
+        return pb.Welcome(boot_id=hello.boot_id, stored_up_to=n.stored_up_to[hello.boot_id])
+
+    def set_inventory(self, node_id: str, inv: pb.Inventory) -> None:
+        self._node(node_id).inventory.CopyFrom(inv)
+
+    def disconnected(self, node_id: str) -> None:
+        n = self.nodes.get(node_id)
+        if n is not None:
+            n.streams = max(0, n.streams - 1)
+
+    def ingest(self, batch: pb.Batch) -> bool:
+        """Store a batch; False when it was already stored (a resend), True when stored now."""
+        n = self._node(batch.node_id)
+        now = self.clock()
+        n.last_seen_ns = now
+        mark = n.stored_up_to.get(batch.boot_id, 0)
+        if batch.seq <= mark:
+            n.batches_duplicate += 1
+            return False
+        n.stored_up_to[batch.boot_id] = batch.seq
+        n.batches_stored += 1
+        series = n.series
+        cutoff = now - self.history_ns
+        for s in batch.samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
+            ser = series.get(key)
+            if ser is None:
+                ser = series[key] = Series(s, self.history_points)
+            t = s.time_unix_nano
+            if t >= ser.time_ns:   # an older point (agent clock stepped back) only joins the history
+                ser.prev_value, ser.prev_time_ns = ser.value, ser.time_ns
+                ser.value, ser.time_ns = s.value, t
+                if s.kind == pb.HISTOGRAM:
+                    ser.histogram = s.histogram
+            h = ser.history
+            h.append((t, s.value))
+            while h[0][0] < cutoff:
+                h.popleft()
+        for e in batch.events:
+            n.events.appendleft(e)
+        return True
+
+    # -- read side ---------------------------------------------------------------------------------
+    def view(self, node_id: str = "", name_prefix: str = "") -> pb.ListNodesReply:
+        reply = pb.ListNodesReply(time_unix_nano=self.clock())
+        for nid in sorted(self.nodes):
+            if node_id and nid != node_id:
+                continue
+            n = self.nodes[nid]
+            nv = reply.nodes.add(node_id=nid, boot_id=n.boot_id, connected=n.streams > 0,
+                                 last_seen_unix_nano=n.last_seen_ns,
+                                 stored_up_to=n.stored_up_to.get(n.boot_id, 0),
+                                 batches_stored=n.batches_stored, batches_duplicate=n.batches_duplicate,
+                                 peer=n.peer)
+            nv.inventory.CopyFrom(n.inventory)
+            for ser in n.series.values():
+                if name_prefix and not ser.name.startswith(name_prefix):
+                    continue
+                sv = nv.series.add(name=ser.name, unit=ser.unit, kind=ser.kind, labels=ser.labels,
+                                   value=ser.value, time_unix_nano=ser.time_ns, rate=ser.rate())
+                if ser.histogram is not None:
+                    sv.histogram.CopyFrom(ser.histogram)
+            nv.events.extend(n.events)
+        return reply
+
+    def history(self, node_id: str, name: str, labels: dict[str, str]) -> pb.HistoryReply | None:
+        n = self.nodes.get(node_id)
+        ser = n.series.get((name, tuple(sorted(labels.items())))) if n else None
+        if ser is None:
+            return None
+        reply = pb.HistoryReply(unit=ser.unit)
+        reply.points.extend(pb.Point(time_unix_nano=t, value=v) for t, v in ser.history)
+        return reply

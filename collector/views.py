@@ -1,0 +1,141 @@
+"""What `nodes` and `top` show: the Query API's reply turned into plain dicts and a terminal table."""
+
+from __future__ import annotations
+
+import datetime
+import math
+
+from xpusense.v1 import telemetry_pb2 as pb
+
+KIND_NAMES = {pb.GAUGE: "gauge", pb.COUNTER: "counter", pb.HISTOGRAM: "histogram"}
+ACCEL_PREFIXES = ("hw.gpu.", "hw.npu.", "xpusense.accelerator.")
+
+
+def _iso(ns: int) -> str | None:
+    if not ns:
+        return None
+    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _num(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def node_to_dict(nv: pb.NodeView, now_ns: int, stale_s: float) -> dict:
+    age_s = (now_ns - nv.last_seen_unix_nano) / 1e9 if nv.last_seen_unix_nano else None
+    series = []
+    for s in sorted(nv.series, key=lambda s: (s.name, sorted(s.labels.items()))):
+        d = {"name": s.name, "labels": dict(s.labels), "unit": s.unit, "kind": KIND_NAMES.get(s.kind, "gauge"),
+             "value": _num(s.value), "time": _iso(s.time_unix_nano)}
+        if s.kind == pb.COUNTER:
+            d["rate"] = _num(s.rate)
+        if s.kind == pb.HISTOGRAM:
+            d["histogram"] = {"bounds": list(s.histogram.bounds), "counts": list(s.histogram.counts),
+                              "sum": s.histogram.sum, "count": s.histogram.count}
+        series.append(d)
+    inv = nv.inventory
+    return {
+        "node_id": nv.node_id,
+        "boot_id": nv.boot_id,
+        "connected": nv.connected,
+        "stale": age_s is None or age_s > stale_s,
+        "last_seen": _iso(nv.last_seen_unix_nano),
+        "last_seen_age_s": None if age_s is None else round(age_s, 3),
+        "peer": nv.peer,
+        "stored_up_to": nv.stored_up_to,
+        "batches_stored": nv.batches_stored,
+        "batches_duplicate": nv.batches_duplicate,
+        "inventory": {
+            "hostname": inv.hostname,
+            "labels": dict(inv.labels),
+            "resources": [{"type": r.type, "vendor": r.vendor, "model": r.model, "id": r.id,
+                           "attributes": dict(r.attributes),
+                           "interconnects": [{"type": i.type, "bandwidth": i.bandwidth} for i in r.interconnects]}
+                          for r in inv.resources],
+        },
+        "series": series,
+        "events": [{"id": e.id, "type": e.type, "severity": e.severity, "device": e.device, "message": e.message,
+                    "attributes": dict(e.attributes), "time": _iso(e.time_unix_nano)} for e in nv.events],
+    }
+
+
+def _find(node: dict, name: str, **labels) -> dict | None:
+    for s in node["series"]:
+        if s["name"] == name and all(s["labels"].get(k) == v for k, v in labels.items()):
+            return s
+    return None
+
+
+def _fmt(v, spec: str = ".0f", scale: float = 1.0, suffix: str = "") -> str:
+    return "-" if v is None else f"{v * scale:{spec}}{suffix}"
+
+
+def _bytes_rate(v) -> str:
+    if v is None:
+        return "-"
+    for unit in ("B/s", "kB/s", "MB/s", "GB/s"):
+        if abs(v) < 1000:
+            return f"{v:.0f}{unit}"
+        v /= 1000
+    return f"{v:.0f}TB/s"
+
+
+def host_line(node: dict) -> dict:
+    idle = _find(node, "system.cpu.utilization", state="idle")
+    mem = _find(node, "system.memory.utilization")
+    rx = sum(s.get("rate") or 0 for s in node["series"]
+             if s["name"] == "system.network.io" and s["labels"].get("direction") == "receive"
+             and s["labels"].get("device") != "lo")
+    tx = sum(s.get("rate") or 0 for s in node["series"]
+             if s["name"] == "system.network.io" and s["labels"].get("direction") == "transmit"
+             and s["labels"].get("device") != "lo")
+    return {
+        "cpu": _fmt(None if idle is None or idle["value"] is None else 1 - idle["value"], ".0f", 100, "%"),
+        "mem": _fmt(mem and mem["value"], ".0f", 100, "%"),
+        "rx": _bytes_rate(rx), "tx": _bytes_rate(tx),
+    }
+
+
+def accelerators(node: dict) -> list[dict]:
+    """One row per accelerator, from the inventory and the series labelled with its device."""
+    devs: dict[str, dict] = {}
+    for r in node["inventory"]["resources"]:
+        if r["type"] in ("GPU", "NPU"):
+            devs[r["id"]] = {"device": r["id"], "vendor": r["vendor"], "model": r["model"]}
+    for s in node["series"]:
+        if s["name"].startswith(ACCEL_PREFIXES) and "device" in s["labels"]:
+            d = devs.setdefault(s["labels"]["device"], {"device": s["labels"]["device"],
+                                                       "vendor": s["labels"].get("vendor", ""), "model": ""})
+            d.setdefault("series", {})[s["name"]] = s["value"]
+    rows = []
+    for d in devs.values():
+        v = d.get("series", {})
+        rows.append({
+            "device": d["device"], "vendor": d["vendor"], "model": d["model"],
+            "util": _fmt(v.get("hw.gpu.utilization"), ".0f", 100, "%"),
+            "hbm_bw": _fmt(v.get("xpusense.accelerator.hbm.bandwidth.utilization"), ".0f", 100, "%"),
+            "hbm": _fmt(v.get("hw.gpu.memory.utilization"), ".0f", 100, "%"),
+            "power": _fmt(v.get("hw.gpu.power"), ".0f", 1, "W"),
+            "temp": _fmt(v.get("hw.gpu.temperature"), ".0f", 1, "C"),
+        })
+    return rows
+
+
+def render_table(nodes: list[dict], width: int = 120) -> str:
+    lines = [f"{'NODE':<24} {'STATE':<9} {'SEEN':>6} {'CPU':>5} {'MEM':>5} {'NET RX':>9} {'NET TX':>9}  ACCELERATORS"]
+    for n in nodes:
+        state = "down" if not n["connected"] else ("stale" if n["stale"] else "up")
+        age = "-" if n["last_seen_age_s"] is None else f"{n['last_seen_age_s']:.0f}s"
+        h = host_line(n)
+        accs = accelerators(n)
+        lines.append(f"{n['node_id'][:24]:<24} {state:<9} {age:>6} {h['cpu']:>5} {h['mem']:>5} "
+                     f"{h['rx']:>9} {h['tx']:>9}  {len(accs)}")
+        for a in accs:
+            lines.append(f"  {a['device'][:20]:<20} {a['vendor']:<7} {a['model'][:18]:<18} util {a['util']:>4}  "
+                         f"hbm {a['hbm']:>4}  hbm-bw {a['hbm_bw']:>4}  {a['power']:>5} {a['temp']:>4}")
+        recent = [e for e in n["events"] if e["type"] != "source_unavailable"][:3]
+        for e in recent:
+            lines.append(f"  ! {e['time'] or ''} {e['severity']} {e['type']} {e['device']} {e['message']}")
+    if not nodes:
+        lines.append("(no nodes have reported yet)")
+    return "\n".join(line[:width] for line in lines)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# All set-up on a fresh Debian machine, as root; idempotent and quick when already done.
+#   Debian packages (compiler for the test fakes, iproute2 for network namespaces, bcc and kernel
+#   headers via setup-ebpf.sh), the virtualenv in .venv with xpusense and its test tools, and bcc
+#   linked into that virtualenv.
+# Env: PYTHON (default python3), XPUSENSE_SKIP_EBPF=1 to leave out the eBPF set-up.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+export DEBIAN_FRONTEND=noninteractive
+log() { echo "setup: $*"; }
+
+need=()
+for p in python3-venv python3-dev gcc libc6-dev iproute2 procps; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || need+=("$p")
+done
+if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" != 0 ]; then
+        echo "setup: missing Debian packages ${need[*]}; run this script as root" >&2; exit 1
+    fi
+    log "apt-get install ${need[*]}"
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+if [ "${XPUSENSE_SKIP_EBPF:-0}" != 1 ] && [ "$(id -u)" = 0 ]; then
+    scripts/setup-ebpf.sh
+fi
+
+py=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    log "creating .venv with $($py --version 2>&1)"
+    "$py" -m venv .venv
+fi
+stamp=.venv/.xpusense-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    log "installing xpusense and its test tools into .venv"
+    .venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+    echo "$want" > "$stamp"
+fi
+
+# bcc is not on PyPI (the PyPI "bcc" is another project): link Debian's pure-Python module in,
+# and only it, so no other Debian package leaks into the virtualenv.
+if [ -d /usr/lib/python3/dist-packages/bcc ]; then
+    sp=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    ln -sfn /usr/lib/python3/dist-packages/bcc "$sp/bcc"
+fi
+log "ready: $(.venv/bin/python --version), xpusense $(.venv/bin/python -c 'import xpusense; print(xpusense.__version__)')"
