@@ -32,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="TOML config file (env XPUSENSE_CONFIG)")
     s.add_argument("--listen", metavar="HOST:PORT", help=f"listen address (default {DEFAULT_ADDRESS})")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--marks-file", metavar="PATH", help="record of stored sequence numbers (see docs)")
     for name, helptext in (("nodes", "fleet state: every node and its latest values"),
                            ("top", "a live terminal view of the fleet (Ctrl-C to leave)")):
         q = sub.add_parser(name, help=helptext)
@@ -63,9 +64,16 @@ def _serve(args) -> int:
     from .server import BindError, serve
     from .state import FleetState
     cfg = load_collector(args.config or os.environ.get("XPUSENSE_CONFIG"),
-                         {"listen": args.listen, "log_level": args.log_level})
+                         {"listen": args.listen, "log_level": args.log_level, "marks_file": args.marks_file})
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    state = FleetState(history_s=cfg.history_s, events_kept=cfg.events_kept)
+    from .marks import MarksJournal
+    journal = MarksJournal(cfg.marks_file) if cfg.marks_file else None
+    try:
+        state = FleetState(history_s=cfg.history_s, events_kept=cfg.events_kept, journal=journal)
+    except OSError as e:
+        print(f"xpusense-collector: cannot use marks_file {cfg.marks_file!r}: {e.strerror}; "
+              f"fix the path or its permissions", file=sys.stderr)
+        return EXIT_FAIL
 
     async def amain() -> None:
         stop = asyncio.Event()
@@ -79,6 +87,9 @@ def _serve(args) -> int:
     except BindError as e:
         print(f"xpusense-collector: {e}", file=sys.stderr)
         return EXIT_FAIL
+    finally:
+        if journal:
+            journal.close()
     return EXIT_OK
 
 

@@ -4,13 +4,17 @@ all on one port, on one asyncio event loop that owns the fleet state."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
+
+from xpusense.agent.config import split_host_port
 
 from .state import FleetState
 
@@ -77,6 +81,23 @@ class BindError(Exception):
     pass
 
 
+def check_bind(listen: str) -> None:
+    """Bind the address once ourselves, so a busy port gives one clear line, not gRPC's log."""
+    host, port = split_host_port(listen)
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise BindError(f"cannot listen on {listen}: host {host!r} does not resolve ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            hint = "is another collector running? " if e.errno == errno.EADDRINUSE else ""
+            raise BindError(f"cannot listen on {listen}: {e.strerror}; {hint}choose another address with --listen") from None
+
+
 async def start_server(listen: str, state: FleetState, max_message_bytes: int = 16 * 1024 * 1024) -> grpc.aio.Server:
     server = grpc.aio.server(options=[
         ("grpc.so_reuseport", 0),   # a second collector on the same port must fail, not share it
@@ -89,6 +110,7 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
     pb_grpc.add_QueryServicer_to_server(QueryServicer(state), server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    check_bind(listen)
     try:
         port = server.add_insecure_port(listen)
     except RuntimeError as e:

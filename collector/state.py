@@ -58,13 +58,17 @@ class NodeState:
 
 
 class FleetState:
-    def __init__(self, history_s: float = 900.0, events_kept: int = 200, clock=time.time_ns):
+    def __init__(self, history_s: float = 900.0, events_kept: int = 200, clock=time.time_ns,
+                 journal=None):
         self.history_ns = int(history_s * 1e9)
         # A point per second for history_s, with room for faster tiers; time pruning does the rest.
         self.history_points = int(history_s * 4) + 16
         self.events_kept = events_kept
         self.clock = clock
         self.nodes: dict[str, NodeState] = {}
+        # What an earlier run of this collector stored (collector/marks.py), by (node, boot).
+        self.journal = journal
+        self.known_marks: dict[tuple[str, str], int] = journal.open() if journal else {}
 
     def _node(self, node_id: str) -> NodeState:
         n = self.nodes.get(node_id)
@@ -79,7 +83,7 @@ class FleetState:
         n.peer = peer
         n.last_seen_ns = self.clock()
         n.inventory.CopyFrom(hello.inventory)
-        n.stored_up_to.setdefault(hello.boot_id, 0)
+        n.stored_up_to.setdefault(hello.boot_id, self.known_marks.get((hello.node_id, hello.boot_id), 0))
         n.stored_up_to.move_to_end(hello.boot_id)
         while len(n.stored_up_to) > MAX_BOOTS_REMEMBERED:
             n.stored_up_to.popitem(last=False)
@@ -98,10 +102,14 @@ class FleetState:
         n = self._node(batch.node_id)
         now = self.clock()
         n.last_seen_ns = now
-        mark = n.stored_up_to.get(batch.boot_id, 0)
+        mark = n.stored_up_to.get(batch.boot_id)
+        if mark is None:  # a batch without a Hello for its boot on this stream: use what is known
+            mark = n.stored_up_to[batch.boot_id] = self.known_marks.get((batch.node_id, batch.boot_id), 0)
         if batch.seq <= mark:
             n.batches_duplicate += 1
             return False
+        if self.journal:
+            self.journal.record(batch.node_id, batch.boot_id, batch.seq, len(batch.samples))
         n.stored_up_to[batch.boot_id] = batch.seq
         n.batches_stored += 1
         series = n.series
