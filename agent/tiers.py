@@ -32,8 +32,7 @@ class SourceState:
         self.reason = ""
         self.busy: set[str] = set()   # tiers with a round in progress
         self.last_duration_s = 0.0
-        self.last_ok = False
-        self.last_error = ""
+        self.last_error: dict[str, str] = {}   # by tier; absent when its last round succeeded
         self.rounds = 0
         self.errors = 0
         self.timeouts = 0
@@ -44,7 +43,7 @@ class SourceState:
         return {
             "name": self.name, "state": self.state, "reason": self.reason,
             "tiers": list(self.source.tiers), "rounds": self.rounds, "errors": self.errors,
-            "timeouts": self.timeouts, "skipped": self.skipped, "last_error": self.last_error,
+            "timeouts": self.timeouts, "skipped": self.skipped, "last_error": dict(self.last_error),
             "last_duration_s": round(self.last_duration_s, 6), **self.source.describe(),
         }
 
@@ -139,22 +138,20 @@ class TierLoop:
             st.last_duration_s = duration
             if duration > timeout_s:
                 st.timeouts += 1
-                st.last_ok = False
-                st.last_error = f"round took {duration:.3f} s, over its {timeout_s:.3f} s budget; discarded"
-                log.warning("source %s: %s", st.name, st.last_error)
-                samples, events = [], events  # events are facts that happened: keep them
+                error = f"{tier} round took {duration:.3f} s, over its {timeout_s:.3f} s budget; discarded"
+                log.warning("source %s: %s", st.name, error)
+                samples = []  # late values are stale; events are facts that happened: keep them
             elif error:
                 st.errors += 1
-                st.last_ok = False
-                if error != st.last_error:
+                if error != st.last_error.get(tier):
                     log.warning("source %s: %s", st.name, error)
-                st.last_error = error
+            if error:
+                st.last_error[tier] = error
             else:
-                st.last_ok = True
-                st.last_error = ""
+                st.last_error.pop(tier, None)
             own = [
                 Sample("xpusense.agent.source.duration", duration, "s", labels),
-                Sample("xpusense.agent.source.up", 1.0 if st.last_ok else 0.0, "1", dict(labels)),
+                Sample("xpusense.agent.source.up", 0.0 if error else 1.0, "1", dict(labels)),
                 Sample("xpusense.agent.source.errors", st.errors, "{error}", {"source": st.name}, COUNTER),
                 Sample("xpusense.agent.source.timeouts", st.timeouts, "{round}", {"source": st.name}, COUNTER),
             ]

@@ -113,7 +113,6 @@ class FleetState:
         n.stored_up_to[batch.boot_id] = batch.seq
         n.batches_stored += 1
         series = n.series
-        cutoff = now - self.history_ns
         for s in batch.samples:
             key = (s.name, tuple(sorted(s.labels.items())))
             ser = series.get(key)
@@ -127,7 +126,10 @@ class FleetState:
                     ser.histogram = s.histogram
             h = ser.history
             h.append((t, s.value))
-            while h[0][0] < cutoff:
+            # Age is measured on the agent's clock (the series' newest point), so a skewed
+            # agent clock cannot empty the history.
+            cutoff = ser.time_ns - self.history_ns
+            while h and h[0][0] < cutoff:
                 h.popleft()
         for e in batch.events:
             n.events.appendleft(e)

@@ -151,6 +151,12 @@ class HostSource(Source):
             raise Unavailable(f"procfs {self.procfs!r} does not exist; set [sources.host] procfs")
         psutil.PROCFS_PATH = self.procfs
         from pyroute2 import IPRoute
+        # pyroute2 would create a missing namespace; one that does not exist is a config error.
+        if self.netns:
+            path = self.netns if "/" in self.netns else os.path.join("/run/netns", self.netns)
+            if not os.path.exists(path):
+                raise Unavailable(f"network namespace {self.netns!r} does not exist (no {path}); "
+                                  f"fix [sources.host] netns")
         try:
             self._ipr = IPRoute(netns=self.netns) if self.netns else IPRoute()
         except Exception as e:  # pyroute2 raises plain OSError/NetlinkError subclasses

@@ -1,0 +1,472 @@
+"""Collector ingest: stored batches/s and sample-to-stored latency of a real collector on one core.
+
+Starts a real collector (`xpusense-collector serve`) pinned to CPU 0, and --agents simulated agents
+spread over --procs worker processes (pinned to the other CPUs when there are any). Every simulated
+agent opens its own connection and the real bidirectional Ingest stream (xpusense.v1 protos), says
+Hello, then sends Batches (node id, boot id, seq) of 8 devices x 20 series, labels device/vendor,
+all samples stamped with the time the batch is built:
+
+- --rate R > 0: R batches/s per agent on a fixed schedule (random phase per agent, as a fleet
+  would), at most --window batches in flight per agent;
+- --rate 0: saturation: as fast as acks allow, --window batches in flight per agent.
+
+Measured over --seconds after --warmup-s:
+- stored batches/s: acks (not duplicates) received in the window; cross-checked at the end against
+  the collector's own `batches_stored` (Query.ListNodes) summed over the simulated nodes;
+- latency, sample time -> stored: the sample's time_unix_nano (set when the batch is built) to the
+  arrival of its Ack at the simulated agent. The collector acks after storing, so this is an upper
+  bound on sample-to-stored (it adds the ack's trip back and the client's own scheduling);
+- collector CPU (utime+stime from /proc/PID/stat) as % of one core, and the load generator's, so a
+  saturated generator is not mistaken for a saturated collector.
+
+    .venv/bin/python bench/collector_ingest.py --agents 8 --rate 0 --seconds 30      # saturation
+    .venv/bin/python bench/collector_ingest.py --agents 2000 --rate 1 --seconds 30   # fleet at 1 s
+
+--profile FILE runs the collector under cProfile and writes its stats to FILE (slows it down).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+GOAL_BATCHES_S = 2000.0
+GOAL_P99_MS = 100.0
+DEVICES = 8
+
+# 20 series per device: (name, unit, kind) with kind "g" gauge / "c" counter (running total).
+SERIES = [
+    ("hw.gpu.utilization", "1", "g"),
+    ("hw.gpu.memory.utilization", "1", "g"),
+    ("hw.gpu.memory.usage", "By", "g"),
+    ("hw.gpu.memory.limit", "By", "g"),
+    ("xpusense.accelerator.hbm.bandwidth.utilization", "1", "g"),
+    ("xpusense.accelerator.hbm.read.io", "By", "c"),
+    ("xpusense.accelerator.hbm.write.io", "By", "c"),
+    ("hw.gpu.power", "W", "g"),
+    ("hw.gpu.energy", "J", "c"),
+    ("hw.gpu.temperature", "Cel", "g"),
+    ("xpusense.accelerator.hbm.temperature", "Cel", "g"),
+    ("hw.gpu.clock.sm", "Hz", "g"),
+    ("hw.gpu.clock.memory", "Hz", "g"),
+    ("xpusense.accelerator.interconnect.receive.io", "By", "c"),
+    ("xpusense.accelerator.interconnect.transmit.io", "By", "c"),
+    ("xpusense.accelerator.pcie.receive.io", "By", "c"),
+    ("xpusense.accelerator.pcie.transmit.io", "By", "c"),
+    ("xpusense.accelerator.ecc.corrected", "{error}", "c"),
+    ("xpusense.accelerator.throttle.active", "1", "g"),
+    ("xpusense.accelerator.sm.occupancy", "1", "g"),
+]
+NODE_PREFIX = "bench-ingest-"
+METHOD = "/xpusense.v1.Ingest/Stream"
+
+
+def tool(name: str) -> list[str]:
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    if os.access(here, os.X_OK):
+        return [here]
+    return [shutil.which(name) or name]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def raise_nofile() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def percentile(sorted_vals: list[float], q: float) -> float:
+    if not sorted_vals:
+        return float("nan")
+    i = min(len(sorted_vals) - 1, max(0, round(q * (len(sorted_vals) - 1))))
+    return sorted_vals[i]
+
+
+# -- one worker process: several simulated agents on one asyncio loop ---------------------------------
+class SimAgent:
+    def __init__(self, index: int, vendor: str):
+        from xpusense.v1 import telemetry_pb2 as pb
+        self.pb = pb
+        self.node_id = f"{NODE_PREFIX}{index:05d}"
+        self.boot_id = uuid.uuid4().hex
+        self.seq = 0
+        self.sent_ns: dict[int, int] = {}
+        self.acked = self.duplicates = self.sent = 0
+        self.window_acked = 0
+        self.latencies_ms: list[float] = []
+        msg = pb.AgentMessage()
+        b = msg.batch
+        b.node_id, b.boot_id = self.node_id, self.boot_id
+        kinds = {"g": pb.GAUGE, "c": pb.COUNTER}
+        self.counters = []   # (sample, step) for running totals
+        self.gauges = []     # (sample, base)
+        rng = random.Random(index)
+        for d in range(DEVICES):
+            for name, unit, kind in SERIES:
+                s = b.samples.add(name=name, unit=unit, kind=kinds[kind], labels={"device": str(d), "vendor": vendor})
+                if kind == "c":
+                    s.value = rng.uniform(1e6, 1e9)
+                    self.counters.append((s, rng.uniform(1.0, 1e6)))
+                else:
+                    self.gauges.append((s, rng.uniform(0.1, 0.9)))
+        self.msg = msg
+        self.samples = list(b.samples)
+        self.hello = pb.AgentMessage(hello=pb.Hello(
+            node_id=self.node_id, boot_id=self.boot_id, agent_version="bench", time_unix_nano=time.time_ns(),
+            inventory=pb.Inventory(hostname=self.node_id, labels={"cloud": "bench"}, resources=[
+                pb.Resource(type="GPU" if vendor == "nvidia" else "NPU", vendor=vendor,
+                            model="A100-SXM4-40GB" if vendor == "nvidia" else "Ascend-910B", id=str(d),
+                            attributes={"memory": "40GB"}) for d in range(DEVICES)])))
+
+    def next_batch(self) -> bytes:
+        """The next batch, serialized; every sample stamped now (that is the latency's start)."""
+        self.seq += 1
+        now = time.time_ns()
+        b = self.msg.batch
+        b.seq = self.seq
+        b.sent_unix_nano = now
+        wobble = (self.seq % 17) / 100.0
+        for s in self.samples:
+            s.time_unix_nano = now
+        for s, base in self.gauges:
+            s.value = base + wobble
+        for s, step in self.counters:
+            s.value += step
+        self.sent_ns[self.seq] = now
+        self.sent += 1
+        return self.msg.SerializeToString()
+
+
+async def run_agent(ag: SimAgent, address: str, rate: float, window: int, phase_s: float,
+                    connected: asyncio.Event, start: asyncio.Event, times: dict, fails: list) -> None:
+    """One simulated agent: connect and say Hello, wait for the start, send batches until t1, drain acks."""
+    import grpc
+    pb = ag.pb
+    channel = grpc.aio.insecure_channel(address, options=[
+        ("grpc.use_local_subchannel_pool", 1),          # one connection per agent, as in a fleet
+        ("grpc.max_send_message_length", 16 * 1024 * 1024)])
+    call = None
+    try:
+        # Batches are serialized by next_batch() (request_serializer None passes the bytes through).
+        call = channel.stream_stream(METHOD, request_serializer=None,
+                                     response_deserializer=pb.CollectorMessage.FromString)()
+        await call.write(ag.hello.SerializeToString())
+        first = await call.read()
+        if first is grpc.aio.EOF or not first.HasField("welcome"):
+            raise RuntimeError(f"no Welcome: {first!r}")
+        connected.set()
+        await start.wait()
+        t0, t1 = times["t0"], times["t1"]
+        slots = asyncio.Semaphore(window)
+        done_sending = asyncio.Event()
+        drained = asyncio.Event()
+
+        async def reader():
+            while True:
+                m = await call.read()
+                if m is grpc.aio.EOF:
+                    break
+                if not m.HasField("ack"):
+                    continue
+                now_ns, now_mono = time.time_ns(), time.monotonic()
+                sent = ag.sent_ns.pop(m.ack.seq, None)
+                if m.ack.duplicate:
+                    ag.duplicates += 1
+                else:
+                    ag.acked += 1
+                    if t0 <= now_mono < t1:
+                        ag.window_acked += 1
+                        if sent is not None:
+                            ag.latencies_ms.append((now_ns - sent) / 1e6)
+                slots.release()
+                if done_sending.is_set() and not ag.sent_ns:
+                    break
+            drained.set()
+
+        rtask = asyncio.create_task(reader())
+        period = 1.0 / rate if rate > 0 else 0.0
+        nxt = times["go"] + phase_s
+        while True:
+            if period:
+                delay = nxt - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                nxt += period
+            await slots.acquire()
+            if time.monotonic() >= t1:
+                break
+            await call.write(ag.next_batch())
+        done_sending.set()
+        if ag.sent_ns:
+            try:
+                await asyncio.wait_for(drained.wait(), 15.0)
+            except asyncio.TimeoutError:
+                fails.append(f"{ag.node_id}: {len(ag.sent_ns)} batches not acknowledged 15 s after the end")
+        rtask.cancel()
+        await call.done_writing()
+    except Exception as e:   # report it; never hang the other agents
+        fails.append(f"{ag.node_id}: {type(e).__name__}: {e}")
+        connected.set()
+    finally:
+        if call is not None:
+            call.cancel()
+        await channel.close(grace=None)
+
+
+def worker(indices: list[int], address: str, rate: float, window: int, cpus: list[int],
+           ready_q, shared_times, out_q) -> None:
+    """A load-generator process: the agents `indices`, each its own connection, on one asyncio loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+    raise_nofile()
+
+    async def amain():
+        agents = [SimAgent(i, "nvidia" if i % 2 == 0 else "huawei") for i in indices]
+        fails: list[str] = []
+        connected = [asyncio.Event() for _ in agents]
+        start = asyncio.Event()
+        times: dict = {}
+        rng = random.Random(indices[0])
+        tasks = [asyncio.create_task(run_agent(ag, address, rate, window,
+                                               rng.random() / rate if rate > 0 else 0.0,
+                                               ev, start, times, fails))
+                 for ag, ev in zip(agents, connected)]
+        await asyncio.gather(*(ev.wait() for ev in connected))
+        ready_q.put((len(agents), list(fails)))
+        while shared_times[0] == 0.0:       # the parent sets go/t0/t1 once every worker is connected
+            if shared_times[2] < 0:         # the parent gave up
+                for t in tasks:
+                    t.cancel()
+                break
+            await asyncio.sleep(0.01)
+        times.update(go=shared_times[0], t0=shared_times[1], t1=shared_times[2])
+        start.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        out_q.put({"acked": sum(a.acked for a in agents), "window_acked": sum(a.window_acked for a in agents),
+                   "duplicates": sum(a.duplicates for a in agents), "sent": sum(a.sent for a in agents),
+                   "latencies_ms": [x for a in agents for x in a.latencies_ms], "fails": fails})
+
+    asyncio.run(amain())
+
+
+# -- the parent: collector, workers, figures ------------------------------------------------------------
+def list_bench_nodes(address: str) -> list:
+    import grpc
+    from xpusense.v1 import telemetry_pb2 as pb
+    from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
+    with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 256 * 1024 * 1024)]) as ch:
+        # A prefix no series has: node figures without every series' latest value.
+        reply = pb_grpc.QueryStub(ch).ListNodes(pb.ListNodesRequest(name_prefix="\x00none"), timeout=60)
+    return [n for n in reply.nodes if n.node_id.startswith(NODE_PREFIX)]
+
+
+def wait_collector(address: str, timeout_s: float) -> None:
+    import grpc
+    with grpc.insecure_channel(address) as ch:
+        grpc.channel_ready_future(ch).result(timeout=timeout_s)
+
+
+def stop(proc: subprocess.Popen | None, timeout_s: float = 15.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def tail(path: str, n: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--agents", type=int, default=8, help="simulated agents, one stream each (default 8)")
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="batches/s per agent; 0 = as fast as acks allow (default 0)")
+    p.add_argument("--window", type=int, default=8, help="batches in flight per agent at most (default 8)")
+    p.add_argument("--seconds", type=float, default=30.0, help="measurement window (default 30)")
+    p.add_argument("--warmup-s", type=float, default=5.0, help="sending before the window (default 5)")
+    p.add_argument("--procs", type=int, default=0, help="load-generator processes (default min(agents, 8))")
+    p.add_argument("--collector-cpu", type=int, default=0, help="the one CPU the collector runs on (default 0)")
+    p.add_argument("--profile", metavar="FILE", help="run the collector under cProfile, stats to FILE")
+    args = p.parse_args(argv)
+    if args.agents < 1 or args.window < 1 or args.rate < 0 or args.seconds <= 0:
+        p.error("--agents and --window must be >= 1, --rate >= 0, --seconds > 0")
+    raise_nofile()
+
+    all_cpus = sorted(os.sched_getaffinity(0))
+    col_cpu = args.collector_cpu if args.collector_cpu in all_cpus else all_cpus[0]
+    gen_cpus = [c for c in all_cpus if c != col_cpu]
+    procs = args.procs or min(args.agents, 8)
+    procs = max(1, min(procs, args.agents))
+    if gen_cpus:
+        os.sched_setaffinity(0, set(gen_cpus))   # keep this process off the collector's core too
+
+    tmp = tempfile.mkdtemp(prefix="xpusense-ingest-")
+    address = f"127.0.0.1:{free_port()}"
+    col_log = os.path.join(tmp, "collector.log")
+    serve = ["serve", "--listen", address, "--log-level", "warning"]
+    if args.profile:
+        cmd = [sys.executable, "-m", "cProfile", "-o", os.path.abspath(args.profile), "-m",
+               "xpusense.collector.cli"] + serve
+    else:
+        cmd = tool("xpusense-collector") + serve
+
+    def pin_collector():
+        os.sched_setaffinity(0, {col_cpu})
+        raise_nofile()
+
+    ctx = mp.get_context("spawn")
+    collector = None
+    workers: list = []
+    shared_times = ctx.Array("d", 3, lock=False)
+    try:
+        with open(col_log, "w") as log:
+            collector = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         preexec_fn=pin_collector)
+        try:
+            wait_collector(address, 20.0)
+        except Exception:
+            print(f"collector did not come up on {address}:\n{tail(col_log)}", file=sys.stderr)
+            return 1
+
+        ready_q, out_q = ctx.Queue(), ctx.Queue()
+        groups = [list(range(i, args.agents, procs)) for i in range(procs)]
+        for g in groups:
+            w = ctx.Process(target=worker, args=(g, address, args.rate, args.window, gen_cpus,
+                                                 ready_q, shared_times, out_q), daemon=True)
+            w.start()
+            workers.append(w)
+        t_conn = time.monotonic()
+        connect_fails: list[str] = []
+        for _ in groups:
+            try:
+                _, fails = ready_q.get(timeout=120)
+            except Exception:
+                shared_times[2] = -1.0
+                print("simulated agents did not connect within 120 s", file=sys.stderr)
+                return 1
+            connect_fails += fails
+        connect_s = time.monotonic() - t_conn
+        if connect_fails:
+            shared_times[2] = -1.0
+            print(f"{len(connect_fails)} simulated agents failed to connect, e.g. {connect_fails[0]}", file=sys.stderr)
+            return 1
+
+        go = time.monotonic() + 0.2
+        t0, t1 = go + args.warmup_s, go + args.warmup_s + args.seconds
+        shared_times[1], shared_times[2] = t0, t1
+        shared_times[0] = go
+        time.sleep(max(0.0, t0 - time.monotonic()))
+        c0, g0, w0 = cpu_s(collector.pid), sum(cpu_s(w.pid) for w in workers), time.monotonic()
+        time.sleep(max(0.0, t1 - time.monotonic()))
+        c1, g1, w1 = cpu_s(collector.pid), sum(cpu_s(w.pid) for w in workers), time.monotonic()
+
+        results = []
+        for _ in workers:
+            try:
+                results.append(out_q.get(timeout=60))
+            except Exception:
+                print("a load-generator process did not report within 60 s", file=sys.stderr)
+                return 1
+        for w in workers:
+            w.join(10)
+        if collector.poll() is not None:
+            print(f"collector exited {collector.returncode}:\n{tail(col_log)}", file=sys.stderr)
+            return 1
+        nodes = list_bench_nodes(address)
+    finally:
+        shared_times[2] = shared_times[2] or -1.0
+        for w in workers:
+            if w.is_alive():
+                w.terminate()
+                w.join(5)
+        stop(collector)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    wall = w1 - w0
+    acked = sum(r["acked"] for r in results)
+    window_acked = sum(r["window_acked"] for r in results)
+    fails = [f for r in results for f in r["fails"]]
+    lat = sorted(x for r in results for x in r["latencies_ms"])
+    stored = sum(n.batches_stored for n in nodes)
+    dup_stored = sum(n.batches_duplicate for n in nodes)
+    rate_s = window_acked / wall
+    p50, p90, p99, pmax = (percentile(lat, q) for q in (0.5, 0.9, 0.99, 1.0))
+    col_pct = 100 * (c1 - c0) / wall
+    gen_pct = 100 * (g1 - g0) / wall
+    mode = "saturation (rate 0)" if args.rate == 0 else f"cadence {args.rate:g} batch/s per agent"
+    print(f"collector ingest: {mode}, {args.agents} agents in {procs} processes, window {args.window}, "
+          f"{DEVICES}x{len(SERIES)} samples/batch, {wall:.1f} s after {args.warmup_s:g} s warm-up")
+    print(f"  collector on CPU {col_cpu}; load generator on CPUs {gen_cpus or [col_cpu]} "
+          f"(of {len(all_cpus)}); {len(nodes)} agents connected in {connect_s:.1f} s")
+    print()
+    print(f"  {'figure':<44} {'value':>10}  {'goal':>8}  ok")
+    rows = [
+        ("stored batches/s (acks in window)", f"{rate_s:.0f}", f">= {GOAL_BATCHES_S:g}", rate_s >= GOAL_BATCHES_S),
+        ("latency p50, ms (sample time -> ack at agent)", f"{p50:.1f}", "", None),
+        ("latency p90, ms", f"{p90:.1f}", "", None),
+        ("latency p99, ms (upper bound on -> stored)", f"{p99:.1f}", f"<= {GOAL_P99_MS:g}", p99 <= GOAL_P99_MS),
+        ("latency max, ms", f"{pmax:.1f}", "", None),
+        ("samples stored/s", f"{rate_s * DEVICES * len(SERIES):.0f}", "", None),
+        ("collector CPU, % of one core", f"{col_pct:.0f}", "", None),
+        ("load generator CPU, % of one core (all procs)", f"{gen_pct:.0f}", "", None),
+        ("offered batches/s (rate x agents)", "max" if args.rate == 0 else f"{args.rate * args.agents:.0f}", "", None),
+        ("acked whole run / collector batches_stored", f"{acked}/{stored}", "equal", acked == stored),
+        ("duplicates (acked / collector)", f"{sum(r['duplicates'] for r in results)}/{dup_stored}", "", None),
+    ]
+    for name, val, goal, ok in rows:
+        print(f"  {name:<44} {val:>10}  {goal:>8}  {'' if ok is None else ('yes' if ok else 'NO')}")
+    print("  latency is measured to the Ack's arrival at the simulated agent: an upper bound on sample-to-stored.")
+    if fails:
+        print(f"  {len(fails)} agent errors, e.g. {fails[0]}")
+    if args.profile:
+        import pstats
+        print(f"\ncollector profile ({args.profile}), top 25 by own time:")
+        pstats.Stats(args.profile).sort_stats("tottime").print_stats(25)
+    summary = {"bench": "collector_ingest", "mode": "saturation" if args.rate == 0 else "cadence",
+               "agents": args.agents, "rate_per_agent": args.rate, "window": args.window, "procs": procs,
+               "seconds": round(wall, 1), "batches_per_s": round(rate_s, 1),
+               "samples_per_s": round(rate_s * DEVICES * len(SERIES)), "p50_ms": round(p50, 2),
+               "p90_ms": round(p90, 2), "p99_ms": round(p99, 2), "max_ms": round(pmax, 2),
+               "collector_cpu_pct": round(col_pct, 1), "generator_cpu_pct": round(gen_pct, 1),
+               "acked": acked, "collector_batches_stored": stored, "cross_check_ok": acked == stored,
+               "errors": len(fails), "goal_batches_met": rate_s >= GOAL_BATCHES_S, "goal_p99_met": p99 <= GOAL_P99_MS}
+    print(json.dumps(summary))
+    return 0 if not fails else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

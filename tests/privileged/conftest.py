@@ -1,0 +1,42 @@
+"""Root-only fixtures: network namespaces and veth pairs that the tests create and remove."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+
+
+def require_root():
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces); CI runs these as root")
+    if not shutil.which("ip"):
+        pytest.skip("needs iproute2's `ip` (scripts/setup.sh installs it)")
+
+
+def sh(*args):
+    subprocess.run(args, check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def veth_pair():
+    """Two namespaces joined by a veth pair: (ns_a, if_a, addr_a, ns_b, if_b, addr_b)."""
+    require_root()
+    tag = uuid.uuid4().hex[:6]
+    ns_a, ns_b = f"xps-a-{tag}", f"xps-b-{tag}"
+    if_a, if_b = f"xva{tag}", f"xvb{tag}"
+    sh("ip", "netns", "add", ns_a)
+    sh("ip", "netns", "add", ns_b)
+    try:
+        sh("ip", "link", "add", if_a, "netns", ns_a, "type", "veth", "peer", "name", if_b, "netns", ns_b)
+        for ns, ifname, addr in ((ns_a, if_a, "10.231.0.1/30"), (ns_b, if_b, "10.231.0.2/30")):
+            sh("ip", "-n", ns, "addr", "add", addr, "dev", ifname)
+            sh("ip", "-n", ns, "link", "set", ifname, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        yield ns_a, if_a, "10.231.0.1", ns_b, if_b, "10.231.0.2"
+    finally:
+        subprocess.run(["ip", "netns", "del", ns_a], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns_b], capture_output=True)

@@ -1,0 +1,165 @@
+"""The one tier loop: deadlines, a slow source timed out and skipped, failures isolated."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from conftest import wait_until
+from xpusense.agent.sources.base import NEARLINE, REALTIME, Sample, Source, SourceError, Unavailable
+from xpusense.agent.tiers import TierLoop, setup_sources
+
+
+class Counting(Source):
+    name = "fast"
+    tiers = (REALTIME,)
+
+    def __init__(self):
+        self.rounds = 0
+
+    def collect(self, tier):
+        self.rounds += 1
+        return [Sample("test.rounds", self.rounds, "1")]
+
+
+class Blocking(Source):
+    """A source whose nearline round hangs until the test releases it (a hung vendor tool)."""
+    name = "slow"
+    tiers = (REALTIME, NEARLINE)
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def collect(self, tier):
+        if tier == NEARLINE:
+            self.started.set()
+            self.release.wait(30)
+            return [Sample("test.slow", 1, "1")]
+        return [Sample("test.slow.realtime", 1, "1")]
+
+
+class Failing(Source):
+    name = "broken"
+    tiers = (REALTIME,)
+
+    def collect(self, tier):
+        raise SourceError("tool printed garbage", [Sample("test.partial", 7, "1")])
+
+
+class Missing(Source):
+    name = "missing"
+    tiers = (REALTIME,)
+
+    def setup(self):
+        raise Unavailable("no such device; install the driver")
+
+
+class Sink:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.samples: list[Sample] = []
+
+    def __call__(self, samples, events):
+        with self.lock:
+            self.samples.extend(samples)
+
+    def named(self, name, **labels):
+        with self.lock:
+            return [s for s in self.samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+@pytest.fixture
+def loop_factory():
+    made = []
+
+    def make(sources, periods):
+        states, events = setup_sources(sources)
+        sink = Sink()
+        loop = TierLoop(states, periods, sink, timeout_ratio=0.5)
+        stop = threading.Event()
+        t = threading.Thread(target=loop.run, args=(stop,), daemon=True)
+        made.append((loop, stop, t))
+        return loop, states, events, sink, stop, t
+
+    yield make
+    for loop, stop, t in made:
+        stop.set()
+        t.join(5)
+        loop.close()
+
+
+def test_slow_source_never_delays_the_realtime_tier(loop_factory):
+    fast, slow = Counting(), Blocking()
+    loop, states, _, sink, stop, t = loop_factory([fast, slow], {REALTIME: 0.02, NEARLINE: 0.1, "offline": 100})
+    t.start()
+    assert slow.started.wait(10)
+    at_block = fast.rounds
+    # While the slow source's 15 s-tier round hangs, the fast source and the slow source's own
+    # realtime rounds go on, and the hung tier's later rounds are skipped, not queued.
+    wait_until(lambda: fast.rounds >= at_block + 20, what="20 realtime rounds during the hang")
+    wait_until(lambda: states[1].skipped >= 2, what="nearline rounds of the hung source to be skipped")
+    assert len(sink.named("test.slow.realtime")) >= 10
+    slow.release.set()
+    # The hung round finished long past its budget (0.05 s): discarded and counted as a timeout.
+    wait_until(lambda: states[1].timeouts == 1, what="the late round to count as a timeout")
+    assert sink.named("test.slow") == []
+    assert sink.named("xpusense.agent.source.up", source="slow", tier=NEARLINE)[-1].value == 0.0
+    assert "over its" in states[1].last_error[NEARLINE] and REALTIME not in states[1].last_error
+
+
+def test_failing_and_unavailable_sources_do_not_stop_the_others(loop_factory):
+    fast = Counting()
+    loop, states, events, sink, stop, t = loop_factory([Missing(), Failing(), fast], {REALTIME: 0.02, NEARLINE: 1, "offline": 1})
+    assert states[0].state == "unavailable" and "install the driver" in states[0].reason
+    assert events and events[0].type == "source_unavailable"
+    t.start()
+    wait_until(lambda: fast.rounds >= 5 and states[1].errors >= 5, what="rounds of both sources")
+    assert states[1].last_error == {REALTIME: "tool printed garbage"}
+    # What the failing round could still read is kept, and its up sample says it failed.
+    assert sink.named("test.partial")[0].value == 7
+    assert sink.named("xpusense.agent.source.up", source="broken")[-1].value == 0.0
+    assert sink.named("xpusense.agent.source.up", source="fast")[-1].value == 1.0
+    assert all(s.unit == "s" for s in sink.named("xpusense.agent.source.duration"))
+
+
+def test_rounds_follow_monotonic_deadlines_without_drift():
+    """A fake clock: rounds are dispatched at start + k*period; a stall skips rounds, keeps the phase."""
+    now = [0.0]
+    dispatched = []
+
+    class Clocked(TierLoop):
+        def dispatch(self, tier):
+            dispatched.append((tier, now[0]))
+            return []
+
+    class Src(Source):
+        name = "x"
+        tiers = (REALTIME, NEARLINE)
+
+    states, _ = setup_sources([Src()])
+    loop = Clocked(states, {REALTIME: 1.0, NEARLINE: 15.0, "offline": 300.0}, lambda s, e: None, clock=lambda: now[0])
+
+    class StepStop:
+        """stop.wait(d) advances the fake clock by d (plus a stall once) instead of sleeping."""
+        def __init__(self):
+            self.calls = 0
+
+        def is_set(self):
+            return now[0] >= 40
+
+        def wait(self, d=None):
+            self.calls += 1
+            now[0] += d + (5.5 if self.calls == 10 else 0.0)
+            return False
+
+    loop.run(StepStop())
+    rt = [t for tier, t in dispatched if tier == REALTIME]
+    nl = [t for tier, t in dispatched if tier == NEARLINE]
+    # The stall (9 s -> 15.5 s) makes the rounds due then late; later ones keep the phase.
+    assert nl == [0.0, 15.5, 30.0]
+    assert rt[:11] == [float(i) for i in range(10)] + [15.5]
+    assert rt[11:] == [float(i) for i in range(16, 16 + len(rt) - 11)] and rt[-1] >= 39
+    assert loop.missed_rounds[REALTIME] == 5  # rounds due at 11..15 were skipped, not run in a burst
+    loop.close()
