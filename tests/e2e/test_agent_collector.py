@@ -6,7 +6,7 @@ import json
 import signal
 import subprocess
 
-from conftest import BIN, free_port, nodes_json, series, wait_until
+from helpers import BIN, free_port, nodes_json, series, wait_until
 
 FAST = """
 [tiers]

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from conftest import BIN, free_port
+from helpers import BIN, free_port
 
 
 def run(*args, timeout=30):

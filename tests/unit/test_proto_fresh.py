@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT
+from helpers import ROOT
 
 
 def test_generated_code_is_not_stale(tmp_path):

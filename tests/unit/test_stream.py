@@ -9,7 +9,7 @@ import threading
 import grpc
 import pytest
 
-from conftest import free_port, wait_until
+from helpers import free_port, wait_until
 from xpusense.agent.sources.base import Sample
 from xpusense.agent.stream import StreamClient, backoff_delays
 from xpusense.collector import server as server_mod

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from conftest import wait_until
+from helpers import wait_until
 from xpusense.agent.sources.base import NEARLINE, REALTIME, Sample, Source, SourceError, Unavailable
 from xpusense.agent.tiers import TierLoop, setup_sources
 

@@ -1,0 +1,73 @@
+"""Shared test helpers: waiting on conditions with deadlines, free ports, real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def wait_until(cond, timeout_s: float = 15.0, interval_s: float = 0.05, what: str = "condition"):
+    """Poll `cond` until it returns a truthy value or the deadline passes (then fail the test)."""
+    deadline = time.monotonic() + timeout_s
+    last_exc = None
+    while time.monotonic() < deadline:
+        try:
+            v = cond()
+            if v:
+                return v
+        except Exception as e:  # the thing polled may not be ready yet
+            last_exc = e
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A real xpusense process with its output captured to a file."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.p = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, **(env or {})})
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self, sig=signal.SIGKILL) -> int:
+        if self.p.poll() is None:
+            self.p.send_signal(sig)
+        try:
+            return self.p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            return self.p.wait()
+        finally:
+            self._log.close()
+
+
+def nodes_json(address: str) -> dict:
+    out = subprocess.run([str(BIN / "xpusense-collector"), "nodes", "--collector", address, "--format", "json",
+                          "--timeout-s", "2"], capture_output=True, text=True, timeout=20)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.strip())
+    return json.loads(out.stdout)
+
+
+def series(node: dict, name: str, **labels) -> list[dict]:
+    return [s for s in node["series"] if s["name"] == name and all(s["labels"].get(k) == v for k, v in labels.items())]
