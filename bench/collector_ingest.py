@@ -72,6 +72,8 @@ SERIES = [
 ]
 NODE_PREFIX = "bench-ingest-"
 METHOD = "/xpusense.v1.Ingest/Stream"
+CONNECT_ATTEMPTS = 5
+CONNECTS_IN_FLIGHT = 32   # per load-generator process: a fleet does not connect all at once
 
 
 def tool(name: str) -> list[str]:
@@ -118,6 +120,8 @@ class SimAgent:
         self.acked = self.duplicates = self.sent = 0
         self.window_acked = 0
         self.latencies_ms: list[float] = []
+        self.connect_retries = 0
+        self.connect_errors: list[str] = []
         msg = pb.AgentMessage()
         b = msg.batch
         b.node_id, b.boot_id = self.node_id, self.boot_id
@@ -162,7 +166,8 @@ class SimAgent:
 
 
 async def run_agent(ag: SimAgent, address: str, rate: float, window: int, phase_s: float,
-                    connected: asyncio.Event, start: asyncio.Event, times: dict, fails: list) -> None:
+                    connect_slots: asyncio.Semaphore, connected: asyncio.Event, start: asyncio.Event,
+                    times: dict, fails: list) -> None:
     """One simulated agent: connect and say Hello, wait for the start, send batches until t1, drain acks."""
     import grpc
     pb = ag.pb
@@ -172,12 +177,24 @@ async def run_agent(ag: SimAgent, address: str, rate: float, window: int, phase_
     call = None
     try:
         # Batches are serialized by next_batch() (request_serializer None passes the bytes through).
-        call = channel.stream_stream(METHOD, request_serializer=None,
-                                     response_deserializer=pb.CollectorMessage.FromString)()
-        await call.write(ag.hello.SerializeToString())
-        first = await call.read()
-        if first is grpc.aio.EOF or not first.HasField("welcome"):
-            raise RuntimeError(f"no Welcome: {first!r}")
+        method = channel.stream_stream(METHOD, request_serializer=None,
+                                       response_deserializer=pb.CollectorMessage.FromString)
+        for attempt in range(CONNECT_ATTEMPTS):   # a real agent retries with backoff, so does this one
+            try:
+                async with connect_slots:
+                    call = method()
+                    await call.write(ag.hello.SerializeToString())
+                    first = await call.read()
+                if first is grpc.aio.EOF or not first.HasField("welcome"):
+                    raise RuntimeError(f"no Welcome: {first!r}")
+                break
+            except grpc.aio.AioRpcError as e:
+                call.cancel()
+                if attempt == CONNECT_ATTEMPTS - 1:
+                    raise
+                ag.connect_retries += 1
+                ag.connect_errors.append(e.code().name)
+                await asyncio.sleep(random.uniform(0.1, 0.2) * 2 ** attempt)
         connected.set()
         await start.wait()
         t0, t1 = times["t0"], times["t1"]
@@ -250,14 +267,16 @@ def worker(indices: list[int], address: str, rate: float, window: int, cpus: lis
         fails: list[str] = []
         connected = [asyncio.Event() for _ in agents]
         start = asyncio.Event()
+        connect_slots = asyncio.Semaphore(CONNECTS_IN_FLIGHT)
         times: dict = {}
         rng = random.Random(indices[0])
         tasks = [asyncio.create_task(run_agent(ag, address, rate, window,
                                                rng.random() / rate if rate > 0 else 0.0,
-                                               ev, start, times, fails))
+                                               connect_slots, ev, start, times, fails))
                  for ag, ev in zip(agents, connected)]
         await asyncio.gather(*(ev.wait() for ev in connected))
-        ready_q.put((len(agents), list(fails)))
+        ready_q.put((len(agents), list(fails), sum(a.connect_retries for a in agents),
+                     sorted({c for a in agents for c in a.connect_errors})))
         while shared_times[0] == 0.0:       # the parent sets go/t0/t1 once every worker is connected
             if shared_times[2] < 0:         # the parent gave up
                 for t in tasks:
@@ -371,9 +390,12 @@ def main(argv: list[str] | None = None) -> int:
             workers.append(w)
         t_conn = time.monotonic()
         connect_fails: list[str] = []
+        connect_retries, retry_codes = 0, set()
         for _ in groups:
             try:
-                _, fails = ready_q.get(timeout=120)
+                _, fails, retries, codes = ready_q.get(timeout=120)
+                connect_retries += retries
+                retry_codes.update(codes)
             except Exception:
                 shared_times[2] = -1.0
                 print("simulated agents did not connect within 120 s", file=sys.stderr)
@@ -431,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"collector ingest: {mode}, {args.agents} agents in {procs} processes, window {args.window}, "
           f"{DEVICES}x{len(SERIES)} samples/batch, {wall:.1f} s after {args.warmup_s:g} s warm-up")
     print(f"  collector on CPU {col_cpu}; load generator on CPUs {gen_cpus or [col_cpu]} "
-          f"(of {len(all_cpus)}); {len(nodes)} agents connected in {connect_s:.1f} s")
+          f"(of {len(all_cpus)}); {len(nodes)} agents connected in {connect_s:.1f} s"
+          + (f", {connect_retries} connect retries ({', '.join(sorted(retry_codes))})" if connect_retries else ""))
     print()
     print(f"  {'figure':<44} {'value':>10}  {'goal':>8}  ok")
     rows = [
@@ -463,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
                "p90_ms": round(p90, 2), "p99_ms": round(p99, 2), "max_ms": round(pmax, 2),
                "collector_cpu_pct": round(col_pct, 1), "generator_cpu_pct": round(gen_pct, 1),
                "acked": acked, "collector_batches_stored": stored, "cross_check_ok": acked == stored,
-               "errors": len(fails), "goal_batches_met": rate_s >= GOAL_BATCHES_S, "goal_p99_met": p99 <= GOAL_P99_MS}
+               "connect_s": round(connect_s, 1), "connect_retries": connect_retries, "errors": len(fails),
+               "goal_batches_met": rate_s >= GOAL_BATCHES_S, "goal_p99_met": p99 <= GOAL_P99_MS}
     print(json.dumps(summary))
     return 0 if not fails else 1
 
