@@ -91,6 +91,12 @@ AGENT_SCHEMA: dict[str, Any] = {
             "interface_include": Key(str, ""),
             "interface_exclude": Key(str, ""),
         },
+        "nvml": {
+            "enabled": Key(bool, True),
+            "gpm": Key(bool, True, help="GPM metrics (HBM bandwidth, SM, tensor) on Hopper and newer"),
+            "events": Key(bool, True, help="watch XID and ECC events"),
+            "event_wait_ms": Key(int, 500, positive),
+        },
     },
 }
 

@@ -15,6 +15,7 @@ from xpusense.v1 import telemetry_pb2 as pb
 from .sources.agent_self import AgentSelfSource
 from .sources.base import Source
 from .sources.host import HostSource
+from .sources.nvml import NvmlSource
 from .stream import StreamClient
 from .tiers import SourceState, TierLoop, periods_from_config, setup_sources
 
@@ -28,6 +29,9 @@ def build_sources(cfg) -> list[Source]:
     if h.enabled:
         out.append(HostSource(procfs=h.procfs, netns=h.netns, disk_exclude=h.disk_exclude,
                               interface_include=h.interface_include, interface_exclude=h.interface_exclude))
+    n = cfg.sources.nvml
+    if n.enabled:
+        out.append(NvmlSource(events=n.events, event_wait_ms=n.event_wait_ms, gpm=n.gpm))
     return out
 
 
