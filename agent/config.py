@@ -57,8 +57,36 @@ def split_host_port(v: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def ratio(v: Any) -> str | None:
+    return None if 0 <= v <= 1 else "must be between 0 and 1"
+
+
+def one_of(*allowed: str) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        items = v if isinstance(v, list) else [v]
+        bad = [x for x in items if x not in allowed]
+        return f"must be {', '.join(allowed)} (not {', '.join(map(repr, bad))})" if bad else None
+    return check
+
+
+def signal_name(v: str) -> str | None:
+    import signal
+    return None if v.startswith("SIG") and hasattr(signal, v) else "must be a signal name such as SIGUSR1"
+
+
 def log_level(v: str) -> str | None:
     return None if v.lower() in ("debug", "info", "warning", "error") else "must be debug, info, warning or error"
+
+
+def _rule_keys(default: bool) -> dict[str, Key]:
+    """The HBM watch's rule; per-vendor tables leave a key unset (None) to use the general one."""
+    d = (lambda v: v) if default else (lambda v: None)
+    return {
+        "threshold": Key((int, float), d(0.85), ratio, help="fire at or above this utilisation"),
+        "window_s": Key((int, float), d(5.0), positive, help="...for this long"),
+        "low_mark": Key((int, float), d(0.75), ratio, help="re-arm only after falling below this"),
+        "cooldown_s": Key((int, float), d(600.0), non_negative, help="per job, between two requests"),
+    }
 
 
 AGENT_SCHEMA: dict[str, Any] = {
@@ -81,6 +109,15 @@ AGENT_SCHEMA: dict[str, Any] = {
         "max_samples_per_batch": Key(int, 5000, positive),
         "backoff_initial_s": Key((int, float), 0.2, positive),
         "backoff_max_s": Key((int, float), 10.0, positive),
+    },
+    "hbm_watch": {
+        "enabled": Key(bool, True),
+        "actions": Key(list, ["signal", "file", "event"], one_of("signal", "file", "event")),
+        "signal": Key(str, "SIGUSR1", signal_name),
+        "request_dir": Key(str, "/run/xpusense/checkpoint"),
+        "group_by": Key(str, "auto", one_of("auto", "cgroup", "pgid", "pid")),
+        **_rule_keys(True),
+        "vendor": {"nvidia": _rule_keys(False), "huawei": _rule_keys(False)},
     },
     "sources": {
         "host": {
@@ -118,6 +155,13 @@ def _check(schema: dict, data: dict, where: str, prefix: str = "") -> dict:
             if not isinstance(v, dict) or not all(isinstance(x, (str, int, float)) for x in v.values()):
                 raise ConfigError(f"{where}: '{key}' must be a table of strings")
             out[k] = Table({str(a): str(b) for a, b in v.items()})
+            continue
+        if spec.type is list:
+            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                raise ConfigError(f"{where}: '{key}' must be a list of strings, got {v!r}")
+            if spec.check and (why := spec.check(v)):
+                raise ConfigError(f"{where}: '{key}' {why}")
+            out[k] = list(v)
             continue
         types = spec.type if isinstance(spec.type, tuple) else (spec.type,)
         # bool is an int in Python; a number key must not accept true/false.
@@ -191,6 +235,13 @@ AGENT_ENV = {"XPUSENSE_NODE_ID": "node_id", "XPUSENSE_COLLECTOR": "collector.add
 def load_agent(path: str | None = None, flags: dict[str, Any] | None = None,
                env: dict[str, str] | None = None) -> SimpleNamespace:
     cfg = load(AGENT_SCHEMA, path, env, AGENT_ENV, flags)
+    w = cfg.hbm_watch
+    for vendor, r in [("", w)] + list(vars(w.vendor).items()):
+        threshold = r.threshold if r.threshold is not None else w.threshold
+        low = r.low_mark if r.low_mark is not None else w.low_mark
+        if low > threshold:
+            key = f"hbm_watch.{'vendor.' + vendor + '.' if vendor else ''}low_mark"
+            raise ConfigError(f"{path or 'configuration'}: '{key}' ({low}) must not be above the threshold ({threshold})")
     if not cfg.node_id:
         cfg.node_id = socket.gethostname()
     return cfg

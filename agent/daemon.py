@@ -12,6 +12,7 @@ import uuid
 from xpusense import __version__
 from xpusense.v1 import telemetry_pb2 as pb
 
+from .hbm_watch import HbmWatch, Rule
 from .sources.agent_self import AgentSelfSource
 from .sources.base import Source
 from .sources.host import HostSource
@@ -72,6 +73,26 @@ def inventory_to_proto(inv: dict) -> pb.Inventory:
     return m
 
 
+def watch_rules(w) -> dict[str, Rule]:
+    general = Rule(w.threshold, w.window_s, w.low_mark, w.cooldown_s)
+    rules = {"default": general}
+    for vendor, r in vars(w.vendor).items():
+        rules[vendor] = Rule(*(getattr(r, k) if getattr(r, k) is not None else getattr(general, k)
+                               for k in ("threshold", "window_s", "low_mark", "cooldown_s")))
+    return rules
+
+
+def process_map(states: list[SourceState]) -> dict[int, set[str]]:
+    """pid -> accelerators it uses, merged from every running source that lists processes."""
+    out: dict[int, set[str]] = {}
+    for st in states:
+        fn = getattr(st.source, "processes", None)
+        if st.state == "running" and fn is not None:
+            for pid, devs in fn().items():
+                out.setdefault(pid, set()).update(devs)
+    return out
+
+
 class Agent:
     def __init__(self, cfg):
         self.cfg = cfg
@@ -86,10 +107,22 @@ class Agent:
             backoff_initial_s=s.backoff_initial_s, backoff_max_s=s.backoff_max_s, agent_version=__version__)
         self_state, _ = setup_sources([AgentSelfSource(self.stream.status)])
         self.states += self_state
-        self.loop = TierLoop(self.states, periods_from_config(cfg.tiers), self.stream.put,
+        w = cfg.hbm_watch
+        self.watch = HbmWatch(watch_rules(w), lambda: process_map(self.states), actions=w.actions,
+                              signal_name=w.signal, request_dir=w.request_dir,
+                              group_by=w.group_by) if w.enabled else None
+        self._watch_lock = threading.Lock()
+        self.loop = TierLoop(self.states, periods_from_config(cfg.tiers), self._sink,
                              timeout_ratio=cfg.tiers.timeout_ratio)
         if startup_events:
             self.stream.put([], startup_events)
+
+    def _sink(self, samples, events) -> None:
+        """Tier loop -> HBM watch -> stream (called from the sources' worker threads)."""
+        if self.watch is not None:
+            with self._watch_lock:
+                events = events + self.watch.observe(samples)
+        self.stream.put(samples, events)
 
     def run(self, once: bool = False) -> int:
         self.stream.start()

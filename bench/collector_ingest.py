@@ -34,6 +34,7 @@ import multiprocessing as mp
 import os
 import random
 import resource
+import shlex
 import shutil
 import signal
 import socket
@@ -340,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--procs", type=int, default=0, help="load-generator processes (default min(agents, 8))")
     p.add_argument("--collector-cpu", type=int, default=0, help="the one CPU the collector runs on (default 0)")
     p.add_argument("--profile", metavar="FILE", help="run the collector under cProfile, stats to FILE")
+    p.add_argument("--collector-cmd", metavar="CMD",
+                   help="another collector build to measure (default: xpusense-collector); "
+                        "'serve --listen ...' is appended")
     args = p.parse_args(argv)
     if args.agents < 1 or args.window < 1 or args.rate < 0 or args.seconds <= 0:
         p.error("--agents and --window must be >= 1, --rate >= 0, --seconds > 0")
@@ -360,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         cmd = [sys.executable, "-m", "cProfile", "-o", os.path.abspath(args.profile), "-m",
                "xpusense.collector.cli"] + serve
+    elif args.collector_cmd:
+        cmd = shlex.split(args.collector_cmd) + serve
     else:
         cmd = tool("xpusense-collector") + serve
 

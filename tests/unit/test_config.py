@@ -61,3 +61,24 @@ def test_collector_schema(tmp_path):
     assert (cfg.history_s, cfg.listen, cfg.stale_s) == (60, "0.0.0.0:9000", 10.0)
     with pytest.raises(ConfigError, match="unknown key 'history'"):
         load_collector(write(tmp_path, "history = 1\n", "d.toml"), env={})
+
+
+def test_hbm_watch_rules_per_vendor(tmp_path):
+    from xpusense.agent.daemon import watch_rules
+    cfg = load_agent(write(tmp_path, "[hbm_watch]\nwindow_s = 3\n[hbm_watch.vendor.nvidia]\nthreshold = 0.8\n"), env={})
+    rules = watch_rules(cfg.hbm_watch)
+    assert (rules["nvidia"].threshold, rules["nvidia"].window_s, rules["nvidia"].low_mark) == (0.8, 3, 0.75)
+    assert (rules["huawei"].threshold, rules["default"].threshold) == (0.85, 0.85)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[hbm_watch]\nactions = [\"signal\", \"email\"]\n", "'hbm_watch.actions' must be signal, file, event (not 'email')"),
+    ("[hbm_watch]\nsignal = \"USR1\"\n", "'hbm_watch.signal' must be a signal name"),
+    ("[hbm_watch]\nthreshold = 85\n", "'hbm_watch.threshold' must be between 0 and 1"),
+    ("[hbm_watch.vendor.huawei]\nlow_mark = 0.9\n", "'hbm_watch.vendor.huawei.low_mark' (0.9) must not be above the threshold"),
+])
+def test_hbm_watch_bad_values(tmp_path, text, needle):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_agent(path, env={})
+    assert needle in str(e.value) and path in str(e.value)

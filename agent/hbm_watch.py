@@ -1,0 +1,244 @@
+"""HBM bandwidth watch: when an accelerator's HBM bandwidth utilisation stays at or above a
+threshold for a window, ask the training jobs on it to checkpoint (signal, request file, event).
+
+It sits between the tier loop and the stream: it sees every realtime sample of
+`xpusense.accelerator.hbm.bandwidth.utilization`, keeps one small state machine per accelerator,
+and on firing groups the accelerator's processes (from the NVML / npu-smi process lists) into jobs
+so that each job gets one request, then waits a cooldown per job.
+
+State per accelerator: ARMED -> (value >= threshold continuously for `window_s`) -> FIRED;
+FIRED -> (a value below `low_mark`) -> ARMED. A value below the threshold restarts the window. A
+missing sample is not a value below the threshold: it neither restarts nor confirms the window,
+unless the gap is longer than the window itself (then nothing is known about it, and the window
+starts again at the next sample).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal as signal_mod
+import tempfile
+import uuid
+from typing import Callable, Iterable
+
+from .sources.base import Event, Sample
+
+log = logging.getLogger("xpusense.agent.hbm_watch")
+
+METRIC = "xpusense.accelerator.hbm.bandwidth.utilization"
+CONTAINER_HINTS = ("kubepods", "docker", "containerd", "cri-containerd", "crio", "libpod", "lxc", ".service")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    threshold: float = 0.85
+    window_s: float = 5.0
+    low_mark: float = 0.75
+    cooldown_s: float = 600.0
+
+
+@dataclasses.dataclass
+class Track:
+    armed: bool = True
+    above_since_ns: int | None = None
+    last_ns: int | None = None
+    last_value: float = 0.0
+
+
+@dataclasses.dataclass
+class Request:
+    id: str
+    device: str
+    vendor: str
+    value: float
+    rule: Rule
+    job: str
+    pids: list[int]
+    time_ns: int
+    crossed_ns: int
+    actions: list[str] = dataclasses.field(default_factory=list)
+    file: str = ""
+
+    def as_json(self) -> dict:
+        return {
+            "id": self.id, "accelerator": self.device, "vendor": self.vendor, "value": round(self.value, 4),
+            "threshold": self.rule.threshold, "window_s": self.rule.window_s, "job": self.job,
+            "pids": self.pids, "time": self.time_ns / 1e9, "crossed_time": self.crossed_ns / 1e9,
+            "reason": (f"HBM bandwidth utilisation of {self.device} at or above {self.rule.threshold:.0%} "
+                       f"for {self.rule.window_s:g} s (now {self.value:.0%}): checkpoint now"),
+        }
+
+
+def cgroup_of(pid: int, proc: str = "/proc") -> str:
+    """The process's cgroup v2 path ('' when unknown)."""
+    try:
+        with open(f"{proc}/{pid}/cgroup") as f:
+            for line in f:
+                hier, _, path = line.rstrip("\n").split(":", 2)
+                if hier == "0":
+                    return path
+            f.seek(0)
+            first = f.readline().rstrip("\n").split(":", 2)
+            return first[2] if len(first) == 3 else ""
+    except (OSError, ValueError):
+        return ""
+
+
+def job_key(pid: int, group_by: str = "auto", proc: str = "/proc") -> str:
+    """Which job a process belongs to: its container/service cgroup, else its process group."""
+    if group_by == "pid":
+        return f"pid:{pid}"
+    cg = cgroup_of(pid, proc) if group_by in ("auto", "cgroup") else ""
+    if group_by == "cgroup" and cg:
+        return f"cgroup:{cg}"
+    if group_by == "auto" and cg and any(h in cg for h in CONTAINER_HINTS):
+        return f"cgroup:{cg}"
+    try:
+        return f"pgid:{os.getpgid(pid)}"
+    except OSError:
+        return f"pid:{pid}"
+
+
+def group_jobs(pids: Iterable[int], group_by: str = "auto", proc: str = "/proc") -> dict[str, list[int]]:
+    jobs: dict[str, list[int]] = {}
+    for pid in sorted(set(pids)):
+        jobs.setdefault(job_key(pid, group_by, proc), []).append(pid)
+    return jobs
+
+
+def write_atomically(directory: str, name: str, data: dict) -> str:
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        path = os.path.join(directory, name)
+        os.replace(tmp, path)
+        return path
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+class HbmWatch:
+    def __init__(self, rules: dict[str, Rule], processes: Callable[[], dict[int, set[str]]],
+                 actions: Iterable[str] = ("signal", "file", "event"), signal_name: str = "SIGUSR1",
+                 request_dir: str = "/run/xpusense/checkpoint", group_by: str = "auto", proc: str = "/proc",
+                 kill: Callable[[int, int], None] = os.kill):
+        """rules: vendor -> Rule ('default' for any vendor without its own)."""
+        self.rules = rules
+        self.processes = processes
+        self.actions = list(actions)
+        self.signum = int(getattr(signal_mod, signal_name))
+        self.request_dir = request_dir
+        self.group_by = group_by
+        self.proc = proc
+        self.kill = kill
+        self.tracks: dict[tuple[str, str], Track] = {}
+        self.last_fired: dict[str, int] = {}   # job -> time_ns of its last request
+        self.sent: list[Request] = []           # what was sent, for status and tests
+        self.fired = 0
+        self.suppressed = 0
+
+    def rule(self, vendor: str) -> Rule:
+        return self.rules.get(vendor) or self.rules["default"]
+
+    def observe(self, samples: list[Sample]) -> list[Event]:
+        events: list[Event] = []
+        for s in samples:
+            if s.name != METRIC:
+                continue
+            dev, vendor = s.labels.get("device", ""), s.labels.get("vendor", "")
+            tr = self.tracks.setdefault((vendor, dev), Track())
+            fire = self._step(tr, self.rule(vendor), s.value, s.time_ns)
+            if fire is not None:
+                events += self._fire(dev, vendor, s.value, fire, s.time_ns)
+        return events
+
+    def _step(self, tr: Track, rule: Rule, value: float, t_ns: int) -> int | None:
+        """Advance one accelerator's state; returns the time the threshold was crossed when firing."""
+        gap_ns = None if tr.last_ns is None else t_ns - tr.last_ns
+        tr.last_ns, tr.last_value = t_ns, value
+        if not tr.armed:
+            if value < rule.low_mark:
+                tr.armed = True
+                tr.above_since_ns = None
+            return None
+        if value < rule.threshold:
+            tr.above_since_ns = None
+            return None
+        if tr.above_since_ns is None or (gap_ns is not None and gap_ns > rule.window_s * 1e9):
+            tr.above_since_ns = t_ns
+        if t_ns - tr.above_since_ns >= rule.window_s * 1e9:
+            tr.armed = False
+            return tr.above_since_ns
+        return None
+
+    def _fire(self, dev: str, vendor: str, value: float, crossed_ns: int, now_ns: int) -> list[Event]:
+        rule = self.rule(vendor)
+        pids = [pid for pid, devs in self.processes().items() if dev in devs]
+        if not pids:
+            log.info("HBM bandwidth of %s at %.0f%% for %g s, but no process uses it: nothing to ask",
+                     dev, value * 100, rule.window_s)
+            return []
+        events = []
+        for job, job_pids in group_jobs(pids, self.group_by, self.proc).items():
+            last = self.last_fired.get(job)
+            if last is not None and now_ns - last < rule.cooldown_s * 1e9:
+                self.suppressed += 1
+                log.info("HBM bandwidth of %s high again, job %s asked %.0f s ago: in cooldown (%g s)",
+                         dev, job, (now_ns - last) / 1e9, rule.cooldown_s)
+                continue
+            self.last_fired[job] = now_ns
+            req = Request(uuid.uuid4().hex[:16], dev, vendor, value, rule, job, job_pids, now_ns, crossed_ns)
+            events += self._act(req)
+        return events
+
+    def _act(self, req: Request) -> list[Event]:
+        done = []
+        if "file" in self.actions:
+            try:
+                req.file = write_atomically(self.request_dir, f"{req.id}.json", req.as_json())
+                done.append(f"file {req.file}")
+            except OSError as e:
+                log.error("checkpoint request %s: cannot write to %s: %s", req.id, self.request_dir, e)
+        if "signal" in self.actions:
+            sent = []
+            for pid in req.pids:
+                try:
+                    self.kill(pid, self.signum)
+                    sent.append(pid)
+                except ProcessLookupError:
+                    pass  # it ended since the process list was read
+                except PermissionError as e:
+                    log.error("checkpoint request %s: cannot signal pid %d: %s", req.id, pid, e)
+            if sent:
+                done.append(f"{signal_mod.Signals(self.signum).name} to pids {sent}")
+        req.actions = done
+        self.sent.append(req)
+        self.fired += 1
+        log.info("checkpoint request %s for job %s on %s (HBM bandwidth %.0f%% >= %.0f%% for %g s): %s",
+                 req.id, req.job, req.device, req.value * 100, req.rule.threshold * 100, req.rule.window_s,
+                 "; ".join(done) or "event only")
+        if "event" not in self.actions:
+            return []
+        attrs = {"request_id": req.id, "vendor": req.vendor, "job": req.job,
+                 "pids": ",".join(map(str, req.pids)), "value": f"{req.value:.4f}",
+                 "threshold": f"{req.rule.threshold:g}", "window_s": f"{req.rule.window_s:g}",
+                 "actions": "; ".join(done) or "event only"}
+        return [Event("checkpoint_request", req.as_json()["reason"], "warning", req.device, attrs,
+                      req.time_ns, req.id)]
+
+    def status(self) -> dict:
+        return {"fired": self.fired, "suppressed_by_cooldown": self.suppressed,
+                "armed": {f"{v}/{d}": t.armed for (v, d), t in self.tracks.items()}}
+

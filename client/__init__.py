@@ -1,0 +1,1 @@
+"""Code that runs inside the training jobs xpusense watches (standard library only)."""

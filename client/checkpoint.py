@@ -1,0 +1,162 @@
+"""Receive xpusense checkpoint requests inside a training job. Standard library only: import it
+as `xpusense.client.checkpoint`, or copy this one file next to the training code.
+
+The xpusense agent asks a job to checkpoint when the HBM bandwidth of its accelerator stays high
+(see the README, "HBM bandwidth watch"), by a signal (default SIGUSR1), by a JSON request file in a
+directory, or both. This helper turns either into a flag that the training loop checks at a safe
+point: the signal handler only sets the flag, never runs your code.
+
+    from xpusense.client.checkpoint import CheckpointRequests
+
+    requests = CheckpointRequests()            # SIGUSR1 + /run/xpusense/checkpoint
+    requests.install()
+    for step in range(steps):
+        train_step()
+        if requests.pending():                 # cheap: a flag check
+            req = requests.take()              # the request (dict), or {} for a bare signal
+            save_checkpoint()
+            requests.done(req, path="ckpt.pt") # optional: tells the agent it was handled
+
+or `requests.at_safe_point(save_checkpoint)` at the safe point, which calls it when one is pending.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+DEFAULT_DIR = os.environ.get("XPUSENSE_CHECKPOINT_DIR", "/run/xpusense/checkpoint")
+
+
+class CheckpointRequests:
+    def __init__(self, directory: str | None = DEFAULT_DIR, signum: int | None = signal.SIGUSR1,
+                 poll_s: float = 0.2, pids: set[int] | None = None):
+        """directory: where request files appear (None: signals only); signum: None for files only;
+        pids: which processes' requests to accept (default: this process and its process group)."""
+        self.directory = directory
+        self.signum = signum
+        self.poll_s = poll_s
+        self.pids = pids
+        self._flag = threading.Event()
+        self._lock = threading.Lock()
+        self._queue: list[dict] = []
+        self._seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._previous_handler = None
+
+    # -- set-up ------------------------------------------------------------------------------
+    def install(self) -> "CheckpointRequests":
+        if self.signum is not None:
+            self._previous_handler = signal.signal(self.signum, self._on_signal)
+        if self.directory:
+            self._seen.update(self._names())  # requests older than this process are not for it
+            self._thread = threading.Thread(target=self._watch, name="xpusense-checkpoint", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=self.poll_s * 5 + 1)
+        if self.signum is not None and self._previous_handler is not None:
+            signal.signal(self.signum, self._previous_handler)
+
+    def __enter__(self):
+        return self.install()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- the training loop's side ------------------------------------------------------------
+    def pending(self) -> bool:
+        return self._flag.is_set()
+
+    def take(self) -> dict:
+        """The oldest pending request, {} for a bare signal; the flag stays set while more wait.
+
+        The agent writes the request file before it signals, so a signal and its file are one
+        request: the directory is read here, at the safe point, to pair them."""
+        self._flag.clear()   # first: a signal that lands during take() sets it again
+        with self._lock:
+            self._scan_locked()
+            req = self._queue.pop(0) if self._queue else {}
+            if self._queue:
+                self._flag.set()
+        return req
+
+    def at_safe_point(self, fn) -> bool:
+        """Call fn(request) if a request is pending; returns whether it did."""
+        if not self._flag.is_set():
+            return False
+        req = self.take()
+        result = fn(req)
+        self.done(req, result=str(result) if result is not None else "")
+        return True
+
+    def done(self, req: dict, **info) -> None:
+        """Record that a request was handled (a `<id>.done.json` beside the request file)."""
+        if not req.get("id") or not self.directory:
+            return
+        path = os.path.join(self.directory, f"{req['id']}.done.json")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"id": req["id"], "pid": os.getpid(), "time": time.time(), **info}, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # the agent's directory may be read-only for the job: the checkpoint still happened
+
+    # -- internals ----------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        self._flag.set()   # only a flag: no I/O, no locks, no user code in a signal handler
+
+    def _names(self) -> list[str]:
+        try:
+            return [n for n in os.listdir(self.directory) if n.endswith(".json") and not n.endswith(".done.json")
+                    and not n.startswith(".")]
+        except OSError:
+            return []
+
+    def _mine(self, req: dict) -> bool:
+        pids = set(req.get("pids") or [])
+        if self.pids is not None:
+            return bool(pids & self.pids)
+        if os.getpid() in pids:
+            return True
+        try:
+            pgid = os.getpgid(0)
+            return any(os.getpgid(p) == pgid for p in pids if _alive(p))
+        except OSError:
+            return False
+
+    def _scan_locked(self) -> None:
+        if not self.directory:
+            return
+        for name in sorted(set(self._names()) - self._seen):
+            self._seen.add(name)
+            try:
+                with open(os.path.join(self.directory, name)) as f:
+                    req = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(req, dict) and self._mine(req):
+                self._queue.append(req)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            with self._lock:
+                self._scan_locked()
+                if self._queue:
+                    self._flag.set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,56 @@
+"""The training-side helper: a signal and its request file are one request, taken at a safe point."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+from helpers import wait_until
+from xpusense.client.checkpoint import CheckpointRequests
+
+
+def write_request(d, rid, pids):
+    (d / f".{rid}.tmp").write_text(json.dumps({"id": rid, "accelerator": "gpu0", "pids": pids}))
+    os.replace(d / f".{rid}.tmp", d / f"{rid}.json")
+
+
+def test_signal_with_file_is_one_request(tmp_path):
+    with CheckpointRequests(str(tmp_path), signal.SIGUSR2, poll_s=60) as req:  # the watcher stays out of it
+        write_request(tmp_path, "r1", [os.getpid()])
+        os.kill(os.getpid(), signal.SIGUSR2)
+        wait_until(req.pending, what="the signal to set the flag")
+        got = req.take()
+        assert got["id"] == "r1"
+        assert not req.pending() and req.take() == {}
+        req.done(got, path="ckpt")
+        assert json.loads((tmp_path / "r1.done.json").read_text())["path"] == "ckpt"
+
+
+def test_file_only_request_is_noticed_by_the_watcher(tmp_path):
+    with CheckpointRequests(str(tmp_path), None, poll_s=0.02) as req:
+        write_request(tmp_path, "other", [1])          # another job's request: not ours
+        write_request(tmp_path, "mine", [os.getpid()])
+        wait_until(req.pending, what="the watcher to see the file")
+        assert req.take()["id"] == "mine"
+        assert not req.pending()
+
+
+def test_requests_from_before_start_are_ignored(tmp_path):
+    write_request(tmp_path, "old", [os.getpid()])
+    with CheckpointRequests(str(tmp_path), None, poll_s=0.02) as req:
+        write_request(tmp_path, "new", [os.getpid()])
+        wait_until(req.pending, what="the new request")
+        assert req.take()["id"] == "new" and not req.pending()
+
+
+def test_at_safe_point_calls_the_function_once(tmp_path):
+    calls = []
+    with CheckpointRequests(None, signal.SIGUSR2) as req:
+        assert req.at_safe_point(calls.append) is False
+        os.kill(os.getpid(), signal.SIGUSR2)
+        wait_until(req.pending, what="the signal")
+        assert req.at_safe_point(calls.append) is True
+        assert req.at_safe_point(calls.append) is False
+    assert calls == [{}]
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # the previous handler is back

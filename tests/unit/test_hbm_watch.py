@@ -1,0 +1,122 @@
+"""The HBM bandwidth watch's rule, job grouping and actions, on synthetic 1 s samples."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from xpusense.agent.hbm_watch import METRIC, HbmWatch, Rule, group_jobs
+from xpusense.agent.sources.base import Sample
+
+S = 1_000_000_000
+
+
+def samples(values, dev="gpu0", vendor="nvidia", start_s=100, step_s=1.0):
+    """One sample per step; None is a missing sample."""
+    out = []
+    for i, v in enumerate(values):
+        if v is not None:
+            out.append(Sample(METRIC, v, "1", {"device": dev, "vendor": vendor}, time_ns=int((start_s + i * step_s) * S)))
+    return out
+
+
+def make(tmp_path, procs=None, rules=None, actions=("file", "event"), kill=None):
+    sent_signals = []
+    w = HbmWatch(rules or {"default": Rule()}, lambda: procs if procs is not None else {os.getpid(): {"gpu0"}},
+                 actions=actions, request_dir=str(tmp_path / "req"), group_by="pid",
+                 kill=kill or (lambda pid, sig: sent_signals.append((pid, sig))))
+    return w, sent_signals
+
+
+def feed(w, ss):
+    fired_at = []
+    for s in ss:
+        evs = w.observe([s])
+        fired_at += [(s.time_ns // S, e) for e in evs]
+    return fired_at
+
+
+def test_fires_once_after_the_window_at_or_above_the_threshold(tmp_path):
+    w, _ = make(tmp_path)
+    # 0.85 exactly counts as "at or above"; crossed at t=102, window 5 s -> fires at t=107.
+    fired = feed(w, samples([0.4, 0.5, 0.85, 0.9, 0.92, 0.92, 0.92, 0.92, 0.92, 0.92, 0.92]))
+    assert [t for t, _ in fired] == [107]
+    ev = fired[0][1]
+    assert ev.type == "checkpoint_request" and ev.device == "gpu0"
+    assert ev.attributes["pids"] == str(os.getpid()) and ev.attributes["threshold"] == "0.85"
+    req = json.loads((tmp_path / "req" / f"{ev.id}.json").read_text())
+    assert req["accelerator"] == "gpu0" and req["value"] == 0.92 and req["window_s"] == 5.0
+    assert req["crossed_time"] == 102.0 and req["pids"] == [os.getpid()]
+
+
+def test_a_dip_below_the_threshold_inside_the_window_restarts_it(tmp_path):
+    w, _ = make(tmp_path)
+    # above from 101, dips below the lower mark at 104 for one second, above again from 105
+    fired = feed(w, samples([0.4, 0.9, 0.9, 0.9, 0.7, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]))
+    assert [t for t, _ in fired] == [110]
+
+
+def test_missing_samples_are_not_below_the_threshold(tmp_path):
+    w, _ = make(tmp_path)
+    fired = feed(w, samples([0.9, 0.9, None, None, 0.9, 0.9, 0.9]))
+    assert [t for t, _ in fired] == [105]
+
+
+def test_a_gap_longer_than_the_window_starts_the_window_again(tmp_path):
+    w, _ = make(tmp_path)
+    fired = feed(w, samples([0.9, 0.9] + [None] * 6 + [0.9] * 7))
+    # last known above at 101; next sample at 108, 7 s later: window restarts at 108 -> fires at 113
+    assert [t for t, _ in fired] == [113]
+
+
+def test_rearms_only_below_the_lower_mark_and_cooldown_per_job(tmp_path):
+    w, _ = make(tmp_path, rules={"default": Rule(window_s=2, cooldown_s=20)})
+    seq = [0.9, 0.9, 0.9,        # fires at 102
+           0.8, 0.9, 0.9, 0.9,   # 0.8 is below the threshold but above the lower mark: not re-armed
+           0.5,                  # re-armed at 107
+           0.9, 0.9, 0.9,        # would fire at 110: inside the job's 20 s cooldown -> nothing
+           0.5] + [0.5] * 10 + [0.9, 0.9, 0.9]   # 122..: cooldown over -> fires at 124
+    fired = feed(w, samples(seq))
+    assert [t for t, _ in fired] == [102, 124]
+    assert w.suppressed == 1 and w.fired == 2
+
+
+def test_per_vendor_rules(tmp_path):
+    w, _ = make(tmp_path, procs={1: {"gpu0"}, 2: {"npu0-0"}},
+                rules={"default": Rule(threshold=0.85, window_s=2), "nvidia": Rule(threshold=0.7, window_s=2)})
+    fired = feed(w, samples([0.75] * 4, "gpu0", "nvidia") + samples([0.75] * 4, "npu0-0", "huawei"))
+    assert [(t, e.device) for t, e in fired] == [(102, "gpu0")]
+
+
+def test_signal_action_reaches_every_process_of_the_job_once(tmp_path):
+    w, sent = make(tmp_path, procs={11: {"gpu0"}, 12: {"gpu0", "gpu1"}, 13: {"gpu1"}}, actions=("signal",))
+    w.group_by = "pid"
+    feed(w, samples([0.9] * 7))
+    assert sorted(sent) == [(11, signal.SIGUSR1), (12, signal.SIGUSR1)]
+    assert {r.job for r in w.sent} == {"pid:11", "pid:12"}
+
+
+def test_no_process_on_the_accelerator_sends_nothing(tmp_path):
+    w, sent = make(tmp_path, procs={})
+    assert feed(w, samples([0.9] * 7)) == [] and sent == []
+
+
+def test_jobs_group_by_process_group_and_container_cgroup(tmp_path):
+    proc = tmp_path / "proc"
+    for pid, cg in ((100, "0::/kubepods.slice/pod-a/cri-containerd-1.scope"),
+                    (101, "0::/kubepods.slice/pod-a/cri-containerd-1.scope"),
+                    (102, "0::/kubepods.slice/pod-b/cri-containerd-2.scope")):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "cgroup").write_text(cg + "\n")
+    jobs = group_jobs([100, 101, 102], "auto", str(proc))
+    assert jobs == {"cgroup:/kubepods.slice/pod-a/cri-containerd-1.scope": [100, 101],
+                    "cgroup:/kubepods.slice/pod-b/cri-containerd-2.scope": [102]}
+    # Outside containers and services (a login session's cgroup), the process group.
+    me = os.getpid()
+    (proc / str(me)).mkdir()
+    (proc / str(me) / "cgroup").write_text("0::/user.slice/user-0.slice/session-1.scope\n")
+    assert group_jobs([me], "auto", str(proc)) == {f"pgid:{os.getpgid(0)}": [me]}
+    assert group_jobs([me], "cgroup", str(proc)) == {"cgroup:/user.slice/user-0.slice/session-1.scope": [me]}
