@@ -39,9 +39,9 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def sample_to_proto(s: Sample) -> pb.Sample:
+def sample_to_proto(s: Sample, series_ref: int = 0) -> pb.Sample:
     m = pb.Sample(name=s.name, unit=s.unit, kind=KINDS[s.kind], labels=s.labels, value=s.value,
-                  time_unix_nano=s.time_ns)
+                  time_unix_nano=s.time_ns, series_ref=series_ref)
     if s.kind == HISTOGRAM:
         m.histogram.bounds.extend(s.bounds)
         m.histogram.counts.extend(s.counts)
@@ -93,6 +93,7 @@ class StreamClient:
         self._events: list[Event] = []
         self._pending: collections.OrderedDict[int, pb.Batch] = collections.OrderedDict()
         self._seq = 0
+        self._refs: dict[tuple, int] = {}  # series (name, labels) -> series_ref, for this boot
         self._sent_upto = 0                # highest seq handed to the current connection
         self._inventory_dirty = False
         self._stop = threading.Event()
@@ -130,7 +131,7 @@ class StreamClient:
             self._seq += 1
             b = pb.Batch(node_id=self.node_id, boot_id=self.boot_id, seq=self._seq,
                          sent_unix_nano=time.time_ns())
-            b.samples.extend(sample_to_proto(s) for s in chunk)
+            b.samples.extend(sample_to_proto(s, self._ref(s)) for s in chunk)
             b.events.extend(event_to_proto(e) for e in events)
             self._pending[self._seq] = b
             while len(self._pending) > self.queue_batches:
@@ -142,6 +143,13 @@ class StreamClient:
                                 "%d samples lost so far", self.queue_batches, self.dropped_batches,
                                 self.dropped_samples)
         self._cond.notify_all()
+
+    def _ref(self, s: Sample) -> int:
+        key = (s.name, tuple(sorted(s.labels.items())))
+        ref = self._refs.get(key)
+        if ref is None:
+            ref = self._refs[key] = len(self._refs) + 1
+        return ref
 
     def pending(self) -> int:
         with self._cond:

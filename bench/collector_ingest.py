@@ -47,6 +47,9 @@ import uuid
 GOAL_BATCHES_S = 2000.0
 GOAL_P99_MS = 100.0
 DEVICES = 8
+# Without series_ref the collector reads every sample's labels (the slow path); set by --no-series-ref
+# through the environment so that spawned load-generator processes see it too.
+NO_SERIES_REF = os.environ.get("XPUSENSE_BENCH_NO_SERIES_REF") == "1"
 
 # 20 series per device: (name, unit, kind) with kind "g" gauge / "c" counter (running total).
 SERIES = [
@@ -132,7 +135,8 @@ class SimAgent:
         rng = random.Random(index)
         for d in range(DEVICES):
             for name, unit, kind in SERIES:
-                s = b.samples.add(name=name, unit=unit, kind=kinds[kind], labels={"device": str(d), "vendor": vendor})
+                s = b.samples.add(name=name, unit=unit, kind=kinds[kind], labels={"device": str(d), "vendor": vendor},
+                                  series_ref=0 if NO_SERIES_REF else len(b.samples) + 1)
                 if kind == "c":
                     s.value = rng.uniform(1e6, 1e9)
                     self.counters.append((s, rng.uniform(1.0, 1e6)))
@@ -340,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-s", type=float, default=5.0, help="sending before the window (default 5)")
     p.add_argument("--procs", type=int, default=0, help="load-generator processes (default min(agents, 8))")
     p.add_argument("--collector-cpu", type=int, default=0, help="the one CPU the collector runs on (default 0)")
+    p.add_argument("--no-series-ref", action="store_true",
+                   help="send samples without series_ref (the collector then keys every sample by its labels)")
     p.add_argument("--profile", metavar="FILE", help="run the collector under cProfile, stats to FILE")
     p.add_argument("--collector-cmd", metavar="CMD",
                    help="another collector build to measure (default: xpusense-collector); "
@@ -373,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {col_cpu})
         raise_nofile()
 
+    if args.no_series_ref:
+        os.environ["XPUSENSE_BENCH_NO_SERIES_REF"] = "1"
     ctx = mp.get_context("spawn")
     collector = None
     workers: list = []

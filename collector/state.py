@@ -52,6 +52,7 @@ class NodeState:
         self.inventory = pb.Inventory()
         self.stored_up_to: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.series: dict[tuple, Series] = {}
+        self.refs: dict[str, dict[int, Series]] = {}   # boot -> the agent's series_ref -> series
         self.events: collections.deque = collections.deque(maxlen=events_kept)
         self.batches_stored = 0
         self.batches_duplicate = 0
@@ -86,7 +87,8 @@ class FleetState:
         n.stored_up_to.setdefault(hello.boot_id, self.known_marks.get((hello.node_id, hello.boot_id), 0))
         n.stored_up_to.move_to_end(hello.boot_id)
         while len(n.stored_up_to) > MAX_BOOTS_REMEMBERED:
-            n.stored_up_to.popitem(last=False)
+            old, _ = n.stored_up_to.popitem(last=False)
+            n.refs.pop(old, None)
         return pb.Welcome(boot_id=hello.boot_id, stored_up_to=n.stored_up_to[hello.boot_id])
 
     def set_inventory(self, node_id: str, inv: pb.Inventory) -> None:
@@ -113,11 +115,20 @@ class FleetState:
         n.stored_up_to[batch.boot_id] = batch.seq
         n.batches_stored += 1
         series = n.series
+        refs = n.refs.get(batch.boot_id)
+        if refs is None:
+            refs = n.refs[batch.boot_id] = {}
         for s in batch.samples:
-            key = (s.name, tuple(sorted(s.labels.items())))
-            ser = series.get(key)
+            # Reading a protobuf map from Python is the costly part of ingest: do it once per series.
+            ref = s.series_ref
+            ser = refs.get(ref) if ref else None
             if ser is None:
-                ser = series[key] = Series(s, self.history_points)
+                key = (s.name, tuple(sorted(s.labels.items())))
+                ser = series.get(key)
+                if ser is None:
+                    ser = series[key] = Series(s, self.history_points)
+                if ref:
+                    refs[ref] = ser
             t = s.time_unix_nano
             if t >= ser.time_ns:   # an older point (agent clock stepped back) only joins the history
                 ser.prev_value, ser.prev_time_ns = ser.value, ser.time_ns

@@ -81,7 +81,7 @@ class Histogram(_message.Message):
     def __init__(self, bounds: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("name", "unit", "kind", "labels", "value", "time_unix_nano", "histogram")
+    __slots__ = ("name", "unit", "kind", "labels", "value", "time_unix_nano", "histogram", "series_ref")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class Sample(_message.Message):
     VALUE_FIELD_NUMBER: _ClassVar[int]
     TIME_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    SERIES_REF_FIELD_NUMBER: _ClassVar[int]
     name: str
     unit: str
     kind: MetricKind
@@ -103,7 +104,8 @@ class Sample(_message.Message):
     value: float
     time_unix_nano: int
     histogram: Histogram
-    def __init__(self, name: _Optional[str] = ..., unit: _Optional[str] = ..., kind: _Optional[_Union[MetricKind, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ..., time_unix_nano: _Optional[int] = ..., histogram: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...
+    series_ref: int
+    def __init__(self, name: _Optional[str] = ..., unit: _Optional[str] = ..., kind: _Optional[_Union[MetricKind, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ..., time_unix_nano: _Optional[int] = ..., histogram: _Optional[_Union[Histogram, _Mapping]] = ..., series_ref: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("id", "type", "severity", "device", "message", "attributes", "time_unix_nano")
