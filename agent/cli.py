@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def common(sp):
         sp.add_argument("--config", help="TOML config file (env XPUSENSE_CONFIG)")
+        sp.add_argument("--npu-smi", metavar="PATH", help="the npu-smi executable ([sources.npu_smi] path)")
 
     r = sub.add_parser("run", help="measure this node and stream to the collector")
     common(r)
@@ -41,9 +42,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     path = args.config or os.environ.get("XPUSENSE_CONFIG")
-    flags = {}
+    flags = {"sources.npu_smi.path": args.npu_smi}
     if args.cmd == "run":
-        flags = {"collector.address": args.collector, "node_id": args.node_id, "log_level": args.log_level}
+        flags.update({"collector.address": args.collector, "node_id": args.node_id, "log_level": args.log_level})
     try:
         cfg = load_agent(path, flags)
         if args.cmd == "run":

@@ -134,6 +134,14 @@ AGENT_SCHEMA: dict[str, Any] = {
             "events": Key(bool, True, help="watch XID and ECC events"),
             "event_wait_ms": Key(int, 500, positive),
         },
+        "npu_smi": {
+            "enabled": Key(bool, True),
+            "path": Key(str, "", help="npu-smi executable (default: the driver's install dirs, then PATH)"),
+            "timeout_s": Key((int, float), 0.6, positive, help="budget of one realtime round of calls"),
+            "offline_timeout_s": Key((int, float), 10.0, positive),
+            "setup_timeout_s": Key((int, float), 15.0, positive),
+            "max_workers": Key(int, 8, positive, help="npu-smi calls run at once"),
+        },
     },
 }
 

@@ -16,6 +16,7 @@ from .hbm_watch import HbmWatch, Rule
 from .sources.agent_self import AgentSelfSource
 from .sources.base import Source
 from .sources.host import HostSource
+from .sources.npu_smi import NpuSmiSource
 from .sources.nvml import NvmlSource
 from .stream import StreamClient
 from .tiers import SourceState, TierLoop, periods_from_config, setup_sources
@@ -33,6 +34,10 @@ def build_sources(cfg) -> list[Source]:
     n = cfg.sources.nvml
     if n.enabled:
         out.append(NvmlSource(events=n.events, event_wait_ms=n.event_wait_ms, gpm=n.gpm))
+    a = cfg.sources.npu_smi
+    if a.enabled:
+        out.append(NpuSmiSource(path=a.path, timeout_s=a.timeout_s, max_workers=a.max_workers,
+                                offline_timeout_s=a.offline_timeout_s, setup_timeout_s=a.setup_timeout_s))
     return out
 
 
@@ -87,9 +92,15 @@ def process_map(states: list[SourceState]) -> dict[int, set[str]]:
     out: dict[int, set[str]] = {}
     for st in states:
         fn = getattr(st.source, "processes", None)
-        if st.state == "running" and fn is not None:
-            for pid, devs in fn().items():
-                out.setdefault(pid, set()).update(devs)
+        if st.state != "running" or fn is None:
+            continue
+        try:
+            found = fn()
+        except Exception as e:  # a request for the other accelerators must still go out
+            log.warning("source %s: cannot list accelerator processes: %s", st.name, e)
+            continue
+        for pid, devs in found.items():
+            out.setdefault(pid, set()).update(devs)
     return out
 
 

@@ -13,7 +13,7 @@ outputs (keys by name), and the `*_samples()` functions turn parsed output into 
 docs/metrics.md. Text that is not understood raises `ParseError` naming the command and the first
 line it could not read, with what could be read in `.partial`.
 
-Static facts npu-smi does not print (cube units, HCCS bandwidth) come from `catalog_npu.toml`.
+Static facts npu-smi does not print (cube units, HCCS bandwidth) come from `agent/catalog/huawei.toml`.
 """
 
 from __future__ import annotations
@@ -30,17 +30,18 @@ import threading
 import time
 import tomllib
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
-from .base import COUNTER, GAUGE, OFFLINE, REALTIME, Event, Sample, Source, SourceError, Unavailable
+from .base import COUNTER, OFFLINE, REALTIME, Event, Sample, Source, SourceError, Unavailable
 
 log = logging.getLogger("xpusense.agent.sources.npu_smi")
 
 VENDOR = "huawei"
 # Where the Ascend driver package installs npu-smi (checked in this order, then PATH).
 DEFAULT_SEARCH_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/bin")
-CATALOG_PATH = Path(__file__).resolve().parent.parent / "catalog_npu.toml"
+CATALOG_PATH = Path(__file__).resolve().parent.parent / "catalog" / "huawei.toml"
 MIB = 1024 * 1024
+MAX_CHIPS_PER_NPU = 64  # a `Chip Count` above this is taken for garbage
 SKIPPED_METRIC = "xpusense.npu_smi.rounds.skipped"
 
 _NUMBER = re.compile(r"[-+]?[0-9]+(?:\.[0-9]+)?")
@@ -67,7 +68,7 @@ def parse_number(text: str | None) -> float | None:
     if text is None:
         return None
     t = text.strip()
-    if t.lower() in _MISSING or not _NUMBER.fullmatch(t):
+    if t.lower() in _MISSING or len(t) > 32 or not _NUMBER.fullmatch(t):
         return None
     return float(t)
 
@@ -378,7 +379,7 @@ def usages_samples(out: KvOutput, npu_id: int, known_chips: Iterable[int] = ()) 
             samples.append(Sample("hw.gpu.memory.limit", cap * MIB, "By", dict(labels)))
             if rate is not None:
                 samples.append(Sample("hw.gpu.memory.utilization", rate / 100.0, "1", dict(labels)))
-                samples.append(Sample("hw.gpu.memory.usage", round(cap * MIB * rate / 100.0), "By", dict(labels)))
+                samples.append(Sample("hw.gpu.memory.usage", float(round(cap * MIB * rate / 100.0)), "By", dict(labels)))
     return samples
 
 
@@ -1060,7 +1061,7 @@ class NpuSmiSource(Source):
             if npu.npu_id is None:
                 continue
             count = parse_number(npu.fields.get("Chip Count"))
-            for c in range(int(count) if count else 1):
+            for c in range(int(count) if count and 0 < count <= MAX_CHIPS_PER_NPU else 1):
                 chips.append(InfoChip(npu.npu_id, c))
         return chips
 
@@ -1082,7 +1083,9 @@ class NpuSmiSource(Source):
         self._reap()
         t0 = time.monotonic()
         deadline = t0 + budget_s
-        pool = self._pools[tier]
+        pool = self._pools.get(tier)
+        if pool is None:
+            raise SourceError("the npu-smi source is not set up (setup() failed or close() was called)")
         futures: dict[concurrent.futures.Future, tuple[tuple, list[str]]] = {}
         late: list[tuple] = []
         for key, args in jobs:
@@ -1091,7 +1094,10 @@ class NpuSmiSource(Source):
                 if prev is not None and not prev.done():  # last round's call still being killed
                     late.append(key)
                     continue
-                fut = pool.submit(self._run, args, deadline)
+                try:
+                    fut = pool.submit(self._run, args, deadline)
+                except RuntimeError:  # close() shut the pool down under us
+                    raise SourceError("the npu-smi source was closed during a round") from None
                 self._inflight[key] = fut
             futures[fut] = (key, args)
         _, not_done = concurrent.futures.wait(futures, timeout=max(0.0, deadline - time.monotonic()) + KILL_GRACE_S)
@@ -1179,8 +1185,8 @@ class NpuSmiSource(Source):
             out, self._events = self._events, []
         return out
 
-    def processes(self) -> dict[int, str]:
-        """pid -> device (`npu<N>-<chip>`) of the processes npu-smi's table lists, read now."""
+    def processes(self) -> dict[int, set[str]]:
+        """pid -> devices (`npu<N>-<chip>`) of the processes npu-smi's table lists, read now."""
         try:
             text = self._run(["info"], time.monotonic() + self.offline_timeout_s)
         except _TimedOut:
@@ -1194,7 +1200,7 @@ class NpuSmiSource(Source):
             log.warning("npu-smi: %s (using the %d processes read)", e, len(table.processes))
         with self._lock:
             self._pids = table.pids()
-            return dict(self._pids)
+            return {pid: {dev} for pid, dev in self._pids.items()}
 
     def inventory(self) -> list[dict]:
         with self._lock:
