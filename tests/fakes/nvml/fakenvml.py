@@ -1,0 +1,116 @@
+"""Builds the fake libnvidia-ml.so.1 (fake_nvml.c, beside this file) and the environment that plays a scenario.
+
+    libdir = fakenvml.build(tmp_dir)                       # compiles once; reused while the C is unchanged
+    env = fakenvml.env(libdir, fakenvml.scenario("h100x8"), t0=fakenvml.t0_at(8.0))
+    subprocess.run([sys.executable, "-c", "import pynvml; ..."], env=env)
+
+The scenario format and the environment variables are described in README.md beside this file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "fake_nvml.c"
+BUILD_SH = HERE / "build.sh"
+SCENARIOS = HERE / "scenarios"
+LIBNAME = "libnvidia-ml.so.1"
+_STAMP = ".fake_nvml.sha256"
+_VARS = ("FAKE_NVML_SCENARIO", "FAKE_NVML_T0", "FAKE_NVML_PROCS", "FAKE_NVML_CALLS")
+
+
+class BuildError(RuntimeError):
+    """The fake library could not be compiled (no C compiler, or the compiler failed)."""
+
+
+def compiler() -> str | None:
+    """Path of the C compiler build.sh will use ($CC, default cc), or None when there is none."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _digest() -> str:
+    h = hashlib.sha256()
+    for p in (SOURCE, BUILD_SH):
+        h.update(p.read_bytes())
+    h.update(os.environ.get("CC", "cc").encode())
+    return h.hexdigest()
+
+
+def build(outdir: str | os.PathLike) -> Path:
+    """Compile the fake into OUTDIR/libnvidia-ml.so.1 unless an up-to-date one is there; return OUTDIR.
+
+    Safe to call from several processes at once (a lock file in OUTDIR serialises them).
+    Raises BuildError with the compiler's output when it cannot build.
+    """
+    out = Path(outdir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    digest = _digest()
+    lib, stamp = out / LIBNAME, out / _STAMP
+    with open(out / ".fake_nvml.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists() and stamp.exists() and stamp.read_text() == digest:
+            return out
+        if compiler() is None:
+            raise BuildError(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH: install gcc "
+                             "(apt-get install gcc) or set CC to build the fake libnvidia-ml")
+        r = subprocess.run(["sh", str(BUILD_SH), str(out)], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise BuildError(f"building the fake libnvidia-ml failed:\n{r.stdout}{r.stderr}")
+        stamp.write_text(digest)
+    return out
+
+
+def scenario(name: str) -> Path:
+    """Path of a shipped scenario: scenario("h100x8") -> .../scenarios/h100x8.scn."""
+    p = SCENARIOS / (name if name.endswith(".scn") else name + ".scn")
+    if not p.exists():
+        raise FileNotFoundError(f"no scenario {p}; shipped: {sorted(x.stem for x in SCENARIOS.glob('*.scn'))}")
+    return p
+
+
+def t0_at(t: float) -> float:
+    """A FAKE_NVML_T0 that puts a process started now at second `t` of its scenario."""
+    return time.time() - t
+
+
+def env(libdir: str | os.PathLike, scenario_path: str | os.PathLike, t0: float | None = None, *,
+        procs: str | os.PathLike | None = None, calls: str | os.PathLike | None = None,
+        base: dict | None = None) -> dict:
+    """A complete environment for a subprocess that loads the fake through pynvml.
+
+    `base` (default os.environ) is copied; libdir goes first on LD_LIBRARY_PATH; FAKE_NVML_SCENARIO
+    names the scenario; t0 (unix time of scenario second 0) sets FAKE_NVML_T0, else the library
+    starts its clock at its first nvmlInit; procs sets FAKE_NVML_PROCS (processes file re-read on
+    every call); calls sets FAKE_NVML_CALLS (per-function call counts written there). FAKE_NVML_*
+    variables not given here are removed, so an outer setting never leaks into a test.
+    """
+    e = dict(os.environ if base is None else base)
+    for k in _VARS:
+        e.pop(k, None)
+    old = e.get("LD_LIBRARY_PATH")
+    e["LD_LIBRARY_PATH"] = str(Path(libdir).resolve()) + (os.pathsep + old if old else "")
+    e["FAKE_NVML_SCENARIO"] = str(Path(scenario_path).resolve())
+    if t0 is not None:
+        e["FAKE_NVML_T0"] = repr(float(t0))
+    if procs is not None:
+        e["FAKE_NVML_PROCS"] = str(Path(procs).resolve())
+    if calls is not None:
+        e["FAKE_NVML_CALLS"] = str(Path(calls).resolve())
+    return e
+
+
+def read_calls(path: str | os.PathLike) -> dict[str, int]:
+    """The per-function call counts the library wrote to FAKE_NVML_CALLS ("_total" included)."""
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        name, _, n = line.partition(" ")
+        if n:
+            out[name] = int(n)
+    return out
