@@ -215,8 +215,6 @@ class NvmlSource(Source):
         self._event_set = None
         self._event_thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._processes: dict[int, set[str]] = {}
 
     # -- setup ---------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -332,20 +330,16 @@ class NvmlSource(Source):
     # -- rounds --------------------------------------------------------------------------------------
     def collect(self, tier: str) -> list[Sample]:
         out: list[Sample] = []
-        pids: dict[int, set[str]] = {}
         for g in self.gpus:
             if g.lost:
                 continue
             try:
-                out += self._collect_gpu(g, tier, pids)
+                out += self._collect_gpu(g, tier)
             except self.nv.NVMLError as e:
                 if getattr(e, "value", None) == self.nv.NVML_ERROR_GPU_IS_LOST:
                     self._lose(g, str(e))
                 else:
                     raise
-        if tier == NEARLINE:
-            with self._lock:
-                self._processes = pids
         if tier == OFFLINE:
             out += [Sample("xpusense.accelerator.health", 0.0 if g.lost else 1.0, "1",
                            {**g.labels, "status": "lost" if g.lost else "ok"}) for g in self.gpus]
@@ -363,7 +357,7 @@ class NvmlSource(Source):
                      {"vendor": VENDOR, "status": "lost", "uuid": g.info.get("uuid", ""),
                       "pci_bus_id": g.info.get("pci_bus_id", "")}, time.time_ns())
 
-    def _collect_gpu(self, g: Gpu, tier: str, pids: dict[int, set[str]]) -> list[Sample]:
+    def _collect_gpu(self, g: Gpu, tier: str) -> list[Sample]:
         nv = self.nv
         cache: dict[str, Any] = {}
         out = []
@@ -388,7 +382,7 @@ class NvmlSource(Source):
             out += self._remapped(g)
             out += self._efficiency(g, cache.get("energy"))
         elif tier == NEARLINE:
-            out += self._process_samples(g, pids)
+            out += self._process_samples(g)
         return out
 
     def _gpm(self, g: Gpu) -> list[Sample]:
@@ -508,22 +502,29 @@ class NvmlSource(Source):
                        "TFLOP/J", dict(g.labels))]
 
     # -- processes -----------------------------------------------------------------------------------
-    def _process_samples(self, g: Gpu, pids: dict[int, set[str]]) -> list[Sample]:
+    def _process_samples(self, g: Gpu) -> list[Sample]:
         procs = self._try(g, "processes", lambda: self._calls["processes"](g.handle))
         if procs is None:
             return []
         out = []
         for p in procs:
-            pids.setdefault(p.pid, set()).add(g.id)
             out.append(Sample("xpusense.accelerator.process.memory.usage", float(p.usedGpuMemory or 0), "By",
                               {**g.labels, "pid": str(p.pid)}))
         out.append(Sample("xpusense.accelerator.processes", float(len(procs)), "{process}", dict(g.labels)))
         return out
 
     def processes(self) -> dict[int, set[str]]:
-        """pid -> ids of the GPUs it uses, as of the last nearline round (the checkpoint watch uses it)."""
-        with self._lock:
-            return {pid: set(d) for pid, d in self._processes.items()}
+        """pid -> ids of the GPUs it uses, read now (the checkpoint watch asks when it fires)."""
+        pids: dict[int, set[str]] = {}
+        for g in self.gpus:
+            if g.lost or (g.id, "processes") in self.unsupported:
+                continue
+            try:
+                for p in self._calls["processes"](g.handle):
+                    pids.setdefault(p.pid, set()).add(g.id)
+            except self.nv.NVMLError as e:
+                log.warning("%s: cannot list its processes: %s", g.id, e)
+        return pids
 
     # -- events --------------------------------------------------------------------------------------
     def _start_events(self) -> None:

@@ -1,0 +1,165 @@
+"""The HBM bandwidth watch end to end: fake accelerator ramps, a real training process using the
+helper, the agent and the collector as real processes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+
+import grpc
+import pytest
+
+from helpers import BIN, ROOT, free_port, nodes_json, series, wait_until
+from xpusense.v1 import telemetry_pb2 as pb
+from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
+
+sys.path.insert(0, str(ROOT / "tests"))
+from fakes.nvml import fakenvml  # noqa: E402
+
+TRAIN = ROOT / "examples/train_with_checkpoint.py"
+NPU_FAKE = ROOT / "tests/fakes/npu-smi/npu-smi"
+NPU_SCENARIO = ROOT / "tests/fixtures/npu-smi/scenario-8x910B4"
+WINDOW_S = 5.0
+
+CONFIG = """
+[tiers]
+realtime_s = 1.0
+nearline_s = 15.0
+offline_s = 300.0
+[stream]
+flush_s = 0.05
+[hbm_watch]
+request_dir = "{req}"
+[sources.host]
+enabled = false
+"""
+
+
+@pytest.fixture(scope="module")
+def libdir(tmp_path_factory):
+    try:
+        return fakenvml.build(tmp_path_factory.mktemp("fakenvml"))
+    except fakenvml.BuildError as e:
+        pytest.skip(str(e))
+
+
+def ramp_scenario(tmp_path, keyframes: str):
+    text = fakenvml.scenario("ramp").read_text()
+    lines = [f"gpm_dram_bw_util = {keyframes}" if ln.startswith("gpm_dram_bw_util") else ln
+             for ln in text.splitlines()]
+    p = tmp_path / "ramp.scn"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def start_trainer(procs, tmp_path):
+    ckpt, req = tmp_path / "ckpt", tmp_path / "req"
+    req.mkdir()
+    trainer = procs([sys.executable, str(TRAIN), "--checkpoint-dir", str(ckpt), "--request-dir", str(req)], "trainer")
+    wait_until(lambda: "training (pid" in trainer.output(), what="the trainer to install its handler")
+    return trainer, ckpt, req
+
+
+def start_collector(procs):
+    addr = f"127.0.0.1:{free_port()}"
+    procs([str(BIN / "xpusense-collector"), "serve", "--listen", addr], "collector")
+    wait_until(lambda: nodes_json(addr) is not None, what="collector")
+    return addr
+
+
+def history(addr, node, name, labels):
+    with grpc.insecure_channel(addr) as ch:
+        r = pb_grpc.QueryStub(ch).GetHistory(pb.HistoryRequest(node_id=node, name=name, labels=labels), timeout=5)
+    return [(p.time_unix_nano / 1e9, p.value) for p in r.points]
+
+
+def checkpoints(ckpt):
+    return sorted(json.loads(p.read_text()) for p in ckpt.glob("ckpt-*.json")) if ckpt.exists() else []
+
+
+def requests(req):
+    return [json.loads(p.read_text()) for p in req.glob("*.json") if not p.name.endswith(".done.json")]
+
+
+def run_agent(procs, tmp_path, addr, req, env, extra=()):
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(CONFIG.format(req=req))
+    return procs([str(BIN / "xpusense-agent"), "run", "--config", str(cfg), "--collector", addr,
+                  "--node-id", "watch-node", *extra], "agent", env=env)
+
+
+def test_nvml_ramp_one_request_checkpoint_in_time_second_ramp_in_cooldown(libdir, procs, tmp_path):
+    trainer, ckpt, req = start_trainer(procs, tmp_path)
+    (tmp_path / "procs").write_text(f"0 {trainer.p.pid} 8589934592\n")
+    # 40% -> 92% at t=5 for 8 s -> 40%; again 92% from t=15 to 23 (inside the 10 min cooldown).
+    scn = ramp_scenario(tmp_path, "0:40 5:40 5:92 13:92 13:40 15:40 15:92 23:92 23:40")
+    t0 = time.time() - 2.0
+    addr = start_collector(procs)
+    agent = run_agent(procs, tmp_path, addr, req,
+                      fakenvml.env(libdir, scn, t0=t0, procs=tmp_path / "procs"))
+
+    wait_until(lambda: checkpoints(ckpt), timeout_s=30, what="the trainer's checkpoint")
+    labels = {"device": "gpu0", "vendor": "nvidia"}
+    name = "xpusense.accelerator.hbm.bandwidth.utilization"
+    # Wait past the second ramp (the value back at 40% after t=23), then count.
+    wait_until(lambda: any(t > t0 + 24 and v < 0.5 for t, v in history(addr, "watch-node", name, labels)),
+               timeout_s=40, what="the end of the second ramp")
+    cps, reqs = checkpoints(ckpt), requests(req)
+    assert len(reqs) == 1 and len(cps) == 1, (reqs, cps)
+    r, cp = reqs[0], cps[0]
+    assert cp["request"] == r["id"] and r["pids"] == [trainer.p.pid] and r["accelerator"] == "gpu0"
+    # Crossed: the first 1 s sample at or above 85%, as the collector stored it.
+    crossed = next(t for t, v in history(addr, "watch-node", name, labels) if v >= 0.85)
+    assert r["crossed_time"] == pytest.approx(crossed, abs=1e-6)
+    assert crossed + WINDOW_S <= cp["time"] <= crossed + WINDOW_S + 1.5
+    node = next(n for n in nodes_json(addr)["nodes"] if n["node_id"] == "watch-node")
+    evs = [e for e in node["events"] if e["type"] == "checkpoint_request"]
+    assert [e["attributes"]["request_id"] for e in evs] == [r["id"]] and evs[0]["device"] == "gpu0"
+    assert "in cooldown" in agent.output()
+    assert "checkpoint request " + r["id"] in agent.output()  # said at info level, with what was sent
+
+
+def test_dip_below_the_lower_mark_inside_the_window_does_not_fire_early(libdir, procs, tmp_path):
+    trainer, ckpt, req = start_trainer(procs, tmp_path)
+    (tmp_path / "procs").write_text(f"0 {trainer.p.pid} 8589934592\n")
+    # above from t=5, one second at 60% at t=7..8, above again until 16
+    scn = ramp_scenario(tmp_path, "0:40 5:40 5:92 7:92 7:60 8:60 8:92 16:92 16:40")
+    t0 = time.time() - 2.0
+    addr = start_collector(procs)
+    run_agent(procs, tmp_path, addr, req, fakenvml.env(libdir, scn, t0=t0, procs=tmp_path / "procs"))
+    wait_until(lambda: checkpoints(ckpt), timeout_s=30, what="the checkpoint")
+    r = requests(req)[0]
+    # The window restarted after the dip: crossed no earlier than t=8, fired no earlier than t=13.
+    assert r["crossed_time"] >= t0 + 8.0
+    assert checkpoints(ckpt)[0]["time"] >= t0 + 13.0
+
+
+def test_npu_smi_ramp_sends_one_request(procs, tmp_path):
+    trainer, ckpt, req = start_trainer(procs, tmp_path)
+    scenario = tmp_path / "scenario"
+    shutil.copytree(NPU_SCENARIO, scenario)
+    info = (scenario / "info.txt").read_text().replace(
+        "| No running processes found in NPU 0                                                            |",
+        f"| 0       0                 | {trainer.p.pid:<13} | python3                  | 2048                    |")
+    (scenario / "info.txt").write_text(info)
+    t0 = time.time() + 2.0
+    (scenario / "ramp.json").write_text(json.dumps({"type": "usages", "key": "HBM Bandwidth Usage Rate(%)",
+                                                    "npus": [0], "points": [[0, 40], [0.01, 92], [8, 92], [8.01, 40]]}))
+    addr = start_collector(procs)
+    cfg_extra = ("--npu-smi", str(NPU_FAKE))
+    run_agent(procs, tmp_path, addr, req, {"FAKE_NPU_SMI_DIR": str(scenario), "FAKE_NPU_SMI_T0": repr(t0),
+                                           "LD_LIBRARY_PATH": "/nonexistent"}, cfg_extra)
+    wait_until(lambda: checkpoints(ckpt), timeout_s=30, what="the checkpoint on the NPU")
+    r = requests(req)[0]
+    assert r["accelerator"] == "npu0-0" and r["vendor"] == "huawei" and r["pids"] == [trainer.p.pid]
+    assert checkpoints(ckpt)[0]["time"] <= r["crossed_time"] + WINDOW_S + 1.5
+    node = wait_until(lambda: next((n for n in nodes_json(addr)["nodes"] if n["node_id"] == "watch-node"
+                                    and any(e["type"] == "checkpoint_request" for e in n["events"])), None),
+                      what="the event at the collector")
+    assert series(node, "xpusense.accelerator.hbm.bandwidth.utilization", device="npu0-0")
+    name, labels = "xpusense.accelerator.hbm.bandwidth.utilization", {"device": "npu0-0", "vendor": "huawei"}
+    wait_until(lambda: any(t > t0 + 9 and v < 0.5 for t, v in history(addr, "watch-node", name, labels)),
+               timeout_s=30, what="the end of the NPU ramp")
+    assert len(requests(req)) == 1 and len(checkpoints(ckpt)) == 1

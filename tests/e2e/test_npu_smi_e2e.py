@@ -1,0 +1,53 @@
+"""Agent + collector + the fake npu-smi playing an 8x Ascend 910B4 host."""
+
+from __future__ import annotations
+
+import shutil
+
+from helpers import BIN, ROOT, free_port, nodes_json, series, wait_until
+
+FAKE = ROOT / "tests/fakes/npu-smi/npu-smi"
+SCENARIO = ROOT / "tests/fixtures/npu-smi/scenario-8x910B4"
+
+CONFIG = """
+[tiers]
+realtime_s = 1.0
+nearline_s = 2.0
+offline_s = 2.0
+[stream]
+flush_s = 0.1
+[sources.npu_smi]
+timeout_s = 0.8
+[sources.nvml]
+enabled = false
+"""
+
+
+def test_nodes_shows_8_npus_with_utilisation_hbm_and_inventory(procs, tmp_path):
+    scenario = tmp_path / "scenario"
+    shutil.copytree(SCENARIO, scenario)
+    addr = f"127.0.0.1:{free_port()}"
+    procs([str(BIN / "xpusense-collector"), "serve", "--listen", addr], "collector")
+    wait_until(lambda: nodes_json(addr) is not None, what="collector")
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(CONFIG)
+    procs([str(BIN / "xpusense-agent"), "run", "--config", str(cfg), "--collector", addr, "--node-id", "npu-node",
+           "--npu-smi", str(FAKE)], "agent", env={"FAKE_NPU_SMI_DIR": str(scenario)})
+
+    def node():
+        n = next((n for n in nodes_json(addr)["nodes"] if n["node_id"] == "npu-node"), None)
+        return n if n and len(series(n, "xpusense.accelerator.hbm.bandwidth.utilization")) == 8 \
+            and series(n, "hw.power") else None
+
+    n = wait_until(node, timeout_s=30, what="8 NPUs at the collector")
+    devices = {f"npu{i}-0" for i in range(8)}
+    util = {s["labels"]["device"]: s["value"] for s in series(n, "hw.gpu.utilization", vendor="huawei")}
+    assert set(util) == devices and util["npu0-0"] == 0.10   # Aicore Usage Rate(%) 10 in usages-0.txt
+    bw = {s["labels"]["device"]: s["value"] for s in series(n, "xpusense.accelerator.hbm.bandwidth.utilization")}
+    assert bw["npu0-0"] == 0.03
+    limit = {s["labels"]["device"]: s["value"] for s in series(n, "hw.gpu.memory.limit")}
+    assert limit["npu0-0"] == 32768 * 2**20 and series(n, "hw.gpu.memory.limit")[0]["unit"] == "By"
+    npus = [r for r in n["inventory"]["resources"] if r["type"] == "NPU"]
+    assert {r["id"] for r in npus} == devices
+    assert {r["vendor"] for r in npus} == {"huawei"} and {r["model"] for r in npus} == {"Ascend-910B4"}
+    assert npus[0]["attributes"]["memory"] == "32GB"
