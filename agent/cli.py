@@ -94,9 +94,32 @@ def _inventory(cfg, args) -> int:
     return EXIT_OK
 
 
+def hbm_watch_row(cfg, states) -> dict:
+    """The HBM watch as a row of `sources`: which accelerators it follows, and why not the others."""
+    if not cfg.hbm_watch.enabled:
+        return {"name": "hbm-watch", "state": "disabled", "reason": "[hbm_watch] enabled = false", "tiers": []}
+    watched, not_watched = [], {}
+    for st in states:
+        cov = getattr(st.source, "hbm_watch_coverage", None)
+        if st.state == "running" and cov is not None:
+            for dev, why in cov().items():
+                if why:
+                    not_watched[dev] = why
+                else:
+                    watched.append(dev)
+    by_reason: dict[str, list[str]] = {}
+    for dev, why in not_watched.items():
+        by_reason.setdefault(why, []).append(dev)
+    reason = "; ".join(f"{', '.join(devs)}: {why}" for why, devs in by_reason.items())
+    if not watched and not reason:
+        reason = "no accelerator with HBM bandwidth data on this host (no GPU or NPU source runs)"
+    return {"name": "hbm-watch", "state": "running" if watched else "unavailable", "reason": reason,
+            "tiers": ["realtime"], "watched": watched, "not_watched": not_watched}
+
+
 def _sources(cfg, args) -> int:
     states = _with_sources(cfg)
-    rows = [st.as_dict() for st in states]
+    rows = [st.as_dict() for st in states] + [hbm_watch_row(cfg, states)]
     _close(states)
     known = {st.name for st in states}
     # Sources switched off in config are listed too, so the answer is complete.

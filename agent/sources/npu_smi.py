@@ -952,6 +952,7 @@ class NpuSmiSource(Source):
         self._events: list[Event] = []
         self._pids: dict[int, str] = {}
         self._notes: list[str] = []
+        self._hbm_bw: dict[str, bool] = {}   # device -> whether its usages output has HBM bandwidth
 
     # -- finding and running npu-smi ---------------------------------------------------------
 
@@ -1156,6 +1157,12 @@ class NpuSmiSource(Source):
                 readings += found
                 samples += health_samples(found)
         self._note_health(readings)
+        if tier == REALTIME:
+            with_bw = {x.labels["device"] for x in samples if x.name == "xpusense.accelerator.hbm.bandwidth.utilization"}
+            with self._lock:
+                for x in samples:
+                    if x.name == "hw.gpu.utilization":
+                        self._hbm_bw[x.labels["device"]] = x.labels["device"] in with_bw
         with self._lock:
             skipped = self._skipped[tier]
         samples.append(Sample(SKIPPED_METRIC, float(skipped), "{round}", {"tier": tier}, COUNTER))
@@ -1201,6 +1208,18 @@ class NpuSmiSource(Source):
         with self._lock:
             self._pids = table.pids()
             return {pid: {dev} for pid, dev in self._pids.items()}
+
+    def hbm_watch_coverage(self) -> dict[str, str]:
+        """device -> '' when the HBM watch can follow it, else why not (reads one round if needed)."""
+        if not self._hbm_bw:
+            try:
+                self.collect(REALTIME)
+            except SourceError:
+                pass  # what could be read was recorded
+        with self._lock:
+            return {dev: "" if has else "npu-smi prints no `HBM Bandwidth Usage Rate(%)` for this chip "
+                                        "(310/310P report DDR bandwidth only)"
+                    for dev, has in sorted(self._hbm_bw.items())}
 
     def inventory(self) -> list[dict]:
         with self._lock:

@@ -620,6 +620,10 @@ class NvmlSource(Source):
                         "interconnects": [{"type": "NVLink", "bandwidth": bw}] if bw else []})
         return res
 
+    def hbm_watch_coverage(self) -> dict[str, str]:
+        """device -> '' when the HBM watch can follow it, else why not."""
+        return {g.id: "" if g.gpm and not g.lost else (g.gpm_reason or "GPU lost") for g in self.gpus}
+
     def describe(self) -> dict:
         return {
             "devices": [f"{g.id}: {g.name}" + (" (lost)" if g.lost else "") for g in self.gpus],

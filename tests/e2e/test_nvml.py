@@ -112,6 +112,18 @@ def test_lost_gpu_gives_a_health_event_and_the_other_goes_on(libdir):
     assert out["describe"]["devices"] == ["gpu0: NVIDIA H100 80GB HBM3", "gpu1: NVIDIA H100 80GB HBM3 (lost)"]
 
 
+@pytest.mark.parametrize("scenario,state,watched", [("a100x4", "unavailable", []),
+                                                    ("h100x8", "running", [f"gpu{i}" for i in range(8)])])
+def test_sources_says_which_gpus_the_hbm_watch_follows(libdir, scenario, state, watched):
+    r = subprocess.run([str(BIN / "xpusense-agent"), "sources", "--format", "json"], capture_output=True, text=True,
+                       timeout=30, env=fakenvml.env(libdir, fakenvml.scenario(scenario)))
+    rows = {x["name"]: x for x in json.loads(r.stdout)}
+    watch = rows["hbm-watch"]
+    assert watch["state"] == state and watch["watched"] == watched
+    if not watched:
+        assert watch["reason"].startswith("gpu0, gpu1, gpu2, gpu3: GPM is not supported on NVIDIA A100")
+
+
 def test_no_library_means_unavailable_with_the_reason():
     r = subprocess.run([str(BIN / "xpusense-agent"), "sources", "--format", "json"], capture_output=True, text=True,
                        timeout=30, env={"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/nonexistent"})
