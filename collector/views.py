@@ -8,7 +8,7 @@ import math
 from xpusense.v1 import telemetry_pb2 as pb
 
 KIND_NAMES = {pb.GAUGE: "gauge", pb.COUNTER: "counter", pb.HISTOGRAM: "histogram"}
-ACCEL_PREFIXES = ("hw.gpu.", "hw.npu.", "xpusense.accelerator.")
+ACCEL_PREFIXES = ("hw.gpu.", "hw.power", "hw.temperature", "xpusense.accelerator.")
 
 
 def _iso(ns: int) -> str | None:
@@ -106,7 +106,10 @@ def accelerators(node: dict) -> list[dict]:
         if s["name"].startswith(ACCEL_PREFIXES) and "device" in s["labels"]:
             d = devs.setdefault(s["labels"]["device"], {"device": s["labels"]["device"],
                                                        "vendor": s["labels"].get("vendor", ""), "model": ""})
-            d.setdefault("series", {})[s["name"]] = s["value"]
+            if "pid" in s["labels"] or "mig_instance" in s["labels"]:
+                continue  # per-process and per-MIG-instance series are not the device's own
+            sensor = s["labels"].get("sensor")
+            d.setdefault("series", {})[s["name"] + (f"/{sensor}" if sensor else "")] = s["value"]
     rows = []
     for d in devs.values():
         v = d.get("series", {})
@@ -115,24 +118,26 @@ def accelerators(node: dict) -> list[dict]:
             "util": _fmt(v.get("hw.gpu.utilization"), ".0f", 100, "%"),
             "hbm_bw": _fmt(v.get("xpusense.accelerator.hbm.bandwidth.utilization"), ".0f", 100, "%"),
             "hbm": _fmt(v.get("hw.gpu.memory.utilization"), ".0f", 100, "%"),
-            "power": _fmt(v.get("hw.gpu.power"), ".0f", 1, "W"),
-            "temp": _fmt(v.get("hw.gpu.temperature"), ".0f", 1, "C"),
+            "power": _fmt(v.get("hw.power"), ".0f", 1, "W"),
+            "temp": _fmt(v.get("hw.temperature/chip"), ".0f", 1, "C"),
         })
     return rows
 
 
 def render_table(nodes: list[dict], width: int = 120) -> str:
-    lines = [f"{'NODE':<24} {'STATE':<9} {'SEEN':>6} {'CPU':>5} {'MEM':>5} {'NET RX':>9} {'NET TX':>9}  ACCELERATORS"]
+    lines = [f"{'NODE':<22} {'STATE':<6} {'SEEN':>5} {'CPU':>5} {'MEM':>5} {'NET RX':>9} {'NET TX':>9} {'ACCEL':>5}"]
     for n in nodes:
         state = "down" if not n["connected"] else ("stale" if n["stale"] else "up")
         age = "-" if n["last_seen_age_s"] is None else f"{n['last_seen_age_s']:.0f}s"
         h = host_line(n)
         accs = accelerators(n)
-        lines.append(f"{n['node_id'][:24]:<24} {state:<9} {age:>6} {h['cpu']:>5} {h['mem']:>5} "
-                     f"{h['rx']:>9} {h['tx']:>9}  {len(accs)}")
+        lines.append(f"{n['node_id'][:22]:<22} {state:<6} {age:>5} {h['cpu']:>5} {h['mem']:>5} "
+                     f"{h['rx']:>9} {h['tx']:>9} {len(accs):>5}")
+        if accs:
+            lines.append(f"  {'DEVICE':<8} {'MODEL':<16} {'UTIL':>5} {'HBM':>5} {'HBM-BW':>6} {'POWER':>6} {'TEMP':>5}")
         for a in accs:
-            lines.append(f"  {a['device'][:20]:<20} {a['vendor']:<7} {a['model'][:18]:<18} util {a['util']:>4}  "
-                         f"hbm {a['hbm']:>4}  hbm-bw {a['hbm_bw']:>4}  {a['power']:>5} {a['temp']:>4}")
+            lines.append(f"  {a['device'][:8]:<8} {a['model'][:16]:<16} {a['util']:>5} {a['hbm']:>5} "
+                         f"{a['hbm_bw']:>6} {a['power']:>6} {a['temp']:>5}")
         recent = [e for e in n["events"] if e["type"] != "source_unavailable"][:3]
         for e in recent:
             lines.append(f"  ! {e['time'] or ''} {e['severity']} {e['type']} {e['device']} {e['message']}")
