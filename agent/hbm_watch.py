@@ -29,6 +29,9 @@ from .sources.base import Event, Sample
 log = logging.getLogger("xpusense.agent.hbm_watch")
 
 METRIC = "xpusense.accelerator.hbm.bandwidth.utilization"
+# Rounds of the 1 s tier are stamped when dispatched, a few ms either side of their deadline: a
+# 5 s window is met by the sample 5 periods after the crossing even when it lands 1 ms early.
+JITTER_NS = 50_000_000
 CONTAINER_HINTS = ("kubepods", "docker", "containerd", "cri-containerd", "crio", "libpod", "lxc", ".service")
 
 
@@ -178,7 +181,7 @@ class HbmWatch:
             return None
         if tr.above_since_ns is None or (gap_ns is not None and gap_ns > rule.window_s * 1e9):
             tr.above_since_ns = t_ns
-        if t_ns - tr.above_since_ns >= rule.window_s * 1e9:
+        if t_ns - tr.above_since_ns >= rule.window_s * 1e9 - JITTER_NS:
             tr.armed = False
             return tr.above_since_ns
         return None

@@ -120,3 +120,10 @@ def test_jobs_group_by_process_group_and_container_cgroup(tmp_path):
     (proc / str(me) / "cgroup").write_text("0::/user.slice/user-0.slice/session-1.scope\n")
     assert group_jobs([me], "auto", str(proc)) == {f"pgid:{os.getpgid(0)}": [me]}
     assert group_jobs([me], "cgroup", str(proc)) == {"cgroup:/user.slice/user-0.slice/session-1.scope": [me]}
+
+
+def test_a_round_stamped_a_little_early_still_completes_the_window(tmp_path):
+    w, _ = make(tmp_path)
+    ss = samples([0.9] * 7)
+    ss[5].time_ns -= 2_000_000  # the sample due 5 s after the crossing lands 2 ms early
+    assert [t for t, _ in feed(w, ss)] == [104]  # its integer second is 104.998 -> fires there, not a round later
