@@ -124,15 +124,16 @@ def _sources(cfg, args) -> int:
     known = {st.name for st in states}
     # Sources switched off in config are listed too, so the answer is complete.
     for name, sect in vars(cfg.sources).items():
-        if name not in known and not sect.enabled:
+        enabled = sect.get("enabled", True) if isinstance(sect, dict) else sect.enabled
+        if name not in known and not enabled:
             rows.append({"name": name, "state": "disabled", "reason": f"[sources.{name}] enabled = false",
                          "tiers": []})
     if args.format == "json":
         print(json.dumps(rows, indent=2))
         return EXIT_OK
-    print(f"{'SOURCE':<12} {'STATE':<12} {'TIERS':<26} REASON")
+    print(f"{'SOURCE':<17} {'STATE':<12} {'TIERS':<26} REASON")
     for r in rows:
-        print(f"{r['name']:<12} {r['state']:<12} {','.join(r['tiers']):<26} {r['reason']}")
+        print(f"{r['name']:<17} {r['state']:<12} {','.join(r['tiers']):<26} {r['reason']}")
     return EXIT_OK
 
 

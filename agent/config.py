@@ -34,6 +34,10 @@ class Table(dict):
     """A table of free-form string keys and string values (e.g. node labels)."""
 
 
+class RawTable(dict):
+    """A table passed whole to the part that owns it, which checks it (e.g. [sources.ebpf])."""
+
+
 def positive(v: Any) -> str | None:
     return None if v > 0 else "must be greater than 0"
 
@@ -89,6 +93,15 @@ def _rule_keys(default: bool) -> dict[str, Key]:
     }
 
 
+def _ebpf_check(v: dict) -> str | None:
+    from .sources.ebpf import config_with_defaults  # the probes own their keys
+    try:
+        config_with_defaults(v)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 AGENT_SCHEMA: dict[str, Any] = {
     "node_id": Key(str, "", help="node id; default: the host name"),
     "log_level": Key(str, "info", log_level),
@@ -134,6 +147,8 @@ AGENT_SCHEMA: dict[str, Any] = {
             "events": Key(bool, True, help="watch XID and ECC events"),
             "event_wait_ms": Key(int, 500, positive),
         },
+        "ebpf": Key(RawTable, RawTable(), lambda v: _ebpf_check(v),
+                    help="eBPF probes: keys in docs/ebpf.md (enabled, probes, tc_interfaces, ...)"),
         "npu_smi": {
             "enabled": Key(bool, True),
             "path": Key(str, "", help="npu-smi executable (default: the driver's install dirs, then PATH)"),
@@ -158,6 +173,13 @@ def _check(schema: dict, data: dict, where: str, prefix: str = "") -> dict:
             if not isinstance(v, dict):
                 raise ConfigError(f"{where}: '{key}' must be a table")
             out[k] = _check(spec, v, where, key + ".")
+            continue
+        if spec.type is RawTable:
+            if not isinstance(v, dict):
+                raise ConfigError(f"{where}: '{key}' must be a table")
+            if spec.check and (why := spec.check(v)):
+                raise ConfigError(f"{where}: {why}")
+            out[k] = RawTable(v)
             continue
         if spec.type is Table:
             if not isinstance(v, dict) or not all(isinstance(x, (str, int, float)) for x in v.values()):
@@ -189,7 +211,8 @@ def _defaults(schema: dict) -> dict:
 def _merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(base[k], v) if isinstance(v, dict) and not isinstance(v, Table) and isinstance(base.get(k), dict) else v
+        deep = isinstance(v, dict) and not isinstance(v, (Table, RawTable)) and isinstance(base.get(k), dict)
+        out[k] = _merge(base[k], v) if deep else v
     return out
 
 
@@ -205,7 +228,7 @@ def _nest(dotted: dict[str, Any]) -> dict:
 
 
 def _namespace(d: dict) -> Any:
-    if isinstance(d, Table):
+    if isinstance(d, (Table, RawTable)):
         return dict(d)
     if isinstance(d, dict):
         return SimpleNamespace(**{k: _namespace(v) for k, v in d.items()})

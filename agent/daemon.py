@@ -34,6 +34,10 @@ def build_sources(cfg) -> list[Source]:
     n = cfg.sources.nvml
     if n.enabled:
         out.append(NvmlSource(events=n.events, event_wait_ms=n.event_wait_ms, gpm=n.gpm))
+    e = cfg.sources.ebpf
+    if e.get("enabled", True):
+        from .sources.ebpf import build_ebpf_sources
+        out.extend(build_ebpf_sources(e))
     a = cfg.sources.npu_smi
     if a.enabled:
         out.append(NpuSmiSource(path=a.path, timeout_s=a.timeout_s, max_workers=a.max_workers,

@@ -76,7 +76,8 @@ def backoff_delays(initial_s: float, max_s: float, rng: random.Random | None = N
 class StreamClient:
     def __init__(self, address: str, node_id: str, boot_id: str, inventory: Callable[[], pb.Inventory],
                  queue_batches: int = 3600, flush_s: float = 0.2, max_samples_per_batch: int = 5000,
-                 backoff_initial_s: float = 0.2, backoff_max_s: float = 10.0, agent_version: str = ""):
+                 backoff_initial_s: float = 0.2, backoff_max_s: float = 10.0, agent_version: str = "",
+                 channel: Callable[[], grpc.Channel] | None = None):
         self.address = address
         self.node_id = node_id
         self.boot_id = boot_id
@@ -87,6 +88,8 @@ class StreamClient:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.agent_version = agent_version
+        # How to reach the collector (agent/tls.py builds mTLS / token channels); default plaintext.
+        self.make_channel = channel or (lambda: grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
 
         self._cond = threading.Condition()
         self._samples: list[Sample] = []
@@ -236,7 +239,7 @@ class StreamClient:
 
     def _sender(self) -> None:
         delays = backoff_delays(self.backoff_initial_s, self.backoff_max_s)
-        channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        channel = self.make_channel()
         stub = pb_grpc.IngestStub(channel)
         try:
             while not self._stop.is_set():

@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=60.0, help="measurement window after warm-up (default 60)")
     p.add_argument("--warmup-s", type=float, default=5.0, help="excluded from the CPU figure (default 5)")
     p.add_argument("--tiers-fast", action="store_true", help="nearline tier at 1 s instead of 15 s")
+    p.add_argument("--all-sources", action="store_true",
+                   help="every source this host has (eBPF probes included) instead of the host source alone")
     p.add_argument("--node-id", default=f"bench-agent-{os.getpid()}")
     args = p.parse_args(argv)
 
@@ -126,11 +128,14 @@ def main(argv: list[str] | None = None) -> int:
 
         cmd = tool("xpusense-agent") + ["run", "--collector", address, "--node-id", args.node_id,
                                        "--log-level", "warning"]
-        if args.tiers_fast:
-            cfg = os.path.join(tmp, "agent.toml")
-            with open(cfg, "w") as f:
+        cfg = os.path.join(tmp, "agent.toml")
+        with open(cfg, "w") as f:
+            if args.tiers_fast:
                 f.write("[tiers]\nnearline_s = 1.0\n")
-            cmd += ["--config", cfg]
+            if not args.all_sources:  # the goal is stated for the host source alone
+                f.write("[sources.nvml]\nenabled = false\n[sources.npu_smi]\nenabled = false\n"
+                        "[sources.ebpf]\nenabled = false\n")
+        cmd += ["--config", cfg]
         agent_log = os.path.join(tmp, "agent.log")
         env = {k: v for k, v in os.environ.items() if not k.startswith("XPUSENSE_")}
         with open(agent_log, "w") as log:

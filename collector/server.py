@@ -25,8 +25,12 @@ QUERY_SERVICE = pb.DESCRIPTOR.services_by_name["Query"].full_name
 
 
 class IngestServicer(pb_grpc.IngestServicer):
-    def __init__(self, state: FleetState):
+    def __init__(self, state: FleetState, security=None, limits=None):
         self.state = state
+        # collector/auth.py: who may report as which node (mTLS identity or per-node token).
+        self.security = security
+        # collector/limits.py: per-node limits on batches (size, series, labels, rate).
+        self.limits = limits
 
     async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
         peer = context.peer()
@@ -38,6 +42,8 @@ class IngestServicer(pb_grpc.IngestServicer):
                                 "the first message of a stream must be a Hello with node_id and boot_id")
         hello = first.hello
         node_id, boot_id = hello.node_id, hello.boot_id
+        if self.security is not None:
+            await self.security.authorize(context, node_id)   # aborts the stream when not allowed
         welcome = self.state.hello(hello, peer)
         log.info("node %s connected from %s (boot %s, stored up to %d)", node_id, peer, boot_id,
                  welcome.stored_up_to)
@@ -51,6 +57,8 @@ class IngestServicer(pb_grpc.IngestServicer):
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                             f"batch for node {b.node_id!r} boot {b.boot_id!r} on a stream "
                                             f"opened by node {node_id!r} boot {boot_id!r}")
+                    if self.limits is not None and (why := self.limits.check(node_id, b)):
+                        await context.abort(why.code, why.message)
                     stored = self.state.ingest(b)
                     yield pb.CollectorMessage(ack=pb.Ack(boot_id=boot_id, seq=b.seq, duplicate=not stored))
                 elif kind == "inventory":
@@ -98,7 +106,9 @@ def check_bind(listen: str) -> None:
             raise BindError(f"cannot listen on {listen}: {e.strerror}; {hint}choose another address with --listen") from None
 
 
-async def start_server(listen: str, state: FleetState, max_message_bytes: int = 16 * 1024 * 1024) -> grpc.aio.Server:
+async def start_server(listen: str, state: FleetState, max_message_bytes: int = 16 * 1024 * 1024,
+                       credentials: grpc.ServerCredentials | None = None, security=None,
+                       limits=None, config=None) -> grpc.aio.Server:
     server = grpc.aio.server(options=[
         ("grpc.so_reuseport", 0),   # a second collector on the same port must fail, not share it
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -106,13 +116,14 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_ping_strikes", 0),
     ])
-    pb_grpc.add_IngestServicer_to_server(IngestServicer(state), server)
+    pb_grpc.add_IngestServicer_to_server(IngestServicer(state, security, limits), server)
     pb_grpc.add_QueryServicer_to_server(QueryServicer(state), server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     check_bind(listen)
     try:
-        port = server.add_insecure_port(listen)
+        port = (server.add_secure_port(listen, credentials) if credentials is not None
+                else server.add_insecure_port(listen))
     except RuntimeError as e:
         raise BindError(f"cannot listen on {listen}: {e}; is another collector running? "
                         f"choose another address with --listen") from None
@@ -125,8 +136,8 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
     return server
 
 
-async def serve(listen: str, state: FleetState, max_message_bytes: int, stop: asyncio.Event) -> None:
-    server = await start_server(listen, state, max_message_bytes)
+async def serve(listen: str, state: FleetState, max_message_bytes: int, stop: asyncio.Event, config=None) -> None:
+    server = await start_server(listen, state, max_message_bytes, config=config)
     log.info("collector listening on %s", listen)
     await stop.wait()
     await server.stop(grace=2.0)

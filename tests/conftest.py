@@ -13,6 +13,21 @@ import pytest
 from helpers import Proc
 
 
+@pytest.fixture(autouse=True, scope="session")
+def agent_config_without_ebpf(tmp_path_factory):
+    """Agents started without --config get one with the eBPF probes off: only the eBPF tests load
+    probes, and they attach tc only inside network namespaces they create."""
+    cfg = tmp_path_factory.mktemp("agentcfg") / "agent.toml"
+    cfg.write_text("[sources.ebpf]\nenabled = false\n")
+    old = os.environ.get("XPUSENSE_CONFIG")
+    os.environ["XPUSENSE_CONFIG"] = str(cfg)
+    yield cfg
+    if old is None:
+        os.environ.pop("XPUSENSE_CONFIG", None)
+    else:
+        os.environ["XPUSENSE_CONFIG"] = old
+
+
 @pytest.fixture
 def procs(tmp_path):
     """Start real processes; every one is killed at the end of the test."""

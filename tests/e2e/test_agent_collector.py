@@ -17,6 +17,8 @@ offline_s = 2.0
 flush_s = 0.05
 backoff_initial_s = 0.05
 backoff_max_s = 0.5
+[sources.ebpf]
+enabled = false   # tests attach probes only to namespaces they create
 """
 
 

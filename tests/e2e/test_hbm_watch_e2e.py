@@ -34,6 +34,8 @@ flush_s = 0.05
 request_dir = "{req}"
 [sources.host]
 enabled = false
+[sources.ebpf]
+enabled = false   # tests attach probes only to namespaces they create
 """
 
 

@@ -20,6 +20,8 @@ flush_s = 0.1
 timeout_s = 0.8
 [sources.nvml]
 enabled = false
+[sources.ebpf]
+enabled = false   # tests attach probes only to namespaces they create
 """
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -126,7 +127,8 @@ def test_sources_says_which_gpus_the_hbm_watch_follows(libdir, scenario, state, 
 
 def test_no_library_means_unavailable_with_the_reason():
     r = subprocess.run([str(BIN / "xpusense-agent"), "sources", "--format", "json"], capture_output=True, text=True,
-                       timeout=30, env={"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/nonexistent"})
+                       timeout=30, env={"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/nonexistent",
+                                        "XPUSENSE_CONFIG": os.environ["XPUSENSE_CONFIG"]})
     rows = {x["name"]: x for x in json.loads(r.stdout)}
     assert rows["nvml"]["state"] == "unavailable" and "libnvidia-ml.so.1 not found" in rows["nvml"]["reason"]
 
@@ -138,6 +140,8 @@ nearline_s = 2.0
 offline_s = 3.0
 [stream]
 flush_s = 0.1
+[sources.ebpf]
+enabled = false   # tests attach probes only to namespaces they create
 """
 
 

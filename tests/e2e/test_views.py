@@ -67,13 +67,13 @@ def test_top_refreshes_in_place_and_exits_cleanly_on_ctrl_c(procs):
 
 def test_sources_lists_every_source_and_why(tmp_path):
     cfg = tmp_path / "a.toml"
-    cfg.write_text('[sources.host]\nnetns = "xps-no-such-ns"\n')
+    cfg.write_text('[sources.host]\nnetns = "xps-no-such-ns"\n[sources.ebpf]\nenabled = false\n')
     p = subprocess.run([str(BIN / "xpusense-agent"), "sources", "--format", "json", "--config", str(cfg)],
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 0, p.stderr
     rows = {r["name"]: r for r in json.loads(p.stdout)}
     assert rows["host"]["state"] == "unavailable" and "xps-no-such-ns" in rows["host"]["reason"]
-    cfg.write_text('[sources.host]\nenabled = false\n')
+    cfg.write_text('[sources.host]\nenabled = false\n[sources.ebpf]\nenabled = false\n')
     p = subprocess.run([str(BIN / "xpusense-agent"), "sources", "--format", "json", "--config", str(cfg)],
                        capture_output=True, text=True, timeout=30)
     rows = {r["name"]: r for r in json.loads(p.stdout)}

@@ -1,0 +1,253 @@
+"""What each eBPF probe in probes/*.bpf.c needs from the kernel and which of its maps become which metrics.
+
+Data only: agent/sources/ebpf.py reads these specs to feature-test, compile, attach and turn map
+entries into samples. A probe lists its variants in order of preference; the first whose required
+tracepoints all exist is compiled with that variant's defines (features are tested, not kernel
+versions). Histograms are log2 buckets of nanoseconds (bcc's bpf_log2l): slot i holds values in
+[2^(i-1), 2^i - 1] ns, so its inclusive upper bound is (2^i - 1) ns; the last slot is the overflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+PROBES_DIR = Path(__file__).resolve().parent
+
+REALTIME, NEARLINE = "realtime", "nearline"
+GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+
+# Attach kinds
+TRACEPOINT, UPROBE, SCHED_CLS = "tracepoint", "uprobe", "sched_cls"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way to build a probe: the tracepoints it needs, the -D defines that select its C."""
+    name: str
+    tracepoints: tuple[str, ...]                    # "category:event", all required
+    defines: tuple[tuple[str, str], ...] = ()
+    # tracepoints used when present; when absent, define[1] is set to 0 instead of 1
+    optional: tuple[tuple[str, str], ...] = ()      # (tracepoint, define)
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """A map value field turned into one series per map key (labels come from the key decoder)."""
+    map: str
+    field: str                  # value field; for histograms the slots array
+    name: str
+    unit: str
+    kind: str
+    tier: str
+    labels: tuple[tuple[str, str], ...] = ()        # fixed extra labels, e.g. direction
+    scale: float = 1.0          # value * scale (ns -> s)
+    sum_field: str = ""         # histograms: the field holding the sum (scaled by `scale`)
+    variants: tuple[str, ...] = ()                  # only for these variants (empty: all)
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    name: str
+    summary: str
+    variants: tuple[Variant, ...]
+    attach_kind: str
+    # map name -> key decoder understood by agent/sources/ebpf.py:
+    #   cgroup (u64 cgroup v2 id), disk (dev_t + direction), process (u32 tgid, value has comm),
+    #   family (array index 0/1 = ipv4/ipv6), netdev (interface name), iface (ifindex + direction)
+    maps: tuple[tuple[str, str], ...]
+    metrics: tuple[Metric, ...]
+    needs: tuple[str, ...] = ()     # kernel features beyond the tracepoints, for `sources` output
+
+    @property
+    def c_file(self) -> Path:
+        return PROBES_DIR / f"{self.name}.bpf.c"
+
+    def c_text(self) -> str:
+        return self.c_file.read_text()
+
+
+def log2_bounds_s(slots: int) -> tuple[float, ...]:
+    """Inclusive upper bounds in seconds of slots 0..slots-2; slot slots-1 is the overflow bucket."""
+    return tuple(((1 << i) - 1) * 1e-9 for i in range(slots - 1))
+
+
+HIST_SLOTS = 40     # RUNQLAT_SLOTS, BLKIO_SLOTS, ACCEL_SLOTS in the C files
+
+RUNQLAT = Probe(
+    name="runqlat",
+    summary="run-queue latency per cgroup (wake-up or preemption to on-CPU)",
+    variants=(Variant("tracepoint", ("sched:sched_wakeup", "sched:sched_wakeup_new", "sched:sched_switch")),),
+    attach_kind=TRACEPOINT,
+    maps=(("runqlat_hist", "cgroup"),),
+    metrics=(
+        Metric("runqlat_hist", "slots", "xpusense.sched.runqueue.latency", "s", HISTOGRAM, NEARLINE,
+               scale=1e-9, sum_field="sum_ns"),
+    ),
+)
+
+BLKIO = Probe(
+    name="blkio",
+    summary="block I/O latency, operations and bytes per disk and direction",
+    variants=(
+        Variant("io_start", ("block:block_io_start", "block:block_io_done"), (("BLKIO_IO_START", "1"),),
+                note="accounted I/O as in /proc/diskstats, queue + device time (Linux 6.5+)"),
+        Variant("rq_issue", ("block:block_rq_issue", "block:block_rq_complete"), (("BLKIO_IO_START", "0"),),
+                note="dispatch to completion (device time); flushes count as direction flush"),
+    ),
+    attach_kind=TRACEPOINT,
+    maps=(("blkio_hist", "disk"),),
+    metrics=(
+        Metric("blkio_hist", "count", "xpusense.disk.operations", "{operation}", COUNTER, REALTIME),
+        Metric("blkio_hist", "bytes", "xpusense.disk.io", "By", COUNTER, REALTIME),
+        Metric("blkio_hist", "errors", "xpusense.disk.errors", "{operation}", COUNTER, REALTIME,
+               variants=("rq_issue",)),      # block_io_done has no error field
+        Metric("blkio_hist", "slots", "xpusense.disk.operation.latency", "s", HISTOGRAM, NEARLINE,
+               scale=1e-9, sum_field="sum_ns"),
+    ),
+)
+
+NETIO = Probe(
+    name="netio",
+    summary="network bytes per cgroup (per interface on kernels without sock tracepoints), TCP retransmits",
+    variants=(
+        Variant("sock", ("sock:sock_send_length", "sock:sock_recv_length", "tcp:tcp_retransmit_skb"),
+                (("NETIO_SOCK", "1"),), note="socket payload bytes per cgroup (Linux 6.3+)"),
+        Variant("netdev", ("net:net_dev_xmit", "net:netif_receive_skb", "tcp:tcp_retransmit_skb"),
+                (("NETIO_SOCK", "0"),),
+                note="frame bytes per interface; receive excludes the link-layer header; no cgroup"),
+    ),
+    attach_kind=TRACEPOINT,
+    maps=(("netio_cgroup", "cgroup"), ("netio_device", "netdev"), ("netio_retransmits", "family")),
+    metrics=(
+        Metric("netio_cgroup", "tx_bytes", "xpusense.cgroup.network.io", "By", COUNTER, REALTIME,
+               (("direction", "transmit"),), variants=("sock",)),
+        Metric("netio_cgroup", "rx_bytes", "xpusense.cgroup.network.io", "By", COUNTER, REALTIME,
+               (("direction", "receive"),), variants=("sock",)),
+        Metric("netio_cgroup", "tx_calls", "xpusense.cgroup.network.calls", "{call}", COUNTER, REALTIME,
+               (("direction", "transmit"),), variants=("sock",)),
+        Metric("netio_cgroup", "rx_calls", "xpusense.cgroup.network.calls", "{call}", COUNTER, REALTIME,
+               (("direction", "receive"),), variants=("sock",)),
+        Metric("netio_device", "tx_bytes", "xpusense.network.device.io", "By", COUNTER, REALTIME,
+               (("direction", "transmit"),), variants=("netdev",)),
+        Metric("netio_device", "rx_bytes", "xpusense.network.device.io", "By", COUNTER, REALTIME,
+               (("direction", "receive"),), variants=("netdev",)),
+        Metric("netio_device", "tx_calls", "xpusense.network.device.packets", "{packet}", COUNTER, REALTIME,
+               (("direction", "transmit"),), variants=("netdev",)),
+        Metric("netio_device", "rx_calls", "xpusense.network.device.packets", "{packet}", COUNTER, REALTIME,
+               (("direction", "receive"),), variants=("netdev",)),
+        Metric("netio_retransmits", "value", "xpusense.network.tcp.retransmits", "{segment}", COUNTER, REALTIME),
+    ),
+)
+
+ACCEL_IOCTL = Probe(
+    name="accel_ioctl",
+    summary="ioctl calls, errors and latency per process on accelerator device files",
+    variants=(
+        Variant("syscalls", ("syscalls:sys_enter_openat", "syscalls:sys_exit_openat", "syscalls:sys_enter_close",
+                             "syscalls:sys_enter_ioctl", "syscalls:sys_exit_ioctl"),
+                optional=(("syscalls:sys_enter_open", "ACCEL_HAVE_OPEN"), ("syscalls:sys_exit_open", "ACCEL_HAVE_OPEN"))),
+    ),
+    attach_kind=TRACEPOINT,
+    maps=(("accel_stats", "process"),),
+    metrics=(
+        Metric("accel_stats", "calls", "xpusense.accelerator.ioctl.calls", "{call}", COUNTER, REALTIME),
+        Metric("accel_stats", "errors", "xpusense.accelerator.ioctl.errors", "{call}", COUNTER, REALTIME),
+        Metric("accel_stats", "slots", "xpusense.accelerator.ioctl.latency", "s", HISTOGRAM, NEARLINE,
+               scale=1e-9, sum_field="sum_ns"),
+    ),
+    needs=("CONFIG_FTRACE_SYSCALLS",),
+)
+ACCEL_MAX_PREFIXES = 4      # ACCEL_MAX_PREFIXES in accel_ioctl.bpf.c
+ACCEL_PREFIX_LEN = 32       # ACCEL_PREFIX_LEN
+DEFAULT_DEVICE_GLOBS = ("/dev/nvidia*", "/dev/davinci*")
+
+# symbol in libcuda.so -> BPF function in cuda_uprobe.bpf.c. Symbols the library lacks are skipped
+# (older drivers have no cuLaunchKernelEx, for example); _ptsz/_ptds are the per-thread-stream entries.
+CUDA_SYMBOLS = {
+    "cuLaunchKernel": "cuda_launch",
+    "cuLaunchKernel_ptsz": "cuda_launch",
+    "cuLaunchKernelEx": "cuda_launch",
+    "cuLaunchKernelEx_ptsz": "cuda_launch",
+    "cuLaunchCooperativeKernel": "cuda_launch",
+    "cuMemcpyHtoD_v2": "cuda_memcpy_htod",
+    "cuMemcpyHtoD_v2_ptds": "cuda_memcpy_htod",
+    "cuMemcpyHtoDAsync_v2": "cuda_memcpy_htod",
+    "cuMemcpyHtoDAsync_v2_ptsz": "cuda_memcpy_htod",
+    "cuMemcpyDtoH_v2": "cuda_memcpy_dtoh",
+    "cuMemcpyDtoH_v2_ptds": "cuda_memcpy_dtoh",
+    "cuMemcpyDtoHAsync_v2": "cuda_memcpy_dtoh",
+    "cuMemcpyDtoHAsync_v2_ptsz": "cuda_memcpy_dtoh",
+    "cuMemcpyDtoD_v2": "cuda_memcpy_dtod",
+    "cuMemcpyDtoD_v2_ptds": "cuda_memcpy_dtod",
+    "cuMemcpyDtoDAsync_v2": "cuda_memcpy_dtod",
+    "cuMemcpyDtoDAsync_v2_ptsz": "cuda_memcpy_dtod",
+    "cuMemAlloc_v2": "cuda_alloc",
+    "cuMemAllocManaged": "cuda_alloc",
+    "cuMemAllocAsync": "cuda_alloc",
+    "cuMemAllocAsync_ptsz": "cuda_alloc",
+    "cuMemFree_v2": "cuda_free",
+    "cuMemFreeAsync": "cuda_free",
+    "cuMemFreeAsync_ptsz": "cuda_free",
+}
+CUDA_LIBRARY_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib/aarch64-linux-gnu/libcuda.so.1",
+    "/usr/lib64/libcuda.so.1", "/usr/local/nvidia/lib64/libcuda.so.1", "/usr/lib/wsl/lib/libcuda.so.1",
+)
+
+CUDA_UPROBE = Probe(
+    name="cuda_uprobe",
+    summary="CUDA driver API calls per process (launches, memcpy bytes by direction, allocations)",
+    variants=(Variant("uprobe", ()),),
+    attach_kind=UPROBE,
+    maps=(("cuda_stats", "process"),),
+    metrics=(
+        Metric("cuda_stats", "launches", "xpusense.cuda.kernel.launches", "{launch}", COUNTER, REALTIME),
+        Metric("cuda_stats", "htod_bytes", "xpusense.cuda.memcpy.io", "By", COUNTER, REALTIME,
+               (("direction", "host_to_device"),)),
+        Metric("cuda_stats", "dtoh_bytes", "xpusense.cuda.memcpy.io", "By", COUNTER, REALTIME,
+               (("direction", "device_to_host"),)),
+        Metric("cuda_stats", "dtod_bytes", "xpusense.cuda.memcpy.io", "By", COUNTER, REALTIME,
+               (("direction", "device_to_device"),)),
+        Metric("cuda_stats", "htod_calls", "xpusense.cuda.memcpy.calls", "{call}", COUNTER, REALTIME,
+               (("direction", "host_to_device"),)),
+        Metric("cuda_stats", "dtoh_calls", "xpusense.cuda.memcpy.calls", "{call}", COUNTER, REALTIME,
+               (("direction", "device_to_host"),)),
+        Metric("cuda_stats", "dtod_calls", "xpusense.cuda.memcpy.calls", "{call}", COUNTER, REALTIME,
+               (("direction", "device_to_device"),)),
+        Metric("cuda_stats", "allocs", "xpusense.cuda.memory.allocations", "{allocation}", COUNTER, REALTIME),
+        Metric("cuda_stats", "alloc_bytes", "xpusense.cuda.memory.allocated", "By", COUNTER, REALTIME),
+        Metric("cuda_stats", "frees", "xpusense.cuda.memory.frees", "{free}", COUNTER, REALTIME),
+    ),
+    needs=("CONFIG_UPROBE_EVENTS",),
+)
+
+# tc filters we own carry this name, priority and handle, so a restarted agent can find and remove
+# the ones a crashed run left behind without touching anyone else's.
+TC_FILTER_NAME = "xpusense_tc_traffic"
+TC_FILTER_PRIO = 0xC0DE & 0xFFFF    # 49374
+TC_FILTER_HANDLE = 0x7870           # "xp"
+TC_INGRESS_FN, TC_EGRESS_FN = "tc_traffic_ingress", "tc_traffic_egress"
+
+TC_TRAFFIC = Probe(
+    name="tc_traffic",
+    summary="ingress and egress bytes and packets per interface from a clsact SCHED_CLS program",
+    variants=(Variant("clsact", ()),),
+    attach_kind=SCHED_CLS,
+    maps=(("tc_traffic", "iface"),),
+    metrics=(
+        Metric("tc_traffic", "bytes", "xpusense.network.tc.io", "By", COUNTER, REALTIME),
+        Metric("tc_traffic", "packets", "xpusense.network.tc.packets", "{packet}", COUNTER, REALTIME),
+    ),
+    needs=("CONFIG_NET_CLS_BPF", "CONFIG_NET_SCH_INGRESS (clsact)"),
+)
+
+PROBES: dict[str, Probe] = {p.name: p for p in (RUNQLAT, BLKIO, NETIO, ACCEL_IOCTL, CUDA_UPROBE, TC_TRAFFIC)}
+
+# Self-metrics every probe reports (from bpf_stats, summed over its programs), realtime tier.
+SELF_METRICS = (
+    ("xpusense.ebpf.probe.events", "{event}", COUNTER),
+    ("xpusense.ebpf.probe.ns_per_event", "ns", GAUGE),
+    ("xpusense.ebpf.probe.run_time", "s", COUNTER),
+)

@@ -1,0 +1,625 @@
+"""eBPF probes loaded into the real kernel, checked against workloads whose figures the test knows.
+
+Each probe test builds the probe's source, attaches it, drives a known workload (sleeps, O_DIRECT
+I/O on a loop device, UDP and TCP over a veth pair in namespaces of the test's own, ioctls on a
+device node of its own, calls into a fake libcuda built here) and compares the probe's figure with
+it. Tests skip with the reason when not root or when this kernel lacks the probe's features; a
+probe that plans but then fails to compile or attach fails the test. The tests at the end need no
+root: feature-test fallbacks on a fake tracefs, config errors, the pure helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT, wait_until
+from xpusense.agent.sources import ebpf
+from xpusense.agent.sources.base import HISTOGRAM, NEARLINE, REALTIME, Unavailable
+from xpusense.probes import specs
+
+pytestmark = pytest.mark.privileged
+
+FAKE_CUDA = ROOT / "tests" / "fakes" / "libcuda"
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def require_ebpf():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to load eBPF programs; CI runs tests/privileged as root")
+    try:
+        import bcc  # noqa: F401
+    except ImportError:
+        pytest.skip("bcc's Python module is not importable: run scripts/setup.sh (links python3-bpfcc)")
+    loader = ebpf.EbpfLoader(ebpf.config_with_defaults({}))
+    try:
+        loader.check_environment()
+    except Unavailable as e:
+        pytest.skip(f"eBPF unavailable here: {e}")
+
+
+@pytest.fixture
+def probe():
+    """probe(name, **cfg) -> a set-up source; closed at the end of the test."""
+    opened = []
+
+    def make(name, **cfg):
+        require_ebpf()
+        [src] = ebpf.build_ebpf_sources({"probes": [name], **cfg})
+        opened.append(src)
+        try:
+            src.loader.plan(name)
+        except Unavailable as e:   # a feature this kernel lacks: not a failure of ours
+            pytest.skip(f"probe {name} cannot run on this kernel: {e}")
+        src.setup()                # compile/verify/attach errors fail the test
+        return src
+
+    yield make
+    for src in opened:
+        src.close()
+
+
+def find(samples, name, **labels):
+    return [s for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+def value(samples, name, **labels) -> float:
+    got = find(samples, name, **labels)
+    return sum(s.value for s in got)
+
+
+def check_histogram(s):
+    assert s.kind == HISTOGRAM
+    assert len(s.counts) == len(s.bounds) + 1
+    assert list(s.counts) == sorted(s.counts), "counts are cumulative over buckets"
+    assert list(s.bounds) == sorted(s.bounds)
+
+
+def sh(*args, **kw):
+    return subprocess.run(args, check=True, capture_output=True, text=True, **kw)
+
+
+@pytest.fixture
+def cgroup():
+    """cgroup(name) -> (cgroup.procs path, label as the probes report it); removed at the end."""
+    root = ebpf._cgroup2_root("/proc")
+    if not root:
+        pytest.skip("no cgroup2 mount (the per-cgroup probes key by cgroup v2 id)")
+    made = []
+
+    def make(name):
+        path = Path(root) / f"xps-test-{name}-{uuid.uuid4().hex[:6]}"
+        path.mkdir()
+        made.append(path)
+        return str(path / "cgroup.procs"), "/" + path.name
+
+    yield make
+    for path in made:
+        # processes that exited may take a moment to leave the cgroup
+        wait_until(lambda: not (path / "cgroup.procs").read_text().strip(), 10, what=f"{path} to empty")
+        path.rmdir()
+
+
+# Workload scripts take their cgroup as argv[1] ("-" for none) and join it themselves when run
+# directly; under `ip netns exec` (which mounts its own /sys) joining happens before the exec.
+JOIN_CGROUP = "import os, sys\nif sys.argv[1] != '-' and os.path.exists(sys.argv[1]): open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+
+
+def ns_python(ns: str, code: str, *args) -> list[str]:
+    return (["ip", "netns", "exec", ns] if ns else []) + [sys.executable, "-c", code, *map(str, args)]
+
+
+def joining(procs: str) -> dict:
+    """Popen/run keyword arguments that put the child in the cgroup before it execs anything."""
+    if procs == "-":
+        return {}
+    return {"preexec_fn": lambda: Path(procs).write_text(str(os.getpid()))}
+
+
+def link_stats(ns: str, ifname: str) -> dict:
+    from pyroute2 import IPRoute
+    with IPRoute(netns=ns) as ipr:
+        [link] = ipr.get_links(ifname=ifname)
+        return dict(link.get_attr("IFLA_STATS64"))
+
+
+def quiet_namespaces(*namespaces):
+    """No IPv6 autoconfiguration chatter (router solicitations, DAD) during a byte count."""
+    for ns in namespaces:
+        sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
+
+
+# ------------------------------------------------------------------------------------------ runqlat
+
+SLEEPER = JOIN_CGROUP + """
+import time
+for _ in range(int(sys.argv[2])):
+    time.sleep(0.0002)
+"""
+
+
+def test_runqlat_counts_every_wakeup_of_a_sleeping_process_in_its_cgroup(probe, cgroup):
+    src = probe("runqlat")
+    procs, label = cgroup("runqlat")
+    n = 200
+    subprocess.run(ns_python("", SLEEPER, procs, n), check=True, timeout=60)
+
+    def hist():
+        got = find(src.collect(NEARLINE), "xpusense.sched.runqueue.latency", cgroup=label)
+        return got[0] if got and got[0].counts[-1] >= n else None
+
+    h = wait_until(hist, 10, what=f"{n} run-queue latencies in {label}")
+    check_histogram(h)
+    # n wake-ups from the sleeps, plus a few: the first run after joining, exit, preemptions.
+    assert n <= h.counts[-1] <= n + n // 4 + 10, h.counts
+    assert 0 < h.value < h.counts[-1] * 1.0, "mean run-queue latency between 0 and 1 s"
+    assert h.unit == "s" and h.bounds[1] == pytest.approx(1e-9)
+
+    # Cost self-metrics from bpf_stats: sched_switch alone fires far more often than our sleeps.
+    rt = src.collect(REALTIME)
+    events = value(rt, "xpusense.ebpf.probe.events", probe="runqlat")
+    assert events >= n
+    rt2 = wait_until(lambda: find(src.collect(REALTIME), "xpusense.ebpf.probe.ns_per_event", probe="runqlat"), 10,
+                     what="a second bpf_stats reading")
+    assert rt2[0].value > 0
+    assert value(rt, "xpusense.ebpf.probe.run_time", probe="runqlat") > 0
+
+
+# ------------------------------------------------------------------------------------------ blkio
+
+@pytest.fixture
+def loop_device(tmp_path):
+    if not shutil.which("losetup"):
+        pytest.skip("needs losetup (util-linux)")
+    backing = tmp_path / "disk.img"
+    with open(backing, "wb") as f:
+        f.truncate(16 << 20)
+    try:
+        dev = sh("losetup", "--find", "--show", str(backing)).stdout.strip()
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"cannot set up a loop device: {e.stderr.strip()}")
+    try:
+        yield dev
+    finally:
+        subprocess.run(["losetup", "-d", dev], capture_output=True)
+
+
+@pytest.mark.parametrize("variant", [v.name for v in specs.BLKIO.variants])
+def test_blkio_counts_direct_io_on_a_loop_device(probe, loop_device, variant):
+    src = probe("blkio", variants={"blkio": variant})
+    name = os.path.basename(loop_device)
+    writes, reads, block = 64, 32, 4096
+    buf = mmap.mmap(-1, block)      # page-aligned, as O_DIRECT wants
+    buf.write(b"x" * block)
+    fd = os.open(loop_device, os.O_RDWR | os.O_DIRECT)
+    try:
+        for i in range(writes):
+            assert os.pwrite(fd, buf, i * block) == block
+        for i in range(reads):
+            assert os.preadv(fd, [buf], (writes + i) * block) == block
+    finally:
+        os.close(fd)
+
+    def counts():
+        rt = src.collect(REALTIME)
+        w = value(rt, "xpusense.disk.operations", device=name, direction="write")
+        r = value(rt, "xpusense.disk.operations", device=name, direction="read")
+        return (w, r, rt) if w >= writes and r >= reads else None
+
+    w, r, rt = wait_until(counts, 10, what=f"{writes} writes and {reads} reads on {name}")
+    assert w == writes          # nothing else writes to a loop device nobody has mounted
+    assert reads <= r <= reads + 8   # udev may probe a new loop device with a few reads
+    assert value(rt, "xpusense.disk.io", device=name, direction="write") == writes * block
+    [h] = find(src.collect(NEARLINE), "xpusense.disk.operation.latency", device=name, direction="write")
+    check_histogram(h)
+    assert h.counts[-1] == writes and h.value > 0
+
+
+# ------------------------------------------------------------------------------------------ netio
+
+UDP_RECV = JOIN_CGROUP + """
+import json, socket
+n, port = int(sys.argv[2]), int(sys.argv[3])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)   # SO_RCVBUFFORCE: past rmem_max, no drops
+s.bind(("0.0.0.0", port))
+s.settimeout(10)
+print("ready", flush=True)
+got = count = 0
+try:
+    while count < n:
+        got += len(s.recv(65536))
+        count += 1
+except socket.timeout:
+    pass
+print(json.dumps({"bytes": got, "count": count}), flush=True)
+"""
+
+UDP_SEND = JOIN_CGROUP + """
+import json, socket
+n, addr, port = int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sent = sum(s.sendto(b"x" * 1000, (addr, port)) for _ in range(n))
+print(json.dumps({"bytes": sent}), flush=True)
+"""
+
+
+def start_receiver(ns, procs, n, port):
+    p = subprocess.Popen(ns_python(ns, UDP_RECV, procs, n, port), stdout=subprocess.PIPE, text=True, **joining(procs))
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_netio_counts_udp_bytes_per_cgroup_over_a_veth_pair(probe, veth_pair, cgroup):
+    ns_a, _if_a, _addr_a, ns_b, _if_b, addr_b = veth_pair
+    src = probe("netio")
+    if src.plan_.variant.name != "sock":
+        pytest.skip("kernel without sock:sock_send_length; the netdev fallback is tested below")
+    (procs_tx, cg_tx), (procs_rx, cg_rx) = cgroup("tx"), cgroup("rx")
+    n, port = 200, 9100
+    rx = start_receiver(ns_b, procs_rx, n, port)
+    out = sh(*ns_python(ns_a, UDP_SEND, procs_tx, n, addr_b, port), timeout=60, **joining(procs_tx)).stdout
+    sent = json.loads(out)["bytes"]
+    got = json.loads(rx.communicate(timeout=30)[0])
+    assert sent == n * 1000 and got["bytes"] > 0
+
+    def figures():
+        rt = src.collect(REALTIME)
+        tx = value(rt, "xpusense.cgroup.network.io", cgroup=cg_tx, direction="transmit")
+        r = value(rt, "xpusense.cgroup.network.io", cgroup=cg_rx, direction="receive")
+        return (tx, r, rt) if tx >= sent and r >= got["bytes"] else None
+
+    tx, r, rt = wait_until(figures, 10, what="socket bytes of both cgroups")
+    assert tx == sent                   # payload bytes sendto() returned, exactly
+    assert r == got["bytes"]            # and what recv() returned in the other namespace
+    assert value(rt, "xpusense.cgroup.network.calls", cgroup=cg_tx, direction="transmit") == n
+    assert value(rt, "xpusense.cgroup.network.io", cgroup=cg_tx, direction="receive") == 0
+
+
+def test_netio_netdev_fallback_counts_frames_per_interface(probe, veth_pair):
+    ns_a, if_a, _addr_a, ns_b, _if_b, addr_b = veth_pair
+    quiet_namespaces(ns_a, ns_b)
+    src = probe("netio", variants={"netio": "netdev"})
+    assert src.plan_.variant.name == "netdev"
+    n = 150
+    before = link_stats(ns_a, if_a)
+    first = value(src.collect(REALTIME), "xpusense.network.device.io", device=if_a, direction="transmit")
+    sh(*ns_python(ns_a, UDP_SEND, "-", n, addr_b, 9), timeout=60)
+    after = link_stats(ns_a, if_a)
+    link_tx = after["tx_bytes"] - before["tx_bytes"]
+    assert link_tx >= n * 1042
+    tx = value(src.collect(REALTIME), "xpusense.network.device.io", device=if_a, direction="transmit") - first
+    assert tx == link_tx                # the same frames the interface counted, header included
+
+
+TCP_SERVER = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(1)
+print("ready", flush=True)
+c, _ = s.accept()
+sys.stdin.readline()      # hold the connection open, never read
+"""
+
+TCP_CLIENT = """
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+c.sendall(b"a" * 1000)
+print("connected", flush=True)
+sys.stdin.readline()
+c.sendall(b"b" * 10000)   # into a peer that no longer answers: retransmitted on timeout
+print("sent", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_netio_counts_tcp_retransmits_when_the_peer_goes_silent(probe, veth_pair):
+    ns_a, _if_a, _addr_a, ns_b, if_b, addr_b = veth_pair
+    src = probe("netio")
+    before = value(src.collect(REALTIME), "xpusense.network.tcp.retransmits", family="ipv4")
+    server = subprocess.Popen(ns_python(ns_b, TCP_SERVER, 9200), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    client = None
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        client = subprocess.Popen(ns_python(ns_a, TCP_CLIENT, addr_b, 9200), stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        assert client.stdout.readline().strip() == "connected"
+        # ns_b stops owning the address: segments still arrive but are dropped without a reply.
+        sh("ip", "-n", ns_b, "addr", "flush", "dev", if_b)
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        assert client.stdout.readline().strip() == "sent"
+        wait_until(lambda: value(src.collect(REALTIME), "xpusense.network.tcp.retransmits", family="ipv4") > before,
+                   20, what="a TCP retransmission to be counted")
+    finally:
+        for p in (client, server):
+            if p:
+                p.kill()
+                p.wait()
+
+
+# ------------------------------------------------------------------------------------------ tc_traffic
+
+def our_filters(ns, ifname):
+    from pyroute2 import IPRoute
+    with IPRoute(netns=ns) as ipr:
+        idx = ipr.link_lookup(ifname=ifname)[0]
+        out = []
+        for direction, parent in ebpf.TC_PARENTS.items():
+            for m in ipr.get_filters(index=idx, parent=parent):
+                if m["handle"] and ebpf.ours(m):
+                    out.append((direction, (m["info"] >> 16) & 0xFFFF, m["handle"]))
+        return out
+
+
+def test_tc_traffic_counts_both_directions_and_passes_every_packet(probe, veth_pair):
+    ns_a, if_a, addr_a, ns_b, _if_b, addr_b = veth_pair
+    quiet_namespaces(ns_a, ns_b)
+    src = probe("tc_traffic", tc_netns=ns_a, tc_interfaces=[if_a])
+    assert sorted(d for d, _, _ in our_filters(ns_a, if_a)) == ["egress", "ingress"]
+
+    def tc(direction):
+        return value(src.collect(REALTIME), "xpusense.network.tc.io", device=if_a, direction=direction)
+
+    n = 200
+    before, tx0, rx0 = link_stats(ns_a, if_a), tc("transmit"), tc("receive")
+    rx = start_receiver(ns_b, "-", n, 9300)
+    sh(*ns_python(ns_a, UDP_SEND, "-", n, addr_b, 9300), timeout=60)
+    got = json.loads(rx.communicate(timeout=30)[0])
+    assert got["count"] == n, "every datagram passed the filter"
+    sh(*ns_python(ns_b, UDP_SEND, "-", 100, addr_a, 9), timeout=60)   # and some the other way
+
+    def settled():
+        link = link_stats(ns_a, if_a)
+        d_tx, d_rx = link["tx_bytes"] - before["tx_bytes"], link["rx_bytes"] - before["rx_bytes"]
+        # ingress runs in the receiver's softirq, just after the sender's veth counted the frame
+        return (d_tx, d_rx) if (tc("transmit") - tx0, tc("receive") - rx0) == (d_tx, d_rx) else None
+
+    d_tx, d_rx = wait_until(settled, 10, what="tc counters to equal the interface's IFLA_STATS64")
+    assert d_tx >= n * 1042 and d_rx >= 100 * 1042
+    packets = value(src.collect(REALTIME), "xpusense.network.tc.packets", device=if_a, direction="transmit")
+    assert packets >= n
+    src.close()
+    assert our_filters(ns_a, if_a) == [], "close() removes our filters"
+
+
+AGENT_LIKE = """
+import json, sys
+from xpusense.agent.sources.ebpf import build_ebpf_sources
+[src] = build_ebpf_sources({"probes": ["tc_traffic"], "tc_netns": sys.argv[1], "tc_interfaces": [sys.argv[2]],
+                            "bpf_stats": False})
+src.setup()
+with open(sys.argv[3] + ".tmp", "w") as f:
+    json.dump(src.describe(), f)
+import os; os.rename(sys.argv[3] + ".tmp", sys.argv[3])
+sys.stdin.readline()
+src.close()
+"""
+
+
+def test_tc_traffic_after_sigkill_a_restart_leaves_no_duplicate_filter(veth_pair, tmp_path):
+    require_ebpf()
+    ns_a, if_a, *_ = veth_pair
+
+    def start(tag):
+        ready = tmp_path / f"{tag}.json"
+        p = subprocess.Popen([sys.executable, "-c", AGENT_LIKE, ns_a, if_a, str(ready)], stdin=subprocess.PIPE,
+                             text=True)
+        wait_until(lambda: ready.exists() or p.poll() is not None, 60, what=f"{tag} agent to attach")
+        assert p.poll() is None, f"{tag} agent exited with {p.returncode}"
+        return p, json.loads(ready.read_text())
+
+    first, _ = start("first")
+    assert len(our_filters(ns_a, if_a)) == 2
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    stale = our_filters(ns_a, if_a)
+    assert len(stale) == 2, "a SIGKILLed agent cannot clean up: its filters stay"
+
+    second, info = start("second")
+    try:
+        assert info["stale_filters_removed"] == 2
+        now = our_filters(ns_a, if_a)
+        assert sorted(d for d, _, _ in now) == ["egress", "ingress"], now   # one each, not two
+    finally:
+        second.stdin.write("stop\n")
+        second.stdin.flush()
+        assert second.wait(timeout=30) == 0
+    assert our_filters(ns_a, if_a) == [], "a clean stop removes its filters"
+
+
+# ------------------------------------------------------------------------------------------ accel_ioctl
+
+IOCTLER = JOIN_CGROUP + """
+import errno, fcntl, json, os, sys, termios
+path, n = sys.argv[2], int(sys.argv[3])
+fd = os.open(path, os.O_RDWR)
+if len(sys.argv) > 4:
+    print("ready", flush=True)
+    sys.stdin.readline()
+errors = 0
+for _ in range(n):
+    try:
+        fcntl.ioctl(fd, termios.TCGETS, bytes(64))
+    except OSError as e:
+        errors += e.errno == errno.ENOTTY
+os.close(fd)
+print(json.dumps({"pid": os.getpid(), "errors": errors}), flush=True)
+"""
+
+
+@pytest.fixture
+def accel_device():
+    """A character device node of our own (the numbers of /dev/null) under a short path."""
+    d = tempfile.mkdtemp(prefix="xpa", dir="/tmp")
+    path = os.path.join(d, "accel0")
+    os.mknod(path, 0o600 | 0o020000, os.makedev(1, 3))
+    try:
+        yield path, os.path.join(d, "accel*")
+    finally:
+        shutil.rmtree(d)
+
+
+def test_accel_ioctl_counts_ioctls_per_process_on_matching_device_files(probe, accel_device):
+    path, glob = accel_device
+    n = 300
+    # One process opened the device before the probe existed (found in /proc), one after (openat).
+    early = subprocess.Popen([sys.executable, "-c", IOCTLER, "-", path, str(n), "wait"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert early.stdout.readline().strip() == "ready"
+    src = probe("accel_ioctl", device_globs=[glob])
+    assert src.describe()["fds_found_in_proc"] >= 1
+    early.stdin.write("go\n")
+    early.stdin.flush()
+    runs = [json.loads(early.communicate(timeout=30)[0])]
+    runs.append(json.loads(sh(sys.executable, "-c", IOCTLER, "-", path, str(n), timeout=60).stdout))
+    # ioctls on a file that does not match the glob are not counted.
+    other = json.loads(sh(sys.executable, "-c", IOCTLER, "-", "/dev/null", "50", timeout=60).stdout)
+
+    rt = src.collect(REALTIME)
+    for run in runs:
+        pid = str(run["pid"])
+        assert run["errors"] == n                        # ENOTTY from /dev/null's driver, every time
+        assert value(rt, "xpusense.accelerator.ioctl.calls", pid=pid) == n
+        assert value(rt, "xpusense.accelerator.ioctl.errors", pid=pid) == n
+        assert find(rt, "xpusense.accelerator.ioctl.calls", pid=pid)[0].labels["process"].startswith("python")
+    assert not find(rt, "xpusense.accelerator.ioctl.calls", pid=str(other["pid"]))
+
+    nl = src.collect(NEARLINE)
+    for run in runs:
+        [h] = find(nl, "xpusense.accelerator.ioctl.latency", pid=str(run["pid"]))
+        check_histogram(h)
+        assert h.counts[-1] == n and h.value > 0
+    # The processes have exited: reported once more at that round, then dropped from the map.
+    assert not find(src.collect(REALTIME), "xpusense.accelerator.ioctl.calls", pid=str(runs[1]["pid"]))
+
+
+# ------------------------------------------------------------------------------------------ cuda_uprobe
+
+@pytest.fixture(scope="module")
+def fake_libcuda(tmp_path_factory):
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        pytest.skip("needs a C compiler for the fake libcuda (scripts/setup.sh installs gcc)")
+    out = tmp_path_factory.mktemp("libcuda") / "libcuda.so.1"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out), str(FAKE_CUDA / "fakecuda.c")], check=True)
+    return str(out)
+
+
+def test_cuda_uprobe_counts_calls_into_libcuda_per_process(probe, fake_libcuda):
+    driver = str(FAKE_CUDA / "driver.py")
+    # Loaded the library before the probe attached: uprobes apply to existing mappings too.
+    early = subprocess.Popen([sys.executable, driver, fake_libcuda, "40", "--wait"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert early.stdout.readline().strip() == "ready"
+    src = probe("cuda_uprobe", cuda_library=fake_libcuda)
+    assert {t for k, t in src._attached} >= {"cuLaunchKernel", "cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2", "cuMemAlloc_v2"}
+    early.stdin.write("go\n")
+    early.stdin.flush()
+    did_early = json.loads(early.communicate(timeout=30)[0])
+    did_late = json.loads(sh(sys.executable, driver, fake_libcuda, "75", timeout=60).stdout)
+
+    rt = src.collect(REALTIME)
+    for did in (did_early, did_late):
+        pid = str(did["pid"])
+        assert value(rt, "xpusense.cuda.kernel.launches", pid=pid) == did["launches"] == did["lib_launches"]
+        for direction, key in (("host_to_device", "htod"), ("device_to_host", "dtoh"), ("device_to_device", "dtod")):
+            assert value(rt, "xpusense.cuda.memcpy.io", pid=pid, direction=direction) == did[f"{key}_bytes"]
+            assert value(rt, "xpusense.cuda.memcpy.calls", pid=pid, direction=direction) == did[f"{key}_calls"]
+        assert value(rt, "xpusense.cuda.memory.allocations", pid=pid) == did["allocs"]
+        assert value(rt, "xpusense.cuda.memory.allocated", pid=pid) == did["alloc_bytes"]
+        assert value(rt, "xpusense.cuda.memory.frees", pid=pid) == did["frees"]
+
+
+def test_cuda_uprobe_without_the_library_is_unavailable_with_the_config_key(tmp_path):
+    [src] = ebpf.build_ebpf_sources({"probes": ["cuda_uprobe"], "cuda_library": str(tmp_path / "libcuda.so.1")})
+    with pytest.raises(Unavailable, match="cuda_library"):
+        src.loader.plan("cuda_uprobe")
+
+
+# ------------------------------------------------------------------------------------------ isolation
+
+def test_a_probe_that_does_not_compile_does_not_take_the_others_down(monkeypatch):
+    require_ebpf()
+    orig = specs.Probe.c_text
+    monkeypatch.setattr(specs.Probe, "c_text",
+                        lambda self: orig(self) + ("\n#error broken on purpose\n" if self.name == "netio" else ""))
+    runq, net = ebpf.build_ebpf_sources({"probes": ["runqlat", "netio"]})
+    try:
+        with pytest.raises(Unavailable, match="broken on purpose"):
+            net.setup()
+        runq.setup()
+        assert runq.describe()["compile"] == "per probe"
+        assert find(runq.collect(REALTIME), "xpusense.ebpf.probe.events", probe="runqlat")
+    finally:
+        runq.close()
+        net.close()
+
+
+# ------------------------------------------------------------------------------------------ no root needed
+
+def fake_tracefs(tmp_path, *tracepoints):
+    for tp in tracepoints:
+        cat, ev = tp.split(":")
+        (tmp_path / "events" / cat / ev).mkdir(parents=True)
+    return str(tmp_path)
+
+
+def test_feature_tests_pick_the_fallback_variant_and_say_why(tmp_path):
+    tfs = fake_tracefs(tmp_path, "block:block_rq_issue", "block:block_rq_complete", "net:net_dev_xmit",
+                       "net:netif_receive_skb", "tcp:tcp_retransmit_skb")
+    loader = ebpf.build_ebpf_sources({"probes": ["blkio", "netio", "runqlat"], "tracefs": tfs})[0].loader
+    blk, net = loader.plan("blkio"), loader.plan("netio")
+    assert (blk.variant.name, blk.cflags()) == ("rq_issue", ["-DBLKIO_IO_START=0"])
+    assert net.variant.name == "netdev" and "sock:sock_send_length" in net.notes[0]
+    with pytest.raises(Unavailable, match="sched:sched_switch"):
+        loader.plan("runqlat")
+    text = ebpf.render_c([blk, net])
+    assert "-DNETIO_SOCK=0" in text and '#line 1 "blkio.bpf.c"' in text
+
+
+def test_without_privileges_every_probe_is_unavailable_with_what_to_do(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(ebpf, "read_cap_eff", lambda procfs="/proc": 0)
+    for src in ebpf.build_ebpf_sources({}):
+        with pytest.raises(Unavailable, match="root or CAP_BPF"):
+            src.setup()
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ValueError, match=r"sources.ebpf.probes: unknown probe\(s\) nope"):
+        ebpf.build_ebpf_sources({"probes": ["nope"]})
+    with pytest.raises(ValueError, match="sources.ebpf.variants.netio"):
+        ebpf.build_ebpf_sources({"variants": {"netio": "carrier-pigeon"}})
+    with pytest.raises(ValueError, match="sources.ebpf.device_globs"):
+        ebpf.build_ebpf_sources({"device_globs": ["/dev/a*", "/dev/b*", "/dev/c*", "/dev/d*", "/dev/e*"]})
+    with pytest.raises(ValueError, match="unknown key"):
+        ebpf.build_ebpf_sources({"tc_interface": ["eth0"]})
+    assert ebpf.build_ebpf_sources({"enabled": False}) == []
+
+
+def test_pure_helpers():
+    h = ebpf.hist_sample("x", "s", {}, [0, 2, 3, 0, 1], 7e9, 1e-9)
+    assert h.counts == (0, 2, 5, 5, 6) and h.value == pytest.approx(7.0)
+    assert h.bounds == pytest.approx((0.0, 1e-9, 3e-9, 7e-9))
+    info = ebpf.parse_fdinfo("pos:\t0\nflags:\t02000002\nprog_type:\t5\nprog_id:\t42\nrun_time_ns:\t1234\nrun_cnt:\t7\n")
+    assert (info["prog_id"], info["run_time_ns"], info["run_cnt"]) == (42, 1234, 7)
+    assert ebpf.device_prefixes(["/dev/nvidia*", "/dev/nvidia[0-9]*", "/dev/davinci?"]) == ["/dev/nvidia", "/dev/davinci"]
+    words, masks = ebpf.prefix_words("/dev/nv")
+    assert masks[0] == (1 << 56) - 1 and masks[1:] == [0, 0, 0]
+    assert ebpf.decode_dev((7 << 20) | 3) == (7, 3)
+    mi = "30 25 0:26 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw\n"
+    assert ebpf.cgroup2_mount("29 25 0:25 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n" + mi) == "/sys/fs/cgroup/unified"
+    assert ebpf.physical_links([{"ifname": "lo", "loopback": True}, {"ifname": "eth0"},
+                                {"ifname": "veth1", "kind": "veth"}]) == ["eth0"]
