@@ -19,7 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp):
-        sp.add_argument("--config", help="TOML config file (env XPUSENSE_CONFIG)")
+        sp.add_argument("--config", help="TOML config file (env XPUSENSE_AGENT_CONFIG)")
         sp.add_argument("--npu-smi", metavar="PATH", help="the npu-smi executable ([sources.npu_smi] path)")
 
     r = sub.add_parser("run", help="measure this node and stream to the collector")
@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    path = args.config or os.environ.get("XPUSENSE_CONFIG")
+    path = args.config or os.environ.get("XPUSENSE_AGENT_CONFIG")
     flags = {"sources.npu_smi.path": args.npu_smi}
     if args.cmd == "run":
         flags.update({"collector.address": args.collector, "node_id": args.node_id, "log_level": args.log_level})
@@ -61,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(cfg, args) -> int:
     from .daemon import Agent
-    agent = Agent(cfg)
+    from .spool import SpoolError
+    try:
+        agent = Agent(cfg)
+    except SpoolError as e:
+        print(f"xpusense-agent: {e}", file=sys.stderr)
+        return EXIT_FAIL
     agent.install_signal_handlers()
     return agent.run(once=args.once)
 

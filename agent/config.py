@@ -116,6 +116,15 @@ AGENT_SCHEMA: dict[str, Any] = {
         "timeout_ratio": Key((int, float), 0.8, lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
                              help="a source round is abandoned after this share of its tier's period"),
     },
+    "spool": {
+        "enabled": Key(bool, True, help="keep every batch on disk until the collector acknowledges it"),
+        "dir": Key(str, "", help="default /var/lib/xpusense/spool as root, else ~/.local/state/xpusense/spool; "
+                                 "one subdirectory per node id (env XPUSENSE_SPOOL_DIR)"),
+        "max_bytes": Key(int, 256 * 2**20, positive, help="disk budget; over it the oldest batches are dropped and counted"),
+        "segment_bytes": Key(int, 4 * 2**20, positive),
+        "fsync": Key(str, "interval", one_of("batch", "interval", "never")),
+        "fsync_interval_s": Key((int, float), 1.0, positive),
+    },
     "stream": {
         "queue_batches": Key(int, 3600, positive, help="batches kept in memory while the collector is away"),
         "flush_s": Key((int, float), 0.2, positive),
@@ -260,7 +269,8 @@ def load(schema: dict, path: str | None, env: dict[str, str] | None = None,
     return _namespace(merged)
 
 
-AGENT_ENV = {"XPUSENSE_NODE_ID": "node_id", "XPUSENSE_COLLECTOR": "collector.address"}
+AGENT_ENV = {"XPUSENSE_NODE_ID": "node_id", "XPUSENSE_COLLECTOR": "collector.address",
+             "XPUSENSE_SPOOL_DIR": "spool.dir"}
 
 
 def load_agent(path: str | None = None, flags: dict[str, Any] | None = None,
@@ -275,4 +285,7 @@ def load_agent(path: str | None = None, flags: dict[str, Any] | None = None,
             raise ConfigError(f"{path or 'configuration'}: '{key}' ({low}) must not be above the threshold ({threshold})")
     if not cfg.node_id:
         cfg.node_id = socket.gethostname()
+    if not cfg.spool.dir:
+        cfg.spool.dir = ("/var/lib/xpusense/spool" if os.geteuid() == 0
+                         else os.path.expanduser("~/.local/state/xpusense/spool"))
     return cfg

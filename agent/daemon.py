@@ -18,6 +18,7 @@ from .sources.base import Source
 from .sources.host import HostSource
 from .sources.npu_smi import NpuSmiSource
 from .sources.nvml import NvmlSource
+from .spool import Spool
 from .stream import StreamClient
 from .tiers import SourceState, TierLoop, periods_from_config, setup_sources
 
@@ -113,13 +114,21 @@ class Agent:
         self.cfg = cfg
         self.boot_id = uuid.uuid4().hex
         self.stop_event = threading.Event()
+        self.spool, spooled = None, []
+        if cfg.spool.enabled:   # first: a spool that cannot open stops the agent before probes load
+            sp = cfg.spool
+            self.spool = Spool(Spool.for_node(sp.dir, cfg.node_id), sp.max_bytes, sp.segment_bytes, sp.fsync,
+                               sp.fsync_interval_s, on_drop=lambda keys, n: self.stream.spool_dropped(keys, n))
+            spooled = self.spool.open()   # SpoolError: the CLI says what to fix
         self.states, startup_events = setup_sources(build_sources(cfg))
         s = cfg.stream
         self.stream = StreamClient(
             cfg.collector.address, cfg.node_id, self.boot_id,
             lambda: inventory_to_proto(inventory(cfg, self.states)),
             queue_batches=s.queue_batches, flush_s=s.flush_s, max_samples_per_batch=s.max_samples_per_batch,
-            backoff_initial_s=s.backoff_initial_s, backoff_max_s=s.backoff_max_s, agent_version=__version__)
+            backoff_initial_s=s.backoff_initial_s, backoff_max_s=s.backoff_max_s, agent_version=__version__,
+            spool=self.spool)
+        self.stream.resume(spooled)
         self_state, _ = setup_sources([AgentSelfSource(self.stream.status)])
         self.states += self_state
         w = cfg.hbm_watch
@@ -157,6 +166,8 @@ class Agent:
         finally:
             self.loop.close()
             self.stream.stop(drain_s=2.0)
+            if self.spool is not None:
+                self.spool.close()
 
     def install_signal_handlers(self) -> None:
         def on_signal(signum, _frame):

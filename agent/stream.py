@@ -16,7 +16,7 @@ import random
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import grpc
 
@@ -77,7 +77,7 @@ class StreamClient:
     def __init__(self, address: str, node_id: str, boot_id: str, inventory: Callable[[], pb.Inventory],
                  queue_batches: int = 3600, flush_s: float = 0.2, max_samples_per_batch: int = 5000,
                  backoff_initial_s: float = 0.2, backoff_max_s: float = 10.0, agent_version: str = "",
-                 channel: Callable[[], grpc.Channel] | None = None):
+                 channel: Callable[[], grpc.Channel] | None = None, spool=None):
         self.address = address
         self.node_id = node_id
         self.boot_id = boot_id
@@ -94,10 +94,13 @@ class StreamClient:
         self._cond = threading.Condition()
         self._samples: list[Sample] = []
         self._events: list[Event] = []
-        self._pending: collections.OrderedDict[int, pb.Batch] = collections.OrderedDict()
+        # Batches not yet acknowledged, oldest first, keyed by (boot id, seq): a pb.Batch in memory,
+        # or where it lies in the spool (agent/spool.py) when there is one.
+        self._pending: collections.OrderedDict[tuple[str, int], Any] = collections.OrderedDict()
+        self._unsent: collections.deque[tuple[str, int]] = collections.deque()  # on this connection
+        self.spool = spool
         self._seq = 0
         self._refs: dict[tuple, int] = {}  # series (name, labels) -> series_ref, for this boot
-        self._sent_upto = 0                # highest seq handed to the current connection
         self._inventory_dirty = False
         self._stop = threading.Event()
         self._conn_closed = True
@@ -136,16 +139,40 @@ class StreamClient:
                          sent_unix_nano=time.time_ns())
             b.samples.extend(sample_to_proto(s, self._ref(s)) for s in chunk)
             b.events.extend(event_to_proto(e) for e in events)
-            self._pending[self._seq] = b
-            while len(self._pending) > self.queue_batches:
-                _, old = self._pending.popitem(last=False)
-                self.dropped_batches += 1
-                self.dropped_samples += len(old.samples)
-                if self.dropped_batches == 1 or self.dropped_batches % 100 == 0:
-                    log.warning("in-memory queue full (%d batches): dropped the oldest; %d batches, "
-                                "%d samples lost so far", self.queue_batches, self.dropped_batches,
-                                self.dropped_samples)
+            key = (self.boot_id, self._seq)
+            if self.spool is not None:
+                # On disk before it is sent: survives a collector outage and a killed agent.
+                self._pending[key] = self.spool.append(self.boot_id, self._seq, len(b.samples),
+                                                       b.SerializeToString())
+            else:
+                self._pending[key] = b
+                while len(self._pending) > self.queue_batches:
+                    _, old = self._pending.popitem(last=False)
+                    self._count_drop(1, len(old.samples), f"in-memory queue full ({self.queue_batches} batches)")
+            self._unsent.append(key)
         self._cond.notify_all()
+
+    def _count_drop(self, batches: int, samples: int, why: str) -> None:
+        before = self.dropped_batches
+        self.dropped_batches += batches
+        self.dropped_samples += samples
+        if before == 0 or before // 100 != self.dropped_batches // 100:
+            log.warning("%s: dropped the oldest; %d batches, %d samples lost so far", why,
+                        self.dropped_batches, self.dropped_samples)
+
+    def spool_dropped(self, keys: list[tuple[str, int]], samples: int) -> None:
+        """The spool deleted its oldest segment over budget: those batches are gone (called locked)."""
+        for key in keys:
+            self._pending.pop(key, None)
+        self._count_drop(len(keys), samples, "spool over its disk budget")
+
+    def resume(self, spooled: list) -> None:
+        """Batches of earlier runs found in the spool: sent first, with their own boot id and seq."""
+        with self._cond:
+            for key, loc in spooled:
+                self._pending[key] = loc
+                self._unsent.append(key)
+            self._cond.notify_all()
 
     def _ref(self, s: Sample) -> int:
         key = (s.name, tuple(sorted(s.labels.items())))
@@ -212,29 +239,42 @@ class StreamClient:
                                              inventory=self.inventory(), time_unix_nano=time.time_ns()))
         while True:
             with self._cond:
-                while (not self._conn_closed and not self._inventory_dirty
-                       and next(reversed(self._pending), 0) <= self._sent_upto):
+                while not self._conn_closed and not self._inventory_dirty and not self._unsent:
                     self._cond.wait(1.0)
                 if self._conn_closed:
                     return
                 send_inventory, self._inventory_dirty = self._inventory_dirty, False
-                batches = [b for seq, b in self._pending.items() if seq > self._sent_upto]
-                if batches:
-                    self._sent_upto = batches[-1].seq
+                batch, key = None, None
+                while self._unsent and batch is None:
+                    key = self._unsent.popleft()
+                    batch = self._pending.get(key)     # None: acknowledged or dropped meanwhile
             if send_inventory:
                 yield pb.AgentMessage(inventory=self.inventory())
-            for b in batches:
-                yield pb.AgentMessage(batch=b)
+            if batch is not None:
+                if not isinstance(batch, pb.Batch):
+                    try:
+                        batch = pb.Batch.FromString(self.spool.read(batch))
+                    except (KeyError, OSError) as e:
+                        log.warning("batch %s could not be read back from the spool: %s", key, e)
+                        continue
+                yield pb.AgentMessage(batch=batch)
 
     def _handle(self, msg: pb.CollectorMessage) -> None:
         with self._cond:
             if msg.HasField("ack"):
-                if msg.ack.boot_id == self.boot_id and self._pending.pop(msg.ack.seq, None) is not None:
+                key = (msg.ack.boot_id, msg.ack.seq)
+                val = self._pending.pop(key, None)
+                if val is not None:
                     self.acked += 1
                     self.duplicates += msg.ack.duplicate
-            elif msg.HasField("welcome") and msg.welcome.boot_id == self.boot_id:
-                for seq in [s for s in self._pending if s <= msg.welcome.stored_up_to]:
-                    del self._pending[seq]
+                    if self.spool is not None:
+                        self.spool.ack(key[0], key[1], val if not isinstance(val, pb.Batch) else None)
+            elif msg.HasField("welcome"):
+                done = [k for k in self._pending if k[0] == msg.welcome.boot_id and k[1] <= msg.welcome.stored_up_to]
+                for k in done:
+                    val = self._pending.pop(k)
+                    if self.spool is not None:
+                        self.spool.ack(k[0], k[1], val if not isinstance(val, pb.Batch) else None)
             self._cond.notify_all()
 
     def _sender(self) -> None:
@@ -245,7 +285,7 @@ class StreamClient:
             while not self._stop.is_set():
                 with self._cond:
                     self._conn_closed = False
-                    self._sent_upto = 0   # resend everything not acknowledged, in order
+                    self._unsent = collections.deque(self._pending)  # resend all not acknowledged, in order
                     self._inventory_dirty = False
                 try:
                     self._call = stub.Stream(self._requests())

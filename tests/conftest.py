@@ -19,13 +19,20 @@ def agent_config_without_ebpf(tmp_path_factory):
     probes, and they attach tc only inside network namespaces they create."""
     cfg = tmp_path_factory.mktemp("agentcfg") / "agent.toml"
     cfg.write_text("[sources.ebpf]\nenabled = false\n")
-    old = os.environ.get("XPUSENSE_CONFIG")
-    os.environ["XPUSENSE_CONFIG"] = str(cfg)
+    old = os.environ.get("XPUSENSE_AGENT_CONFIG")
+    os.environ["XPUSENSE_AGENT_CONFIG"] = str(cfg)
     yield cfg
     if old is None:
-        os.environ.pop("XPUSENSE_CONFIG", None)
+        os.environ.pop("XPUSENSE_AGENT_CONFIG", None)
     else:
-        os.environ["XPUSENSE_CONFIG"] = old
+        os.environ["XPUSENSE_AGENT_CONFIG"] = old
+
+
+@pytest.fixture(autouse=True)
+def own_spool_dir(tmp_path, monkeypatch):
+    """Each test's agents spool into a directory of the test's own (env XPUSENSE_SPOOL_DIR)."""
+    monkeypatch.setenv("XPUSENSE_SPOOL_DIR", str(tmp_path / "spool"))
+    return tmp_path / "spool"
 
 
 @pytest.fixture

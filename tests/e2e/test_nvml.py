@@ -128,7 +128,7 @@ def test_sources_says_which_gpus_the_hbm_watch_follows(libdir, scenario, state, 
 def test_no_library_means_unavailable_with_the_reason():
     r = subprocess.run([str(BIN / "xpusense-agent"), "sources", "--format", "json"], capture_output=True, text=True,
                        timeout=30, env={"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/nonexistent",
-                                        "XPUSENSE_CONFIG": os.environ["XPUSENSE_CONFIG"]})
+                                        "XPUSENSE_AGENT_CONFIG": os.environ["XPUSENSE_AGENT_CONFIG"]})
     rows = {x["name"]: x for x in json.loads(r.stdout)}
     assert rows["nvml"]["state"] == "unavailable" and "libnvidia-ml.so.1 not found" in rows["nvml"]["reason"]
 
