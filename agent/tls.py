@@ -1,0 +1,138 @@
+"""How the agent (and the collector's query CLI) reach the collector: mTLS, TLS + token, or plaintext.
+
+`make_channel(address, collector_cfg)` checks the `[collector]` keys and returns a factory of gRPC
+channels for StreamClient's `channel` parameter:
+- `tls_ca` (and/or `tls_cert` + `tls_key`): TLS, the collector's certificate checked against
+  `tls_ca` (the system's roots when unset); with `tls_cert`/`tls_key` the agent presents its client
+  certificate (mTLS), which names the node it may report as.
+- `token_file`: the node's bearer token, sent as `authorization: Bearer ...` on every call (as
+  call credentials over TLS; as plain metadata over plaintext, which only loopback or
+  `insecure = true` allows).
+- neither: plaintext, allowed only to a loopback collector unless `insecure = true` (then a
+  warning says so when the first channel is made).
+Unusable settings raise ConfigError naming the key (the CLI exits 2 with it).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from typing import Callable
+
+import grpc
+
+from .config import ConfigError, split_host_port
+
+log = logging.getLogger("xpusense.agent.tls")
+
+
+def is_loopback_host(host: str) -> bool:
+    """True when every address `host` names is a loopback address ('' and wildcards are not)."""
+    host = host.strip("[]")
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    addrs = {i[4][0] for i in infos}
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addrs)
+
+
+CONFIG_NAMES = {**{k: f"collector.{k}" for k in ("address", "tls_ca", "tls_cert", "tls_key", "token_file")},
+                "insecure": "collector.insecure = true"}
+
+
+def _read(path: str, name: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"'{name}' = {path!r}: cannot read it ({e.strerror})") from None
+
+
+class _BearerInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                         grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call (plaintext channels refuse call credentials)."""
+
+    def __init__(self, token: str):
+        self.md = ("authorization", f"Bearer {token}")
+
+    def _details(self, d):
+        md = list(d.metadata or []) + [self.md]
+        return _Details(d.method, d.timeout, md, d.credentials, getattr(d, "wait_for_ready", None),
+                        getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, d, request):
+        return continuation(self._details(d), request)
+
+    def intercept_unary_stream(self, continuation, d, request):
+        return continuation(self._details(d), request)
+
+    def intercept_stream_unary(self, continuation, d, request_iterator):
+        return continuation(self._details(d), request_iterator)
+
+    def intercept_stream_stream(self, continuation, d, request_iterator):
+        return continuation(self._details(d), request_iterator)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
+
+
+def make_channel(address: str, collector_cfg, options: list | None = None,
+                 names: dict[str, str] | None = None) -> Callable[[], grpc.Channel]:
+    """Check the [collector] security keys now; return a factory of channels to `address`.
+
+    `names`: how errors call each setting (default the config keys; the query CLI passes its flags)."""
+    c = collector_cfg
+    n = names or CONFIG_NAMES
+    get = lambda k, d="": getattr(c, k, d) or d  # noqa: E731  (older configs lack the keys)
+    ca_path, cert_path, key_path = get("tls_ca"), get("tls_cert"), get("tls_key")
+    token_path, insecure = get("token_file"), bool(getattr(c, "insecure", False))
+    if bool(cert_path) != bool(key_path):
+        have, missing = ("tls_cert", "tls_key") if cert_path else ("tls_key", "tls_cert")
+        raise ConfigError(f"'{n[missing]}' must be set together with '{n[have]}' "
+                          f"(this node's certificate and its private key)")
+    ca = _read(ca_path, n["tls_ca"]) if ca_path else None
+    cert = _read(cert_path, n["tls_cert"]) if cert_path else None
+    key = _read(key_path, n["tls_key"]) if key_path else None
+    token = None
+    if token_path:
+        token = _read(token_path, n["token_file"]).decode(errors="replace").strip()
+        if not token or any(ch.isspace() for ch in token):
+            raise ConfigError(f"'{n['token_file']}' = {token_path!r}: expected one token on one line")
+    tls = bool(ca or cert)
+    host, _ = split_host_port(address)
+    loopback = is_loopback_host(host)
+    if not tls and not loopback and not insecure:
+        raise ConfigError(f"'{n['address']}' = {address!r} is not a loopback address and no TLS is configured: "
+                          f"set {n['tls_ca']} (and {n['tls_cert']}/{n['tls_key']} for mTLS), or {n['insecure']} "
+                          f"to send in clear")
+    if options is None:
+        from .stream import CHANNEL_OPTIONS
+        options = CHANNEL_OPTIONS
+    warned = []
+
+    def factory() -> grpc.Channel:
+        if tls:
+            creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+            if token:
+                creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+            return grpc.secure_channel(address, creds, options=options)
+        if not loopback and not warned:
+            warned.append(True)
+            log.warning("PLAINTEXT to collector %s (%s): telemetry%s travels in clear; set %s for production",
+                        address, n["insecure"], " and this node's token" if token else "", n["tls_ca"])
+        ch = grpc.insecure_channel(address, options=options)
+        return grpc.intercept_channel(ch, _BearerInterceptor(token)) if token else ch
+
+    factory.mode = ("mTLS" if cert else "TLS" if tls else "plaintext") + (" + token" if token else "")
+    return factory
