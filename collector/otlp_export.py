@@ -1,0 +1,196 @@
+"""OTLP export from the collector: every point the fleet stored, to an OpenTelemetry backend over
+OTLP gRPC (opentelemetry-sdk's OTLPMetricExporter; conversion in agent/otlp_export.py).
+
+Where the points come from:
+- with a data_dir, the durable store is the export queue: a `StoreReader(store, "otlp")` reads the
+  batches stored after its cursor, and the cursor is committed only after the backend accepted
+  them. A backend outage loses nothing (the store keeps unread segments), a collector restart
+  resumes where the last accepted export ended (what was sent but not yet committed is sent again:
+  at least once, the same points with the same timestamps);
+- without one, a bounded in-memory queue fed through FleetState.watchers after each stored batch;
+  when it is full the oldest batches are dropped and counted (`dropped_batches`/`dropped_points`,
+  logged).
+
+One thread sends: every `interval_s` it takes what is queued (at most `max_request_points` points
+per request), converts it (resource per node, device attributes from the node's inventory) and
+exports it; on a failure it waits with jittered exponential backoff (from `interval_s`, doubling to
+`backoff_max_s`) and sends the same points again. stop() interrupts the wait and a send in progress.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+
+from xpusense.agent.otlp_export import (OtlpSender, StartTimes, backoff_delays, device_attributes,
+                                        metrics_data, resource_attributes)
+
+from .inventory_book import InventoryBook
+
+log = logging.getLogger("xpusense.collector.otlp")
+
+
+class StoreQueue:
+    """The durable store as the export queue (collector/store.py StoreReader, cursor `otlp`)."""
+
+    def __init__(self, store, name: str = "otlp"):
+        from .store import StoreReader
+        self.reader = StoreReader(store, name)
+        self._k = 64   # batches per read, shrunk when they hold more points than one request takes
+
+    def peek(self, max_points: int):
+        k = self._k
+        while True:
+            batches, cursor = self.reader.read(max_batches=k)
+            points = sum(len(b.samples) for b in batches)
+            if points <= max_points or len(batches) <= 1:
+                break
+            # Too many points for one request: read a prefix (a re-read returns the same batches).
+            k = max(1, len(batches) * max_points // points)
+        self._k = max(1, min(256, (k * max_points // points) if points else 64))
+        return batches, cursor
+
+    def commit(self, token) -> None:
+        self.reader.commit(token)
+
+    def status(self) -> dict:
+        return {"queue": "store", "cursor": list(self.reader.cursor)}
+
+
+class MemoryQueue:
+    """Batches as FleetState stores them (watchers), bounded: the oldest dropped first, counted."""
+
+    def __init__(self, max_batches: int):
+        self.max_batches = max_batches
+        self._q: collections.deque = collections.deque()
+        self._seq = 0
+        self._lock = threading.Lock()
+        self.dropped_batches = 0
+        self.dropped_points = 0
+
+    def watch(self, state) -> "MemoryQueue":
+        state.watchers.append(self._on_batch)
+        return self
+
+    def _on_batch(self, node, batch) -> None:
+        if batch is None or not batch.samples:
+            return
+        with self._lock:
+            self._seq += 1
+            self._q.append((self._seq, batch))
+            if len(self._q) > self.max_batches:
+                _, old = self._q.popleft()
+                self.dropped_batches += 1
+                self.dropped_points += len(old.samples)
+                if self.dropped_batches in (1, 10, 100) or self.dropped_batches % 1000 == 0:
+                    log.warning("OTLP export queue full (%d batches, no data_dir): dropped %d batches, "
+                                "%d points so far; the backend is slow or away (set data_dir for a "
+                                "durable queue)", self.max_batches, self.dropped_batches, self.dropped_points)
+
+    def peek(self, max_points: int):
+        out, points, last = [], 0, None
+        with self._lock:
+            for seq, b in self._q:
+                if out and points + len(b.samples) > max_points:
+                    break
+                out.append(b)
+                points += len(b.samples)
+                last = seq
+        return out, last
+
+    def commit(self, token) -> None:
+        if token is None:
+            return
+        with self._lock:
+            while self._q and self._q[0][0] <= token:
+                self._q.popleft()
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"queue": "memory", "queued_batches": len(self._q), "dropped_batches": self.dropped_batches,
+                    "dropped_points": self.dropped_points}
+
+
+class OtlpExport:
+    def __init__(self, cfg, book: InventoryBook, queue, sender: OtlpSender | None = None):
+        """cfg: the [export.otlp] table; book: inventories (watching the state); queue: a StoreQueue
+        (created before the store is opened, so the replay keeps unread segments) or a MemoryQueue."""
+        self.cfg = cfg
+        self.book = book
+        self.queue = queue
+        self.sender = sender or OtlpSender(cfg.endpoint, cfg.insecure, cfg.headers, cfg.timeout_s)
+        self.starts = StartTimes()
+        self.stop_event = threading.Event()
+        self.exported_points = 0
+        self.exported_batches = 0
+        self.failures = 0
+        self.last_error = ""
+        self._thread: threading.Thread | None = None
+
+    def convert(self, batches):
+        by_node: dict[str, list] = {}
+        for b in batches:
+            by_node.setdefault(b.node_id, []).extend(b.samples)
+        groups = []
+        for node_id, samples in by_node.items():
+            inv = self.book.get(node_id)
+            groups.append((resource_attributes(node_id, inv), device_attributes(inv), samples))
+        return metrics_data(groups, self.starts)
+
+    def export_once(self) -> bool | None:
+        """Send one request's worth from the queue: None when nothing was queued, else whether the
+        backend accepted it (and the queue moved on)."""
+        batches, token = self.queue.peek(self.cfg.max_request_points)
+        if not batches:
+            if token is not None and isinstance(self.queue, StoreQueue) and tuple(token) != self.queue.reader.cursor:
+                self.queue.commit(token)   # records with no samples (inventories, checkpoints) passed over
+            return None
+        points = sum(len(b.samples) for b in batches)
+        if self.sender.send(self.convert(batches)):
+            self.queue.commit(token)
+            self.exported_points += points
+            self.exported_batches += len(batches)
+            if self.last_error:
+                log.info("OTLP export to %s works again", self.cfg.endpoint)
+            self.last_error = ""
+            return True
+        self.failures += 1
+        if not self.last_error:
+            log.warning("OTLP export to %s failed: %d points kept and sent again with backoff "
+                        "(up to %.1f s between tries)", self.cfg.endpoint, points, self.cfg.backoff_max_s)
+        self.last_error = "export failed"
+        return False
+
+    def _run(self) -> None:
+        delays = None
+        while not self.stop_event.is_set():
+            try:
+                ok = self.export_once()
+            except Exception:
+                log.exception("OTLP export round failed")
+                ok = False
+            if ok is None:
+                delays = None
+                self.stop_event.wait(self.cfg.interval_s)
+            elif ok:
+                delays = None   # more may be queued: go on at once
+            else:
+                delays = delays or backoff_delays(self.cfg.interval_s, self.cfg.backoff_max_s)
+                self.stop_event.wait(next(delays))
+
+    def start(self) -> None:
+        log.info("OTLP export to %s every %.1f s (%s queue)", self.cfg.endpoint, self.cfg.interval_s,
+                 self.queue.status()["queue"])
+        self._thread = threading.Thread(target=self._run, name="otlp-export", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.sender.shutdown()   # interrupts the SDK's retry wait inside a send
+        if self._thread is not None:
+            self._thread.join(timeout=self.cfg.timeout_s + 2)
+
+    def status(self) -> dict:
+        return {"endpoint": self.cfg.endpoint, "exported_points": self.exported_points,
+                "exported_batches": self.exported_batches, "failures": self.failures, **self.queue.status()}

@@ -1,0 +1,259 @@
+"""A Prometheus endpoint on the collector: the fleet state's latest values, rendered at scrape time
+(a custom prometheus-client Collector on its own HTTP port, `[export.prometheus] listen`).
+
+Native names: the OpenTelemetry name with dots as underscores and the unit as a suffix, as
+OpenTelemetry's Prometheus exporters write them (`hw.gpu.memory.usage` By -> `hw_gpu_memory_usage_bytes`,
+`hw.gpu.utilization` 1 -> `hw_gpu_utilization_ratio`, counters end in `_total`); labels are the
+series' labels (dots as underscores) plus `node` (node id) and `host_name`. Histograms keep their
+buckets (`le` in the unit of the series).
+
+With `compat_names` the accelerator series are also written under the names existing dashboards
+use, in those exporters' units and labels, for the signals that have an equivalent (tables below).
+The values are ours: where the measure differs (docs/metrics.md: NVIDIA "utilisation" is a time
+share on both sides; DRAM active vs GPM bandwidth) the dashboard shows our measure.
+
+Reading the fleet state from the HTTP thread: the state is changed on the collector's event loop
+thread; the scrape copies each dict it walks with one C-level call (`list(d.values())`, atomic under
+the GIL) and reads each series' value and timestamp attributes, which the loop replaces, never
+mutates in place. Inventories come from the InventoryBook (immutable copies).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+
+from xpusense.v1 import telemetry_pb2 as pb
+
+from .inventory_book import InventoryBook
+
+log = logging.getLogger("xpusense.collector.prometheus")
+
+UNIT_SUFFIX = {"By": "bytes", "s": "seconds", "ms": "milliseconds", "ns": "nanoseconds", "W": "watts",
+               "J": "joules", "Cel": "celsius", "Hz": "hertz", "By/s": "bytes_per_second", "V": "volts",
+               "TFLOP/J": "teraflops_per_joule", "1": "ratio"}
+
+# dcgm-exporter's names (NVIDIA/dcgm-exporter etc/default-counters.csv and etc/dcp-metrics-included.csv;
+# labels gpu, UUID, device, modelName, Hostname, as dcgm-exporter writes them): our series -> (name,
+# scale, type, help). Units are DCGM's: % (0-100), MiB, W, C, mJ, MHz, ratio 0-1 for DCGM_FI_PROF_*.
+DCGM = {
+    ("hw.gpu.utilization", ()): ("DCGM_FI_DEV_GPU_UTIL", 100.0, "gauge", "GPU utilization (in %)."),
+    ("xpusense.accelerator.memory_controller.utilization", ()):
+        ("DCGM_FI_DEV_MEM_COPY_UTIL", 100.0, "gauge", "Memory utilization (in %)."),
+    ("hw.gpu.memory.usage", ()): ("DCGM_FI_DEV_FB_USED", 1 / 2**20, "gauge", "Framebuffer memory used (in MiB)."),
+    ("xpusense.accelerator.memory.free", ()): ("DCGM_FI_DEV_FB_FREE", 1 / 2**20, "gauge",
+                                               "Framebuffer memory free (in MiB)."),
+    ("hw.power", ()): ("DCGM_FI_DEV_POWER_USAGE", 1.0, "gauge", "Power draw (in W)."),
+    ("hw.temperature", (("sensor", "chip"),)): ("DCGM_FI_DEV_GPU_TEMP", 1.0, "gauge", "GPU temperature (in C)."),
+    ("hw.temperature", (("sensor", "hbm"),)): ("DCGM_FI_DEV_MEMORY_TEMP", 1.0, "gauge", "Memory temperature (in C)."),
+    ("hw.energy", ()): ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 1000.0, "counter",
+                        "Total energy consumption since boot (in mJ)."),
+    # GPM DRAM bandwidth utilisation is the closest we have to DCP's DRAM active ratio (0-1).
+    ("xpusense.accelerator.hbm.bandwidth.utilization", ()):
+        ("DCGM_FI_PROF_DRAM_ACTIVE", 1.0, "gauge",
+         "Ratio of cycles the device memory interface is active sending or receiving data."),
+    ("xpusense.accelerator.sm.utilization", ()):
+        ("DCGM_FI_PROF_SM_ACTIVE", 1.0, "gauge", "The ratio of cycles an SM has at least 1 warp assigned."),
+    ("xpusense.accelerator.cube.utilization", ()):
+        ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", 1.0, "gauge", "Ratio of cycles the tensor (HMMA) pipe is active."),
+    ("xpusense.accelerator.clock.frequency", (("clock", "sm"),)):
+        ("DCGM_FI_DEV_SM_CLOCK", 1e-6, "gauge", "SM clock frequency (in MHz)."),
+    ("xpusense.accelerator.clock.frequency", (("clock", "memory"),)):
+        ("DCGM_FI_DEV_MEM_CLOCK", 1e-6, "gauge", "Memory clock frequency (in MHz)."),
+    ("xpusense.accelerator.memory.remapped_rows", (("type", "correctable"),)):
+        ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", 1.0, "counter", "Number of remapped rows for correctable errors"),
+    ("xpusense.accelerator.memory.remapped_rows", (("type", "uncorrectable"),)):
+        ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", 1.0, "counter",
+         "Number of remapped rows for uncorrectable errors"),
+    ("xpusense.accelerator.memory.remap_failed", ()):
+        ("DCGM_FI_DEV_ROW_REMAP_FAILURE", 1.0, "gauge", "Whether remapping of rows has failed"),
+}
+
+# npu-exporter's names (Ascend/ascend-npu-exporter collector/npu_collector.go; MindX DL docs: % for
+# utilisation, MB for memory, W, Celsius, health 1 healthy / 0 unhealthy). Labels: `id` (the chip's
+# physical id), `model_name`, and, as its newer versions write them, `container_name`, `namespace`,
+# `pod_name` (empty here: pod attribution is on the process series), plus `node` (our node id; one
+# collector serves many nodes where npu-exporter runs per node).
+NPU = {
+    ("hw.gpu.utilization", ()): ("npu_chip_info_utilization", 100.0, "the ai core utilization"),
+    ("xpusense.accelerator.vector.utilization", ()):
+        ("npu_chip_info_vector_utilization", 100.0, "the vector core utilization"),
+    ("hw.gpu.memory.usage", ()): ("npu_chip_info_hbm_used_memory", 1 / 2**20, "the npu hbm used memory"),
+    ("hw.gpu.memory.limit", ()): ("npu_chip_info_hbm_total_memory", 1 / 2**20, "the npu hbm total memory"),
+    ("hw.gpu.memory.utilization", ()): ("npu_chip_info_hbm_utilization", 100.0, "the npu hbm utilization"),
+    ("xpusense.accelerator.hbm.bandwidth.utilization", ()):
+        ("npu_chip_info_hbm_bandwidth_utilization", 100.0, "the npu hbm bandwidth util rate"),
+    ("hw.power", ()): ("npu_chip_info_power", 1.0, "the npu power"),
+    ("hw.temperature", (("sensor", "chip"),)): ("npu_chip_info_temperature", 1.0, "the npu temperature"),
+    ("hw.temperature", (("sensor", "hbm"),)): ("npu_chip_info_hbm_temperature", 1.0, "the npu hbm temperature"),
+    ("xpusense.accelerator.health", ()): ("npu_chip_info_health_status", 1.0, "the npu health status"),
+}
+
+_BAD = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def prom_name(name: str, unit: str, kind: int) -> str:
+    base = _BAD.sub("_", name)
+    suffix = "" if unit.startswith("{") else UNIT_SUFFIX.get(unit, _BAD.sub("_", unit) if unit else "")
+    if suffix == "ratio" and kind != pb.GAUGE:
+        suffix = ""
+    if suffix and not base.endswith("_" + suffix):
+        base = f"{base}_{suffix}"
+    return base   # counters: prometheus-client adds _total
+
+
+def prom_labels(labels: dict[str, str]) -> dict[str, str]:
+    return {_BAD.sub("_", k): v for k, v in labels.items()}
+
+
+def _key(labels: dict[str, str], wanted: tuple) -> bool:
+    return all(labels.get(k) == v for k, v in wanted)
+
+
+def npu_id(res, index: int) -> str:
+    """npu-exporter's `id` is the chip's physical id: from the inventory where npu-smi gave one,
+    else the NPU ID for one chip per card (`npuN-0`), else the chip's position among the NPUs."""
+    phy = res.attributes.get("phy_id") if res is not None else None
+    if phy:
+        return phy
+    m = re.fullmatch(r"npu(\d+)-(\d+)", res.id if res is not None else "")
+    if m and res.attributes.get("chips_per_card", "1") == "1":
+        return m.group(1)
+    return str(index)
+
+
+class FleetCollector:
+    """prometheus-client custom collector over a FleetState."""
+
+    def __init__(self, state, book: InventoryBook, compat_names: bool = False, max_age_s: float = 900.0,
+                 clock_ns=time.time_ns):
+        self.state = state
+        self.clock_ns = clock_ns
+        self.book = book
+        self.compat_names = compat_names
+        self.max_age_s = max_age_s
+        self.scrapes = 0
+
+    def describe(self):
+        return []   # unchecked collector: the set of names depends on the fleet
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+        self.scrapes += 1
+        families: dict[str, Metric] = {}
+        now_ns = self.clock_ns()
+        cutoff = now_ns - int(self.max_age_s * 1e9)
+
+        def emit(name: str, kind: str, help_: str, labels: dict, value, hist=None) -> None:
+            m = families.get(name)
+            if m is None:
+                m = families[name] = Metric(name, help_, kind)
+            if m.type != kind:
+                return   # one name, one type
+            if kind == "counter":
+                m.add_sample(name + "_total", labels, value)
+            elif kind == "histogram":
+                buckets, total, sum_ = hist
+                for le, c in buckets:
+                    m.add_sample(name + "_bucket", {**labels, "le": le}, c)
+                m.add_sample(name + "_count", labels, total)
+                m.add_sample(name + "_sum", labels, sum_)
+            else:
+                m.add_sample(name, labels, value)
+
+        up = Metric("xpusense_node_connected", "1 while the node's agent has a stream open", "gauge")
+        for n in list(self.state.nodes.values()):
+            up.add_sample("xpusense_node_connected", {"node": n.node_id}, 1.0 if n.streams > 0 else 0.0)
+            inv = self.book.get(n.node_id)
+            host = inv.hostname if inv is not None else ""
+            resources = {r.id: r for r in inv.resources} if inv is not None else {}
+            npus = [r.id for r in resources.values() if r.type == "NPU"]
+            for ser in list(n.series.values()):
+                t, value = ser.time_ns, ser.value
+                if t < cutoff or math.isnan(value):
+                    continue
+                labels = {**prom_labels(ser.labels), "node": n.node_id, "host_name": host}
+                name = prom_name(ser.name, ser.unit, ser.kind)
+                help_ = f"{ser.name} ({ser.unit})"
+                h = ser.histogram
+                if ser.kind == pb.COUNTER:
+                    emit(name, "counter", help_, labels, value)
+                elif ser.kind == pb.HISTOGRAM and h is not None:
+                    counts = list(h.counts)
+                    total = float(h.count or (counts[-1] if counts else 0))
+                    buckets = [(_le(b), float(c)) for b, c in zip(h.bounds, counts)] + [("+Inf", total)]
+                    emit(name, "histogram", help_, labels, value, (buckets, total, float(h.sum or value)))
+                else:
+                    emit(name, "gauge", help_, labels, value)
+                if self.compat_names and "device" in ser.labels:
+                    dev = ser.labels["device"]
+                    self._compat(emit, ser, value, n.node_id, host, resources.get(dev),
+                                 npus.index(dev) if dev in npus else 0)
+        yield up
+        yield from families.values()
+
+    def _compat(self, emit, ser, value, node_id, host, res, npu_idx) -> None:
+        vendor = ser.labels.get("vendor", res.vendor if res is not None else "")
+        extra = tuple((k, v) for k, v in ser.labels.items() if k in ("sensor", "clock", "type"))
+        if vendor == "nvidia":
+            spec = DCGM.get((ser.name, extra))
+            if spec is None:
+                return
+            name, scale, kind, help_ = spec
+            dev = ser.labels["device"]
+            num = dev[3:] if dev.startswith("gpu") else dev
+            labels = {"gpu": num, "UUID": res.attributes.get("uuid", "") if res is not None else "",
+                      "device": f"nvidia{num}", "modelName": res.model if res is not None else "",
+                      "Hostname": host or node_id}
+            if "mig_instance" in ser.labels:
+                labels["GPU_I_ID"] = ser.labels["mig_instance"]
+        elif vendor == "huawei":
+            spec = NPU.get((ser.name, extra))
+            if spec is None:
+                return
+            name, scale, help_ = spec
+            kind = "gauge"
+            labels = {"id": npu_id(res, npu_idx), "model_name": res.model if res is not None else "",
+                      "container_name": "", "namespace": "", "pod_name": "", "node": node_id}
+        else:
+            return
+        if kind == "counter":
+            kind = "unknown"   # dcgm-exporter writes its counters without `_total`: keep the exact name
+        emit(name, kind, help_, labels, value * scale)
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+class PrometheusEndpoint:
+    def __init__(self, cfg, state, book: InventoryBook):
+        """cfg: the [export.prometheus] table; book: inventories, watching the state."""
+        self.cfg = cfg
+        self.book = book
+        self.collector = FleetCollector(state, book, compat_names=cfg.compat_names, max_age_s=cfg.max_age_s)
+        self.server = None
+        self.thread = None
+
+    def start(self) -> None:
+        """Listen on `listen` (HOST:PORT); raises BindError-like OSError with a message to act on."""
+        from prometheus_client import CollectorRegistry, start_http_server
+        from xpusense.agent.config import split_host_port
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self.collector)
+        host, port = split_host_port(self.cfg.listen)
+        try:
+            self.server, self.thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as e:
+            raise OSError(f"cannot serve Prometheus metrics on {self.cfg.listen}: {e.strerror}; choose another "
+                          f"address with [export.prometheus] listen") from None
+        log.info("Prometheus metrics on http://%s/metrics%s", self.cfg.listen,
+                 " (with dcgm-exporter / npu-exporter names)" if self.cfg.compat_names else "")
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None

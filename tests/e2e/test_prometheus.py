@@ -1,0 +1,180 @@
+"""The collector's Prometheus endpoint scraped by Debian's real `prometheus` server (loopback ports,
+a temporary TSDB), read back through Prometheus's HTTP query API: every series of two nodes (8 fake
+H100s, 8 fake Ascend 910B4s) under its native name, and the dcgm-exporter / npu-exporter names with
+their units and labels, equal to what the collector holds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from helpers import BIN, ROOT, free_port, nodes_json, series, wait_until
+from xpusense.collector.prometheus import prom_labels, prom_name
+from xpusense.v1 import telemetry_pb2 as pb
+
+sys.path.insert(0, str(ROOT / "tests"))
+from fakes.nvml import fakenvml  # noqa: E402
+
+FAKE_NPU_SMI = ROOT / "tests/fakes/npu-smi/npu-smi"
+NPU_SCENARIO = ROOT / "tests/fixtures/npu-smi/scenario-8x910B4"
+AGENT = """
+[tiers]
+realtime_s = 0.5
+nearline_s = 1.0
+offline_s = 1.0
+[stream]
+flush_s = 0.05
+[sources.npu_smi]
+timeout_s = 0.8
+[sources.ebpf]
+enabled = false
+"""
+KINDS = {"gauge": pb.GAUGE, "counter": pb.COUNTER, "histogram": pb.HISTOGRAM}
+
+
+@pytest.fixture(scope="module")
+def prometheus_bin():
+    exe = shutil.which("prometheus")
+    if not exe:
+        pytest.skip("Debian's prometheus is not installed (scripts/setup.sh installs it)")
+    return exe
+
+
+@pytest.fixture(scope="module")
+def libdir(tmp_path_factory):
+    try:
+        return fakenvml.build(tmp_path_factory.mktemp("fakenvml"))
+    except fakenvml.BuildError as e:
+        pytest.skip(str(e))
+
+
+def query(prom: str, q: str) -> list[dict]:
+    url = f"http://{prom}/api/v1/query?" + urllib.parse.urlencode({"query": q})
+    with urllib.request.urlopen(url, timeout=5) as r:
+        body = json.load(r)
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def one(prom: str, q: str) -> float:
+    got = query(prom, q)
+    assert len(got) == 1, (q, got)
+    return float(got[0]["value"][1])
+
+
+def test_prometheus_scrapes_native_and_dashboard_names(procs, tmp_path, prometheus_bin, libdir):
+    addr = f"127.0.0.1:{free_port()}"
+    metrics = f"127.0.0.1:{free_port()}"
+    ccfg = tmp_path / "collector.toml"
+    ccfg.write_text(f'[export.prometheus]\nenabled = true\nlisten = "{metrics}"\ncompat_names = true\n')
+    procs([str(BIN / "xpusense-collector"), "serve", "--config", str(ccfg), "--listen", addr], "collector")
+    wait_until(lambda: nodes_json(addr) is not None, what="collector to answer")
+    acfg = tmp_path / "agent.toml"
+    acfg.write_text(AGENT)
+    npu_dir = tmp_path / "npu-scenario"
+    shutil.copytree(NPU_SCENARIO, npu_dir)
+    gpu_agent = procs([str(BIN / "xpusense-agent"), "run", "--config", str(acfg), "--collector", addr,
+                       "--node-id", "gpu-node"], "agent-gpu",
+                      env=fakenvml.env(libdir, fakenvml.scenario("h100x8"), t0=fakenvml.t0_at(5.0)))
+    npu_agent = procs([str(BIN / "xpusense-agent"), "run", "--config", str(acfg), "--collector", addr,
+                       "--node-id", "npu-node", "--npu-smi", str(FAKE_NPU_SMI)], "agent-npu",
+                      env={"FAKE_NPU_SMI_DIR": str(npu_dir)})
+
+    def ready():
+        nodes = {n["node_id"]: n for n in nodes_json(addr)["nodes"]}
+        g, n = nodes.get("gpu-node"), nodes.get("npu-node")
+        want_g = ("hw.gpu.utilization", "hw.gpu.memory.usage", "hw.power", "hw.temperature", "hw.energy",
+                  "xpusense.accelerator.clock.frequency", "xpusense.accelerator.hbm.bandwidth.utilization")
+        want_n = ("hw.gpu.utilization", "hw.gpu.memory.usage", "hw.power", "hw.temperature",
+                  "xpusense.accelerator.health")
+        return (g and n and all(series(g, x) for x in want_g) and all(series(n, x) for x in want_n)
+                and series(g, "system.cpu.time"))
+    wait_until(ready, timeout_s=60, what="GPU and NPU series at the collector")
+    # The agents stop: the collector's latest values stand still, so Prometheus must show exactly them.
+    gpu_agent.kill(signal.SIGTERM)
+    npu_agent.kill(signal.SIGTERM)
+    nodes = {n["node_id"]: n for n in nodes_json(addr)["nodes"]}
+
+    prom = f"127.0.0.1:{free_port()}"
+    pcfg = tmp_path / "prometheus.yml"
+    pcfg.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                    f"scrape_configs:\n  - job_name: xpusense\n    static_configs:\n      - targets: ['{metrics}']\n")
+    check = subprocess.run([shutil.which("promtool") or "true", "check", "config", str(pcfg)],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    procs([prometheus_bin, f"--config.file={pcfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+           f"--web.listen-address={prom}", "--log.level=warn"], "prometheus")
+    wait_until(lambda: one(prom, 'up{job="xpusense"}') == 1.0, timeout_s=60, what="Prometheus to scrape the collector")
+    wait_until(lambda: query(prom, "DCGM_FI_DEV_GPU_UTIL") and query(prom, "npu_chip_info_utilization"),
+               timeout_s=30, what="the dashboard names in Prometheus")
+
+    # Every series the collector holds, under its native name, with the same value.
+    everything = query(prom, '{job="xpusense"}')
+    in_prom = {}
+    for r in everything:
+        m = dict(r["metric"])
+        name = m.pop("__name__")
+        for k in ("job", "instance"):
+            m.pop(k, None)
+        in_prom[(name, tuple(sorted(m.items())))] = float(r["value"][1])
+    compared = 0
+    for node_id, node in nodes.items():
+        host = node["inventory"]["hostname"]
+        for s in node["series"]:
+            if s["value"] is None or s["kind"] == "histogram":
+                continue
+            name = prom_name(s["name"], s["unit"], KINDS[s["kind"]]) + ("_total" if s["kind"] == "counter" else "")
+            labels = {**prom_labels(s["labels"]), "node": node_id, "host_name": host}
+            key = (name, tuple(sorted(labels.items())))
+            assert key in in_prom, f"{s['name']} {s['labels']} on {node_id} not in Prometheus as {key}"
+            assert in_prom[key] == s["value"], (key, in_prom[key], s["value"])
+            compared += 1
+    assert compared > 200
+
+    g = nodes["gpu-node"]
+    gpu0 = next(r for r in g["inventory"]["resources"] if r.get("id") == "gpu0")
+    util = series(g, "hw.gpu.utilization", device="gpu0")[0]["value"]
+    assert one(prom, 'hw_gpu_utilization_ratio{node="gpu-node",device="gpu0"}') == util
+    # dcgm-exporter's names, units (%, MiB, W, C, mJ, MHz) and labels (gpu, UUID, device, modelName, Hostname).
+    dcgm = query(prom, 'DCGM_FI_DEV_GPU_UTIL{gpu="0"}')
+    assert len(dcgm) == 1
+    lb = dcgm[0]["metric"]
+    assert (lb["UUID"], lb["device"], lb["modelName"], lb["Hostname"]) == (
+        gpu0["attributes"]["uuid"], "nvidia0", gpu0["model"], g["inventory"]["hostname"])
+    assert float(dcgm[0]["value"][1]) == util * 100.0
+    used = series(g, "hw.gpu.memory.usage", device="gpu0")[0]["value"]
+    assert one(prom, 'DCGM_FI_DEV_FB_USED{gpu="0"}') == used / 2**20
+    assert one(prom, 'DCGM_FI_DEV_POWER_USAGE{gpu="0"}') == series(g, "hw.power", device="gpu0")[0]["value"]
+    assert one(prom, 'DCGM_FI_DEV_GPU_TEMP{gpu="0"}') == series(g, "hw.temperature", device="gpu0", sensor="chip")[0]["value"]
+    assert one(prom, 'DCGM_FI_DEV_MEMORY_TEMP{gpu="0"}') == series(g, "hw.temperature", device="gpu0", sensor="hbm")[0]["value"]
+    assert one(prom, 'DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{gpu="0"}') == series(g, "hw.energy", device="gpu0")[0]["value"] * 1000.0
+    assert one(prom, 'DCGM_FI_DEV_SM_CLOCK{gpu="0"}') == series(
+        g, "xpusense.accelerator.clock.frequency", device="gpu0", clock="sm")[0]["value"] * 1e-6
+    assert one(prom, 'DCGM_FI_PROF_DRAM_ACTIVE{gpu="0"}') == series(
+        g, "xpusense.accelerator.hbm.bandwidth.utilization", device="gpu0")[0]["value"]
+    assert len(query(prom, "DCGM_FI_DEV_GPU_UTIL")) == 8
+
+    # npu-exporter's names (%, MB, W, C, health 1/0) and labels (id, model_name, ...).
+    n = nodes["npu-node"]
+    npu0 = next(r for r in n["inventory"]["resources"] if r.get("type") == "NPU")
+    dev = npu0["id"]
+    got = query(prom, 'npu_chip_info_utilization{node="npu-node"}')
+    assert len(got) == 8 and {r["metric"]["model_name"] for r in got} == {npu0["model"]}
+    nid = next(r["metric"]["id"] for r in got if r["metric"]["id"] == dev[3:].split("-")[0])
+    assert one(prom, f'npu_chip_info_utilization{{id="{nid}"}}') == series(n, "hw.gpu.utilization", device=dev)[0]["value"] * 100.0
+    assert one(prom, f'npu_chip_info_hbm_used_memory{{id="{nid}"}}') == series(n, "hw.gpu.memory.usage", device=dev)[0]["value"] / 2**20
+    assert one(prom, f'npu_chip_info_hbm_total_memory{{id="{nid}"}}') == series(n, "hw.gpu.memory.limit", device=dev)[0]["value"] / 2**20
+    assert one(prom, f'npu_chip_info_power{{id="{nid}"}}') == series(n, "hw.power", device=dev)[0]["value"]
+    assert one(prom, f'npu_chip_info_temperature{{id="{nid}"}}') == series(n, "hw.temperature", device=dev, sensor="chip")[0]["value"]
+    assert one(prom, f'npu_chip_info_health_status{{id="{nid}"}}') == series(n, "xpusense.accelerator.health", device=dev)[0]["value"]
+    # NVIDIA series do not take npu-exporter names, nor the other way round.
+    assert not query(prom, 'npu_chip_info_utilization{node="gpu-node"}')
+    assert not query(prom, 'DCGM_FI_DEV_GPU_UTIL{Hostname="npu-node"}') or g["inventory"]["hostname"] == "npu-node"
+    assert one(prom, 'xpusense_node_connected{node="gpu-node"}') == 0.0
