@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_agent(path, flags)
         if args.cmd == "run":
             resolve(cfg.collector.address)
+            from .tls import make_channel
+            make_channel(cfg.collector.address, cfg.collector)   # TLS/token/plaintext keys: exit 2 if unusable
     except (ConfigError, ValueError) as e:
         print(f"xpusense-agent: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -102,12 +102,26 @@ def _ebpf_check(v: dict) -> str | None:
     return None
 
 
+def _otlp_schema(collector: bool) -> dict:
+    from .otlp_config import otlp_schema
+    return otlp_schema(collector)
+
+
+_POD_METADATA_DIRS = ("/run/containerd/io.containerd.runtime.v2.task/k8s.io",
+                      "/run/containers/storage/overlay-containers", "/var/lib/docker/containers")
+
 AGENT_SCHEMA: dict[str, Any] = {
     "node_id": Key(str, "", help="node id; default: the host name"),
     "log_level": Key(str, "info", log_level),
     "labels": Key(Table, Table(), help="cloud, region, zone, price... sent with the inventory"),
     "collector": {
         "address": Key(str, DEFAULT_ADDRESS, host_port),
+        # How the agent proves who it is and checks the collector (agent/tls.py, docs/security.md).
+        "tls_ca": Key(str, "", help="CA that signed the collector's certificate (PEM); set: TLS"),
+        "tls_cert": Key(str, "", help="this node's client certificate (PEM), with tls_key: mTLS"),
+        "tls_key": Key(str, "", help="this node's private key (PEM, mode 0600)"),
+        "token_file": Key(str, "", help="file holding this node's bearer token (xpusense-collector tokens)"),
+        "insecure": Key(bool, False, help="allow plaintext to a non-loopback collector (warns)"),
     },
     "tiers": {
         "realtime_s": Key((int, float), 1.0, positive),
@@ -141,6 +155,19 @@ AGENT_SCHEMA: dict[str, Any] = {
         **_rule_keys(True),
         "vendor": {"nvidia": _rule_keys(False), "huawei": _rule_keys(False)},
     },
+    # Kubernetes pod attribution of process and cgroup series (agent/pods.py, docs/deploy.md).
+    "k8s": {
+        "enabled": Key(bool, False, help="label pid/cgroup series with their pod, namespace and container"),
+        "node_name": Key(str, "", help="this node's Kubernetes name, sent as inventory label k8s_node "
+                                       "(env XPUSENSE_K8S_NODE_NAME, from the downward API)"),
+        "procfs": Key(str, "/proc", help="where /proc/PID/cgroup is read (the host's: hostPID)"),
+        "pod_resources_socket": Key(str, "/var/lib/kubelet/pod-resources/kubelet.sock",
+                                    help="kubelet pod-resources API (device assignments); empty: not used"),
+        "metadata_dirs": Key(list, list(_POD_METADATA_DIRS), help="container runtimes' state dirs (pod names)"),
+        "refresh_s": Key((int, float), 10.0, positive, help="pod-resources and cache refresh period"),
+    },
+    # The agent's own OTLP export (agent/otlp_export.py); usually the collector exports instead.
+    "export": {"otlp": _otlp_schema(collector=False)},
     "sources": {
         "host": {
             "enabled": Key(bool, True),
@@ -270,7 +297,7 @@ def load(schema: dict, path: str | None, env: dict[str, str] | None = None,
 
 
 AGENT_ENV = {"XPUSENSE_NODE_ID": "node_id", "XPUSENSE_COLLECTOR": "collector.address",
-             "XPUSENSE_SPOOL_DIR": "spool.dir"}
+             "XPUSENSE_SPOOL_DIR": "spool.dir", "XPUSENSE_K8S_NODE_NAME": "k8s.node_name"}
 
 
 def load_agent(path: str | None = None, flags: dict[str, Any] | None = None,

@@ -13,6 +13,9 @@ from xpusense import __version__
 from xpusense.v1 import telemetry_pb2 as pb
 
 from .hbm_watch import HbmWatch, Rule
+from .otlp_export import build_agent_exporter
+from .pods import build_pod_labeler
+from .sdnotify import Watchdog
 from .sources.agent_self import AgentSelfSource
 from .sources.base import Source
 from .sources.host import HostSource
@@ -20,6 +23,7 @@ from .sources.npu_smi import NpuSmiSource
 from .sources.nvml import NvmlSource
 from .spool import Spool
 from .stream import StreamClient
+from .tls import make_channel
 from .tiers import SourceState, TierLoop, periods_from_config, setup_sources
 
 log = logging.getLogger("xpusense.agent")
@@ -127,7 +131,7 @@ class Agent:
             lambda: inventory_to_proto(inventory(cfg, self.states)),
             queue_batches=s.queue_batches, flush_s=s.flush_s, max_samples_per_batch=s.max_samples_per_batch,
             backoff_initial_s=s.backoff_initial_s, backoff_max_s=s.backoff_max_s, agent_version=__version__,
-            spool=self.spool)
+            spool=self.spool, channel=make_channel(cfg.collector.address, cfg.collector))
         self.stream.resume(spooled)
         self_state, _ = setup_sources([AgentSelfSource(self.stream.status)])
         self.states += self_state
@@ -140,19 +144,37 @@ class Agent:
                              timeout_ratio=cfg.tiers.timeout_ratio)
         if startup_events:
             self.stream.put([], startup_events)
+        self.pods = build_pod_labeler(cfg, lambda: inventory(cfg, self.states)["resources"])   # [k8s]
+        self.otlp = build_agent_exporter(cfg, lambda: inventory_to_proto(inventory(cfg, self.states)))
+        self.watchdog = Watchdog(lambda: sum(self.loop.rounds.values()),   # systemd READY=1 / WATCHDOG=1
+                                 stall_s=2 * min(map(self.loop.periods_s.get, self.loop.tiers_in_use()), default=60))
 
     def _sink(self, samples, events) -> None:
         """Tier loop -> HBM watch -> stream (called from the sources' worker threads)."""
+        samples = self.pods.label(samples) if self.pods is not None else samples   # [k8s] enabled
         if self.watch is not None:
             with self._watch_lock:
                 events = events + self.watch.observe(samples)
+        if self.otlp is not None:
+            self.otlp.put(samples)
+            if self.otlp.only:   # [export.otlp] only: no collector stream
+                return
         self.stream.put(samples, events)
 
     def run(self, once: bool = False) -> int:
-        self.stream.start()
+        if self.otlp is None or not self.otlp.only:
+            self.stream.start()
+        if self.otlp is not None and not once:
+            self.otlp.start()
+        self.watchdog.start()
         try:
             if once:
                 self.loop.run_once()
+                if self.otlp is not None and not self.otlp.flush():
+                    log.error("OTLP backend %s did not accept the points", self.cfg.export.otlp.endpoint)
+                    return 1
+                if self.otlp is not None and self.otlp.only:
+                    return 0
                 if not self.stream.drain(timeout_s=15.0):
                     log.error("collector %s did not acknowledge %d batches within 15 s (%s)",
                               self.cfg.collector.address, self.stream.pending(), self.stream.last_error)
@@ -164,6 +186,11 @@ class Agent:
             self.loop.run(self.stop_event)
             return 0
         finally:
+            self.watchdog.stop()
+            if self.otlp is not None:
+                self.otlp.stop()
+            if self.pods is not None:
+                self.pods.close()
             self.loop.close()
             self.stream.stop(drain_s=2.0)
             if self.spool is not None:

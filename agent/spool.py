@@ -3,7 +3,8 @@ collector has acknowledged it, so batches survive a collector outage and a `kill
 
 Layout: segment files `NNNNNNNN.seg` in the spool directory, each a sequence of msgpack records
 `[boot_id, seq, samples, batch_bytes]` (the serialised `Batch`), plus `acked.json`, the highest
-acknowledged sequence number per agent boot. A segment is deleted once every batch in it is
+acknowledged sequence number per agent boot (written every `fsync_interval_s`; one that lags
+only means a few batches are sent again, and the collector drops them). A segment is deleted once every batch in it is
 acknowledged. On start, the records of earlier boots that were not acknowledged are handed back,
 in order, to be sent again with their original boot id and sequence number (the collector drops
 any it already stored).
@@ -76,6 +77,7 @@ class Spool:
         self._lock = threading.Lock()
         self._lockf = None
         self._dirty = False
+        self._acks_dirty = False
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
         self.dropped_batches = 0
@@ -118,9 +120,8 @@ class Spool:
                 os.unlink(seg.path)
         next_id = max(self.segments, default=0) + 1
         self._roll(next_id)
-        if self.fsync == "interval":
-            self._flusher = threading.Thread(target=self._flush_loop, name="spool-fsync", daemon=True)
-            self._flusher.start()
+        self._flusher = threading.Thread(target=self._flush_loop, name="spool-flush", daemon=True)
+        self._flusher.start()
         if found:
             log.info("spool %s: %d batches from earlier runs to send (%d samples)", self.dir, len(found),
                      sum(loc.samples for _, loc in found))
@@ -226,6 +227,7 @@ class Spool:
         with self._lock:
             if seq > self.acked.get(boot, 0):
                 self.acked[boot] = seq
+                self._acks_dirty = True
             segs = [self.segments.get(loc.segment)] if loc else list(self.segments.values())
             for seg in segs:
                 if seg is None or (boot, seq) not in seg.unacked:
@@ -238,6 +240,7 @@ class Spool:
                 break
 
     def _save_acked(self) -> None:
+        self._acks_dirty = False
         # Keep marks only for boots that still have batches in the spool, and the newest one.
         live = {b for s in self.segments.values() for b, _ in s.unacked}
         marks = {b: s for b, s in self.acked.items() if b in live}
@@ -252,11 +255,14 @@ class Spool:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _flush_loop(self) -> None:
+        """Every fsync_interval_s: fsync the open segment (`interval` mode) and record the acks."""
         while not self._stop.wait(self.fsync_interval_s):
             with self._lock:
-                if self._dirty and self._f is not None:
+                if self._dirty and self._f is not None and self.fsync == "interval":
                     os.fsync(self._f.fileno())
                     self._dirty = False
+                if self._acks_dirty:
+                    self._save_acked()
 
     def close(self) -> None:
         self._stop.set()

@@ -320,4 +320,5 @@ class StreamClient:
         return {"address": self.address, "connected": self.connected, "pending_batches": self.pending(),
                 "last_seq": self.last_seq(), "acked": self.acked, "duplicates": self.duplicates,
                 "reconnects": self.reconnects, "dropped_batches": self.dropped_batches,
-                "dropped_samples": self.dropped_samples, "last_error": self.last_error}
+                "dropped_samples": self.dropped_samples, "last_error": self.last_error,
+                "spool_bytes": self.spool.bytes_used() if self.spool is not None else 0}

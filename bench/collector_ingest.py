@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-s", type=float, default=5.0, help="sending before the window (default 5)")
     p.add_argument("--procs", type=int, default=0, help="load-generator processes (default min(agents, 8))")
     p.add_argument("--collector-cpu", type=int, default=0, help="the one CPU the collector runs on (default 0)")
+    p.add_argument("--durable", action="store_true",
+                   help="collector with a durable store (--data-dir in a temporary directory)")
     p.add_argument("--no-series-ref", action="store_true",
                    help="send samples without series_ref (the collector then keys every sample by its labels)")
     p.add_argument("--profile", metavar="FILE", help="run the collector under cProfile, stats to FILE")
@@ -366,7 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="xpusense-ingest-")
     address = f"127.0.0.1:{free_port()}"
     col_log = os.path.join(tmp, "collector.log")
-    serve = ["serve", "--listen", address, "--log-level", "warning"]
+    # Saturation sends far more than a real agent's few batches a second: lift the per-node rate limit.
+    cfg_path = os.path.join(tmp, "collector.toml")
+    with open(cfg_path, "w") as f:
+        f.write("[limits]\nbatches_per_s = 1000000\nburst_batches = 1000000\n")
+    serve = ["serve", "--listen", address, "--log-level", "warning", "--config", cfg_path]
+    if args.durable:   # every batch fsync'ed to the store before its ack (group commit)
+        serve += ["--data-dir", os.path.join(tmp, "collector-data")]
     if args.profile:
         cmd = [sys.executable, "-m", "cProfile", "-o", os.path.abspath(args.profile), "-m",
                "xpusense.collector.cli"] + serve

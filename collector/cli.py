@@ -30,23 +30,55 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xpusense-collector", description="xpusense fleet collector")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="accept agent streams, keep fleet state, serve the query API")
-    s.add_argument("--config", help="TOML config file (env XPUSENSE_CONFIG)")
+    s.add_argument("--config", help="TOML config file (env XPUSENSE_COLLECTOR_CONFIG)")
     s.add_argument("--listen", metavar="HOST:PORT", help=f"listen address (default {DEFAULT_ADDRESS})")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    s.add_argument("--marks-file", metavar="PATH", help="record of stored sequence numbers (see docs)")
+    s.add_argument("--data-dir", metavar="DIR", help="durable store: batches are acknowledged once written here")
     for name, helptext in (("nodes", "fleet state: every node and its latest values"),
                            ("top", "a live terminal view of the fleet (Ctrl-C to leave)")):
         q = sub.add_parser(name, help=helptext)
         q.add_argument("--collector", metavar="HOST:PORT", default=os.environ.get("XPUSENSE_COLLECTOR", DEFAULT_ADDRESS))
         q.add_argument("--stale-s", type=float, default=10.0, help="a node silent this long is stale")
         q.add_argument("--timeout-s", type=float, default=5.0, help="give up on the collector after this long")
+        _client_security_flags(q)
         if name == "nodes":
             q.add_argument("--format", choices=["table", "json"], default="table")
             q.add_argument("--node", default="", help="only this node id")
             q.add_argument("--prefix", default="", help="only series whose name starts with this")
         else:
             q.add_argument("--interval-s", type=float, default=1.0)
+    from .scheduler_service import add_place_parser
+    _client_security_flags(add_place_parser(sub, os.environ.get("XPUSENSE_COLLECTOR", DEFAULT_ADDRESS)))
+    c = sub.add_parser("certs", help="make a CA, the collector's certificate and one client certificate per node")
+    c.add_argument("--out", required=True, metavar="DIR", help="where to write them (a CA already there is reused)")
+    c.add_argument("--nodes", required=True, help="node ids, comma-separated (each bound to its certificate)")
+    c.add_argument("--collector-host", action="append", default=[], metavar="HOST",
+                   help="name or IP agents use for the collector (repeat; default localhost, 127.0.0.1, ::1)")
+    c.add_argument("--days", type=int, default=365, help="validity of the certificates (the CA: 10 years)")
+    t = sub.add_parser("tokens", help="make a bearer token per node and the collector's tokens_file")
+    t.add_argument("--out", required=True, metavar="DIR", help="writes DIR/tokens and DIR/<node>.token")
+    t.add_argument("--nodes", required=True, help="node ids, comma-separated")
     return p
+
+
+def _client_security_flags(q) -> None:
+    env = os.environ.get
+    q.add_argument("--tls-ca", default=env("XPUSENSE_TLS_CA", ""), help="CA of the collector's certificate (TLS)")
+    q.add_argument("--tls-cert", default=env("XPUSENSE_TLS_CERT", ""), help="client certificate (mTLS)")
+    q.add_argument("--tls-key", default=env("XPUSENSE_TLS_KEY", ""), help="its private key")
+    q.add_argument("--token-file", default=env("XPUSENSE_TOKEN_FILE", ""), help="a bearer token of the fleet")
+    q.add_argument("--insecure", action="store_true", help="allow plaintext to a non-loopback collector")
+
+
+def _query_channel(args):
+    """A channel factory for nodes/top from the security flags (agent/tls.py rules)."""
+    from types import SimpleNamespace
+    from xpusense.agent.tls import make_channel
+    keys = SimpleNamespace(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                           token_file=args.token_file, insecure=args.insecure)
+    names = {"address": "--collector", "tls_ca": "--tls-ca", "tls_cert": "--tls-cert", "tls_key": "--tls-key",
+             "token_file": "--token-file", "insecure": "--insecure"}
+    return make_channel(args.collector, keys, options=[], names=names)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "serve":
             return _serve(args)
+        if args.cmd in ("certs", "tokens"):
+            return _certs(args)
         split_host_port(args.collector)
+        if args.cmd in ("nodes", "top", "place"):
+            args.channel = _query_channel(args)
+        if args.cmd == "place":
+            from .scheduler_service import place_command
+            return place_command(args)
         return {"nodes": _nodes, "top": _top}[args.cmd](args)
     except (ConfigError, ValueError) as e:
         print(f"xpusense-collector: {e}", file=sys.stderr)
@@ -62,19 +101,37 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args) -> int:
-    from .server import BindError, serve
+    from .server import BindError, check_bind, serve
     from .state import FleetState
-    cfg = load_collector(args.config or os.environ.get("XPUSENSE_CONFIG"),
-                         {"listen": args.listen, "log_level": args.log_level, "marks_file": args.marks_file})
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .marks import MarksJournal
-    journal = MarksJournal(cfg.marks_file) if cfg.marks_file else None
+    cfg = load_collector(args.config or os.environ.get("XPUSENSE_COLLECTOR_CONFIG"),
+                         {"listen": args.listen, "log_level": args.log_level, "data_dir": args.data_dir})
+    from .auth import Security
+    from .limits import Limits
+    security = Security.from_config(cfg, args.config or "configuration")   # ConfigError: exit 2, names the key
+    limits = Limits.from_config(cfg.limits)
     try:
-        state = FleetState(history_s=cfg.history_s, events_kept=cfg.events_kept, journal=journal)
-    except OSError as e:
-        print(f"xpusense-collector: cannot use marks_file {cfg.marks_file!r}: {e.strerror}; "
-              f"fix the path or its permissions", file=sys.stderr)
+        check_bind(cfg.listen)   # a busy port is one clear line, before anything else is said or opened
+    except BindError as e:
+        print(f"xpusense-collector: {e}", file=sys.stderr)
         return EXIT_FAIL
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    security.warn_at_start()
+    from .store import Store, StoreError
+    state = FleetState(history_s=cfg.history_s, events_kept=cfg.events_kept)
+    from .exporters import Exporters
+    exporters = Exporters.from_config(cfg, state)   # OTLP / Prometheus (docs/export.md)
+    store = None
+    if cfg.data_dir:
+        store = Store(cfg.data_dir, history_s=cfg.history_s, fsync=cfg.fsync)
+        exporters.use_store(store)   # before the replay: it keeps the segments not yet exported
+        try:
+            store.open(state)
+        except StoreError as e:
+            print(f"xpusense-collector: {e}", file=sys.stderr)
+            return EXIT_FAIL
+    else:
+        log.warning("no data_dir: batches are acknowledged from memory and a restart loses the fleet "
+                    "state; set --data-dir for a durable store")
 
     async def amain() -> None:
         stop = asyncio.Event()
@@ -82,16 +139,19 @@ def _serve(args) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(cfg.listen, state, cfg.max_message_bytes, stop)
+        await serve(cfg.listen, state, cfg.max_message_bytes, stop, cfg, store=store,
+                    credentials=security.server_credentials(), security=security, limits=limits)
 
     try:
+        exporters.start()
         asyncio.run(amain())
     except BindError as e:
         print(f"xpusense-collector: {e}", file=sys.stderr)
         return EXIT_FAIL
     finally:
-        if journal:
-            journal.close()
+        exporters.stop()
+        if store is not None:
+            store.close()
     return EXIT_OK
 
 
@@ -113,8 +173,8 @@ async def freeze_long_lived(stop: asyncio.Event, every_s: float = 5.0) -> None:
             pass
 
 
-def fetch(address: str, timeout_s: float, node_id: str = "", prefix: str = "") -> pb.ListNodesReply:
-    with grpc.insecure_channel(address) as ch:
+def fetch(address: str, timeout_s: float, node_id: str = "", prefix: str = "", channel=None) -> pb.ListNodesReply:
+    with (channel() if channel is not None else grpc.insecure_channel(address)) as ch:
         return pb_grpc.QueryStub(ch).ListNodes(pb.ListNodesRequest(node_id=node_id, name_prefix=prefix),
                                                timeout=timeout_s, wait_for_ready=False)
 
@@ -128,7 +188,7 @@ def _unreachable(address: str, e: grpc.RpcError) -> int:
 def _nodes(args) -> int:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `nodes | head` ends quietly
     try:
-        reply = fetch(args.collector, args.timeout_s, args.node, args.prefix)
+        reply = fetch(args.collector, args.timeout_s, args.node, args.prefix, channel=args.channel)
     except grpc.RpcError as e:
         return _unreachable(args.collector, e)
     nodes = [node_to_dict(n, reply.time_unix_nano, args.stale_s) for n in reply.nodes]
@@ -146,7 +206,7 @@ def _top(args) -> int:
     try:
         while True:
             try:
-                reply = fetch(args.collector, args.timeout_s, prefix="")
+                reply = fetch(args.collector, args.timeout_s, prefix="", channel=args.channel)
                 nodes = [node_to_dict(n, reply.time_unix_nano, args.stale_s) for n in reply.nodes]
                 body = render_table(nodes, shutil.get_terminal_size().columns)
             except grpc.RpcError as e:
@@ -160,6 +220,34 @@ def _top(args) -> int:
     finally:
         out.write("\x1b[?25h\n")
         out.flush()
+
+
+def _certs(args) -> int:
+    """`certs` and `tokens`: credentials for a fleet (collector/certs.py), and the config keys to use."""
+    from .certs import CertError, make_certs, make_tokens
+    nodes = args.nodes.split(",")
+    try:
+        if args.cmd == "tokens":
+            made = make_tokens(args.out, nodes)
+            print(f"collector: tokens_file = \"{made['tokens_file']}\"")
+            for n, path in made["nodes"].items():
+                print(f"node {n}: [collector] token_file = \"{path}\"  (copy it to the node, mode 0600)")
+            return EXIT_OK
+        made = make_certs(args.out, nodes, args.collector_host, args.days)
+    except CertError as e:
+        print(f"xpusense-collector: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        print(f"xpusense-collector: cannot write to {args.out}: {e.strerror}", file=sys.stderr)
+        return EXIT_FAIL
+    c = made["collector"]
+    print(f"CA: {made['ca']} ({'new' if made['ca_created'] else 'reused'}; keep {made['ca_key']} offline)")
+    print(f"collector ({', '.join(c['hosts'])}): [tls] ca = \"{made['ca']}\", cert = \"{c['cert']}\", "
+          f"key = \"{c['key']}\"")
+    for n, p in made["nodes"].items():
+        print(f"node {n}: [collector] tls_ca = \"{made['ca']}\", tls_cert = \"{p['cert']}\", "
+              f"tls_key = \"{p['key']}\"")
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from xpusense.agent.config import DEFAULT_ADDRESS, Key, host_port, load, log_level, positive
 
+from xpusense.agent.otlp_config import otlp_schema
+
+from .scheduler import SCHEDULER_SCHEMA, check_config
+
+OTLP_EXPORT_SCHEMA = otlp_schema(collector=True)
+
 COLLECTOR_SCHEMA = {
     "listen": Key(str, DEFAULT_ADDRESS, host_port, help="HOST:PORT for ingest, query and health"),
     "log_level": Key(str, "info", log_level),
@@ -11,12 +17,49 @@ COLLECTOR_SCHEMA = {
     "stale_s": Key((int, float), 10.0, positive, help="a node silent this long is shown as stale"),
     "events_kept": Key(int, 200, positive, help="recent events kept per node"),
     "max_message_bytes": Key(int, 16 * 1024 * 1024, positive),
-    "marks_file": Key(str, "", help="record of stored sequence numbers, so a restarted collector "
-                                    "never stores a resent batch twice (empty: memory only)"),
+    "data_dir": Key(str, "", help="durable store: every batch is written (and fsync'ed) here before it is "
+                                  "acknowledged, and replayed at start (empty: memory only)"),
+    "fsync": Key(bool, True, help="fsync each group of batches before acknowledging them"),
+    "scheduler": SCHEDULER_SCHEMA,
+    # Security (collector/auth.py, docs/security.md).
+    "tls": {
+        "ca": Key(str, "", help="CA of the agents' client certificates; set: mTLS, node id bound to the cert"),
+        "cert": Key(str, "", help="the collector's certificate (PEM); with key: serve TLS"),
+        "key": Key(str, "", help="the collector's private key (PEM, mode 0600)"),
+    },
+    "tokens_file": Key(str, "", help="per-node tokens: 'NODE_ID SHA256_HEX' lines (xpusense-collector tokens)"),
+    "allow_insecure": Key(bool, False, help="accept plaintext on a non-loopback listen address (warns)"),
+    # Hostile input (collector/limits.py): a batch over a limit ends its stream with a gRPC error.
+    "limits": {
+        "max_samples_per_batch": Key(int, 20_000, positive),
+        "max_events_per_batch": Key(int, 10_000, positive),
+        "max_labels_per_sample": Key(int, 64, positive),
+        "max_label_key_len": Key(int, 256, positive),
+        "max_label_value_len": Key(int, 4096, positive),
+        "max_name_len": Key(int, 256, positive, help="metric names and units, event id/type/severity/device"),
+        "max_text_len": Key(int, 16_384, positive, help="event messages"),
+        "max_histogram_buckets": Key(int, 1024, positive),
+        "max_series_per_boot": Key(int, 200_000, positive, help="distinct series references of one agent boot"),
+        "batches_per_s": Key((int, float), 100.0, positive, help="per node, sustained"),
+        "burst_batches": Key(int, 5000, positive, help="per node, at once (a resend after a reconnect)"),
+    },
+    # Exporters (collector/otlp_export.py, collector/prometheus.py; docs/export.md).
+    "export": {
+        "otlp": OTLP_EXPORT_SCHEMA,
+        "prometheus": {
+            "enabled": Key(bool, False, help="serve the fleet's latest values for Prometheus to scrape"),
+            "listen": Key(str, "127.0.0.1:9470", host_port, help="HOST:PORT of the /metrics endpoint"),
+            "compat_names": Key(bool, False, help="also write dcgm-exporter (DCGM_FI_*) and npu-exporter "
+                                                  "(npu_chip_info_*) names for the signals that have one"),
+            "max_age_s": Key((int, float), 900.0, positive, help="series older than this are left out"),
+        },
+    },
 }
 
 COLLECTOR_ENV = {"XPUSENSE_LISTEN": "listen"}
 
 
 def load_collector(path: str | None = None, flags: dict | None = None, env: dict | None = None):
-    return load(COLLECTOR_SCHEMA, path, env, COLLECTOR_ENV, flags)
+    cfg = load(COLLECTOR_SCHEMA, path, env, COLLECTOR_ENV, flags)
+    check_config(cfg, path or "configuration")
+    return cfg

@@ -16,7 +16,10 @@ from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from xpusense.agent.config import split_host_port
 
+from .scheduler_service import SCHEDULER_SERVICE
+from .scheduler_service import add_to_server as add_scheduler
 from .state import FleetState
+from .store import StoreError
 
 log = logging.getLogger("xpusense.collector")
 
@@ -25,8 +28,10 @@ QUERY_SERVICE = pb.DESCRIPTOR.services_by_name["Query"].full_name
 
 
 class IngestServicer(pb_grpc.IngestServicer):
-    def __init__(self, state: FleetState, security=None, limits=None):
+    def __init__(self, state: FleetState, security=None, limits=None, store=None):
         self.state = state
+        # collector/store.py: batches are durable there before they are acknowledged (None: memory only).
+        self.store = store
         # collector/auth.py: who may report as which node (mTLS identity or per-node token).
         self.security = security
         # collector/limits.py: per-node limits on batches (size, series, labels, rate).
@@ -45,6 +50,8 @@ class IngestServicer(pb_grpc.IngestServicer):
         if self.security is not None:
             await self.security.authorize(context, node_id)   # aborts the stream when not allowed
         welcome = self.state.hello(hello, peer)
+        if self.store is not None:
+            self.store.append_nowait(["i", node_id, boot_id, hello.inventory.SerializeToString()])
         log.info("node %s connected from %s (boot %s, stored up to %d)", node_id, peer, boot_id,
                  welcome.stored_up_to)
         try:
@@ -53,16 +60,27 @@ class IngestServicer(pb_grpc.IngestServicer):
                 kind = msg.WhichOneof("msg")
                 if kind == "batch":
                     b = msg.batch
-                    if b.node_id != node_id or b.boot_id != boot_id:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                            f"batch for node {b.node_id!r} boot {b.boot_id!r} on a stream "
-                                            f"opened by node {node_id!r} boot {boot_id!r}")
+                    # An earlier boot's batches may come again (the agent's spool after a restart);
+                    # another node's never.
+                    if b.node_id != node_id:
+                        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                            f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}")
                     if self.limits is not None and (why := self.limits.check(node_id, b)):
                         await context.abort(why.code, why.message)
-                    stored = self.state.ingest(b)
-                    yield pb.CollectorMessage(ack=pb.Ack(boot_id=boot_id, seq=b.seq, duplicate=not stored))
+                    previous = self.state.accept(b)
+                    if previous is not None:
+                        if self.store is not None:
+                            try:
+                                await self.store.append(["b", b.SerializeToString()])
+                            except StoreError as e:
+                                self.state.unaccept(b, previous)   # not stored: the agent resends it
+                                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}; retry later")
+                        self.state.apply(b)
+                    yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=previous is None))
                 elif kind == "inventory":
                     self.state.set_inventory(node_id, msg.inventory)
+                    if self.store is not None:
+                        self.store.append_nowait(["i", node_id, boot_id, msg.inventory.SerializeToString()])
                 else:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected message {kind!r} after Hello")
         finally:
@@ -108,16 +126,21 @@ def check_bind(listen: str) -> None:
 
 async def start_server(listen: str, state: FleetState, max_message_bytes: int = 16 * 1024 * 1024,
                        credentials: grpc.ServerCredentials | None = None, security=None,
-                       limits=None, config=None) -> grpc.aio.Server:
-    server = grpc.aio.server(options=[
+                       limits=None, config=None, store=None) -> grpc.aio.Server:
+    # security.interceptors(): with per-node tokens, Query and the rest need a valid token too;
+    # limits.interceptors(): a message that does not parse ends its call with INVALID_ARGUMENT.
+    interceptors = [*(security.interceptors() if security is not None else ()),
+                    *(limits.interceptors() if limits is not None else ())]
+    server = grpc.aio.server(interceptors=interceptors or None, options=[
         ("grpc.so_reuseport", 0),   # a second collector on the same port must fail, not share it
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_ping_strikes", 0),
     ])
-    pb_grpc.add_IngestServicer_to_server(IngestServicer(state, security, limits), server)
+    pb_grpc.add_IngestServicer_to_server(IngestServicer(state, security, limits, store), server)
     pb_grpc.add_QueryServicer_to_server(QueryServicer(state), server)
+    server.scheduler = add_scheduler(server, state, config)   # config None: the defaults
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     check_bind(listen)
@@ -131,13 +154,16 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
         raise BindError(f"cannot listen on {listen}: address in use or not local; "
                         f"choose another address with --listen")
     await server.start()
-    for svc in ("", INGEST_SERVICE, QUERY_SERVICE):
+    for svc in ("", INGEST_SERVICE, QUERY_SERVICE, SCHEDULER_SERVICE):
         await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
     return server
 
 
-async def serve(listen: str, state: FleetState, max_message_bytes: int, stop: asyncio.Event, config=None) -> None:
-    server = await start_server(listen, state, max_message_bytes, config=config)
+async def serve(listen: str, state: FleetState, max_message_bytes: int, stop: asyncio.Event, config=None,
+                store=None, credentials: grpc.ServerCredentials | None = None, security=None,
+                limits=None) -> None:
+    server = await start_server(listen, state, max_message_bytes, config=config, store=store,
+                                credentials=credentials, security=security, limits=limits)
     log.info("collector listening on %s", listen)
     await stop.wait()
     await server.stop(grace=2.0)

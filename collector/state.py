@@ -59,17 +59,19 @@ class NodeState:
 
 
 class FleetState:
-    def __init__(self, history_s: float = 900.0, events_kept: int = 200, clock=time.time_ns,
-                 journal=None):
+    def __init__(self, history_s: float = 900.0, events_kept: int = 200, clock=time.time_ns):
         self.history_ns = int(history_s * 1e9)
         # A point per second for history_s, with room for faster tiers; time pruning does the rest.
         self.history_points = int(history_s * 4) + 16
         self.events_kept = events_kept
         self.clock = clock
         self.nodes: dict[str, NodeState] = {}
-        # What an earlier run of this collector stored (collector/marks.py), by (node, boot).
-        self.journal = journal
-        self.known_marks: dict[tuple[str, str], int] = journal.open() if journal else {}
+        # What an earlier run of this collector stored, by (node, boot): filled from the durable
+        # store's checkpoint records (collector/store.py) when it is replayed.
+        self.known_marks: dict[tuple[str, str], int] = {}
+        # Called as fn(node, batch) after a Hello or an inventory (batch None) and after each stored
+        # batch, on the loop thread (the scheduler core keeps its per-node summaries this way).
+        self.watchers: list = []
 
     def _node(self, node_id: str) -> NodeState:
         n = self.nodes.get(node_id)
@@ -89,30 +91,69 @@ class FleetState:
         while len(n.stored_up_to) > MAX_BOOTS_REMEMBERED:
             old, _ = n.stored_up_to.popitem(last=False)
             n.refs.pop(old, None)
+        for w in self.watchers:
+            w(n, None)
         return pb.Welcome(boot_id=hello.boot_id, stored_up_to=n.stored_up_to[hello.boot_id])
 
     def set_inventory(self, node_id: str, inv: pb.Inventory) -> None:
-        self._node(node_id).inventory.CopyFrom(inv)
+        n = self._node(node_id)
+        n.inventory.CopyFrom(inv)
+        for w in self.watchers:
+            w(n, None)
 
     def disconnected(self, node_id: str) -> None:
         n = self.nodes.get(node_id)
         if n is not None:
             n.streams = max(0, n.streams - 1)
 
-    def ingest(self, batch: pb.Batch) -> bool:
+    def restore_inventory(self, node_id: str, boot_id: str, inv: pb.Inventory) -> None:
+        """Replay of the durable store: the node's last inventory, without a live stream."""
+        n = self._node(node_id)
+        n.boot_id = boot_id or n.boot_id
+        n.inventory.CopyFrom(inv)
+        for w in self.watchers:
+            w(n, None)
+
+    def checkpoint(self) -> list[tuple]:
+        """What a new store segment starts with, so older segments can be deleted: every node's
+        inventory and every (node, boot) mark."""
+        out: list[tuple] = []
+        for nid, n in self.nodes.items():
+            out.append(("i", nid, n.boot_id, n.inventory.SerializeToString()))
+            for boot, seq in n.stored_up_to.items():
+                out.append(("m", nid, boot, seq))
+        return out
+
+    def ingest(self, batch: pb.Batch, now_ns: int | None = None) -> bool:
         """Store a batch; False when it was already stored (a resend), True when stored now."""
+        if self.accept(batch, now_ns) is None:
+            return False
+        self.apply(batch)
+        return True
+
+    def accept(self, batch: pb.Batch, now_ns: int | None = None) -> int | None:
+        """Claim the batch's sequence number: the mark before it, or None when the batch is at or
+        below what was stored (a resend)."""
         n = self._node(batch.node_id)
-        now = self.clock()
-        n.last_seen_ns = now
+        n.last_seen_ns = self.clock() if now_ns is None else now_ns
         mark = n.stored_up_to.get(batch.boot_id)
-        if mark is None:  # a batch without a Hello for its boot on this stream: use what is known
+        if mark is None:  # no Hello for this boot on this stream (a replay of an earlier boot)
             mark = n.stored_up_to[batch.boot_id] = self.known_marks.get((batch.node_id, batch.boot_id), 0)
         if batch.seq <= mark:
             n.batches_duplicate += 1
-            return False
-        if self.journal:
-            self.journal.record(batch.node_id, batch.boot_id, batch.seq, len(batch.samples))
+            return None
         n.stored_up_to[batch.boot_id] = batch.seq
+        return mark
+
+    def unaccept(self, batch: pb.Batch, previous: int) -> None:
+        """The batch could not be made durable: give its sequence number back (it will be resent)."""
+        n = self.nodes[batch.node_id]
+        if n.stored_up_to.get(batch.boot_id) == batch.seq:
+            n.stored_up_to[batch.boot_id] = previous
+
+    def apply(self, batch: pb.Batch) -> None:
+        """The batch's samples and events into the fleet state (after accept)."""
+        n = self._node(batch.node_id)
         n.batches_stored += 1
         series = n.series
         refs = n.refs.get(batch.boot_id)
@@ -144,7 +185,8 @@ class FleetState:
                 h.popleft()
         for e in batch.events:
             n.events.appendleft(e)
-        return True
+        for w in self.watchers:
+            w(n, batch)
 
     # -- read side ---------------------------------------------------------------------------------
     def view(self, node_id: str = "", name_prefix: str = "") -> pb.ListNodesReply:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # All set-up on a fresh Debian machine, as root; idempotent and quick when already done.
-#   Debian packages (compiler for the test fakes, iproute2 for network namespaces, bcc and kernel
+#   Debian packages (compiler for the test fakes, iproute2 for network namespaces, prometheus and
+#   systemd for the export and unit tests, bcc and kernel
 #   headers via setup-ebpf.sh), the virtualenv in .venv with xpusense and its test tools, and bcc
 #   linked into that virtualenv.
 # Env: PYTHON (default python3), XPUSENSE_SKIP_EBPF=1 to leave out the eBPF set-up.
@@ -11,7 +12,8 @@ export DEBIAN_FRONTEND=noninteractive
 log() { echo "setup: $*"; }
 
 need=()
-for p in python3-venv python3-dev gcc libc6-dev iproute2 procps; do
+# prometheus: the Prometheus e2e test's real server; systemd: `systemd-analyze verify` of the units.
+for p in python3-venv python3-dev gcc libc6-dev iproute2 procps prometheus systemd; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then

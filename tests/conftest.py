@@ -80,3 +80,14 @@ def veth_pair():
     finally:
         subprocess.run(["ip", "netns", "del", ns_a], capture_output=True)
         subprocess.run(["ip", "netns", "del", ns_b], capture_output=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fault tests' figures: samples produced, stored, duplicated, dropped."""
+    import sys
+    mod = sys.modules.get("test_faults")
+    figures = getattr(mod, "FIGURES", [])
+    if figures:
+        terminalreporter.section("delivery figures (tests/e2e/test_faults.py)")
+        for f in figures:
+            terminalreporter.write_line(", ".join(f"{k}={v}" for k, v in f.items()))

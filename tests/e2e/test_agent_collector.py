@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 
 from helpers import BIN, free_port, nodes_json, series, wait_until
+from xpusense.collector.store import stored_batches
 
 FAST = """
 [tiers]
@@ -22,14 +22,14 @@ enabled = false   # tests attach probes only to namespaces they create
 """
 
 
-def start_pair(procs, tmp_path, marks=None, node_id="node-e2e"):
+def start_pair(procs, tmp_path, data_dir=None, node_id="node-e2e"):
     port = free_port()
     addr = f"127.0.0.1:{port}"
     cfg = tmp_path / "agent.toml"
     cfg.write_text(FAST)
     coll_args = [str(BIN / "xpusense-collector"), "serve", "--listen", addr]
-    if marks:
-        coll_args += ["--marks-file", str(marks)]
+    if data_dir:
+        coll_args += ["--data-dir", str(data_dir)]
     coll = procs(coll_args, "collector")
     wait_until(lambda: nodes_json(addr) is not None, what="collector to answer")
     agent = procs([str(BIN / "xpusense-agent"), "run", "--config", str(cfg), "--collector", addr,
@@ -63,19 +63,19 @@ def test_node_shows_host_cpu_memory_and_interface_bytes(procs, tmp_path):
     assert agent.p.poll() is None
 
 
-def read_marks(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def stored(data_dir) -> list[tuple[str, int]]:
+    """(boot, seq) of every batch record in the collector's durable store."""
+    return [(b.boot_id, b.seq) for b in stored_batches(str(data_dir))]
 
 
 def test_collector_killed_and_restarted_agent_reconnects_nothing_stored_twice(procs, tmp_path):
-    marks = tmp_path / "marks.jsonl"
-    addr, coll_args, coll, agent = start_pair(procs, tmp_path, marks=marks)
+    data = tmp_path / "collector-data"
+    addr, coll_args, coll, agent = start_pair(procs, tmp_path, data_dir=data)
     first = wait_until(lambda: (n := the_node(addr)) and n["stored_up_to"] >= 5
                        and series(n, "system.cpu.utilization", state="idle") and n, what="5 batches stored")
     boot = first["boot_id"]
 
     coll.kill(signal.SIGKILL)
-    before = [r for r in read_marks(marks) if not r.get("compacted")]
     # The agent keeps measuring while the collector is away; its queue grows.
     coll2 = procs(coll_args, "collector")
     node = wait_until(lambda: (n := the_node(addr)) and n["connected"] and n["stored_up_to"] > first["stored_up_to"] + 5 and n,
@@ -85,8 +85,7 @@ def test_collector_killed_and_restarted_agent_reconnects_nothing_stored_twice(pr
     idle_after = series(node, "system.cpu.utilization", state="idle")[0]
     assert idle_after["time"] > idle_before["time"], "the series did not continue after the restart"
 
-    after = [r for r in read_marks(marks) if not r.get("compacted")]
-    seqs = [r["seq"] for r in before + after if r["boot"] == boot]
+    seqs = [seq for b, seq in stored(data) if b == boot]
     assert len(seqs) == len(set(seqs)), "a sequence number was stored twice"
     # Nothing lost either: every batch from 1 to the last stored is there exactly once.
     assert sorted(seqs) == list(range(1, max(seqs) + 1))

@@ -115,7 +115,8 @@ def test_nvml_ramp_one_request_checkpoint_in_time_second_ramp_in_cooldown(libdir
     # Crossed: the first 1 s sample at or above 85%, as the collector stored it.
     crossed = next(t for t, v in history(addr, "watch-node", name, labels) if v >= 0.85)
     assert r["crossed_time"] == pytest.approx(crossed, abs=1e-6)
-    assert crossed + WINDOW_S <= cp["time"] <= crossed + WINDOW_S + 1.5
+    # JITTER_NS (agent/hbm_watch.py): the sample due at the window's end may be stamped 50 ms early.
+    assert crossed + WINDOW_S - 0.05 <= cp["time"] <= crossed + WINDOW_S + 1.5
     node = next(n for n in nodes_json(addr)["nodes"] if n["node_id"] == "watch-node")
     evs = [e for e in node["events"] if e["type"] == "checkpoint_request"]
     assert [e["attributes"]["request_id"] for e in evs] == [r["id"]] and evs[0]["device"] == "gpu0"
@@ -135,7 +136,7 @@ def test_dip_below_the_lower_mark_inside_the_window_does_not_fire_early(libdir, 
     r = requests(req)[0]
     # The window restarted after the dip: crossed no earlier than t=8, fired no earlier than t=13.
     assert r["crossed_time"] >= t0 + 8.0
-    assert checkpoints(ckpt)[0]["time"] >= t0 + 13.0
+    assert checkpoints(ckpt)[0]["time"] >= t0 + 13.0 - 0.05
 
 
 def test_npu_smi_ramp_sends_one_request(procs, tmp_path):
