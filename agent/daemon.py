@@ -22,7 +22,7 @@ from .sources.host import HostSource
 from .sources.npu_smi import NpuSmiSource
 from .sources.nvml import NvmlSource
 from .spool import Spool
-from .stream import StreamClient
+from .stream import StreamClient, channel_options
 from .tls import make_channel
 from .tiers import SourceState, TierLoop, periods_from_config, setup_sources
 
@@ -131,7 +131,8 @@ class Agent:
             lambda: inventory_to_proto(inventory(cfg, self.states)),
             queue_batches=s.queue_batches, flush_s=s.flush_s, max_samples_per_batch=s.max_samples_per_batch,
             backoff_initial_s=s.backoff_initial_s, backoff_max_s=s.backoff_max_s, agent_version=__version__,
-            spool=self.spool, channel=make_channel(cfg.collector.address, cfg.collector))
+            spool=self.spool, channel=make_channel(cfg.collector.address, cfg.collector,
+                                                    options=channel_options(s.backoff_initial_s, s.backoff_max_s)))
         self.stream.resume(spooled)
         self_state, _ = setup_sources([AgentSelfSource(self.stream.status)])
         self.states += self_state

@@ -39,6 +39,17 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def channel_options(backoff_initial_s: float = 0.2, backoff_max_s: float = 10.0) -> list[tuple[str, int]]:
+    """CHANNEL_OPTIONS plus gRPC's own reconnect backoff bounded like ours: left at its defaults
+    (up to 120 s), a channel that failed for a while does not even try to connect when our loop
+    asks it to, and an agent found its collector a minute after it was back."""
+    return CHANNEL_OPTIONS + [
+        ("grpc.initial_reconnect_backoff_ms", max(1, int(backoff_initial_s * 1000))),
+        ("grpc.min_reconnect_backoff_ms", max(1, int(backoff_initial_s * 1000))),
+        ("grpc.max_reconnect_backoff_ms", max(1, int(backoff_max_s * 1000))),
+    ]
+
+
 def sample_to_proto(s: Sample, series_ref: int = 0) -> pb.Sample:
     m = pb.Sample(name=s.name, unit=s.unit, kind=KINDS[s.kind], labels=s.labels, value=s.value,
                   time_unix_nano=s.time_ns, series_ref=series_ref)
@@ -89,7 +100,8 @@ class StreamClient:
         self.backoff_max_s = backoff_max_s
         self.agent_version = agent_version
         # How to reach the collector (agent/tls.py builds mTLS / token channels); default plaintext.
-        self.make_channel = channel or (lambda: grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+        self.make_channel = channel or (lambda: grpc.insecure_channel(
+            address, options=channel_options(backoff_initial_s, backoff_max_s)))
 
         self._cond = threading.Condition()
         self._samples: list[Sample] = []

@@ -54,8 +54,36 @@ class IngestServicer(pb_grpc.IngestServicer):
             self.store.append_nowait(["i", node_id, boot_id, hello.inventory.SerializeToString()])
         log.info("node %s connected from %s (boot %s, stored up to %d)", node_id, peer, boot_id,
                  welcome.stored_up_to)
+        # Reading and acknowledging are pipelined: batches are written to the store as they come,
+        # and acknowledged in order once fsync'ed, so batches that arrive together share a group
+        # commit (a spool draining after an outage is not held to one fsync per batch).
+        pending: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(self._read(request_iterator, context, node_id, boot_id, pending))
         try:
             yield pb.CollectorMessage(welcome=welcome)
+            while True:
+                item = await pending.get()
+                if item is None:
+                    break
+                b, previous, durable = item
+                if durable is not None:
+                    try:
+                        await durable
+                    except StoreError as e:
+                        # Not stored: this batch and every later one on the stream are resent.
+                        self.state.unaccept(b, previous)
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}; retry later")
+                if previous is not None:
+                    self.state.apply(b)
+                yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=previous is None))
+            await reader   # re-raises the reader's abort, if any
+        finally:
+            reader.cancel()
+            self.state.disconnected(node_id)
+            log.info("node %s disconnected", node_id)
+
+    async def _read(self, request_iterator, context, node_id: str, boot_id: str, pending: asyncio.Queue) -> None:
+        try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("msg")
                 if kind == "batch":
@@ -68,15 +96,10 @@ class IngestServicer(pb_grpc.IngestServicer):
                     if self.limits is not None and (why := self.limits.check(node_id, b)):
                         await context.abort(why.code, why.message)
                     previous = self.state.accept(b)
-                    if previous is not None:
-                        if self.store is not None:
-                            try:
-                                await self.store.append(["b", b.SerializeToString()])
-                            except StoreError as e:
-                                self.state.unaccept(b, previous)   # not stored: the agent resends it
-                                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}; retry later")
-                        self.state.apply(b)
-                    yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=previous is None))
+                    durable = None
+                    if previous is not None and self.store is not None:
+                        durable = self.store.submit(["b", b.SerializeToString()])
+                    pending.put_nowait((b, previous, durable))
                 elif kind == "inventory":
                     self.state.set_inventory(node_id, msg.inventory)
                     if self.store is not None:
@@ -84,8 +107,7 @@ class IngestServicer(pb_grpc.IngestServicer):
                 else:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected message {kind!r} after Hello")
         finally:
-            self.state.disconnected(node_id)
-            log.info("node %s disconnected", node_id)
+            pending.put_nowait(None)
 
 
 class QueryServicer(pb_grpc.QueryServicer):

@@ -139,6 +139,12 @@ class FleetState:
         mark = n.stored_up_to.get(batch.boot_id)
         if mark is None:  # no Hello for this boot on this stream (a replay of an earlier boot)
             mark = n.stored_up_to[batch.boot_id] = self.known_marks.get((batch.node_id, batch.boot_id), 0)
+            # Bounded, whatever boot ids a client makes up: the oldest boots are forgotten first.
+            for old in [b for b in n.stored_up_to if b not in (n.boot_id, batch.boot_id)]:
+                if len(n.stored_up_to) <= MAX_BOOTS_REMEMBERED:
+                    break
+                del n.stored_up_to[old]
+                n.refs.pop(old, None)
         if batch.seq <= mark:
             n.batches_duplicate += 1
             return None
@@ -146,9 +152,10 @@ class FleetState:
         return mark
 
     def unaccept(self, batch: pb.Batch, previous: int) -> None:
-        """The batch could not be made durable: give its sequence number back (it will be resent)."""
+        """The batch could not be made durable: its boot's mark goes back to before it (the stream
+        is ended, and this batch and any later ones accepted on it are resent)."""
         n = self.nodes[batch.node_id]
-        if n.stored_up_to.get(batch.boot_id) == batch.seq:
+        if n.stored_up_to.get(batch.boot_id, 0) >= batch.seq:
             n.stored_up_to[batch.boot_id] = previous
 
     def apply(self, batch: pb.Batch) -> None:

@@ -132,12 +132,20 @@ class Store:
     # -- writing -------------------------------------------------------------------------------
     async def append(self, record: list) -> None:
         """Write one record; returns once it is durable (raises StoreError when it cannot be)."""
-        self._write(msgpack.packb(record, use_bin_type=True))
+        await self.submit(record)
+
+    def submit(self, record: list) -> asyncio.Future:
+        """Write one record now; the future completes when it is durable (or fails with StoreError)."""
         fut = asyncio.get_running_loop().create_future()
+        try:
+            self._write(msgpack.packb(record, use_bin_type=True))
+        except StoreError as e:
+            fut.set_exception(e)
+            return fut
         self._waiting.append(fut)
         if not self._syncing:
             self._sync()
-        await fut
+        return fut
 
     def append_nowait(self, record: list) -> None:
         """For records nothing waits on (inventories): made durable by the next group's fsync."""

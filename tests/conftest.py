@@ -28,6 +28,16 @@ def agent_config_without_ebpf(tmp_path_factory):
         os.environ["XPUSENSE_AGENT_CONFIG"] = old
 
 
+@pytest.fixture(scope="session")
+def libdir(tmp_path_factory):
+    """The fake libnvidia-ml.so.1 (tests/fakes/nvml), built once per run."""
+    from fakes.nvml import fakenvml
+    try:
+        return fakenvml.build(tmp_path_factory.mktemp("fakenvml"))
+    except fakenvml.BuildError as e:
+        pytest.skip(str(e))
+
+
 @pytest.fixture(autouse=True)
 def own_spool_dir(tmp_path, monkeypatch):
     """Each test's agents spool into a directory of the test's own (env XPUSENSE_SPOOL_DIR)."""

@@ -15,6 +15,27 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
+# An agent config for delivery tests: fast tiers, fast reconnects, host source only.
+FAST_HOST_ONLY = """
+[tiers]
+realtime_s = 0.2
+nearline_s = 0.5
+offline_s = 5.0
+[stream]
+flush_s = 0.05
+backoff_initial_s = 0.05
+backoff_max_s = 0.3
+[sources.ebpf]
+enabled = false
+[sources.nvml]
+enabled = false
+[sources.npu_smi]
+enabled = false
+[hbm_watch]
+enabled = false
+"""
+
+
 def wait_until(cond, timeout_s: float = 15.0, interval_s: float = 0.05, what: str = "condition"):
     """Poll `cond` until it returns a truthy value or the deadline passes (then fail the test)."""
     deadline = time.monotonic() + timeout_s

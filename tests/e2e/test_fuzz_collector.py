@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import BIN, free_port, wait_until
+from helpers import FAST_HOST_ONLY, BIN, free_port, wait_until
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
@@ -43,24 +43,7 @@ batches_per_s = 200
 burst_batches = 400
 """
 
-AGENT = """
-[tiers]
-realtime_s = 0.2
-nearline_s = 0.5
-offline_s = 5.0
-[stream]
-flush_s = 0.05
-backoff_initial_s = 0.05
-backoff_max_s = 0.3
-[sources.ebpf]
-enabled = false
-[sources.nvml]
-enabled = false
-[sources.npu_smi]
-enabled = false
-[hbm_watch]
-enabled = false
-"""
+AGENT = FAST_HOST_ONLY
 
 # ------------------------------------------------------------------------------------------ strategies
 

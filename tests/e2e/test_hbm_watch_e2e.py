@@ -39,14 +39,6 @@ enabled = false   # tests attach probes only to namespaces they create
 """
 
 
-@pytest.fixture(scope="module")
-def libdir(tmp_path_factory):
-    try:
-        return fakenvml.build(tmp_path_factory.mktemp("fakenvml"))
-    except fakenvml.BuildError as e:
-        pytest.skip(str(e))
-
-
 def ramp_scenario(tmp_path, keyframes: str):
     text = fakenvml.scenario("ramp").read_text()
     lines = [f"gpm_dram_bw_util = {keyframes}" if ln.startswith("gpm_dram_bw_util") else ln

@@ -17,14 +17,6 @@ from fakes.nvml import fakenvml  # noqa: E402
 DRIVER = ROOT / "tests/fakes/nvml/drive_source.py"
 
 
-@pytest.fixture(scope="module")
-def libdir(tmp_path_factory):
-    try:
-        return fakenvml.build(tmp_path_factory.mktemp("fakenvml"))
-    except fakenvml.BuildError as e:
-        pytest.skip(str(e))
-
-
 def drive(libdir, scenario, rounds, t0_at=None, extra=(), procs=None):
     env = fakenvml.env(libdir, fakenvml.scenario(scenario),
                        t0=None if t0_at is None else fakenvml.t0_at(t0_at), procs=procs)

@@ -91,14 +91,6 @@ def stored_points(data_dir) -> dict[tuple, float]:
     return out
 
 
-@pytest.fixture(scope="module")
-def libdir(tmp_path_factory):
-    try:
-        return fakenvml.build(tmp_path_factory.mktemp("fakenvml"))
-    except fakenvml.BuildError as e:
-        pytest.skip(str(e))
-
-
 def test_otlp_export_from_the_durable_store_survives_a_receiver_outage(procs, tmp_path, libdir):
     otlp_port, port = free_port(), free_port()
     addr = f"127.0.0.1:{port}"

@@ -47,14 +47,6 @@ def prometheus_bin():
     return exe
 
 
-@pytest.fixture(scope="module")
-def libdir(tmp_path_factory):
-    try:
-        return fakenvml.build(tmp_path_factory.mktemp("fakenvml"))
-    except fakenvml.BuildError as e:
-        pytest.skip(str(e))
-
-
 def query(prom: str, q: str) -> list[dict]:
     url = f"http://{prom}/api/v1/query?" + urllib.parse.urlencode({"query": q})
     with urllib.request.urlopen(url, timeout=5) as r:

@@ -15,26 +15,9 @@ import subprocess
 
 import pytest
 
-from helpers import BIN, free_port, wait_until
+from helpers import FAST_HOST_ONLY, BIN, free_port, wait_until
 
-FAST = """
-[tiers]
-realtime_s = 0.2
-nearline_s = 0.5
-offline_s = 5.0
-[stream]
-flush_s = 0.05
-backoff_initial_s = 0.05
-backoff_max_s = 0.3
-[sources.ebpf]
-enabled = false
-[sources.nvml]
-enabled = false
-[sources.npu_smi]
-enabled = false
-[hbm_watch]
-enabled = false
-"""
+FAST = FAST_HOST_ONLY
 
 
 def run_cli(*args, timeout=60) -> subprocess.CompletedProcess:

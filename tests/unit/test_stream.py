@@ -158,3 +158,14 @@ def test_stop_interrupts_the_backoff_wait(client_factory):
     wait_until(lambda: client.last_error, what="a first failed connect")
     client.stop(drain_s=0)
     assert not any(t.is_alive() for t in client._threads)
+
+
+def test_made_up_boot_ids_do_not_grow_the_state_without_bound():
+    from xpusense.collector.state import MAX_BOOTS_REMEMBERED
+    st = FleetState()
+    st.hello(pb.Hello(node_id="n", boot_id="live"))
+    for i in range(100):
+        assert st.ingest(pb.Batch(node_id="n", boot_id=f"fake{i}", seq=1)) is True
+    n = st.nodes["n"]
+    assert len(n.stored_up_to) <= MAX_BOOTS_REMEMBERED and "live" in n.stored_up_to
+    assert len(n.refs) <= MAX_BOOTS_REMEMBERED
