@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+from typing import NamedTuple
 import logging
 import socket
 
@@ -25,6 +26,11 @@ log = logging.getLogger("xpusense.collector")
 
 INGEST_SERVICE = pb.DESCRIPTOR.services_by_name["Ingest"].full_name
 QUERY_SERVICE = pb.DESCRIPTOR.services_by_name["Query"].full_name
+
+
+class _Refusal(NamedTuple):
+    code: grpc.StatusCode
+    message: str
 
 
 class IngestServicer(pb_grpc.IngestServicer):
@@ -65,6 +71,8 @@ class IngestServicer(pb_grpc.IngestServicer):
                 item = await pending.get()
                 if item is None:
                     break
+                if isinstance(item, _Refusal):   # aborted here, in the handler's own task
+                    await context.abort(item.code, item.message)
                 b, previous, durable = item
                 if durable is not None:
                     try:
@@ -91,10 +99,12 @@ class IngestServicer(pb_grpc.IngestServicer):
                     # An earlier boot's batches may come again (the agent's spool after a restart);
                     # another node's never.
                     if b.node_id != node_id:
-                        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                            f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}")
+                        pending.put_nowait(_Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                                                    f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}"))
+                        return
                     if self.limits is not None and (why := self.limits.check(node_id, b)):
-                        await context.abort(why.code, why.message)
+                        pending.put_nowait(_Refusal(why.code, why.message))
+                        return
                     previous = self.state.accept(b)
                     durable = None
                     if previous is not None and self.store is not None:
@@ -105,7 +115,9 @@ class IngestServicer(pb_grpc.IngestServicer):
                     if self.store is not None:
                         self.store.append_nowait(["i", node_id, boot_id, msg.inventory.SerializeToString()])
                 else:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected message {kind!r} after Hello")
+                    pending.put_nowait(_Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                                                f"unexpected message {kind!r} after Hello"))
+                    return
         finally:
             pending.put_nowait(None)
 
