@@ -8,7 +8,7 @@ cd "$root"
 scripts/setup.sh
 addr=${XPUSENSE_LISTEN:-127.0.0.1:7470}
 logs=$(mktemp -d /tmp/xpusense-demo.XXXXXX)
-.venv/bin/xpusense-collector serve --listen "$addr" >"$logs/collector.log" 2>&1 &
+.venv/bin/xpusense-collector serve --listen "$addr" --data-dir "$logs/collector-data" >"$logs/collector.log" 2>&1 &
 cpid=$!
 .venv/bin/xpusense-agent run --collector "$addr" "$@" >"$logs/agent.log" 2>&1 &
 apid=$!
