@@ -20,35 +20,16 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import psutil
+from _proc import cpu_s, free_port, stop, tail, tool, wait_collector
 
 GOAL_CPU_PCT = 1.0
 GOAL_RSS_MB = 80.0
-
-
-def tool(name: str) -> list[str]:
-    """The console script next to this interpreter (the venv's), else `python -m` its module."""
-    here = os.path.join(os.path.dirname(sys.executable), name)
-    if os.access(here, os.X_OK):
-        return [here]
-    found = shutil.which(name)
-    if found:
-        return [found]
-    module = {"xpusense-agent": "xpusense.agent.cli", "xpusense-collector": "xpusense.collector.cli"}[name]
-    return [sys.executable, "-m", module]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def status_kb(pid: int, key: str) -> int:
@@ -59,31 +40,6 @@ def status_kb(pid: int, key: str) -> int:
     return 0
 
 
-def cpu_s(pid: int) -> float:
-    """utime+stime of the whole process (every thread), seconds, from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / tick   # fields 14, 15 of proc(5)
-
-
-def stop(proc: subprocess.Popen | None, timeout_s: float = 10.0) -> int | None:
-    if proc is None or proc.poll() is not None:
-        return None if proc is None else proc.returncode
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(5)
-
-
-def wait_collector(address: str, timeout_s: float) -> None:
-    import grpc
-    with grpc.insecure_channel(address) as ch:
-        grpc.channel_ready_future(ch).result(timeout=timeout_s)
-
-
 def nodes_json(address: str, node_id: str) -> dict:
     out = subprocess.run(tool("xpusense-collector") + ["nodes", "--collector", address, "--node", node_id,
                                                        "--format", "json"],
@@ -91,14 +47,6 @@ def nodes_json(address: str, node_id: str) -> dict:
     if out.returncode != 0:
         raise RuntimeError(f"`xpusense-collector nodes` exited {out.returncode}: {out.stderr.strip()}")
     return json.loads(out.stdout)
-
-
-def tail(path: str, n: int = 15) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,12 +37,12 @@ import resource
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from _proc import cpu_s, free_port, stop, tail, tool, wait_collector
 
 GOAL_BATCHES_S = 2000.0
 GOAL_P99_MS = 100.0
@@ -78,25 +78,6 @@ NODE_PREFIX = "bench-ingest-"
 METHOD = "/xpusense.v1.Ingest/Stream"
 CONNECT_ATTEMPTS = 5
 CONNECTS_IN_FLIGHT = 32   # per load-generator process: a fleet does not connect all at once
-
-
-def tool(name: str) -> list[str]:
-    here = os.path.join(os.path.dirname(sys.executable), name)
-    if os.access(here, os.X_OK):
-        return [here]
-    return [shutil.which(name) or name]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def raise_nofile() -> None:
@@ -307,31 +288,6 @@ def list_bench_nodes(address: str) -> list:
         # A prefix no series has: node figures without every series' latest value.
         reply = pb_grpc.QueryStub(ch).ListNodes(pb.ListNodesRequest(name_prefix="\x00none"), timeout=60)
     return [n for n in reply.nodes if n.node_id.startswith(NODE_PREFIX)]
-
-
-def wait_collector(address: str, timeout_s: float) -> None:
-    import grpc
-    with grpc.insecure_channel(address) as ch:
-        grpc.channel_ready_future(ch).result(timeout=timeout_s)
-
-
-def stop(proc: subprocess.Popen | None, timeout_s: float = 15.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-
-
-def tail(path: str, n: int = 15) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return ""
 
 
 def main(argv: list[str] | None = None) -> int:

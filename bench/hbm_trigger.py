@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,11 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _proc import free_port  # noqa: E402
 
 
 def main() -> int:

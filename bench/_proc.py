@@ -1,0 +1,62 @@
+"""What the benchmarks share: finding the console scripts, a free loopback port, a process's CPU
+time from /proc, waiting for the collector, stopping a process, the tail of a log."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+
+def tool(name: str) -> list[str]:
+    """The console script next to this interpreter (the venv's), else `python -m` its module."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    if os.access(here, os.X_OK):
+        return [here]
+    found = shutil.which(name)
+    if found:
+        return [found]
+    module = {"xpusense-agent": "xpusense.agent.cli", "xpusense-collector": "xpusense.collector.cli"}[name]
+    return [sys.executable, "-m", module]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_s(pid: int) -> float:
+    """utime+stime of the whole process (every thread), seconds, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # fields 14, 15 of proc(5)
+
+
+def wait_collector(address: str, timeout_s: float) -> None:
+    import grpc
+    with grpc.insecure_channel(address) as ch:
+        grpc.channel_ready_future(ch).result(timeout=timeout_s)
+
+
+def stop(proc: subprocess.Popen | None, timeout_s: float = 10.0) -> int | None:
+    """SIGTERM, then SIGKILL after timeout_s; the exit status (None when there was no process)."""
+    if proc is None or proc.poll() is not None:
+        return None if proc is None else proc.returncode
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(5)
+
+
+def tail(path: str, n: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
