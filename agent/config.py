@@ -46,12 +46,19 @@ def non_negative(v: Any) -> str | None:
     return None if v >= 0 else "must be 0 or more"
 
 
+def complaint_from(parse: Callable[[Any], Any]) -> Callable[[Any], str | None]:
+    """A check made of a parser that raises ValueError with the reason."""
+    def check(v: Any) -> str | None:
+        try:
+            parse(v)
+        except ValueError as e:
+            return str(e)
+        return None
+    return check
+
+
 def host_port(v: str) -> str | None:
-    try:
-        split_host_port(v)
-    except ValueError as e:
-        return str(e)
-    return None
+    return complaint_from(split_host_port)(v)
 
 
 def split_host_port(v: str) -> tuple[str, int]:
@@ -95,11 +102,7 @@ def _rule_keys(default: bool) -> dict[str, Key]:
 
 def _ebpf_check(v: dict) -> str | None:
     from .sources.ebpf import config_with_defaults  # the probes own their keys
-    try:
-        config_with_defaults(v)
-    except ValueError as e:
-        return str(e)
-    return None
+    return complaint_from(config_with_defaults)(v)
 
 
 def _otlp_schema(collector: bool) -> dict:

@@ -190,11 +190,8 @@ def parse_headers(text: str) -> dict[str, str]:
 
 
 def headers_check(v: str) -> str | None:
-    try:
-        parse_headers(v)
-    except ValueError as e:
-        return str(e)
-    return None
+    from .config import complaint_from
+    return complaint_from(parse_headers)(v)
 
 
 class OtlpSender:

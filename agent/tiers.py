@@ -13,6 +13,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import uuid
 from typing import Callable
 
 from .sources.base import COUNTER, Event, NEARLINE, OFFLINE, REALTIME, TIERS, Sample, Source, SourceError, Unavailable, stamp
@@ -194,7 +195,6 @@ class TierLoop:
 
 
 def stamp_events(events: list[Event]) -> list[Event]:
-    import uuid
     for ev in events:
         ev.time_ns = ev.time_ns or time.time_ns()
         ev.id = ev.id or uuid.uuid4().hex

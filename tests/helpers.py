@@ -92,3 +92,35 @@ def nodes_json(address: str) -> dict:
 
 def series(node: dict, name: str, **labels) -> list[dict]:
     return [s for s in node["series"] if s["name"] == name and all(s["labels"].get(k) == v for k, v in labels.items())]
+
+
+class InProcessCollector:
+    """The real collector gRPC server on its own event loop thread, in the test's process.
+    `start_kw` goes to collector.server.start_server (limits=, security=, credentials=...)."""
+
+    def __init__(self, port: int | None = None, state=None, max_message_bytes: int = 16 * 1024 * 1024,
+                 **start_kw):
+        import asyncio
+        import threading
+        from xpusense.collector import server as server_mod
+        from xpusense.collector.state import FleetState
+        self._asyncio = asyncio
+        self.addr = f"127.0.0.1:{port or free_port()}"
+        self.state = state or FleetState()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = self.call(server_mod.start_server(self.addr, self.state, max_message_bytes, **start_kw))
+
+    def call(self, coro):
+        return self._asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def on_loop(self, fn):
+        async def run():
+            return fn()
+        return self.call(run())
+
+    def stop(self):
+        self.call(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)

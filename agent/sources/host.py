@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 
 import psutil
 
-from .base import COUNTER, GAUGE, NEARLINE, Sample, Source, SourceError, Unavailable
+from .base import COUNTER, NEARLINE, Sample, Source, SourceError, Unavailable
 
 # Partitions, RAM disks and loop devices would count the same I/O twice or not be disks at all
 # (the same default as node_exporter's diskstats collector).

@@ -113,11 +113,6 @@ FIELDS = [
 ]
 
 
-class _FieldError(Exception):
-    def __init__(self, code: int):
-        self.value = code
-
-
 def _fields(nv, handle, ids):
     vals = nv.nvmlDeviceGetFieldValues(handle, ids)
     out = []
@@ -358,7 +353,6 @@ class NvmlSource(Source):
                       "pci_bus_id": g.info.get("pci_bus_id", "")}, time.time_ns())
 
     def _collect_gpu(self, g: Gpu, tier: str) -> list[Sample]:
-        nv = self.nv
         cache: dict[str, Any] = {}
         out = []
         for f in FIELDS:

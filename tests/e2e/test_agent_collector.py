@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import subprocess
 
 from helpers import BIN, free_port, nodes_json, series, wait_until
 from xpusense.collector.store import stored_batches

@@ -15,7 +15,6 @@ import pytest
 
 from helpers import BIN, free_port, nodes_json, series, wait_until
 from xpusense.agent.sources.base import Sample
-from xpusense.agent.spool import Spool
 from xpusense.agent.stream import StreamClient
 from xpusense.collector.store import stored_batches
 from xpusense.v1 import telemetry_pb2 as pb

@@ -14,7 +14,6 @@ import threading
 import time
 
 import grpc
-import pytest
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 
 from helpers import BIN, ROOT, free_port, nodes_json, wait_until

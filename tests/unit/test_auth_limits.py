@@ -3,23 +3,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
-import threading
 from types import SimpleNamespace
 
 import grpc
 import pytest
 
-from helpers import free_port
+from helpers import InProcessCollector
 from xpusense.agent.config import ConfigError
 from xpusense.agent.tls import is_loopback_host, make_channel
-from xpusense.collector import server as server_mod
 from xpusense.collector.auth import Security, cert_identities
 from xpusense.collector.certs import CertError, make_certs, make_tokens, parse_tokens, token_hash
 from xpusense.collector.config import COLLECTOR_SCHEMA, load_collector
 from xpusense.collector.limits import DEFAULTS, Limits
-from xpusense.collector.state import FleetState
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
@@ -108,28 +104,9 @@ def test_limit_defaults_are_the_config_defaults():
 
 # ------------------------------------------------------------------------------------------ guards on a real server
 
-class Server:
-    """The real gRPC server with limits (and optionally security) on its own event loop thread."""
-
-    def __init__(self, **kw):
-        self.addr = f"127.0.0.1:{free_port()}"
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = self.call(server_mod.start_server(self.addr, FleetState(), 1 << 20, **kw))
-
-    def call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
-
-    def stop(self):
-        self.call(self.server.stop(0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 @pytest.fixture
 def guarded():
-    s = Server(limits=Limits())
+    s = InProcessCollector(max_message_bytes=1 << 20, limits=Limits())
     yield s
     s.stop()
 

@@ -6,8 +6,6 @@ import json
 import os
 import signal
 
-import pytest
-
 from xpusense.agent.hbm_watch import METRIC, HbmWatch, Rule, group_jobs
 from xpusense.agent.sources.base import Sample
 

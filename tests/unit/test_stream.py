@@ -2,44 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
-import threading
 
 import grpc
 import pytest
 
-from helpers import free_port, wait_until
+from helpers import InProcessCollector, free_port, wait_until
 from xpusense.agent.sources.base import Sample
 from xpusense.agent.stream import StreamClient, backoff_delays
 from xpusense.collector import server as server_mod
 from xpusense.collector.state import FleetState
 from xpusense.v1 import telemetry_pb2 as pb
-
-
-class Collector:
-    """The real collector server on its own event loop thread."""
-
-    def __init__(self, port: int, state: FleetState | None = None):
-        self.addr = f"127.0.0.1:{port}"
-        self.state = state or FleetState()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = self.call(server_mod.start_server(self.addr, self.state))
-
-    def call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
-
-    def on_loop(self, fn):
-        async def run():
-            return fn()
-        return self.call(run())
-
-    def stop(self):
-        self.call(self.server.stop(0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 @pytest.fixture
@@ -69,7 +42,7 @@ def test_queue_while_collector_down_then_everything_delivered_in_order(client_fa
     for i in range(1, 6):
         put_batch(client, i)
     assert client.pending() == 5 and not client.connected
-    coll = Collector(port)
+    coll = InProcessCollector(port)
     try:
         wait_until(lambda: client.pending() == 0, what="the queue to drain")
         node = coll.on_loop(lambda: coll.state.view().nodes[0])
@@ -105,7 +78,7 @@ def test_resend_after_lost_ack_is_stored_once(client_factory, monkeypatch):
             yield msg
 
     monkeypatch.setattr(server_mod.IngestServicer, "Stream", flaky)
-    coll = Collector(port)
+    coll = InProcessCollector(port)
     client = client_factory(coll.addr)
     client.start()
     try:
