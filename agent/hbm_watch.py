@@ -22,7 +22,7 @@ import os
 import signal as signal_mod
 import tempfile
 import uuid
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from .sources.base import Event, Sample
 

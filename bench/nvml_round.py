@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 CHILD = r"""
 import json, statistics, sys, time
-from xpusense.agent.sources.nvml import NvmlSource
+from xpusense.agent.sources.nvml.source import NvmlSource
 rounds, gap = int(sys.argv[1]), float(sys.argv[2])
 src = NvmlSource(events=True)
 src.setup()

@@ -11,7 +11,7 @@ import argparse
 import json
 import time
 
-from xpusense.agent.sources.nvml import NvmlSource
+from xpusense.agent.sources.nvml.source import NvmlSource
 
 
 def dump(samples):

@@ -1,0 +1,29 @@
+"""What the NVML source keeps per GPU between rounds (handle, identity, abilities, last samples)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+VENDOR = "nvidia"
+
+
+class Gpu:
+    def __init__(self, index: int, handle: Any):
+        self.index = index
+        self.handle = handle
+        self.id = f"gpu{index}"
+        self.labels = {"device": self.id, "vendor": VENDOR}
+        self.name = ""
+        self.arch: int | None = None
+        self.lost = False
+        self.gpm = False
+        self.gpm_reason = ""
+        self.gpm_prev: Any = None      # the previous GPM sample
+        self.info: dict[str, str] = {}
+        self.nvlinks = 0
+        self.mig = False
+        self.busy_s = 0.0              # utilisation x seconds since the last offline round
+        self.busy_span_s = 0.0
+        self.last_util_t: float | None = None
+        self.energy_prev: tuple[float, float] | None = None  # (monotonic s, J)
+        self.peak_tflops = 0.0

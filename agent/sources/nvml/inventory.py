@@ -1,0 +1,60 @@
+"""What each GPU is: identity from NVML, static facts from the catalog (common/catalog/nvidia.toml),
+and the inventory entries of DESIGN.md's schema."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xpusense.common import catalog
+
+from .device import VENDOR, Gpu
+from .library import text
+
+
+def model_name(nvml_name: str) -> str:
+    """'NVIDIA A100-SXM4-40GB' -> 'A100-SXM4-40GB' (the inventory schema's style)."""
+    name = nvml_name.removeprefix("NVIDIA ").strip()
+    return "-".join(name.split())
+
+
+def nvlink_bandwidth(arch: int | None, links: int) -> str:
+    gen = catalog.nvlink_generation(arch)
+    if not gen or not links:
+        return ""
+    return f"{links * gen['per_link_gbs']}GB/s"
+
+
+def identify(nv: Any, g: Gpu, driver: str) -> None:
+    """Name, UUID, bus id and memory size: what a GPU must answer to be reported at all."""
+    h = g.handle
+    g.name = text(nv.nvmlDeviceGetName(h))
+    g.info["uuid"] = text(nv.nvmlDeviceGetUUID(h))
+    g.info["pci_bus_id"] = text(nv.nvmlDeviceGetPciInfo(h).busId)
+    g.info["driver"] = driver
+    mem = nv.nvmlDeviceGetMemoryInfo(h)
+    g.info["memory"] = f"{round(mem.total / 2**30)}GB"
+
+
+def catalog_facts(g: Gpu) -> None:
+    entry = catalog.nvidia_gpu(g.name)
+    g.peak_tflops = float(entry.get("peak_tflops", 0.0))
+    if entry.get("architecture"):
+        g.info["architecture"] = str(entry["architecture"])
+
+
+def count_nvlinks(nv: Any, g: Gpu) -> int:
+    active = 0
+    for link in range(nv.NVML_NVLINK_MAX_LINKS):
+        try:
+            if nv.nvmlDeviceGetNvLinkState(g.handle, link) == nv.NVML_FEATURE_ENABLED:
+                active += 1
+        except nv.NVMLError:
+            break  # NotSupported / InvalidArgument past the last link
+    return active
+
+
+def entry(g: Gpu) -> dict[str, Any]:
+    attrs = {k: v for k, v in g.info.items() if v}
+    bw = nvlink_bandwidth(g.arch, g.nvlinks)
+    return {"type": "GPU", "vendor": VENDOR, "model": model_name(g.name), "id": g.id, "attributes": attrs,
+            "interconnects": [{"type": "NVLink", "bandwidth": bw}] if bw else []}

@@ -1,0 +1,118 @@
+"""The per-device NVML readings as data: which call answers each, its unit, tier and conversion.
+
+dcgm-exporter's rule: the list of fields is data. A `Reading` names a call of `calls(nv)` (made at
+most once per device and round, however many readings share it) and how its answer becomes a value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from ..base import COUNTER, GAUGE, NEARLINE, OFFLINE, REALTIME
+
+ALL_LINKS = 0xFFFFFFFF  # field-value scopeId for "summed over all NVLink links" (nvml.h)
+
+THROTTLE_REASONS = {  # nvmlClocksEventReason* bits
+    0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown",
+}
+
+Call = Callable[[Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    name: str
+    unit: str
+    tier: str
+    call: str
+    convert: Callable[[Any], float]
+    kind: str = GAUGE
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+def calls(nv: Any) -> dict[str, Call]:
+    """Reading call name -> function of a device handle."""
+    return {
+        "utilization": nv.nvmlDeviceGetUtilizationRates,
+        "memory": nv.nvmlDeviceGetMemoryInfo,
+        "pcie_tx": lambda h: nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES),
+        "pcie_rx": lambda h: nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES),
+        "clock_sm": lambda h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+        "clock_mem": lambda h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM),
+        "power": nv.nvmlDeviceGetPowerUsage,
+        "power_limit": nv.nvmlDeviceGetEnforcedPowerLimit,
+        "energy": nv.nvmlDeviceGetTotalEnergyConsumption,
+        "temperature": lambda h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
+        "ecc_corrected": lambda h: nv.nvmlDeviceGetTotalEccErrors(
+            h, nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC),
+        "ecc_uncorrected": lambda h: nv.nvmlDeviceGetTotalEccErrors(
+            h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC),
+        "remapped_rows": nv.nvmlDeviceGetRemappedRows,
+        "throttle": nv.nvmlDeviceGetCurrentClocksEventReasons,
+        "hbm_temperature": lambda h: field(nv, h, nv.NVML_FI_DEV_MEMORY_TEMP),
+        "nvlink": lambda h: fields(nv, h, [(nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
+                                           (nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS)]),
+        "processes": nv.nvmlDeviceGetComputeRunningProcesses,
+    }
+
+
+def _ratio(used: float, total: float) -> float:
+    return used / total if total else 0.0
+
+
+READINGS = [
+    Reading("hw.gpu.utilization", "1", REALTIME, "utilization", lambda u: u.gpu / 100.0),
+    # Memory-controller busy time: NOT bandwidth (shared/reference/nvml.md section 5).
+    Reading("xpusense.accelerator.memory_controller.utilization", "1", REALTIME, "utilization",
+            lambda u: u.memory / 100.0),
+    Reading("hw.gpu.memory.usage", "By", REALTIME, "memory", lambda m: float(m.used)),
+    Reading("hw.gpu.memory.limit", "By", REALTIME, "memory", lambda m: float(m.total)),
+    Reading("xpusense.accelerator.memory.free", "By", REALTIME, "memory", lambda m: float(m.free)),
+    Reading("hw.gpu.memory.utilization", "1", REALTIME, "memory", lambda m: _ratio(m.used, m.total)),
+    Reading("xpusense.accelerator.pcie.throughput", "By/s", NEARLINE, "pcie_tx", lambda kb: kb * 1000.0,
+            labels=(("direction", "transmit"),)),
+    Reading("xpusense.accelerator.pcie.throughput", "By/s", NEARLINE, "pcie_rx", lambda kb: kb * 1000.0,
+            labels=(("direction", "receive"),)),
+    Reading("xpusense.accelerator.clock.frequency", "Hz", NEARLINE, "clock_sm", lambda mhz: mhz * 1e6,
+            labels=(("clock", "sm"),)),
+    Reading("xpusense.accelerator.clock.frequency", "Hz", NEARLINE, "clock_mem", lambda mhz: mhz * 1e6,
+            labels=(("clock", "memory"),)),
+    Reading("hw.power", "W", OFFLINE, "power", lambda mw: mw / 1000.0),
+    Reading("xpusense.accelerator.power.limit", "W", OFFLINE, "power_limit", lambda mw: mw / 1000.0),
+    Reading("hw.energy", "J", OFFLINE, "energy", lambda mj: mj / 1000.0, COUNTER),
+    Reading("hw.temperature", "Cel", OFFLINE, "temperature", float, labels=(("sensor", "chip"),)),
+    Reading("hw.temperature", "Cel", OFFLINE, "hbm_temperature", float, labels=(("sensor", "hbm"),)),
+    Reading("xpusense.accelerator.ecc.errors", "{error}", OFFLINE, "ecc_corrected", float, COUNTER,
+            (("type", "corrected"),)),
+    Reading("xpusense.accelerator.ecc.errors", "{error}", OFFLINE, "ecc_uncorrected", float, COUNTER,
+            (("type", "uncorrected"),)),
+]
+
+
+def fields(nv: Any, handle: Any, ids: list) -> list[tuple[int, float]]:
+    """(timestamp us, value) per field id; a per-field error raises it as an NVMLError."""
+    out = []
+    for v in nv.nvmlDeviceGetFieldValues(handle, ids):
+        if v.nvmlReturn != nv.NVML_SUCCESS:
+            raise nv.NVMLError(v.nvmlReturn)
+        out.append((v.timestamp, field_value(nv, v)))
+    return out
+
+
+def field(nv: Any, handle: Any, fid: int) -> float:
+    return fields(nv, handle, [fid])[0][1]
+
+
+def field_value(nv: Any, v: Any) -> float:
+    """The value of a c_nvmlFieldValue_t by its valueType (the union member NVML filled)."""
+    members = {
+        nv.NVML_VALUE_TYPE_DOUBLE: "dVal", nv.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+        nv.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal", nv.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+        nv.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+        getattr(nv, "NVML_VALUE_TYPE_SIGNED_INT", 5): "siVal",
+        getattr(nv, "NVML_VALUE_TYPE_UNSIGNED_SHORT", 6): "usVal",
+    }
+    return getattr(v.value, members.get(v.valueType, "ullVal"))

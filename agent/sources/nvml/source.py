@@ -1,0 +1,341 @@
+"""The NVML source: every NVIDIA GPU of the host at three tiers, its events and its inventory.
+
+Failure rules: no library or driver -> Unavailable with the reason; a reading NotSupported on a
+GPU -> that reading is absent there, said once (log and `describe()`); a GPU lost mid-run
+(GPU_IS_LOST) -> one critical health event, that GPU is left out, the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from typing import Any
+
+from xpusense.common import catalog
+from xpusense.common.config import Key, positive
+
+from ..base import COUNTER, NEARLINE, OFFLINE, REALTIME, Event, Sample, Source, SourceFamily, Unavailable
+from . import gpm, inventory, library, readings
+from .device import VENDOR, Gpu
+from .events import EventWatcher
+
+log = logging.getLogger("xpusense.agent.nvml")
+
+SCHEMA = {
+    "enabled": Key(bool, True),
+    "gpm": Key(bool, True, help="GPM metrics (HBM bandwidth, SM, tensor) on Hopper and newer"),
+    "events": Key(bool, True, help="watch XID and ECC events"),
+    "event_wait_ms": Key(int, 500, positive),
+}
+
+
+class NvmlSource(Source):
+    name = "nvml"
+    tiers = (REALTIME, NEARLINE, OFFLINE)
+
+    def __init__(self, events: bool = True, event_wait_ms: int = 500, gpm: bool = True):
+        self.want_events = events
+        self.event_wait_ms = event_wait_ms
+        self.want_gpm = gpm
+        self.nv: Any = None
+        self.gpus: list[Gpu] = []
+        self.unsupported: dict[tuple[str, str], str] = {}   # (device, reading) -> why
+        self.driver = ""
+        self.nvml_version = ""
+        self._calls: dict[str, readings.Call] = {}
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._watcher: EventWatcher | None = None
+
+    # -- setup ---------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        nv = library.load()
+        try:
+            catalog.load("nvidia")
+        except catalog.CatalogError as e:
+            nv.nvmlShutdown()
+            raise Unavailable(str(e)) from None
+        self.nv = nv
+        self._calls = readings.calls(nv)
+        try:
+            self.driver = library.text(nv.nvmlSystemGetDriverVersion())
+            self.nvml_version = library.text(nv.nvmlSystemGetNVMLVersion())
+            count = nv.nvmlDeviceGetCount()
+        except nv.NVMLError as e:
+            nv.nvmlShutdown()
+            raise Unavailable(f"NVML answered nvmlInit but not the device count: {e}") from None
+        if count == 0:
+            nv.nvmlShutdown()
+            raise Unavailable("NVML found no NVIDIA GPU on this host")
+        for i in range(count):
+            try:
+                gpu = Gpu(i, nv.nvmlDeviceGetHandleByIndex(i))
+                self._discover(gpu)
+            except nv.NVMLError as e:
+                gpu = Gpu(i, None)
+                gpu.lost = True
+                log.warning("GPU %d: cannot be opened: %s", i, e)
+                self._events.put(self._health_event(gpu, f"GPU {i} cannot be opened at start: {e}"))
+            self.gpus.append(gpu)
+        if self.want_events:
+            self._watcher = EventWatcher(nv, self.gpus, self._events, self.event_wait_ms, self._unsupported_for)
+            self._watcher.start()
+
+    def _discover(self, g: Gpu) -> None:
+        nv, h = self.nv, g.handle
+        inventory.identify(nv, g, self.driver)
+        cc = self._try(g, "compute_capability", lambda: nv.nvmlDeviceGetCudaComputeCapability(h))
+        g.info["compute_capability"] = f"{cc[0]}.{cc[1]}" if cc else ""
+        g.arch = self._try(g, "architecture", lambda: nv.nvmlDeviceGetArchitecture(h))
+        mig = self._try(g, "mig_mode", lambda: nv.nvmlDeviceGetMigMode(h))
+        g.mig = bool(mig and mig[0] == nv.NVML_DEVICE_MIG_ENABLE)
+        g.info["mig_mode"] = "enabled" if g.mig else ("disabled" if mig is not None else "unsupported")
+        g.nvlinks = inventory.count_nvlinks(nv, g)
+        g.info["nvlink_count"] = str(g.nvlinks)
+        inventory.catalog_facts(g)
+        if self.want_gpm:
+            gpm.check_support(nv, g)
+        else:
+            g.gpm_reason = "GPM switched off in config ([sources.nvml] gpm = false)"
+        if not g.gpm:
+            self.unsupported[(g.id, "hbm_bandwidth")] = g.gpm_reason
+            log.info("%s (%s): no HBM bandwidth utilisation: %s", g.id, g.name, g.gpm_reason)
+
+    def _try(self, g: Gpu, what: str, fn: Callable[[], Any]) -> Any:
+        nv = self.nv
+        try:
+            return fn()
+        except nv.NVMLError as e:
+            if library.code(e) == nv.NVML_ERROR_GPU_IS_LOST:
+                raise
+            self._note_unsupported(g, what, str(e))
+            return None
+
+    def _note_unsupported(self, g: Gpu, what: str, why: str) -> None:
+        key = (g.id, what)
+        if key not in self.unsupported:
+            self.unsupported[key] = why
+            log.info("%s (%s): %s unavailable: %s", g.id, g.name, what, why)
+
+    def _unsupported_for(self, g: Gpu | None, what: str, why: str) -> None:
+        if g is None:
+            self.unsupported[("*", what)] = why
+        else:
+            self._note_unsupported(g, what, why)
+
+    # -- rounds --------------------------------------------------------------------------------------
+    def collect(self, tier: str) -> list[Sample]:
+        out: list[Sample] = []
+        for g in self.gpus:
+            if g.lost:
+                continue
+            try:
+                out += self._collect_gpu(g, tier)
+            except self.nv.NVMLError as e:
+                if library.code(e) == self.nv.NVML_ERROR_GPU_IS_LOST:
+                    self._lose(g, str(e))
+                else:
+                    raise
+        if tier == OFFLINE:
+            out += [Sample("xpusense.accelerator.health", 0.0 if g.lost else 1.0, "1",
+                           {**g.labels, "status": "lost" if g.lost else "ok"}) for g in self.gpus]
+        return out
+
+    def _lose(self, g: Gpu, why: str) -> None:
+        g.lost = True
+        log.error("%s (%s) is lost: %s; the other GPUs go on", g.id, g.name, why)
+        self._events.put(self._health_event(g, f"{g.id} ({g.name}, {g.info.get('pci_bus_id', '?')}) "
+                                               f"is lost (GPU_IS_LOST: fell off the bus or the driver "
+                                               f"gave up on it): {why}"))
+
+    def _health_event(self, g: Gpu, message: str) -> Event:
+        return Event("health", message, "critical", g.id,
+                     {"vendor": VENDOR, "status": "lost", "uuid": g.info.get("uuid", ""),
+                      "pci_bus_id": g.info.get("pci_bus_id", "")}, time.time_ns())
+
+    def _read(self, g: Gpu, call: str) -> Any:
+        return self._try(g, call, lambda: self._calls[call](g.handle))
+
+    def _collect_gpu(self, g: Gpu, tier: str) -> list[Sample]:
+        cache: dict[str, Any] = {}
+        out = []
+        for r in readings.READINGS:
+            if r.tier != tier or (g.id, r.call) in self.unsupported:
+                continue
+            if r.call not in cache:
+                cache[r.call] = self._read(g, r.call)
+            raw = cache[r.call]
+            if raw is None:
+                continue
+            out.append(Sample(r.name, r.convert(raw), r.unit, {**g.labels, **dict(r.labels)}, r.kind))
+        if tier == REALTIME:
+            if cache.get("utilization") is not None:
+                self._accumulate_busy(g, cache["utilization"].gpu / 100.0)
+            out += self._gpm(g)
+            out += self._nvlink(g)
+            if g.mig:
+                out += self._mig(g)
+        elif tier == OFFLINE:
+            out += self._throttle(g)
+            out += self._remapped(g)
+            out += self._efficiency(g, cache.get("energy"))
+        elif tier == NEARLINE:
+            out += self._process_samples(g)
+        return out
+
+    def _gpm(self, g: Gpu) -> list[Sample]:
+        if not g.gpm:
+            return []
+        samples, errors = gpm.metrics(self.nv, g, nvlink_rates=(g.id, "nvlink") in self.unsupported)
+        for mid, rc in errors.items():
+            self._note_unsupported(g, f"gpm_metric_{mid}", str(self.nv.NVMLError(rc)))
+        return samples
+
+    def _nvlink(self, g: Gpu) -> list[Sample]:
+        if g.nvlinks == 0 or (g.id, "nvlink") in self.unsupported:
+            return []
+        vals = self._read(g, "nvlink")
+        if vals is None:
+            return []
+        (_, rx_kib), (_, tx_kib) = vals
+        return [Sample("xpusense.accelerator.interconnect.io", float(v) * 1024, "By",
+                       {**g.labels, "link_type": "NVLink", "direction": d}, COUNTER)
+                for d, v in (("receive", rx_kib), ("transmit", tx_kib))]
+
+    def _mig(self, g: Gpu) -> list[Sample]:
+        nv = self.nv
+        out = []
+        count = self._try(g, "mig_devices", lambda: nv.nvmlDeviceGetMaxMigDeviceCount(g.handle)) or 0
+        for i in range(count):
+            try:
+                mh = nv.nvmlDeviceGetMigDeviceHandleByIndex(g.handle, i)
+            except nv.NVMLError:
+                continue  # an empty slot
+            out += self._mig_instance(g, mh, i)
+        out.append(Sample("xpusense.accelerator.mig.instances", float(len(out) // 2), "{instance}", dict(g.labels)))
+        return out
+
+    def _mig_instance(self, g: Gpu, mh: Any, slot: int) -> list[Sample]:
+        nv = self.nv
+        gi = self._try(g, "mig_instance_id", lambda: nv.nvmlDeviceGetGpuInstanceId(mh))
+        mem = self._try(g, "mig_memory", lambda: nv.nvmlDeviceGetMemoryInfo(mh))
+        if mem is None:
+            return []
+        labels = {**g.labels, "mig_instance": str(gi if gi is not None else slot)}
+        return [Sample("hw.gpu.memory.usage", float(mem.used), "By", labels),
+                Sample("hw.gpu.memory.limit", float(mem.total), "By", dict(labels))]
+
+    def _throttle(self, g: Gpu) -> list[Sample]:
+        mask = self._read(g, "throttle") if (g.id, "throttle") not in self.unsupported else None
+        if mask is None:
+            return []
+        return [Sample("xpusense.accelerator.throttle", 1.0 if mask & bit else 0.0, "1",
+                       {**g.labels, "reason": reason}) for bit, reason in readings.THROTTLE_REASONS.items()]
+
+    def _remapped(self, g: Gpu) -> list[Sample]:
+        if (g.id, "remapped_rows") in self.unsupported:
+            return []
+        r = self._read(g, "remapped_rows")
+        if r is None:
+            return []
+        corr, unc, pending, failure = r
+        name = "xpusense.accelerator.memory.remapped_rows"
+        return [
+            Sample(name, float(corr), "{row}", {**g.labels, "type": "correctable"}),
+            Sample(name, float(unc), "{row}", {**g.labels, "type": "uncorrectable"}),
+            Sample("xpusense.accelerator.memory.remap_pending", float(bool(pending)), "1", dict(g.labels)),
+            Sample("xpusense.accelerator.memory.remap_failed", float(bool(failure)), "1", dict(g.labels)),
+        ]
+
+    def _accumulate_busy(self, g: Gpu, util: float) -> None:
+        now = time.monotonic()
+        if g.last_util_t is not None:
+            dt = now - g.last_util_t
+            g.busy_s += util * dt
+            g.busy_span_s += dt
+        g.last_util_t = now
+
+    def _efficiency(self, g: Gpu, energy_mj: Any) -> list[Sample]:
+        """Estimated tensor TFLOP per joule over the last offline interval (docs/metrics.md)."""
+        if energy_mj is None:
+            return []
+        now, joules = time.monotonic(), energy_mj / 1000.0
+        prev, g.energy_prev = g.energy_prev, (now, joules)
+        busy, span = g.busy_s, g.busy_span_s
+        g.busy_s = g.busy_span_s = 0.0
+        if prev is None or not g.peak_tflops or span <= 0:
+            return []
+        dt, de = now - prev[0], joules - prev[1]
+        if dt <= 0 or de <= 0:
+            return []
+        watts = de / dt
+        return [Sample("xpusense.accelerator.energy.efficiency", (busy / span) * g.peak_tflops / watts,
+                       "TFLOP/J", dict(g.labels))]
+
+    # -- processes -----------------------------------------------------------------------------------
+    def _process_samples(self, g: Gpu) -> list[Sample]:
+        procs = self._read(g, "processes")
+        if procs is None:
+            return []
+        out = [Sample("xpusense.accelerator.process.memory.usage", float(p.usedGpuMemory or 0), "By",
+                      {**g.labels, "pid": str(p.pid)}) for p in procs]
+        out.append(Sample("xpusense.accelerator.processes", float(len(procs)), "{process}", dict(g.labels)))
+        return out
+
+    def processes(self) -> dict[int, set[str]]:
+        """pid -> ids of the GPUs it uses, read now (the checkpoint watch asks when it fires)."""
+        pids: dict[int, set[str]] = {}
+        for g in self.gpus:
+            if g.lost or (g.id, "processes") in self.unsupported:
+                continue
+            try:
+                for p in self._calls["processes"](g.handle):
+                    pids.setdefault(p.pid, set()).add(g.id)
+            except self.nv.NVMLError as e:
+                log.warning("%s: cannot list its processes: %s", g.id, e)
+        return pids
+
+    # -- events, inventory and status ----------------------------------------------------------------
+    def events(self) -> list[Event]:
+        out = []
+        while True:
+            try:
+                out.append(self._events.get_nowait())
+            except queue.Empty:
+                return out
+
+    def inventory(self) -> list[dict]:
+        return [inventory.entry(g) for g in self.gpus if g.name]
+
+    def hbm_watch_coverage(self) -> dict[str, str]:
+        """device -> '' when the HBM watch can follow it, else why not."""
+        return {g.id: "" if g.gpm and not g.lost else (g.gpm_reason or "GPU lost") for g in self.gpus}
+
+    def describe(self) -> dict:
+        return {
+            "devices": [f"{g.id}: {g.name}" + (" (lost)" if g.lost else "") for g in self.gpus],
+            "driver": self.driver,
+            "unavailable_readings": {f"{d}/{what}": why for (d, what), why in sorted(self.unsupported.items())},
+        }
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+        nv = self.nv
+        if nv is None:
+            return
+        for g in self.gpus:
+            gpm.free(nv, g)
+        try:
+            nv.nvmlShutdown()
+        except nv.NVMLError:
+            pass
+        self.nv = None
+
+
+def build(table: Any) -> list[Source]:
+    return [NvmlSource(events=table.events, event_wait_ms=table.event_wait_ms, gpm=table.gpm)]
+
+
+FAMILY = SourceFamily("nvml", SCHEMA, build)
