@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .gpm import GpmStream
+
 VENDOR = "nvidia"
 
 
@@ -18,7 +20,7 @@ class Gpu:
         self.lost = False
         self.gpm = False
         self.gpm_reason = ""
-        self.gpm_prev: Any = None      # the previous GPM sample
+        self.gpm_stream: GpmStream | None = None
         self.info: dict[str, str] = {}
         self.nvlinks = 0
         self.mig = False

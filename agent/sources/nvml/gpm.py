@@ -1,80 +1,91 @@
 """HBM (DRAM) bandwidth, SM and tensor utilisation from NVML GPM (GPU Performance Monitoring).
 
-GPM metrics come from two samples: each round takes one and computes the metrics over the interval
-since the previous one. Hopper and newer only (nvmlGpmQueryDeviceSupport).
+A GPM metric is computed from two samples: every realtime round takes one per GPU (or per MIG GPU
+instance) and asks for the metrics over the interval since the previous one. Hopper and newer only
+(nvmlGpmQueryDeviceSupport). What real drivers do, and what this module does about it:
+- samples under 100 ms apart give metrics that are invalid without any error (nvml.h: "should be
+  greater than 100ms due to the internal sample refresh rate"; DCGM issue 310: "a hard limit"): a
+  round that comes sooner takes no sample and reports nothing; the older sample waits for the next;
+- any failed sample or metrics call (Unknown, ResetRequired, NotSupported on a vGPU profile...) is
+  no data for that device and round only, as in DCGM's GPM manager; both samples are dropped so the
+  next pair starts afresh;
+- a metric can come back NaN with a success code: the caller's range check drops it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from ..base import Sample
-from .device import Gpu
+MIN_INTERVAL_S = 0.1
 
+DRAM_BW_UTIL, SM_UTIL, ANY_TENSOR_UTIL = 10, 2, 5
+NVLINK_TOTAL_RX, NVLINK_TOTAL_TX = 60, 61
 # GPM metric id (pynvml NVML_GPM_METRIC_*) -> (metric name, scale to the reported unit, unit)
 GPM_METRICS = {
-    10: ("xpusense.accelerator.hbm.bandwidth.utilization", 0.01, "1"),   # DRAM_BW_UTIL, percent
-    2: ("xpusense.accelerator.sm.utilization", 0.01, "1"),               # SM_UTIL, percent
-    5: ("xpusense.accelerator.cube.utilization", 0.01, "1"),             # ANY_TENSOR_UTIL, percent
+    DRAM_BW_UTIL: ("xpusense.accelerator.hbm.bandwidth.utilization", 0.01, "1"),   # percent
+    SM_UTIL: ("xpusense.accelerator.sm.utilization", 0.01, "1"),                   # percent
+    ANY_TENSOR_UTIL: ("xpusense.accelerator.cube.utilization", 0.01, "1"),         # percent
 }
-GPM_NVLINK = {60: "receive", 61: "transmit"}  # NVLINK_TOTAL_RX/TX_PER_SEC, MiB/s
+GPM_NVLINK = {NVLINK_TOTAL_RX: "receive", NVLINK_TOTAL_TX: "transmit"}  # MiB/s
 
 
-def check_support(nv: Any, g: Gpu) -> None:
-    """Set g.gpm, and g.gpm_reason when GPM cannot be used."""
-    try:
-        g.gpm = bool(nv.nvmlGpmQueryDeviceSupport(g.handle).isSupportedDevice)
-        if not g.gpm:
-            g.gpm_reason = (f"GPM is not supported on {g.name} (Hopper or newer needed); "
-                            f"the memory-controller busy share is reported instead under "
-                            f"xpusense.accelerator.memory_controller.utilization")
-    except nv.NVMLError as e:
-        g.gpm_reason = f"GPM query failed: {e}"
+def supported(nv: Any, handle: Any) -> bool:
+    """nvmlGpmQueryDeviceSupport; raises NVMLError when the query itself fails."""
+    return bool(nv.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
 
 
-def metrics(nv: Any, g: Gpu, nvlink_rates: bool) -> tuple[list[Sample], dict[int, int]]:
-    """Take this round's sample and return the metrics since the previous one, and per-metric
-    errors (metric id -> NVML return code). Raises NVMLError when the sample cannot be taken."""
-    sample = nv.nvmlGpmSampleAlloc()
-    try:
-        nv.nvmlGpmSampleGet(g.handle, sample)
-    except nv.NVMLError:
-        nv.nvmlGpmSampleFree(sample)
-        raise
-    prev, g.gpm_prev = g.gpm_prev, sample
-    if prev is None:
-        return [], {}  # GPM metrics need two samples: from the next round on
-    ids = list(GPM_METRICS) + ([] if g.nvlinks == 0 else list(GPM_NVLINK))
-    try:
-        mg = nv.c_nvmlGpmMetricsGet_t()
-        mg.version = nv.NVML_GPM_METRICS_GET_VERSION
-        mg.sample1, mg.sample2 = prev, sample
-        mg.numMetrics = len(ids)
-        for i, mid in enumerate(ids):
-            mg.metrics[i].metricId = mid
-        nv.nvmlGpmMetricsGet(mg)
-    finally:
-        nv.nvmlGpmSampleFree(prev)
-    out, errors = [], {}
-    for i in range(len(ids)):
-        m = mg.metrics[i]
-        if m.nvmlReturn != nv.NVML_SUCCESS:
-            errors[m.metricId] = m.nvmlReturn
-            continue
-        if m.metricId in GPM_METRICS:
-            name, scale, unit = GPM_METRICS[m.metricId]
-            out.append(Sample(name, m.value * scale, unit, dict(g.labels)))
-        elif m.metricId in GPM_NVLINK and nvlink_rates:
-            # Counters from field values are preferred; GPM rates stand in where they fail.
-            out.append(Sample("xpusense.accelerator.interconnect.throughput", m.value * 2**20, "By/s",
-                              {**g.labels, "link_type": "NVLink", "direction": GPM_NVLINK[m.metricId]}))
-    return out, errors
+class GpmStream:
+    """Consecutive GPM samples of one device (a GPU, or one GPU instance of a MIG GPU).
 
+    `take(sample)` fills an allocated sample (nvmlGpmSampleGet or nvmlGpmMigSampleGet).
+    """
 
-def free(nv: Any, g: Gpu) -> None:
-    if g.gpm_prev is not None:
+    def __init__(self, nv: Any, take: Callable[[Any], Any], ids: list[int]):
+        self.nv = nv
+        self.take = take
+        self.ids = ids
+        self.prev: Any = None
+        self.prev_t = 0.0
+        self.too_soon = 0      # rounds that came under MIN_INTERVAL_S after the last sample
+
+    def read(self, now: float) -> list[tuple[int, int, float]] | None:
+        """(metric id, NVML return code, value) per metric since the previous sample; None when there
+        is nothing to report this round (the first sample, or too soon after the last one). Raises
+        NVMLError when the sample or the metrics call fails (the stream then starts afresh)."""
+        nv = self.nv
+        if self.prev is not None and now - self.prev_t < MIN_INTERVAL_S:
+            self.too_soon += 1
+            return None
+        sample = nv.nvmlGpmSampleAlloc()
         try:
-            nv.nvmlGpmSampleFree(g.gpm_prev)
+            self.take(sample)
         except nv.NVMLError:
-            pass
-        g.gpm_prev = None
+            nv.nvmlGpmSampleFree(sample)
+            self.reset()
+            raise
+        prev, self.prev, self.prev_t = self.prev, sample, now
+        if prev is None:
+            return None
+        try:
+            mg = nv.c_nvmlGpmMetricsGet_t()
+            mg.version = nv.NVML_GPM_METRICS_GET_VERSION
+            mg.sample1, mg.sample2 = prev, sample
+            mg.numMetrics = len(self.ids)
+            for i, mid in enumerate(self.ids):
+                mg.metrics[i].metricId = mid
+            nv.nvmlGpmMetricsGet(mg)
+        except nv.NVMLError:
+            self.reset()
+            raise
+        finally:
+            nv.nvmlGpmSampleFree(prev)
+        return [(mg.metrics[i].metricId, mg.metrics[i].nvmlReturn, mg.metrics[i].value) for i in range(len(self.ids))]
+
+    def reset(self) -> None:
+        if self.prev is not None:
+            try:
+                self.nv.nvmlGpmSampleFree(self.prev)
+            except self.nv.NVMLError:
+                pass
+            self.prev = None

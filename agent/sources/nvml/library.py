@@ -50,3 +50,37 @@ def handle_key(handle: Any) -> int:
         return ctypes.cast(handle, ctypes.c_void_p).value or 0
     except (TypeError, ctypes.ArgumentError):
         return id(handle)
+
+
+# NVML return codes (nvml.h nvmlReturn_t; the values never change between driver releases).
+UNSUPPORTED_CODES = {
+    2: "INVALID_ARGUMENT", 3: "NOT_SUPPORTED", 4: "NO_PERMISSION", 6: "NOT_FOUND", 13: "FUNCTION_NOT_FOUND",
+    22: "VGPU_ECC_NOT_SUPPORTED", 24: "FREQ_NOT_SUPPORTED", 25: "ARGUMENT_VERSION_MISMATCH", 26: "DEPRECATED",
+}
+SUCCESS = 0
+GPU_IS_LOST, RESET_REQUIRED, NO_PERMISSION, FUNCTION_NOT_FOUND, TIMEOUT = 15, 16, 4, 13, 10
+
+# What an error says about a reading (DCGM's cache manager and gpud draw the same lines):
+UNSUPPORTED = "unsupported"   # this GPU, driver or agent cannot answer it: stop asking, say why once
+TRANSIENT = "transient"       # Unknown, Timeout, NotReady, InUse, NoData...: no value now, ask again later
+RESET = "reset_required"      # the GPU needs a reset: a health event, and ask again later
+LOST = "lost"                 # the GPU fell off the bus: a health event, the GPU is left out
+
+
+def classify(rc: int | None) -> str:
+    """What an NVML return code means for the reading that got it."""
+    if rc == GPU_IS_LOST:
+        return LOST
+    if rc == RESET_REQUIRED:
+        return RESET
+    if rc in UNSUPPORTED_CODES:
+        return UNSUPPORTED
+    return TRANSIENT
+
+
+def error_text(nv: Any, rc: int) -> str:
+    """'Unknown Error (999)': the library's text for a code returned in a struct, not raised."""
+    try:
+        return f"{nv.nvmlErrorString(rc)} ({rc})"
+    except Exception:  # the library is gone or does not know the code
+        return f"NVML error {rc}"

@@ -1,8 +1,9 @@
 """The NVML source: every NVIDIA GPU of the host at three tiers, its events and its inventory.
 
-Failure rules: no library or driver -> Unavailable with the reason; a reading NotSupported on a
-GPU -> that reading is absent there, said once (log and `describe()`); a GPU lost mid-run
-(GPU_IS_LOST) -> one critical health event, that GPU is left out, the others go on.
+Failure rules: no library or driver -> Unavailable with the reason. Every reading of every GPU
+stands alone: an error is judged by its code (library.classify) and kept in that reading's state
+(states.py), so one failing call costs that reading on that GPU for that round and nothing else.
+A GPU lost mid-run (GPU_IS_LOST) -> one critical health event, that GPU is left out, the others go on.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..base import COUNTER, NEARLINE, OFFLINE, REALTIME, Event, Sample, Source, 
 from . import gpm, inventory, library, readings
 from .device import VENDOR, Gpu
 from .events import EventWatcher
+from .states import ReadingStates
 
 log = logging.getLogger("xpusense.agent.nvml")
 
@@ -29,6 +31,10 @@ SCHEMA = {
     "events": Key(bool, True, help="watch XID and ECC events"),
     "event_wait_ms": Key(int, 500, positive),
 }
+
+
+class GpuLost(Exception):
+    """A call answered GPU_IS_LOST: the GPU's round ends here."""
 
 
 class NvmlSource(Source):
@@ -41,7 +47,7 @@ class NvmlSource(Source):
         self.want_gpm = gpm
         self.nv: Any = None
         self.gpus: list[Gpu] = []
-        self.unsupported: dict[tuple[str, str], str] = {}   # (device, reading) -> why
+        self.states = ReadingStates()
         self.driver = ""
         self.nvml_version = ""
         self._calls: dict[str, readings.Call] = {}
@@ -72,7 +78,7 @@ class NvmlSource(Source):
             try:
                 gpu = Gpu(i, nv.nvmlDeviceGetHandleByIndex(i))
                 self._discover(gpu)
-            except nv.NVMLError as e:
+            except (nv.NVMLError, GpuLost) as e:
                 gpu = Gpu(i, None)
                 gpu.lost = True
                 log.warning("GPU %d: cannot be opened: %s", i, e)
@@ -94,35 +100,49 @@ class NvmlSource(Source):
         g.nvlinks = inventory.count_nvlinks(nv, g)
         g.info["nvlink_count"] = str(g.nvlinks)
         inventory.catalog_facts(g)
-        if self.want_gpm:
-            gpm.check_support(nv, g)
-        else:
+        self._setup_gpm(g)
+
+    def _setup_gpm(self, g: Gpu) -> None:
+        nv = self.nv
+        if not self.want_gpm:
             g.gpm_reason = "GPM switched off in config ([sources.nvml] gpm = false)"
-        if not g.gpm:
-            self.unsupported[(g.id, "hbm_bandwidth")] = g.gpm_reason
-            log.info("%s (%s): no HBM bandwidth utilisation: %s", g.id, g.name, g.gpm_reason)
+        else:
+            ok = self._try(g, "gpm", lambda: gpm.supported(nv, g.handle))
+            if ok:
+                ids = list(gpm.GPM_METRICS) + (list(gpm.GPM_NVLINK) if g.nvlinks else [])
+                g.gpm_stream = gpm.GpmStream(nv, lambda s: nv.nvmlGpmSampleGet(g.handle, s), ids)
+            elif ok is not None:
+                g.gpm_reason = (f"GPM is not supported on {g.name} (Hopper or newer needed); the "
+                                f"memory-controller busy share is reported instead under "
+                                f"xpusense.accelerator.memory_controller.utilization")
+            else:
+                g.gpm_reason = f"GPM query failed: {self.states.unsupported(g.id, 'gpm') or 'see the log'}"
+        if g.gpm_stream is None:
+            self.states.mark_unsupported(g.id, "hbm_bandwidth", g.gpm_reason)
 
     def _try(self, g: Gpu, what: str, fn: Callable[[], Any]) -> Any:
-        nv = self.nv
-        try:
-            return fn()
-        except nv.NVMLError as e:
-            if library.code(e) == nv.NVML_ERROR_GPU_IS_LOST:
-                raise
-            self._note_unsupported(g, what, str(e))
+        """fn() when the reading is due on g, else None; an NVML error is judged (library.classify)
+        and kept in the reading's state; GPU_IS_LOST raises GpuLost to end g's round."""
+        now = time.monotonic()
+        if not self.states.due(g.id, what, now):
             return None
+        try:
+            v = fn()
+        except self.nv.NVMLError as e:
+            self._failed(g, what, library.code(e), str(e), now)
+            return None
+        self.states.succeeded(g.id, what)
+        return v
 
-    def _note_unsupported(self, g: Gpu, what: str, why: str) -> None:
-        key = (g.id, what)
-        if key not in self.unsupported:
-            self.unsupported[key] = why
-            log.info("%s (%s): %s unavailable: %s", g.id, g.name, what, why)
+    def _failed(self, g: Gpu, what: str, rc: int | None, why: str, now: float) -> None:
+        kind = library.classify(rc)
+        if kind == library.LOST:
+            raise GpuLost(why)
+        self.states.failed(g.id, what, library.UNSUPPORTED if kind == library.UNSUPPORTED else library.TRANSIENT,
+                           why, now)
 
     def _unsupported_for(self, g: Gpu | None, what: str, why: str) -> None:
-        if g is None:
-            self.unsupported[("*", what)] = why
-        else:
-            self._note_unsupported(g, what, why)
+        self.states.mark_unsupported("*" if g is None else g.id, what, why)
 
     # -- rounds --------------------------------------------------------------------------------------
     def collect(self, tier: str) -> list[Sample]:
@@ -132,11 +152,8 @@ class NvmlSource(Source):
                 continue
             try:
                 out += self._collect_gpu(g, tier)
-            except self.nv.NVMLError as e:
-                if library.code(e) == self.nv.NVML_ERROR_GPU_IS_LOST:
-                    self._lose(g, str(e))
-                else:
-                    raise
+            except GpuLost as e:
+                self._lose(g, str(e))
         if tier == OFFLINE:
             out += [Sample("xpusense.accelerator.health", 0.0 if g.lost else 1.0, "1",
                            {**g.labels, "status": "lost" if g.lost else "ok"}) for g in self.gpus]
@@ -144,6 +161,8 @@ class NvmlSource(Source):
 
     def _lose(self, g: Gpu, why: str) -> None:
         g.lost = True
+        if g.gpm_stream is not None:
+            g.gpm_stream.reset()
         log.error("%s (%s) is lost: %s; the other GPUs go on", g.id, g.name, why)
         self._events.put(self._health_event(g, f"{g.id} ({g.name}, {g.info.get('pci_bus_id', '?')}) "
                                                f"is lost (GPU_IS_LOST: fell off the bus or the driver "
@@ -161,7 +180,7 @@ class NvmlSource(Source):
         cache: dict[str, Any] = {}
         out = []
         for r in readings.READINGS:
-            if r.tier != tier or (g.id, r.call) in self.unsupported:
+            if r.tier != tier:
                 continue
             if r.call not in cache:
                 cache[r.call] = self._read(g, r.call)
@@ -185,15 +204,31 @@ class NvmlSource(Source):
         return out
 
     def _gpm(self, g: Gpu) -> list[Sample]:
-        if not g.gpm:
+        """GPM metrics of g since its last sample; a failed sample is no data for g this round only."""
+        stream = g.gpm_stream
+        now = time.monotonic()
+        if stream is None:
             return []
-        samples, errors = gpm.metrics(self.nv, g, nvlink_rates=(g.id, "nvlink") in self.unsupported)
-        for mid, rc in errors.items():
-            self._note_unsupported(g, f"gpm_metric_{mid}", str(self.nv.NVMLError(rc)))
-        return samples
+        results = self._try(g, "gpm", lambda: stream.read(now))
+        out = []
+        nvlink_rates = self.states.unsupported(g.id, "nvlink") is not None
+        for mid, rc, value in results or ():
+            what = f"gpm_metric_{mid}"
+            if rc != library.SUCCESS:
+                self._failed(g, what, rc, library.error_text(self.nv, rc), now)
+                continue
+            self.states.succeeded(g.id, what)
+            if mid in gpm.GPM_METRICS:
+                name, scale, unit = gpm.GPM_METRICS[mid]
+                out.append(Sample(name, value * scale, unit, dict(g.labels)))
+            elif mid in gpm.GPM_NVLINK and nvlink_rates:
+                # Counters from field values are preferred; GPM rates stand in where they fail.
+                out.append(Sample("xpusense.accelerator.interconnect.throughput", value * 2**20, "By/s",
+                                  {**g.labels, "link_type": "NVLink", "direction": gpm.GPM_NVLINK[mid]}))
+        return out
 
     def _nvlink(self, g: Gpu) -> list[Sample]:
-        if g.nvlinks == 0 or (g.id, "nvlink") in self.unsupported:
+        if g.nvlinks == 0:
             return []
         vals = self._read(g, "nvlink")
         if vals is None:
@@ -227,15 +262,13 @@ class NvmlSource(Source):
                 Sample("hw.gpu.memory.limit", float(mem.total), "By", dict(labels))]
 
     def _throttle(self, g: Gpu) -> list[Sample]:
-        mask = self._read(g, "throttle") if (g.id, "throttle") not in self.unsupported else None
+        mask = self._read(g, "throttle")
         if mask is None:
             return []
         return [Sample("xpusense.accelerator.throttle", 1.0 if mask & bit else 0.0, "1",
                        {**g.labels, "reason": reason}) for bit, reason in readings.THROTTLE_REASONS.items()]
 
     def _remapped(self, g: Gpu) -> list[Sample]:
-        if (g.id, "remapped_rows") in self.unsupported:
-            return []
         r = self._read(g, "remapped_rows")
         if r is None:
             return []
@@ -287,7 +320,7 @@ class NvmlSource(Source):
         """pid -> ids of the GPUs it uses, read now (the checkpoint watch asks when it fires)."""
         pids: dict[int, set[str]] = {}
         for g in self.gpus:
-            if g.lost or (g.id, "processes") in self.unsupported:
+            if g.lost or self.states.unsupported(g.id, "processes"):
                 continue
             try:
                 for p in self._calls["processes"](g.handle):
@@ -310,13 +343,21 @@ class NvmlSource(Source):
 
     def hbm_watch_coverage(self) -> dict[str, str]:
         """device -> '' when the HBM watch can follow it, else why not."""
-        return {g.id: "" if g.gpm and not g.lost else (g.gpm_reason or "GPU lost") for g in self.gpus}
+        out = {}
+        for g in self.gpus:
+            why = "GPU lost" if g.lost else (self.states.unsupported(g.id, "hbm_bandwidth")
+                                             or self.states.unsupported(g.id, "gpm")
+                                             or self.states.unsupported(g.id, f"gpm_metric_{gpm.DRAM_BW_UTIL}"))
+            out[g.id] = why or ""
+        return out
 
     def describe(self) -> dict:
+        unsupported, retrying = self.states.describe()
         return {
             "devices": [f"{g.id}: {g.name}" + (" (lost)" if g.lost else "") for g in self.gpus],
             "driver": self.driver,
-            "unavailable_readings": {f"{d}/{what}": why for (d, what), why in sorted(self.unsupported.items())},
+            "unavailable_readings": unsupported,
+            "retrying_readings": retrying,
         }
 
     def close(self) -> None:
@@ -326,7 +367,8 @@ class NvmlSource(Source):
         if nv is None:
             return
         for g in self.gpus:
-            gpm.free(nv, g)
+            if g.gpm_stream is not None:
+                g.gpm_stream.reset()
         try:
             nv.nvmlShutdown()
         except nv.NVMLError:

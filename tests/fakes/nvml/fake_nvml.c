@@ -1446,6 +1446,10 @@ API nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *mg)
         || !a->filled || !b->filled || a->gpu != b->gpu || a->mig_gi != b->mig_gi || b->t < a->t)
         LEAVE(NVML_ERROR_INVALID_ARGUMENT);
     const gpu_t *g = &S.gpu[a->gpu];
+    double t = now_t();
+    if (t >= g->lost_at) LEAVE(NVML_ERROR_GPU_IS_LOST);
+    nvmlReturn_t r = injected(g, FN, t);        /* error = nvmlGpmMetricsGet CODE: the samples' GPU */
+    if (r) LEAVE(r);
     if (!g->gpm) LEAVE(NVML_ERROR_NOT_SUPPORTED);
     for (unsigned i = 0; i < mg->numMetrics; i++) {
         nvmlGpmMetric_t *m = &mg->metrics[i];
