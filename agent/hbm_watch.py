@@ -10,7 +10,9 @@ State per accelerator: ARMED -> (value >= threshold continuously for `window_s`)
 FIRED -> (a value below `low_mark`) -> ARMED. A value below the threshold restarts the window. A
 missing sample is not a value below the threshold: it neither restarts nor confirms the window,
 unless the gap is longer than the window itself (then nothing is known about it, and the window
-starts again at the next sample).
+starts again at the next sample). A value that is not a ratio (NaN, infinite, below 0 or above 1) is
+no value at all: it counts as a missing sample, never as one at or above the threshold (NaN compares
+false with everything, so `NaN < threshold` would otherwise read as "above").
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal as signal_mod
 import tempfile
@@ -151,6 +154,7 @@ class HbmWatch:
         self.sent: list[Request] = []           # what was sent, for status and tests
         self.fired = 0
         self.suppressed = 0
+        self.ignored = 0                        # values that were not ratios (NaN...)
 
     def rule(self, vendor: str) -> Rule:
         return self.rules.get(vendor) or self.rules["default"]
@@ -161,6 +165,12 @@ class HbmWatch:
             if s.name != METRIC:
                 continue
             dev, vendor = s.labels.get("device", ""), s.labels.get("vendor", "")
+            if not (math.isfinite(s.value) and 0.0 <= s.value <= 1.0):
+                self.ignored += 1
+                if self.ignored == 1:
+                    log.warning("HBM bandwidth of %s reads %r, not a ratio: treated as a missing sample "
+                                "(said once)", dev, s.value)
+                continue
             tr = self.tracks.setdefault((vendor, dev), Track())
             fire = self._step(tr, self.rule(vendor), s.value, s.time_ns)
             if fire is not None:

@@ -10,8 +10,8 @@ import time
 
 import grpc
 import pytest
-
 from helpers import BIN, ROOT, free_port, nodes_json, series, wait_until
+
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
@@ -158,3 +158,24 @@ def test_npu_smi_ramp_sends_one_request(procs, tmp_path):
     wait_until(lambda: any(t > t0 + 9 and v < 0.5 for t, v in history(addr, "watch-node", name, labels)),
                timeout_s=30, what="the end of the NPU ramp")
     assert len(requests(req)) == 1 and len(checkpoints(ckpt)) == 1
+
+
+def test_nan_from_the_driver_never_sends_a_checkpoint_request(libdir, procs, tmp_path):
+    trainer, ckpt, req = start_trainer(procs, tmp_path)
+    (tmp_path / "procs").write_text(f"0 {trainer.p.pid} 8589934592\n")
+    # 92 % from t=5 to 7, then the driver answers NaN (with a success code) until t=12, then 40 %:
+    # NaN read as "not below the threshold" would complete the 5 s window at t=10.
+    scn = ramp_scenario(tmp_path, "0:40 5:40 5:92 7:92 7:40")
+    scn.write_text(scn.read_text() + "gpm_nan = 10 7 12\n")
+    t0 = time.time() - 2.0
+    addr = start_collector(procs)
+    agent = run_agent(procs, tmp_path, addr, req, fakenvml.env(libdir, scn, t0=t0, procs=tmp_path / "procs"))
+    labels = {"device": "gpu0", "vendor": "nvidia"}
+    name = "xpusense.accelerator.hbm.bandwidth.utilization"
+    wait_until(lambda: any(t > t0 + 13 and v < 0.5 for t, v in history(addr, "watch-node", name, labels)),
+               timeout_s=40, what="values after the NaN window")
+    points = history(addr, "watch-node", name, labels)
+    assert not [(t, v) for t, v in points if t0 + 7.5 < t < t0 + 11.5]    # nothing was sent for the NaNs
+    assert any(v >= 0.85 for _, v in points)                                # the 92 % before them was
+    assert requests(req) == [] and checkpoints(ckpt) == []
+    assert "checkpoint request" not in agent.output()

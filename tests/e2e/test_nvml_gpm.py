@@ -46,3 +46,46 @@ error = nvmlGpmMetricsGet RESET_REQUIRED 0 2   # the metrics call fails for the 
     assert not any(k.startswith("gpu3/") for k in d["retrying_readings"])   # recovered
     assert out["coverage"]["gpu0"] == "" and out["coverage"]["gpu1"] == ""
     assert "Not Supported" in out["coverage"]["gpu2"]
+
+
+def test_samples_under_100ms_apart_are_never_used(libdir, tmp_path):
+    # The fake answers pairs under 100 ms apart with 99 % and a success code, as a real driver
+    # answers them with invalid values: a source that used them would report 0.99.
+    scn = write_scenario(tmp_path, h100s(2, gpm_short_value="99"))
+    out = drive(libdir, scn, "realtime", gap_s=0.02, until_t=1.5)
+    assert out["errors"] == []
+    values = [v for r in out["rounds"] for v in pick(r, BW).values()]
+    assert values and set(values) == {0.5}           # reported, and only from pairs >= 100 ms apart
+    with_bw = [r for r in out["rounds"] if "gpu0" in pick(r, BW)]
+    assert len(with_bw) < len(out["rounds"]) / 2     # most 20 ms rounds had nothing to report
+    gaps = [b["st"] - a["st"] for a, b in zip(with_bw, with_bw[1:])]
+    assert gaps and min(gaps) >= 0.1 - 0.005         # no two reports from samples closer than 100 ms
+    assert out["describe"]["gpm_rounds_too_soon"]["gpu0"] > 0
+
+
+def test_nan_never_leaves_the_source(libdir, tmp_path):
+    scn = write_scenario(tmp_path, h100s(2) + """
+[gpu 0]
+gpm_nan = 10 1 2.5        # DRAM_BW_UTIL is NaN, with a success code, from t = 1 to 2.5
+mem_temp_c = 0            # HBM sensor the driver reports as 0 C (nvbug 4300930)
+[gpu 1]
+mem_temp_c = 4294967295   # all-ones garbage
+""")
+    out = drive(libdir, scn, "realtime,offline", until_t=3.5)
+    assert out["errors"] == []
+    for r in out["rounds"]:
+        for s in r["samples"]:
+            assert isinstance(s["value"], float | int), s   # drive_source writes NaN as a string
+    realtime = [r for r in out["rounds"] if r["tier"] == "realtime"]
+    inside = [r for r in realtime if 1.3 <= r["st"] < 2.4]   # the pair ends inside the NaN window
+    assert inside and all("gpu0" not in pick(r, BW) for r in inside)
+    assert all(pick(r, BW).get("gpu1") == 0.5 for r in realtime[1:])          # the other GPU is untouched
+    assert all("gpu0" in pick(r, "xpusense.accelerator.sm.utilization") for r in inside)   # and other metrics
+    assert any(pick(r, BW).get("gpu0") == 0.5 for r in realtime if r["st"] >= 2.8)          # and it comes back
+    offline = [r for r in out["rounds"] if r["tier"] == "offline"]
+    assert all(pick(r, "hw.temperature", sensor="hbm") == {} for r in offline)
+    assert all(set(pick(r, "hw.temperature", sensor="chip")) == {"gpu0", "gpu1"} for r in offline)
+    dropped = out["describe"]["dropped_values"]
+    assert "not a number" in dropped["gpu0/xpusense.accelerator.hbm.bandwidth.utilization"]
+    assert "nvbug 4300930" in dropped["gpu0/hw.temperature{sensor=hbm}"]
+    assert "outside" in dropped["gpu1/hw.temperature{sensor=hbm}"]

@@ -152,6 +152,7 @@ nv.nvmlInit()
 h = nv.nvmlDeviceGetHandleByIndex(0)
 s1, s2 = nv.nvmlGpmSampleAlloc(), nv.nvmlGpmSampleAlloc()
 nv.nvmlGpmSampleGet(h, s1)
+err(nv.nvmlEventSetWait, nv.nvmlEventSetCreate(), 120)   # > 100 ms between samples (nvml.h)
 nv.nvmlGpmSampleGet(h, s2)
 mg = nv.c_nvmlGpmMetricsGet_t()
 mg.version = nv.NVML_GPM_METRICS_GET_VERSION
@@ -208,6 +209,42 @@ def test_gpm_metric_is_the_mean_between_samples(libdir, tmp_path):
     assert out["wait"] == 10  # TIMEOUT
     # value(t) = t, so the mean over [t1, t2] is (t1 + t2) / 2, with t1 in [a, b] and t2 in [c, d]
     assert (out["a"] + out["c"]) / 2 <= out["v"] <= (out["b"] + out["d"]) / 2
+
+
+def test_gpm_samples_under_100ms_apart_and_nan_metrics(libdir, tmp_path):
+    scn = write(tmp_path, "gpm.scn", """
+        gpu_count = 1
+        [gpu 0]
+        gpm = yes
+        gpm_dram_bw_util = 50
+        gpm_sm_util = 70
+        gpm_short_value = 99
+        gpm_nan = 10 5 6
+    """)
+    body = """
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        es = nv.nvmlEventSetCreate()
+        def pair(wait_ms):
+            s1, s2 = nv.nvmlGpmSampleAlloc(), nv.nvmlGpmSampleAlloc()
+            nv.nvmlGpmSampleGet(h, s1)
+            if wait_ms:
+                err(nv.nvmlEventSetWait, es, wait_ms)
+            nv.nvmlGpmSampleGet(h, s2)
+            mg = nv.c_nvmlGpmMetricsGet_t(); mg.version = 1; mg.sample1, mg.sample2 = s1, s2
+            mg.numMetrics = 2; mg.metrics[0].metricId = 10; mg.metrics[1].metricId = 2
+            nv.nvmlGpmMetricsGet(mg)
+            nv.nvmlGpmSampleFree(s1); nv.nvmlGpmSampleFree(s2)
+            return [[mg.metrics[i].nvmlReturn, repr(mg.metrics[i].value)] for i in range(2)]
+        out['close'] = pair(0)
+        out['apart'] = pair(120)
+    """
+    early, nan = run_py(libdir, scn, body, t=1.0), run_py(libdir, scn, body, t=5.2)
+    # Under 100 ms apart: success codes and made-up values (DCGM issue 310: invalid, no error).
+    assert early["close"] == [[0, "99.0"], [0, "99.0"]]
+    assert early["apart"] == [[0, "50.0"], [0, "70.0"]]
+    # A NaN metric, also with a success code, in its window only.
+    assert nan["apart"] == [[0, "nan"], [0, "70.0"]]
 
 
 def test_nvlink_counters_scoped_and_rates(libdir, tmp_path):

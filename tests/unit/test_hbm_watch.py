@@ -125,3 +125,14 @@ def test_a_round_stamped_a_little_early_still_completes_the_window(tmp_path):
     ss = samples([0.9] * 7)
     ss[5].time_ns -= 2_000_000  # the sample due 5 s after the crossing lands 2 ms early
     assert [t for t, _ in feed(w, ss)] == [104]  # its integer second is 104.998 -> fires there, not a round later
+
+
+def test_nan_and_values_that_are_not_ratios_are_missing_samples_never_high_ones(tmp_path):
+    # NaN compares false with everything: read as "not below the threshold" it would fire after 5 s.
+    w, _ = make(tmp_path)
+    bad = [float("nan"), float("inf"), -0.5, 1.7, float("nan"), float("nan"), float("nan"), float("nan")]
+    assert feed(w, samples([0.5] + bad)) == []
+    assert w.fired == 0 and w.ignored == len(bad)
+    # A real crossing after them is timed from its own first sample, not from the NaNs'.
+    later = samples([0.9] * 6, start_s=200)
+    assert [t for t, _ in feed(w, later)] == [205]

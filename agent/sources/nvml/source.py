@@ -19,6 +19,7 @@ from xpusense.common.config import Key, positive
 
 from ..base import COUNTER, NEARLINE, OFFLINE, REALTIME, Event, Sample, Source, SourceFamily, Unavailable
 from . import gpm, inventory, library, readings
+from .checks import Gate
 from .device import VENDOR, Gpu
 from .events import EventWatcher
 from .states import ReadingStates
@@ -48,6 +49,7 @@ class NvmlSource(Source):
         self.nv: Any = None
         self.gpus: list[Gpu] = []
         self.states = ReadingStates()
+        self.gate = Gate()
         self.driver = ""
         self.nvml_version = ""
         self._calls: dict[str, readings.Call] = {}
@@ -157,7 +159,7 @@ class NvmlSource(Source):
         if tier == OFFLINE:
             out += [Sample("xpusense.accelerator.health", 0.0 if g.lost else 1.0, "1",
                            {**g.labels, "status": "lost" if g.lost else "ok"}) for g in self.gpus]
-        return out
+        return self.gate.admit(out)
 
     def _lose(self, g: Gpu, why: str) -> None:
         g.lost = True
@@ -358,6 +360,9 @@ class NvmlSource(Source):
             "driver": self.driver,
             "unavailable_readings": unsupported,
             "retrying_readings": retrying,
+            "dropped_values": self.gate.describe(),
+            "gpm_rounds_too_soon": {g.id: g.gpm_stream.too_soon for g in self.gpus
+                                    if g.gpm_stream is not None and g.gpm_stream.too_soon},
         }
 
     def close(self) -> None:

@@ -148,7 +148,8 @@ typedef struct { int n; double *t, *v; } series_t;
 typedef struct { unsigned gi; unsigned long long total, used; char profile[32]; } mig_t;
 typedef struct { unsigned pid; unsigned long long used; char name[64]; } proc_t;
 typedef struct { char fn[64]; nvmlReturn_t code; double from, to; } err_t;
-typedef struct { double t; int gpu; unsigned long long type, data; } event_t;
+typedef struct { double t; int gpu; unsigned long long type, data; unsigned gi, ci; } event_t;
+typedef struct { unsigned id; double from, to; } gpm_nan_t;
 
 struct nvmlDevice_st { int gpu, mig; };   /* mig = -1 for the whole GPU */
 
@@ -167,6 +168,8 @@ typedef struct {
     int n_errs; err_t errs[MAX_ERRS];
     int n_unsup_fields; unsigned unsup_fields[MAX_IDS];
     int n_unsup_gpm; unsigned unsup_gpm[MAX_IDS];
+    double gpm_min_interval_ms, gpm_short_value;
+    int n_gpm_nan; gpm_nan_t gpm_nan[MAX_IDS];
     int n_procs; proc_t procs[MAX_PROCS];
 } gpu_t;
 
@@ -494,6 +497,7 @@ static int set_gpu_key(gpu_t *g, int idx, const char *key, char *val)
     UINT("pcie_width", pcie_width) UINT("pcie_max_width", pcie_max_width)
     UINT("ecc_mode", ecc_mode) UINT("event_types", event_types)
     DBL("lost_at", lost_at) DBL("repeat", repeat) DBL("energy_start_mj", energy_start_mj)
+    DBL("gpm_min_interval_ms", gpm_min_interval_ms) DBL("gpm_short_value", gpm_short_value)
 #undef STR
 #undef UINT
 #undef DBL
@@ -545,6 +549,18 @@ static int set_gpu_key(gpu_t *g, int idx, const char *key, char *val)
         }
         return 0;
     }
+    if (!strcmp(key, "gpm_nan")) {      /* gpm_nan = METRIC_ID [FROM_T [TO_T]] */
+        char *save = NULL, *a = strtok_r(val, " \t", &save), *b = strtok_r(NULL, " \t", &save);
+        char *c = strtok_r(NULL, " \t", &save);
+        if (!a || parse_uint(a, &u)) return perr("gpm_nan = METRIC_ID [FROM_T [TO_T]]");
+        if (g->n_gpm_nan >= MAX_IDS) return perr("too many gpm_nan entries");
+        gpm_nan_t *n = &g->gpm_nan[g->n_gpm_nan];
+        n->id = (unsigned)u; n->from = -INFINITY; n->to = INFINITY;
+        if (b && parse_num(b, &n->from)) return perr("bad FROM_T");
+        if (c && parse_num(c, &n->to)) return perr("bad TO_T");
+        g->n_gpm_nan++;
+        return 0;
+    }
     if (!strcmp(key, "error")) {        /* error = FUNCTION CODE [FROM_T [TO_T]] */
         char *save = NULL, *a = strtok_r(val, " \t", &save), *b = strtok_r(NULL, " \t", &save);
         char *c = strtok_r(NULL, " \t", &save), *e4 = strtok_r(NULL, " \t", &save);
@@ -573,6 +589,7 @@ static int set_gpu_key(gpu_t *g, int idx, const char *key, char *val)
         if (S.n_events >= MAX_EVENTS) return perr("at most %d events", MAX_EVENTS);
         event_t *ev = &S.events[S.n_events++];
         ev->t = t; ev->gpu = idx; ev->type = mask; ev->data = data;
+        ev->gi = NO_INSTANCE; ev->ci = NO_INSTANCE;
         return 0;
     }
     return perr("unknown key '%s'", key);
@@ -651,6 +668,7 @@ static void defaults(void)
         g->max_sm_clk = 1980; g->max_mem_clk = 2619; g->max_gr_clk = 1980; g->max_vid_clk = 1545;
         g->pcie_gen = 5; g->pcie_max_gen = 5; g->pcie_width = 16; g->pcie_max_width = 16;
         g->ecc_mode = 1;
+        g->gpm_min_interval_ms = 100;   /* nvml.h: "should be greater than 100ms" (DCGM: a hard limit) */
         g->event_types = EV_DEFAULT_TYPES;
         g->lost_at = INFINITY;
         g->nvlink_speed_mbps = 26562;
@@ -1451,6 +1469,8 @@ API nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *mg)
     nvmlReturn_t r = injected(g, FN, t);        /* error = nvmlGpmMetricsGet CODE: the samples' GPU */
     if (r) LEAVE(r);
     if (!g->gpm) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+    /* Samples under gpm_min_interval_ms apart: invalid without an error (every metric a made-up value). */
+    int too_close = (b->t - a->t) * 1000.0 < g->gpm_min_interval_ms;
     for (unsigned i = 0; i < mg->numMetrics; i++) {
         nvmlGpmMetric_t *m = &mg->metrics[i];
         unsigned id = m->metricId;
@@ -1458,6 +1478,11 @@ API nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *mg)
         m->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
         memset(&m->metricInfo, 0, sizeof m->metricInfo);
         if (id_in(g->unsup_gpm, g->n_unsup_gpm, id)) continue;
+        if (too_close) { m->value = g->gpm_short_value; m->nvmlReturn = NVML_SUCCESS; continue; }
+        int nan = 0;
+        for (int k = 0; k < g->n_gpm_nan; k++)
+            if (g->gpm_nan[k].id == id && b->t >= g->gpm_nan[k].from && b->t < g->gpm_nan[k].to) nan = 1;
+        if (nan) { m->value = NAN; m->nvmlReturn = NVML_SUCCESS; continue; }
         if (id >= 62 && id <= 97) {                  /* per link: RX = 62 + 2 link, TX = 63 + 2 link */
             if (!g->nvlink_links) continue;
             unsigned link = (id - 62) / 2;
