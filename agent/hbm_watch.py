@@ -13,6 +13,10 @@ unless the gap is longer than the window itself (then nothing is known about it,
 starts again at the next sample). A value that is not a ratio (NaN, infinite, below 0 or above 1) is
 no value at all: it counts as a missing sample, never as one at or above the threshold (NaN compares
 false with everything, so `NaN < threshold` would otherwise read as "above").
+
+Every pid is checked before a request names it (`pid_problem`): pids come from vendor libraries,
+and a misread NVML process list gives 0 (to kill(), the agent's own process group) or 4294967295
+(os.getpgid raises on it). A request goes only to live processes other than init and the agent.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ METRIC = "xpusense.accelerator.hbm.bandwidth.utilization"
 # Rounds of the 1 s tier are stamped when dispatched, a few ms either side of their deadline: a
 # 5 s window is met by the sample 5 periods after the crossing even when it lands 1 ms early.
 JITTER_NS = 50_000_000
+PID_MAX_LIMIT = 4194304   # the kernel's ceiling for pid_max on 64-bit (include/linux/threads.h)
 CONTAINER_HINTS = ("kubepods", "docker", "containerd", "cri-containerd", "crio", "libpod", "lxc", ".service")
 
 
@@ -93,6 +98,32 @@ def cgroup_of(pid: int, proc: str = "/proc") -> str:
         return ""
 
 
+def pid_max(proc: str = "/proc") -> int:
+    try:
+        with open(f"{proc}/sys/kernel/pid_max") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return PID_MAX_LIMIT
+
+
+def pid_problem(pid: object, proc: str = "/proc", own_pid: int | None = None) -> str | None:
+    """Why a request must not name this pid (None when it may): not an integer, 0 (kill(0, sig)
+    signals the caller's own process group), 1 (init), above pid_max (a misread list), the agent
+    itself, or no such process."""
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        return f"{pid!r} is not a pid"
+    if pid <= 1:
+        return f"pid {pid} is {'init' if pid == 1 else 'not a process (0 signals our own process group)'}"
+    limit = pid_max(proc)
+    if pid > limit:
+        return f"pid {pid} is above pid_max {limit} (a misread process list)"
+    if pid == (os.getpid() if own_pid is None else own_pid):
+        return f"pid {pid} is the agent itself"
+    if not os.path.isdir(f"{proc}/{pid}"):
+        return f"pid {pid}: no such process"
+    return None
+
+
 def job_key(pid: int, group_by: str = "auto", proc: str = "/proc") -> str:
     """Which job a process belongs to: its container/service cgroup, else its process group."""
     if group_by == "pid":
@@ -104,7 +135,7 @@ def job_key(pid: int, group_by: str = "auto", proc: str = "/proc") -> str:
         return f"cgroup:{cg}"
     try:
         return f"pgid:{os.getpgid(pid)}"
-    except OSError:
+    except (OSError, OverflowError):
         return f"pid:{pid}"
 
 
@@ -139,7 +170,7 @@ class HbmWatch:
     def __init__(self, rules: dict[str, Rule], processes: Callable[[], dict[int, set[str]]],
                  actions: Iterable[str] = ("signal", "file", "event"), signal_name: str = "SIGUSR1",
                  request_dir: str = "/run/xpusense/checkpoint", group_by: str = "auto", proc: str = "/proc",
-                 kill: Callable[[int, int], None] = os.kill):
+                 kill: Callable[[int, int], None] = os.kill, own_pid: int | None = None):
         """rules: vendor -> Rule ('default' for any vendor without its own)."""
         self.rules = rules
         self.processes = processes
@@ -149,6 +180,8 @@ class HbmWatch:
         self.group_by = group_by
         self.proc = proc
         self.kill = kill
+        self.own_pid = own_pid
+        self.bad_pids = 0                       # pids refused by pid_problem
         self.tracks: dict[tuple[str, str], Track] = {}
         self.last_fired: dict[str, int] = {}   # job -> time_ns of its last request
         self.sent: list[Request] = []           # what was sent, for status and tests
@@ -198,7 +231,7 @@ class HbmWatch:
 
     def _fire(self, dev: str, vendor: str, value: float, crossed_ns: int, now_ns: int) -> list[Event]:
         rule = self.rule(vendor)
-        pids = [pid for pid, devs in self.processes().items() if dev in devs]
+        pids = self._checked([pid for pid, devs in self.processes().items() if dev in devs], dev)
         if not pids:
             log.info("HBM bandwidth of %s at %.0f%% for %g s, but no process uses it: nothing to ask",
                      dev, value * 100, rule.window_s)
@@ -215,6 +248,17 @@ class HbmWatch:
             req = Request(uuid.uuid4().hex[:16], dev, vendor, value, rule, job, job_pids, now_ns, crossed_ns)
             events += self._act(req)
         return events
+
+    def _checked(self, pids: list[int], dev: str) -> list[int]:
+        ok = []
+        for pid in pids:
+            why = pid_problem(pid, self.proc, self.own_pid)
+            if why is None:
+                ok.append(pid)
+                continue
+            self.bad_pids += 1
+            log.warning("HBM watch on %s: process list names %s: left out of the request", dev, why)
+        return ok
 
     def _act(self, req: Request) -> list[Event]:
         done = []
@@ -252,6 +296,6 @@ class HbmWatch:
                       req.time_ns, req.id)]
 
     def status(self) -> dict:
-        return {"fired": self.fired, "suppressed_by_cooldown": self.suppressed,
+        return {"fired": self.fired, "suppressed_by_cooldown": self.suppressed, "refused_pids": self.bad_pids,
                 "armed": {f"{v}/{d}": t.armed for (v, d), t in self.tracks.items()}}
 

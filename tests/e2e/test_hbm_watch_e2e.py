@@ -179,3 +179,21 @@ def test_nan_from_the_driver_never_sends_a_checkpoint_request(libdir, procs, tmp
     assert any(v >= 0.85 for _, v in points)                                # the 92 % before them was
     assert requests(req) == [] and checkpoints(ckpt) == []
     assert "checkpoint request" not in agent.output()
+
+
+def test_a_misread_process_list_never_names_a_wrong_pid(libdir, procs, tmp_path):
+    trainer, ckpt, req = start_trainer(procs, tmp_path)
+    # A driver of R535.43-535.86 (32-byte _v3 entries): read as pynvml reads them, the pids after the
+    # first are 0 and 4294967295. The list also holds a pid 0 and a process that has ended.
+    (tmp_path / "procs").write_text(f"0 0 1073741824\n0 {2**22 + 1} 1073741824\n0 {trainer.p.pid} 8589934592\n")
+    scn = ramp_scenario(tmp_path, "0:40 5:40 5:92 13:92 13:40")
+    scn.write_text("process_info_size = 32\nmissing_symbols = nvmlDeviceGetRunningProcessDetailList\n"
+                   + scn.read_text())
+    t0 = time.time() - 2.0
+    addr = start_collector(procs)
+    agent = run_agent(procs, tmp_path, addr, req, fakenvml.env(libdir, scn, t0=t0, procs=tmp_path / "procs"))
+    wait_until(lambda: checkpoints(ckpt), timeout_s=30, what="the trainer's checkpoint")
+    reqs = requests(req)
+    assert len(reqs) == 1 and reqs[0]["pids"] == [trainer.p.pid], reqs
+    assert agent.p.poll() is None          # the agent did not signal its own process group
+    assert "impossible pids" in agent.output()

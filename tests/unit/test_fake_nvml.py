@@ -457,6 +457,45 @@ def test_processes_static_and_from_file(libdir, tmp_path):
         child.wait(timeout=10)
 
 
+def test_driver_generations_process_entry_size_and_missing_symbols(libdir, tmp_path):
+    # R535.43-535.86: 32-byte _v3 entries, no nvmlDeviceGetRunningProcessDetailList yet.
+    scn = write(tmp_path, "r535.scn", """
+        process_info_size = 32
+        missing_symbols = nvmlDeviceGetRunningProcessDetailList
+        gpu_count = 1
+        [gpu 0]
+        process = 3001 1GiB
+        process = 3002 2GiB
+        process = 3003 3GiB
+    """)
+    out = run_py(libdir, scn, """
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        out['pynvml'] = [p.pid for p in nv.nvmlDeviceGetComputeRunningProcesses(h)]
+        out['v2'] = [p.pid for p in nv.nvmlDeviceGetComputeRunningProcesses_v2(h)]
+        out['has_detail'] = hasattr(nv.nvmlLib, 'nvmlDeviceGetRunningProcessDetailList')
+        out['has_cc'] = hasattr(nv.nvmlLib, 'nvmlDeviceGetConfComputeMemSizeInfo')
+        out['detail'] = err(nv.nvmlDeviceGetRunningProcessDetailList, h, nv.nvmlProcessDetailList_v1, 0)
+    """)
+    # pynvml's 24-byte reading of 32-byte entries: what nvitop issues 75/88 saw.
+    assert out["pynvml"] == [3001, 0, 4294967295]
+    assert out["v2"] == [3001, 3002, 3003]
+    assert out["has_detail"] is False and out["has_cc"] is True
+    assert out["detail"] == 13   # FUNCTION_NOT_FOUND: the symbol is really absent
+    # The newer call where present; a scenario whose symbols the library does not match is refused.
+    full = write(tmp_path, "r550.scn", "gpu_count = 1\n[gpu 0]\nprocess = 3001 1GiB\n")
+    out = run_py(libdir, full, """
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        out['pynvml'] = [p.pid for p in nv.nvmlDeviceGetComputeRunningProcesses(h)]
+        out['detail'] = [p.pid for p in nv.nvmlDeviceGetRunningProcessDetailList(h, nv.nvmlProcessDetailList_v1, 0)]
+    """)
+    assert out == {"pynvml": [3001], "detail": [3001]}
+    r = subprocess.run([sys.executable, "-c", "import pynvml; pynvml.nvmlInit()"], capture_output=True, text=True,
+                       env={**fakenvml.env(libdir, full), "FAKE_NVML_SCENARIO": str(scn)})
+    assert r.returncode != 0 and "missing_symbols 'nvmlDeviceGetRunningProcessDetailList'" in r.stderr
+
+
 def test_h100_static_processes(libdir):
     out = run_py(libdir, fakenvml.scenario("h100x8"), """
         nv.nvmlInit()
@@ -528,7 +567,9 @@ def test_mig_instances(libdir, tmp_path):
                          nv.nvmlDeviceGetIndex(nv.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(m))])
         out['migs'] = migs
         s1, s2 = nv.nvmlGpmSampleAlloc(), nv.nvmlGpmSampleAlloc()
-        nv.nvmlGpmMigSampleGet(h, 2, s1); nv.nvmlGpmMigSampleGet(h, 2, s2)
+        nv.nvmlGpmMigSampleGet(h, 2, s1)
+        err(nv.nvmlEventSetWait, nv.nvmlEventSetCreate(), 120)   # > 100 ms apart
+        nv.nvmlGpmMigSampleGet(h, 2, s2)
         mg = nv.c_nvmlGpmMetricsGet_t(); mg.version = 1; mg.sample1, mg.sample2 = s1, s2
         mg.numMetrics = 1; mg.metrics[0].metricId = 2
         nv.nvmlGpmMetricsGet(mg)

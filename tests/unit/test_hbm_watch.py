@@ -21,11 +21,19 @@ def samples(values, dev="gpu0", vendor="nvidia", start_s=100, step_s=1.0):
     return out
 
 
-def make(tmp_path, procs=None, rules=None, actions=("file", "event"), kill=None):
+TRAINER = 4242   # a process of the fake /proc below
+
+
+def make(tmp_path, procs=None, rules=None, actions=("file", "event"), kill=None, live=None):
+    """A watch over a fake /proc in which the pids of `procs` (or `live`) exist."""
+    procs = procs if procs is not None else {TRAINER: {"gpu0"}}
+    proc = tmp_path / "proc"
+    for pid in (live if live is not None else procs):
+        (proc / str(pid)).mkdir(parents=True, exist_ok=True)
+    proc.mkdir(exist_ok=True)
     sent_signals = []
-    w = HbmWatch(rules or {"default": Rule()}, lambda: procs if procs is not None else {os.getpid(): {"gpu0"}},
-                 actions=actions, request_dir=str(tmp_path / "req"), group_by="pid",
-                 kill=kill or (lambda pid, sig: sent_signals.append((pid, sig))))
+    w = HbmWatch(rules or {"default": Rule()}, lambda: procs, actions=actions, request_dir=str(tmp_path / "req"),
+                 group_by="pid", proc=str(proc), kill=kill or (lambda pid, sig: sent_signals.append((pid, sig))))
     return w, sent_signals
 
 
@@ -44,10 +52,10 @@ def test_fires_once_after_the_window_at_or_above_the_threshold(tmp_path):
     assert [t for t, _ in fired] == [107]
     ev = fired[0][1]
     assert ev.type == "checkpoint_request" and ev.device == "gpu0"
-    assert ev.attributes["pids"] == str(os.getpid()) and ev.attributes["threshold"] == "0.85"
+    assert ev.attributes["pids"] == str(TRAINER) and ev.attributes["threshold"] == "0.85"
     req = json.loads((tmp_path / "req" / f"{ev.id}.json").read_text())
     assert req["accelerator"] == "gpu0" and req["value"] == 0.92 and req["window_s"] == 5.0
-    assert req["crossed_time"] == 102.0 and req["pids"] == [os.getpid()]
+    assert req["crossed_time"] == 102.0 and req["pids"] == [TRAINER]
 
 
 def test_a_dip_below_the_threshold_inside_the_window_restarts_it(tmp_path):
@@ -83,7 +91,7 @@ def test_rearms_only_below_the_lower_mark_and_cooldown_per_job(tmp_path):
 
 
 def test_per_vendor_rules(tmp_path):
-    w, _ = make(tmp_path, procs={1: {"gpu0"}, 2: {"npu0-0"}},
+    w, _ = make(tmp_path, procs={101: {"gpu0"}, 102: {"npu0-0"}},
                 rules={"default": Rule(threshold=0.85, window_s=2), "nvidia": Rule(threshold=0.7, window_s=2)})
     fired = feed(w, samples([0.75] * 4, "gpu0", "nvidia") + samples([0.75] * 4, "npu0-0", "huawei"))
     assert [(t, e.device) for t, e in fired] == [(102, "gpu0")]
@@ -136,3 +144,18 @@ def test_nan_and_values_that_are_not_ratios_are_missing_samples_never_high_ones(
     # A real crossing after them is timed from its own first sample, not from the NaNs'.
     later = samples([0.9] * 6, start_s=200)
     assert [t for t, _ in feed(w, later)] == [205]
+
+
+def test_impossible_pids_from_a_vendor_library_are_never_signalled(tmp_path):
+    # What a misread NVML process list gives (0, all-ones), init, the agent itself, a pid that ended.
+    bad = {0: {"gpu0"}, 4294967295: {"gpu0"}, 1: {"gpu0"}, os.getpid(): {"gpu0"}, 31337: {"gpu0"}, -5: {"gpu0"}}
+    w, sent = make(tmp_path, procs={**bad, TRAINER: {"gpu0"}}, actions=("signal", "file", "event"),
+                   live=[TRAINER, 1, os.getpid()])
+    fired = feed(w, samples([0.9] * 7))
+    assert sent == [(TRAINER, signal.SIGUSR1)]
+    assert [json.loads(p.read_text())["pids"] for p in (tmp_path / "req").glob("*.json")] == [[TRAINER]]
+    assert [e.attributes["pids"] for _, e in fired] == [str(TRAINER)]
+    assert w.bad_pids == len(bad)
+    # Only impossible pids: no request at all (and os.getpgid never sees 4294967295).
+    w, sent = make(tmp_path / "2", procs=bad, actions=("signal", "file", "event"), live=[1, os.getpid()])
+    assert feed(w, samples([0.9] * 7)) == [] and sent == [] and w.fired == 0

@@ -55,7 +55,6 @@ def calls(nv: Any) -> dict[str, Call]:
         "hbm_temperature": lambda h: field(nv, h, nv.NVML_FI_DEV_MEMORY_TEMP),
         "nvlink": lambda h: fields(nv, h, [(nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
                                            (nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS)]),
-        "processes": nv.nvmlDeviceGetComputeRunningProcesses,
     }
 
 

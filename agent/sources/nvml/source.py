@@ -22,6 +22,7 @@ from . import gpm, inventory, library, readings
 from .checks import Gate
 from .device import VENDOR, Gpu
 from .events import EventWatcher
+from .processes import ProcessReader
 from .states import ReadingStates
 
 log = logging.getLogger("xpusense.agent.nvml")
@@ -55,6 +56,7 @@ class NvmlSource(Source):
         self._calls: dict[str, readings.Call] = {}
         self._events: queue.Queue[Event] = queue.Queue()
         self._watcher: EventWatcher | None = None
+        self.procs: ProcessReader | None = None
 
     # -- setup ---------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -66,6 +68,7 @@ class NvmlSource(Source):
             raise Unavailable(str(e)) from None
         self.nv = nv
         self._calls = readings.calls(nv)
+        self.procs = ProcessReader(nv)
         try:
             self.driver = library.text(nv.nvmlSystemGetDriverVersion())
             self.nvml_version = library.text(nv.nvmlSystemGetNVMLVersion())
@@ -310,22 +313,26 @@ class NvmlSource(Source):
 
     # -- processes -----------------------------------------------------------------------------------
     def _process_samples(self, g: Gpu) -> list[Sample]:
-        procs = self._read(g, "processes")
+        reader = self.procs
+        procs = self._try(g, "processes", lambda: reader.read(g.handle)) if reader is not None else None
         if procs is None:
             return []
-        out = [Sample("xpusense.accelerator.process.memory.usage", float(p.usedGpuMemory or 0), "By",
-                      {**g.labels, "pid": str(p.pid)}) for p in procs]
+        out = [Sample("xpusense.accelerator.process.memory.usage", float(p.used_bytes), "By",
+                      {**g.labels, "pid": str(p.pid)}) for p in procs if p.used_bytes is not None]
         out.append(Sample("xpusense.accelerator.processes", float(len(procs)), "{process}", dict(g.labels)))
         return out
 
     def processes(self) -> dict[int, set[str]]:
-        """pid -> ids of the GPUs it uses, read now (the checkpoint watch asks when it fires)."""
+        """pid -> ids of the GPUs it uses, read now (the checkpoint watch asks when it fires); only
+        pids that can be processes (processes.pid_problem)."""
         pids: dict[int, set[str]] = {}
+        if self.procs is None:
+            return pids
         for g in self.gpus:
             if g.lost or self.states.unsupported(g.id, "processes"):
                 continue
             try:
-                for p in self._calls["processes"](g.handle):
+                for p in self.procs.read(g.handle):
                     pids.setdefault(p.pid, set()).add(g.id)
             except self.nv.NVMLError as e:
                 log.warning("%s: cannot list its processes: %s", g.id, e)
@@ -361,6 +368,8 @@ class NvmlSource(Source):
             "unavailable_readings": unsupported,
             "retrying_readings": retrying,
             "dropped_values": self.gate.describe(),
+            "process_list": (f"{self.procs.describe()}, {self.procs.dropped} impossible pid(s) left out"
+                             if self.procs is not None else ""),
             "gpm_rounds_too_soon": {g.id: g.gpm_stream.too_soon for g in self.gpus
                                     if g.gpm_stream is not None and g.gpm_stream.too_soon},
         }

@@ -161,7 +161,7 @@ typedef struct {
     unsigned nvlink_links, nvlink_max_links, nvlink_speed_mbps, nvlink_version;
     unsigned power_limit_mw, max_sm_clk, max_mem_clk, max_gr_clk, max_vid_clk;
     unsigned pcie_gen, pcie_max_gen, pcie_width, pcie_max_width;
-    int gpm, ecc_mode;
+    int gpm, ecc_mode, mig_monitor;
     unsigned long long event_types;
     double lost_at, repeat, energy_start_mj;
     series_t s[S_COUNT];
@@ -179,6 +179,8 @@ static struct {
     int cuda_driver_version;
     int deliver_past_events;
     nvmlReturn_t init_error;
+    unsigned process_info_size;          /* bytes per entry of the _v3 process calls: 24, or 32 (R535.43-.86) */
+    char missing_symbols[1024];          /* sorted, space separated: must match the build (FAKE_MISSING) */
     gpu_t gpu[MAX_GPUS];
     int n_events; event_t events[MAX_EVENTS];
 } S;
@@ -347,7 +349,7 @@ static const struct { const char *name; unsigned long long mask; } evtab[] = {
 
 static const char *scn_path;
 static int scn_line;
-static char scn_err[512];
+static char scn_err[1024];
 
 static int perr(const char *fmt, ...)
 {
@@ -622,6 +624,20 @@ static int set_system_key(const char *key, char *val, const char *scn_dir)
         return 0;
     }
     if (!strcmp(key, "init_error")) return parse_code(val, &S.init_error) ? perr("bad init_error") : 0;
+    if (!strcmp(key, "process_info_size")) {
+        if (parse_uint(val, &u) || (u != 16 && u != 24 && u != 32)) return perr("process_info_size must be 16, 24 or 32");
+        S.process_info_size = (unsigned)u;
+        return 0;
+    }
+    if (!strcmp(key, "missing_symbols")) {    /* appends; checked against the build after parsing */
+        char *save = NULL;
+        for (char *tok = strtok_r(val, " \t,", &save); tok; tok = strtok_r(NULL, " \t,", &save)) {
+            size_t used = strlen(S.missing_symbols);
+            if (used + strlen(tok) + 2 > sizeof S.missing_symbols) return perr("too many missing_symbols");
+            snprintf(S.missing_symbols + used, sizeof S.missing_symbols - used, "%s%s", used ? " " : "", tok);
+        }
+        return 0;
+    }
     return perr("unknown key '%s' in [system]", key);
 }
 
@@ -654,6 +670,7 @@ static void defaults(void)
     snprintf(S.driver_version, sizeof S.driver_version, "550.54.15");
     snprintf(S.nvml_version, sizeof S.nvml_version, "12.550.54.15");
     S.cuda_driver_version = 12040;
+    S.process_info_size = 24;
     for (int i = 0; i < MAX_GPUS; i++) {
         gpu_t *g = &S.gpu[i];
         snprintf(g->name, sizeof g->name, "NVIDIA Fake GPU");
@@ -668,6 +685,7 @@ static void defaults(void)
         g->max_sm_clk = 1980; g->max_mem_clk = 2619; g->max_gr_clk = 1980; g->max_vid_clk = 1545;
         g->pcie_gen = 5; g->pcie_max_gen = 5; g->pcie_width = 16; g->pcie_max_width = 16;
         g->ecc_mode = 1;
+        g->mig_monitor = 1;
         g->gpm_min_interval_ms = 100;   /* nvml.h: "should be greater than 100ms" (DCGM: a hard limit) */
         g->event_types = EV_DEFAULT_TYPES;
         g->lost_at = INFINITY;
@@ -676,6 +694,41 @@ static void defaults(void)
         dev_handles[i].gpu = i; dev_handles[i].mig = -1;
         for (int m = 0; m < MAX_MIG; m++) { mig_handles[i][m].gpu = i; mig_handles[i][m].mig = m; }
     }
+}
+
+#ifndef FAKE_MISSING
+#define FAKE_MISSING ""
+#endif
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* "b a" -> "a b": word lists compared as sets */
+static void sorted_words(const char *in, char *out, size_t n)
+{
+    char buf[1024], *w[128];
+    int k = 0;
+    snprintf(buf, sizeof buf, "%s", in);
+    char *save = NULL;
+    for (char *tok = strtok_r(buf, " \t,", &save); tok && k < 128; tok = strtok_r(NULL, " \t,", &save)) w[k++] = tok;
+    qsort(w, (size_t)k, sizeof w[0], cmp_str);
+    out[0] = 0;
+    for (int i = 0; i < k; i++)
+        if (i == 0 || strcmp(w[i], w[i - 1]))
+            snprintf(out + strlen(out), n - strlen(out), "%s%s", out[0] ? " " : "", w[i]);
+}
+
+/* missing_symbols are really absent (hidden by build.sh's version script, so dlsym fails as with an
+ * older driver): the scenario and the library must agree. */
+static int check_missing(void)
+{
+    char want[1024], have[1024];
+    sorted_words(S.missing_symbols, want, sizeof want);
+    sorted_words(FAKE_MISSING, have, sizeof have);
+    if (strcmp(want, have)) {
+        snprintf(scn_err, sizeof scn_err, "%.200s: missing_symbols '%.120s' but this library was built without '%.120s' "
+                 "(use fakenvml.env(), which builds the matching library)", scn_path, want, have);
+        return -1;
+    }
+    return 0;
 }
 
 static int cmp_events(const void *a, const void *b)
@@ -730,6 +783,7 @@ static int load_scenario(const char *path)
     for (int i = 0; i < S.n_events; i++) if (S.events[i].gpu < S.gpu_count) S.events[n++] = S.events[i];
     S.n_events = n;
     qsort(S.events, (size_t)S.n_events, sizeof S.events[0], cmp_events);
+    if (check_missing()) return -1;
     for (int i = 0; i < S.gpu_count; i++)
         if (S.gpu[i].nvlink_max_links < S.gpu[i].nvlink_links) S.gpu[i].nvlink_max_links = S.gpu[i].nvlink_links;
     return 0;
@@ -1373,9 +1427,24 @@ static int collect_procs(const gpu_t *g, int gpu_index, int mig, nvmlProcessInfo
     return n;
 }
 
-static nvmlReturn_t procs(const char *fn, nvmlDevice_t h, unsigned int *count, nvmlProcessInfo_t *infos, int compute)
+/* One process entry as a driver generation lays it out: 16 bytes (v1: pid, usedGpuMemory), 24 (v2,
+ * and v3 in most drivers: + gpuInstanceId, computeInstanceId) or 32 (v3 in R535.43-535.86, nvml.h
+ * 12.2: + usedGpuCcProtectedMemory). pynvml's _v3 reader assumes 24, so a 32-byte driver shifts
+ * every entry after the first: pids read as 0 or 4294967295 (nvitop issues 75, 88, PR 89). */
+static void put_proc(unsigned char *out, unsigned size, const nvmlProcessInfo_t *p)
+{
+    memset(out, 0, size);
+    memcpy(out, &p->pid, 4);
+    memcpy(out + 8, &p->usedGpuMemory, 8);
+    if (size >= 24) { memcpy(out + 16, &p->gpuInstanceId, 4); memcpy(out + 20, &p->computeInstanceId, 4); }
+    /* size 32: usedGpuCcProtectedMemory (out + 24) = 0, no confidential computing */
+}
+
+static nvmlReturn_t procs(const char *fn, nvmlDevice_t h, unsigned int *count, void *infos, int compute,
+                          unsigned size)
 {
     ENTER(fn); DEV(h, 1); OUT(count);
+    if (mig < 0 && g->mig_mode && !g->mig_monitor) LEAVE(NVML_ERROR_NO_PERMISSION);
     nvmlProcessInfo_t tmp[256];
     int n = compute ? collect_procs(g, (int)(g - S.gpu), mig, tmp, 256) : 0;
     if (n > 256) n = 256;
@@ -1383,14 +1452,59 @@ static nvmlReturn_t procs(const char *fn, nvmlDevice_t h, unsigned int *count, n
         *count = (unsigned)n;
         LEAVE(n == 0 ? NVML_SUCCESS : NVML_ERROR_INSUFFICIENT_SIZE);
     }
-    memcpy(infos, tmp, sizeof tmp[0] * (size_t)n);
+    for (int i = 0; i < n; i++) put_proc((unsigned char *)infos + (size_t)i * size, size, &tmp[i]);
     *count = (unsigned)n;
     LEAVE(NVML_SUCCESS);
 }
-API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t h, unsigned int *c, nvmlProcessInfo_t *p) { return procs("nvmlDeviceGetComputeRunningProcesses_v3", h, c, p, 1); }
-API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t h, unsigned int *c, nvmlProcessInfo_t *p) { return procs("nvmlDeviceGetComputeRunningProcesses_v2", h, c, p, 1); }
-API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t h, unsigned int *c, nvmlProcessInfo_t *p) { return procs("nvmlDeviceGetGraphicsRunningProcesses_v3", h, c, p, 0); }
-API nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t h, unsigned int *c, nvmlProcessInfo_t *p) { return procs("nvmlDeviceGetMPSComputeRunningProcesses_v3", h, c, p, 0); }
+#define PROCS(name, compute, size) \
+    API nvmlReturn_t name(nvmlDevice_t h, unsigned int *c, void *p) { return procs(#name, h, c, p, compute, size); }
+PROCS(nvmlDeviceGetComputeRunningProcesses, 1, 16)
+PROCS(nvmlDeviceGetComputeRunningProcesses_v2, 1, 24)
+PROCS(nvmlDeviceGetComputeRunningProcesses_v3, 1, S.process_info_size)
+PROCS(nvmlDeviceGetGraphicsRunningProcesses_v3, 0, S.process_info_size)
+PROCS(nvmlDeviceGetMPSComputeRunningProcesses_v3, 0, S.process_info_size)
+
+typedef struct {                                          /* c_nvmlProcessDetail_v1_t: 32 bytes */
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId, computeInstanceId;
+    unsigned long long usedGpuCcProtectedMemory;
+} nvmlProcessDetail_v1_t;
+typedef struct {                                          /* c_nvmlProcessDetailList_v1_t */
+    unsigned int version, mode, numProcArrayEntries;
+    nvmlProcessDetail_v1_t *procArray;
+} nvmlProcessDetailList_v1_t;
+#define nvmlProcessDetailList_v1 ((unsigned)(sizeof(nvmlProcessDetailList_v1_t) | (1u << 24)))  /* 0x1000018 */
+
+/* R535.98 and newer: the versioned process call that replaced the 32-byte _v3 entries. */
+API nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t h, nvmlProcessDetailList_v1_t *plist)
+{
+    ENTER("nvmlDeviceGetRunningProcessDetailList"); DEV(h, 1); OUT(plist);
+    if (plist->version != nvmlProcessDetailList_v1) LEAVE(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    if (mig < 0 && g->mig_mode && !g->mig_monitor) LEAVE(NVML_ERROR_NO_PERMISSION);
+    nvmlProcessInfo_t tmp[256];
+    int n = plist->mode == 0 ? collect_procs(g, (int)(g - S.gpu), mig, tmp, 256) : 0;
+    if (n > 256) n = 256;
+    if (!plist->procArray || plist->numProcArrayEntries < (unsigned)n) {
+        plist->numProcArrayEntries = (unsigned)n;
+        LEAVE(n == 0 ? NVML_SUCCESS : NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    for (int i = 0; i < n; i++) {
+        nvmlProcessDetail_v1_t *d = &plist->procArray[i];
+        d->pid = tmp[i].pid; d->usedGpuMemory = tmp[i].usedGpuMemory;
+        d->gpuInstanceId = tmp[i].gpuInstanceId; d->computeInstanceId = tmp[i].computeInstanceId;
+        d->usedGpuCcProtectedMemory = 0;
+    }
+    plist->numProcArrayEntries = (unsigned)n;
+    LEAVE(NVML_SUCCESS);
+}
+
+/* Present from R535 on (confidential computing); this fake has none: NOT_SUPPORTED, as on GPUs without CC. */
+API nvmlReturn_t nvmlDeviceGetConfComputeMemSizeInfo(nvmlDevice_t h, void *info)
+{
+    ENTER("nvmlDeviceGetConfComputeMemSizeInfo"); DEV(h, 0); OUT(info);
+    LEAVE(NVML_ERROR_NOT_SUPPORTED);
+}
 
 /* ---------------------------------------------------------------- GPM */
 #define GPM_MAGIC 0x67706d31u

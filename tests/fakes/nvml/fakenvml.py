@@ -35,23 +35,27 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
-def _digest() -> str:
+def _digest(missing: tuple[str, ...] = ()) -> str:
     h = hashlib.sha256()
     for p in (SOURCE, BUILD_SH):
         h.update(p.read_bytes())
     h.update(os.environ.get("CC", "cc").encode())
+    h.update(" ".join(missing).encode())
     return h.hexdigest()
 
 
-def build(outdir: str | os.PathLike) -> Path:
+def build(outdir: str | os.PathLike, missing: tuple[str, ...] | list[str] = ()) -> Path:
     """Compile the fake into OUTDIR/libnvidia-ml.so.1 unless an up-to-date one is there; return OUTDIR.
 
+    `missing`: NVML functions left out of the library (an older driver), as a scenario's
+    `missing_symbols` asks; `env()` builds those variants itself.
     Safe to call from several processes at once (a lock file in OUTDIR serialises them).
     Raises BuildError with the compiler's output when it cannot build.
     """
+    missing = tuple(sorted(set(missing)))
     out = Path(outdir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    digest = _digest()
+    digest = _digest(missing)
     lib, stamp = out / LIBNAME, out / _STAMP
     with open(out / ".fake_nvml.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -60,7 +64,8 @@ def build(outdir: str | os.PathLike) -> Path:
         if compiler() is None:
             raise BuildError(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH: install gcc "
                              "(apt-get install gcc) or set CC to build the fake libnvidia-ml")
-        r = subprocess.run(["sh", str(BUILD_SH), str(out)], capture_output=True, text=True)
+        r = subprocess.run(["sh", str(BUILD_SH), str(out)], capture_output=True, text=True,
+                           env={**os.environ, "FAKE_NVML_MISSING": " ".join(missing)})
         if r.returncode != 0:
             raise BuildError(f"building the fake libnvidia-ml failed:\n{r.stdout}{r.stderr}")
         stamp.write_text(digest)
@@ -73,6 +78,25 @@ def scenario(name: str) -> Path:
     if not p.exists():
         raise FileNotFoundError(f"no scenario {p}; shipped: {sorted(x.stem for x in SCENARIOS.glob('*.scn'))}")
     return p
+
+
+def missing_symbols(scenario_path: str | os.PathLike) -> tuple[str, ...]:
+    """The scenario's `missing_symbols` (system keys: before any [gpu] section, or under [system])."""
+    names: set[str] = set()
+    system = True
+    try:
+        text = Path(scenario_path).read_text()
+    except OSError:
+        return ()   # the library reports an unreadable scenario itself, at nvmlInit
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("["):
+            system = line.strip("[] ") == "system"
+        elif system and "=" in line:
+            key, _, val = line.partition("=")
+            if key.strip() == "missing_symbols":
+                names.update(val.replace(",", " ").split())
+    return tuple(sorted(names))
 
 
 def t0_at(t: float) -> float:
@@ -88,9 +112,14 @@ def env(libdir: str | os.PathLike, scenario_path: str | os.PathLike, t0: float |
     `base` (default os.environ) is copied; libdir goes first on LD_LIBRARY_PATH; FAKE_NVML_SCENARIO
     names the scenario; t0 (unix time of scenario second 0) sets FAKE_NVML_T0, else the library
     starts its clock at its first nvmlInit; procs sets FAKE_NVML_PROCS (processes file re-read on
-    every call); calls sets FAKE_NVML_CALLS (per-function call counts written there). FAKE_NVML_*
+    every call); calls sets FAKE_NVML_CALLS (per-function call counts written there). A scenario
+    with `missing_symbols` gets a library built without them (once, under libdir). FAKE_NVML_*
     variables not given here are removed, so an outer setting never leaks into a test.
     """
+    missing = missing_symbols(scenario_path)
+    if missing:   # a library without those symbols, beside the full one
+        tag = hashlib.sha256(" ".join(missing).encode()).hexdigest()[:12]
+        libdir = build(Path(libdir) / f"missing-{tag}", missing)
     e = dict(os.environ if base is None else base)
     for k in _VARS:
         e.pop(k, None)
