@@ -17,7 +17,9 @@ class Gpu:
         self.labels = {"device": self.id, "vendor": VENDOR}
         self.name = ""
         self.arch: int | None = None
+        self.opened = False                      # handle and identity read
         self.lost = False
+        self.reset_required: set[str] = set()   # readings that answered RESET_REQUIRED since
         self.gpm = False
         self.gpm_reason = ""
         self.gpm_stream: GpmStream | None = None

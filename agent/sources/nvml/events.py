@@ -44,20 +44,25 @@ class EventWatcher:
         except nv.NVMLError as e:
             self.unsupported(None, "events", str(e))
             return
-        registered = 0
         for g in self.gpus:
-            if g.lost:
-                continue
-            try:
-                mask = nv.nvmlDeviceGetSupportedEventTypes(g.handle) & WATCHED_EVENTS
-                if mask:
-                    nv.nvmlDeviceRegisterEvents(g.handle, mask, self._set)
-                    registered += 1
-                else:
-                    self.unsupported(g, "events", "no XID/ECC events supported")
-            except nv.NVMLError as e:
-                self.unsupported(g, "events", str(e))
-        if registered:
+            if g.opened and not g.lost:
+                self.add(g)
+
+    def add(self, g: Gpu) -> None:
+        """Register g's events (at start, or when a GPU that failed at start is opened)."""
+        nv = self.nv
+        if self._set is None:
+            return
+        try:
+            mask = nv.nvmlDeviceGetSupportedEventTypes(g.handle) & WATCHED_EVENTS
+            if not mask:
+                self.unsupported(g, "events", "no XID/ECC events supported")
+                return
+            nv.nvmlDeviceRegisterEvents(g.handle, mask, self._set)
+        except nv.NVMLError as e:
+            self.unsupported(g, "events", str(e))
+            return
+        if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="nvml-events", daemon=True)
             self._thread.start()
 

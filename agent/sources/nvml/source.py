@@ -2,8 +2,10 @@
 
 Failure rules: no library or driver -> Unavailable with the reason. Every reading of every GPU
 stands alone: an error is judged by its code (library.classify) and kept in that reading's state
-(states.py), so one failing call costs that reading on that GPU for that round and nothing else.
-A GPU lost mid-run (GPU_IS_LOST) -> one critical health event, that GPU is left out, the others go on.
+(states.py), so one failing call costs that reading on that GPU for that round and nothing else;
+transient errors are asked again with back-off, never taken for "not supported". A GPU that answers
+RESET_REQUIRED gets a critical health event and keeps being asked; a GPU lost (GPU_IS_LOST) gets one
+and is left out; a GPU that cannot be opened for another reason is tried again later (health.py).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from xpusense.common.config import Key, positive
 from ..base import COUNTER, NEARLINE, OFFLINE, REALTIME, Event, Sample, Source, SourceFamily, Unavailable
 from . import gpm, inventory, library, readings
 from .checks import Gate
-from .device import VENDOR, Gpu
+from .device import Gpu
 from .events import EventWatcher
+from .health import Health
 from .processes import ProcessReader
 from .states import ReadingStates
 
@@ -55,6 +58,7 @@ class NvmlSource(Source):
         self.nvml_version = ""
         self._calls: dict[str, readings.Call] = {}
         self._events: queue.Queue[Event] = queue.Queue()
+        self.health = Health(self._events)
         self._watcher: EventWatcher | None = None
         self.procs: ProcessReader | None = None
 
@@ -80,21 +84,25 @@ class NvmlSource(Source):
             nv.nvmlShutdown()
             raise Unavailable("NVML found no NVIDIA GPU on this host")
         for i in range(count):
-            try:
-                gpu = Gpu(i, nv.nvmlDeviceGetHandleByIndex(i))
-                self._discover(gpu)
-            except (nv.NVMLError, GpuLost) as e:
-                gpu = Gpu(i, None)
-                gpu.lost = True
-                log.warning("GPU %d: cannot be opened: %s", i, e)
-                self._events.put(self._health_event(gpu, f"GPU {i} cannot be opened at start: {e}"))
+            gpu = Gpu(i, None)
             self.gpus.append(gpu)
+            self._open(gpu)
         if self.want_events:
             self._watcher = EventWatcher(nv, self.gpus, self._events, self.event_wait_ms, self._unsupported_for)
             self._watcher.start()
 
+    def _open(self, g: Gpu) -> None:
+        """Handle and discovery; on failure g stays unopened and is tried again later (unless lost)."""
+        try:
+            self._try(g, "open", lambda: self._discover(g))
+        except GpuLost as e:
+            g.lost = True
+            log.warning("%s: cannot be opened: %s", g.id, e)
+            self.health.cannot_open(g, str(e))
+
     def _discover(self, g: Gpu) -> None:
-        nv, h = self.nv, g.handle
+        nv = self.nv
+        h = g.handle = nv.nvmlDeviceGetHandleByIndex(g.index)
         inventory.identify(nv, g, self.driver)
         cc = self._try(g, "compute_capability", lambda: nv.nvmlDeviceGetCudaComputeCapability(h))
         g.info["compute_capability"] = f"{cc[0]}.{cc[1]}" if cc else ""
@@ -106,6 +114,7 @@ class NvmlSource(Source):
         g.info["nvlink_count"] = str(g.nvlinks)
         inventory.catalog_facts(g)
         self._setup_gpm(g)
+        g.opened = True
 
     def _setup_gpm(self, g: Gpu) -> None:
         nv = self.nv
@@ -137,12 +146,15 @@ class NvmlSource(Source):
             self._failed(g, what, library.code(e), str(e), now)
             return None
         self.states.succeeded(g.id, what)
+        self.health.answered(g, what)
         return v
 
     def _failed(self, g: Gpu, what: str, rc: int | None, why: str, now: float) -> None:
         kind = library.classify(rc)
         if kind == library.LOST:
             raise GpuLost(why)
+        if kind == library.RESET:
+            self.health.reset_required(g, what, why)
         self.states.failed(g.id, what, library.UNSUPPORTED if kind == library.UNSUPPORTED else library.TRANSIENT,
                            why, now)
 
@@ -156,27 +168,26 @@ class NvmlSource(Source):
             if g.lost:
                 continue
             try:
+                if not g.opened:
+                    self._open(g)
+                    if not g.opened:
+                        continue
+                    self._reopened(g)
                 out += self._collect_gpu(g, tier)
             except GpuLost as e:
                 self._lose(g, str(e))
         if tier == OFFLINE:
-            out += [Sample("xpusense.accelerator.health", 0.0 if g.lost else 1.0, "1",
-                           {**g.labels, "status": "lost" if g.lost else "ok"}) for g in self.gpus]
+            out += self.health.samples([g for g in self.gpus if g.opened or g.lost])
         return self.gate.admit(out)
 
     def _lose(self, g: Gpu, why: str) -> None:
-        g.lost = True
-        if g.gpm_stream is not None:
+        if self.health.lost(g, why) and g.gpm_stream is not None:
             g.gpm_stream.reset()
-        log.error("%s (%s) is lost: %s; the other GPUs go on", g.id, g.name, why)
-        self._events.put(self._health_event(g, f"{g.id} ({g.name}, {g.info.get('pci_bus_id', '?')}) "
-                                               f"is lost (GPU_IS_LOST: fell off the bus or the driver "
-                                               f"gave up on it): {why}"))
 
-    def _health_event(self, g: Gpu, message: str) -> Event:
-        return Event("health", message, "critical", g.id,
-                     {"vendor": VENDOR, "status": "lost", "uuid": g.info.get("uuid", ""),
-                      "pci_bus_id": g.info.get("pci_bus_id", "")}, time.time_ns())
+    def _reopened(self, g: Gpu) -> None:
+        log.info("%s (%s) opened after failing at start", g.id, g.name)
+        if self._watcher is not None:
+            self._watcher.add(g)
 
     def _read(self, g: Gpu, call: str) -> Any:
         return self._try(g, call, lambda: self._calls[call](g.handle))
@@ -348,7 +359,7 @@ class NvmlSource(Source):
                 return out
 
     def inventory(self) -> list[dict]:
-        return [inventory.entry(g) for g in self.gpus if g.name]
+        return [inventory.entry(g) for g in self.gpus if g.opened]
 
     def hbm_watch_coverage(self) -> dict[str, str]:
         """device -> '' when the HBM watch can follow it, else why not."""
@@ -363,7 +374,8 @@ class NvmlSource(Source):
     def describe(self) -> dict:
         unsupported, retrying = self.states.describe()
         return {
-            "devices": [f"{g.id}: {g.name}" + (" (lost)" if g.lost else "") for g in self.gpus],
+            "devices": [f"{g.id}: {g.name or '(not opened)'}" + (f" ({Health.status(g)})" if Health.status(g) != "ok"
+                                                                else "") for g in self.gpus],
             "driver": self.driver,
             "unavailable_readings": unsupported,
             "retrying_readings": retrying,

@@ -8,7 +8,8 @@ ROUNDS is a comma list of tiers (realtime, nearline, offline) run in order, `gap
 metrics are computed between two samples, so realtime rounds need time between them); with
 --until-event or --until-t the list repeats until that event arrived or the scenario clock reached
 T (or the deadline passed). Each round records `st`, the scenario time when it started (the fake's
-fakeNvmlNow()), so a test judges rounds by where they fell on the timeline, not by how fast it ran.
+fakeNvmlNow()), so a test judges rounds by where they fell on the timeline, not by how fast it ran;
+each event records the index of the round after which it was drained (`round`).
 """
 
 import argparse
@@ -67,11 +68,11 @@ def main():
                 samples = []
             out["rounds"].append({"tier": tier, "t": time.time(), "st": st, "samples": dump(samples)})
             out["events"] += [{"type": e.type, "device": e.device, "severity": e.severity, "message": e.message,
-                               "attributes": e.attributes} for e in src.events()]
+                               "attributes": e.attributes, "round": i} for e in src.events()]
             i += 1
             time.sleep(a.gap_s)
         out["events"] += [{"type": e.type, "device": e.device, "severity": e.severity, "message": e.message,
-                           "attributes": e.attributes} for e in src.events()]
+                           "attributes": e.attributes, "round": i} for e in src.events()]
         out["describe"] = src.describe()
         out["coverage"] = src.hbm_watch_coverage()
         out["processes"] = {str(k): sorted(v) for k, v in src.processes().items()}
