@@ -7,10 +7,15 @@ most once per device and round, however many readings share it) and how its answ
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from ..base import COUNTER, GAUGE, NEARLINE, OFFLINE, REALTIME
+from .library import FUNCTION_NOT_FOUND, code
+
+log = logging.getLogger("xpusense.agent.nvml")
+ARGUMENT_VERSION_MISMATCH = 25
 
 ALL_LINKS = 0xFFFFFFFF  # field-value scopeId for "summed over all NVLink links" (nvml.h)
 
@@ -28,16 +33,54 @@ class Reading:
     unit: str
     tier: str
     call: str
-    convert: Callable[[Any], float]
+    convert: Callable[[Any], float | None]     # None: no value from this answer (no sample)
     kind: str = GAUGE
     labels: tuple[tuple[str, str], ...] = ()
 
 
-def calls(nv: Any) -> dict[str, Call]:
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    total: int
+    used: int
+    free: int
+    reserved: int | None      # None: the v1 call, which counts reserved memory as used
+
+
+class MemoryReader:
+    """Device memory from nvmlDeviceGetMemoryInfo_v2 where the driver has it (R510 and newer), which
+    reports the driver's reserved memory apart from `used` (as DCGM does); else the v1 call, whose
+    `used` includes it (an idle H100 then shows ~0.5 GiB used)."""
+
+    def __init__(self, nv: Any):
+        self.nv = nv
+        self.version = getattr(nv, "nvmlMemory_v2", None)
+        self.v2 = self.version is not None
+
+    def read(self, handle: Any) -> Memory:
+        nv = self.nv
+        if self.v2:
+            try:
+                m = nv.nvmlDeviceGetMemoryInfo(handle, version=self.version)
+                return Memory(m.total, m.used, m.free, m.reserved)
+            except nv.NVMLError as e:
+                if code(e) not in (FUNCTION_NOT_FOUND, ARGUMENT_VERSION_MISMATCH):
+                    raise
+                self.v2 = False
+                log.info("nvmlDeviceGetMemoryInfo_v2 unavailable (%s): memory from the v1 call, whose used "
+                         "includes the driver's reserved memory", e)
+        m = nv.nvmlDeviceGetMemoryInfo(handle)
+        return Memory(m.total, m.used, m.free, None)
+
+    def describe(self) -> str:
+        return "nvmlDeviceGetMemoryInfo_v2 (reserved apart)" if self.v2 else \
+            "nvmlDeviceGetMemoryInfo v1 (reserved counted as used)"
+
+
+def calls(nv: Any, memory: MemoryReader) -> dict[str, Call]:
     """Reading call name -> function of a device handle."""
     return {
         "utilization": nv.nvmlDeviceGetUtilizationRates,
-        "memory": nv.nvmlDeviceGetMemoryInfo,
+        "memory": memory.read,
         "pcie_tx": lambda h: nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES),
         "pcie_rx": lambda h: nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES),
         "clock_sm": lambda h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
@@ -58,8 +101,10 @@ def calls(nv: Any) -> dict[str, Call]:
     }
 
 
-def _ratio(used: float, total: float) -> float:
-    return used / total if total else 0.0
+def _used_share(m: Memory) -> float | None:
+    """used / (total - reserved), as DCGM's FB_USED_PERCENT; used / total from the v1 call."""
+    usable = m.total - (m.reserved or 0)
+    return m.used / usable if usable > 0 else None
 
 
 READINGS = [
@@ -70,7 +115,9 @@ READINGS = [
     Reading("hw.gpu.memory.usage", "By", REALTIME, "memory", lambda m: float(m.used)),
     Reading("hw.gpu.memory.limit", "By", REALTIME, "memory", lambda m: float(m.total)),
     Reading("xpusense.accelerator.memory.free", "By", REALTIME, "memory", lambda m: float(m.free)),
-    Reading("hw.gpu.memory.utilization", "1", REALTIME, "memory", lambda m: _ratio(m.used, m.total)),
+    Reading("xpusense.accelerator.memory.reserved", "By", REALTIME, "memory",
+            lambda m: None if m.reserved is None else float(m.reserved)),
+    Reading("hw.gpu.memory.utilization", "1", REALTIME, "memory", _used_share),
     Reading("xpusense.accelerator.pcie.throughput", "By/s", NEARLINE, "pcie_tx", lambda kb: kb * 1000.0,
             labels=(("direction", "transmit"),)),
     Reading("xpusense.accelerator.pcie.throughput", "By/s", NEARLINE, "pcie_rx", lambda kb: kb * 1000.0,

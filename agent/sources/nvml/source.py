@@ -61,6 +61,7 @@ class NvmlSource(Source):
         self.health = Health(self._events)
         self._watcher: EventWatcher | None = None
         self.procs: ProcessReader | None = None
+        self.memory: readings.MemoryReader | None = None
 
     # -- setup ---------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -71,7 +72,8 @@ class NvmlSource(Source):
             nv.nvmlShutdown()
             raise Unavailable(str(e)) from None
         self.nv = nv
-        self._calls = readings.calls(nv)
+        self.memory = readings.MemoryReader(nv)
+        self._calls = readings.calls(nv, self.memory)
         self.procs = ProcessReader(nv)
         try:
             self.driver = library.text(nv.nvmlSystemGetDriverVersion())
@@ -201,9 +203,9 @@ class NvmlSource(Source):
             if r.call not in cache:
                 cache[r.call] = self._read(g, r.call)
             raw = cache[r.call]
-            if raw is None:
-                continue
-            out.append(Sample(r.name, r.convert(raw), r.unit, {**g.labels, **dict(r.labels)}, r.kind))
+            value = None if raw is None else r.convert(raw)
+            if value is not None:
+                out.append(Sample(r.name, value, r.unit, {**g.labels, **dict(r.labels)}, r.kind))
         if tier == REALTIME:
             if cache.get("utilization") is not None:
                 self._accumulate_busy(g, cache["utilization"].gpu / 100.0)
@@ -380,6 +382,7 @@ class NvmlSource(Source):
             "unavailable_readings": unsupported,
             "retrying_readings": retrying,
             "dropped_values": self.gate.describe(),
+            "memory_call": self.memory.describe() if self.memory is not None else "",
             "process_list": (f"{self.procs.describe()}, {self.procs.dropped} impossible pid(s) left out"
                              if self.procs is not None else ""),
             "gpm_rounds_too_soon": {g.id: g.gpm_stream.too_soon for g in self.gpus
