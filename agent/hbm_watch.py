@@ -6,6 +6,10 @@ It sits between the tier loop and the stream: it sees every realtime sample of
 and on firing groups the accelerator's processes (from the NVML / npu-smi process lists) into jobs
 so that each job gets one request, then waits a cooldown per job.
 
+An accelerator is a device, or one MIG instance of an NVIDIA GPU (samples labelled `mig_instance`,
+followed as `gpu0/gi1`, whose processes the NVML source lists under that id): each instance has its
+own window, and a request goes to the jobs on that instance only.
+
 State per accelerator: ARMED -> (value >= threshold continuously for `window_s`) -> FIRED;
 FIRED -> (a value below `low_mark`) -> ARMED. A value below the threshold restarts the window. A
 missing sample is not a value below the threshold: it neither restarts nor confirms the window,
@@ -81,6 +85,13 @@ class Request:
             "reason": (f"HBM bandwidth utilisation of {self.device} at or above {self.rule.threshold:.0%} "
                        f"for {self.rule.window_s:g} s (now {self.value:.0%}): checkpoint now"),
         }
+
+
+def accelerator(labels: dict[str, str]) -> str:
+    """`gpu0`, or `gpu0/gi1` for MIG instance 1 of it."""
+    dev = labels.get("device", "")
+    mig = labels.get("mig_instance")
+    return f"{dev}/gi{mig}" if mig else dev
 
 
 def cgroup_of(pid: int, proc: str = "/proc") -> str:
@@ -197,7 +208,7 @@ class HbmWatch:
         for s in samples:
             if s.name != METRIC:
                 continue
-            dev, vendor = s.labels.get("device", ""), s.labels.get("vendor", "")
+            dev, vendor = accelerator(s.labels), s.labels.get("vendor", "")
             if not (math.isfinite(s.value) and 0.0 <= s.value <= 1.0):
                 self.ignored += 1
                 if self.ignored == 1:

@@ -159,3 +159,18 @@ def test_impossible_pids_from_a_vendor_library_are_never_signalled(tmp_path):
     # Only impossible pids: no request at all (and os.getpgid never sees 4294967295).
     w, sent = make(tmp_path / "2", procs=bad, actions=("signal", "file", "event"), live=[1, os.getpid()])
     assert feed(w, samples([0.9] * 7)) == [] and sent == [] and w.fired == 0
+
+
+def test_each_mig_instance_has_its_own_window_and_its_own_jobs(tmp_path):
+    procs = {501: {"gpu0", "gpu0/gi1"}, 502: {"gpu0", "gpu0/gi2"}}
+    w, sent = make(tmp_path, procs=procs, actions=("signal", "event"))
+
+    def mig(values, gi):
+        ss = samples(values)
+        for s in ss:
+            s.labels["mig_instance"] = str(gi)
+        return ss
+    # Instance 1 is high, instance 2 low, in the same rounds of the same GPU.
+    fired = feed(w, [s for pair in zip(mig([0.9] * 7, 1), mig([0.2] * 7, 2)) for s in pair])
+    assert [(t, e.device) for t, e in fired] == [(105, "gpu0/gi1")]
+    assert sent == [(501, signal.SIGUSR1)]

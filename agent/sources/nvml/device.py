@@ -22,10 +22,13 @@ class Gpu:
         self.reset_required: set[str] = set()   # readings that answered RESET_REQUIRED since
         self.gpm = False
         self.gpm_reason = ""
+        self.gpm_supported = False                # nvmlGpmQueryDeviceSupport said so
         self.gpm_stream: GpmStream | None = None
         self.info: dict[str, str] = {}
         self.nvlinks = 0
         self.mig = False
+        self.migs: list[Any] = []                # mig.MigInstance, when MIG mode is on
+        self.mig_changed = False                 # a MIG config change event arrived
         self.busy_s = 0.0              # utilisation x seconds since the last offline round
         self.busy_span_s = 0.0
         self.last_util_t: float | None = None

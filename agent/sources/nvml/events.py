@@ -10,28 +10,31 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from ..base import Event
 from .device import VENDOR, Gpu
+from .health import Health
 from .library import code, handle_key
+from .states import ReadingStates
 
 log = logging.getLogger("xpusense.agent.nvml")
 
 XID_EVENT, DBE_EVENT, SBE_EVENT = 0x8, 0x2, 0x1
+MIG_CONFIG_EVENT = 0x100
 GPU_UNAVAILABLE_EVENT, GPU_RECOVERY_EVENT = 0x4000, 0x8000
-WATCHED_EVENTS = XID_EVENT | DBE_EVENT | GPU_UNAVAILABLE_EVENT | GPU_RECOVERY_EVENT
+WATCHED_EVENTS = XID_EVENT | DBE_EVENT | MIG_CONFIG_EVENT | GPU_UNAVAILABLE_EVENT | GPU_RECOVERY_EVENT
 
 
 class EventWatcher:
-    def __init__(self, nv: Any, gpus: list[Gpu], out: queue.Queue[Event], wait_ms: int,
-                 unsupported: Callable[[Gpu | None, str, str], None]):
+    def __init__(self, nv: Any, gpus: list[Gpu], out: queue.Queue[Event], wait_ms: int, states: ReadingStates,
+                 health: Health):
         self.nv = nv
         self.gpus = gpus
         self.out = out
         self.wait_ms = wait_ms
-        self.unsupported = unsupported    # (gpu or None for all, what, why)
+        self.states = states
+        self.health = health
         self._set: Any = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -42,7 +45,7 @@ class EventWatcher:
         try:
             self._set = nv.nvmlEventSetCreate()
         except nv.NVMLError as e:
-            self.unsupported(None, "events", str(e))
+            self.states.mark_unsupported("*", "events", str(e))
             return
         for g in self.gpus:
             if g.opened and not g.lost:
@@ -56,11 +59,11 @@ class EventWatcher:
         try:
             mask = nv.nvmlDeviceGetSupportedEventTypes(g.handle) & WATCHED_EVENTS
             if not mask:
-                self.unsupported(g, "events", "no XID/ECC events supported")
+                self.states.mark_unsupported(g.id, "events", "no XID/ECC events supported")
                 return
             nv.nvmlDeviceRegisterEvents(g.handle, mask, self._set)
         except nv.NVMLError as e:
-            self.unsupported(g, "events", str(e))
+            self.states.mark_unsupported(g.id, "events", str(e))
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="nvml-events", daemon=True)
@@ -79,7 +82,11 @@ class EventWatcher:
                 log.warning("NVML event wait failed: %s", e)
                 self._stop.wait(1.0)
                 continue
-            self.out.put(event_from(self._gpu_for(data.device), data))
+            g = self._gpu_for(data.device)
+            if g is not None and data.eventType == MIG_CONFIG_EVENT:
+                g.mig_changed = True          # the next round reads the MIG layout again
+                continue
+            self.out.put(event_from(g, data))
 
     def _gpu_for(self, handle: Any) -> Gpu | None:
         key = handle_key(handle)

@@ -25,14 +25,13 @@ def nvlink_bandwidth(arch: int | None, links: int) -> str:
 
 
 def identify(nv: Any, g: Gpu, driver: str) -> None:
-    """Name, UUID, bus id and memory size: what a GPU must answer to be reported at all."""
+    """Name, UUID and bus id: what a GPU must answer to be reported at all (the rest is optional:
+    with MIG on and no monitor capability even the memory size is refused)."""
     h = g.handle
     g.name = text(nv.nvmlDeviceGetName(h))
     g.info["uuid"] = text(nv.nvmlDeviceGetUUID(h))
     g.info["pci_bus_id"] = text(nv.nvmlDeviceGetPciInfo(h).busId)
     g.info["driver"] = driver
-    mem = nv.nvmlDeviceGetMemoryInfo(h)
-    g.info["memory"] = f"{round(mem.total / 2**30)}GB"
 
 
 def catalog_facts(g: Gpu) -> None:

@@ -101,7 +101,7 @@ def calls(nv: Any, memory: MemoryReader) -> dict[str, Call]:
     }
 
 
-def _used_share(m: Memory) -> float | None:
+def used_share(m: Memory) -> float | None:
     """used / (total - reserved), as DCGM's FB_USED_PERCENT; used / total from the v1 call."""
     usable = m.total - (m.reserved or 0)
     return m.used / usable if usable > 0 else None
@@ -117,7 +117,7 @@ READINGS = [
     Reading("xpusense.accelerator.memory.free", "By", REALTIME, "memory", lambda m: float(m.free)),
     Reading("xpusense.accelerator.memory.reserved", "By", REALTIME, "memory",
             lambda m: None if m.reserved is None else float(m.reserved)),
-    Reading("hw.gpu.memory.utilization", "1", REALTIME, "memory", _used_share),
+    Reading("hw.gpu.memory.utilization", "1", REALTIME, "memory", used_share),
     Reading("xpusense.accelerator.pcie.throughput", "By/s", NEARLINE, "pcie_tx", lambda kb: kb * 1000.0,
             labels=(("direction", "transmit"),)),
     Reading("xpusense.accelerator.pcie.throughput", "By/s", NEARLINE, "pcie_rx", lambda kb: kb * 1000.0,

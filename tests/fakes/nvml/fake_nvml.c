@@ -135,7 +135,7 @@ _Static_assert(sizeof(nvmlGpmMetric_t) == 40, "c_nvmlGpmMetric_t");
     X(S_REMAP_COR, "remapped_cor", 1) X(S_REMAP_UNC, "remapped_unc", 1) \
     X(S_REMAP_PEND, "remapped_pending", 1) X(S_REMAP_FAIL, "remapped_failure", 1) \
     X(S_NVL_CRC, "nvlink_crc_errors", 1) X(S_NVL_REPLAY, "nvlink_replay_errors", 1) \
-    X(S_NVL_RECOVERY, "nvlink_recovery_errors", 1)
+    X(S_NVL_RECOVERY, "nvlink_recovery_errors", 1) X(S_MIG_MODE, "mig_mode", 1)
 
 #define X_ENUM(id, name, step) id,
 enum { SERIES(X_ENUM) S_COUNT };
@@ -145,7 +145,7 @@ static const char *const series_names[S_COUNT] = { SERIES(X_NAME) };
 static const int series_step[S_COUNT] = { SERIES(X_STEP) };
 
 typedef struct { int n; double *t, *v; } series_t;
-typedef struct { unsigned gi; unsigned long long total, used; char profile[32]; } mig_t;
+typedef struct { unsigned gi; unsigned long long total, used; char profile[32]; int noci; } mig_t;
 typedef struct { unsigned pid; unsigned long long used; char name[64]; } proc_t;
 typedef struct { char fn[64]; nvmlReturn_t code; double from, to; } err_t;
 typedef struct { double t; int gpu; unsigned long long type, data; unsigned gi, ci; } event_t;
@@ -157,7 +157,7 @@ typedef struct {
     char name[96], uuid[96], serial[32], pci_bus_id[32];
     unsigned pci_device_id, pci_subsystem_id, arch, cc_major, cc_minor;
     unsigned long long mem_total, mem_reserved;
-    unsigned mig_mode, mig_max; int n_mig; mig_t mig[MAX_MIG];
+    unsigned mig_max; int n_mig; mig_t mig[MAX_MIG];
     unsigned nvlink_links, nvlink_max_links, nvlink_speed_mbps, nvlink_version;
     unsigned power_limit_mw, max_sm_clk, max_mem_clk, max_gr_clk, max_vid_clk;
     unsigned pcie_gen, pcie_max_gen, pcie_width, pcie_max_width;
@@ -489,7 +489,7 @@ static int set_gpu_key(gpu_t *g, int idx, const char *key, char *val)
     STR("name", name) STR("uuid", uuid) STR("serial", serial) STR("pci_bus_id", pci_bus_id)
     UINT("pci_device_id", pci_device_id) UINT("pci_subsystem_id", pci_subsystem_id)
     UINT("arch", arch) UINT("memory_total", mem_total) UINT("memory_reserved", mem_reserved)
-    UINT("mig_mode", mig_mode) UINT("mig_max", mig_max)
+    UINT("mig_max", mig_max)
     UINT("nvlink_links", nvlink_links) UINT("nvlink_max_links", nvlink_max_links)
     UINT("nvlink_speed_mbps", nvlink_speed_mbps) UINT("nvlink_version", nvlink_version)
     UINT("power_limit_mw", power_limit_mw)
@@ -510,16 +510,22 @@ static int set_gpu_key(gpu_t *g, int idx, const char *key, char *val)
         return 0;
     }
     if (!strcmp(key, "gpm")) return parse_bool(val, &g->gpm) ? perr("gpm wants yes/no") : 0;
-    if (!strcmp(key, "mig")) {          /* mig = GI_ID MEMORY_TOTAL [MEMORY_USED] [PROFILE] */
+    if (!strcmp(key, "mig_monitor")) return parse_bool(val, &g->mig_monitor) ? perr("mig_monitor wants yes/no") : 0;
+    if (!strcmp(key, "mig")) {          /* mig = GI_ID MEMORY_TOTAL [MEMORY_USED] [PROFILE] [noci] */
         char *save = NULL, *a = strtok_r(val, " \t", &save), *b = strtok_r(NULL, " \t", &save);
-        char *c = strtok_r(NULL, " \t", &save), *e = strtok_r(NULL, " \t", &save);
         unsigned long long gi, tot, used = 0;
-        if (!a || !b || parse_uint(a, &gi) || parse_uint(b, &tot)) return perr("mig = GI_ID MEMORY_TOTAL [MEMORY_USED] [PROFILE]");
-        if (c && parse_uint(c, &used)) { e = c; used = 0; }
+        if (!a || !b || parse_uint(a, &gi) || parse_uint(b, &tot))
+            return perr("mig = GI_ID MEMORY_TOTAL [MEMORY_USED] [PROFILE] [noci]");
         if (g->n_mig >= MAX_MIG) return perr("at most %d MIG instances per GPU", MAX_MIG);
         mig_t *m = &g->mig[g->n_mig++];
-        m->gi = (unsigned)gi; m->total = tot; m->used = used;
-        snprintf(m->profile, sizeof m->profile, "%s", e ? e : "");
+        memset(m, 0, sizeof *m);
+        m->gi = (unsigned)gi; m->total = tot;
+        for (char *tok = strtok_r(NULL, " \t", &save); tok; tok = strtok_r(NULL, " \t", &save)) {
+            if (!strcmp(tok, "noci")) m->noci = 1;
+            else if (!parse_uint(tok, &u)) m->used = u;
+            else snprintf(m->profile, sizeof m->profile, "%s", tok);
+        }
+        (void)used;
         return 0;
     }
     if (!strcmp(key, "process")) {      /* process = PID USED_BYTES [NAME] */
@@ -790,6 +796,17 @@ static int load_scenario(const char *path)
 }
 
 /* ---------------------------------------------------------------- device lookup */
+static int mig_on(const gpu_t *g, double t) { return gv(g, S_MIG_MODE, t) != 0; }
+
+/* The index-th MIG device (a GPU instance with a compute instance) of g, or -1. */
+static int mig_by_index(const gpu_t *g, unsigned index)
+{
+    unsigned k = 0;
+    for (int i = 0; i < g->n_mig; i++)
+        if (!g->mig[i].noci && k++ == index) return i;
+    return -1;
+}
+
 static int handle_decode(nvmlDevice_t h, gpu_t **g, int *mig)
 {
     if (!h) return -1;
@@ -802,7 +819,7 @@ static int handle_decode(nvmlDevice_t h, gpu_t **g, int *mig)
     }
     if (p >= &mig_handles[0][0] && p < &mig_handles[0][0] + MAX_GPUS * MAX_MIG) {
         int k = (int)(p - &mig_handles[0][0]), i = k / MAX_MIG, m = k % MAX_MIG;
-        if (i >= S.gpu_count || !S.gpu[i].mig_mode || m >= S.gpu[i].n_mig) return -1;
+        if (i >= S.gpu_count || !mig_on(&S.gpu[i], now_t()) || m >= S.gpu[i].n_mig || S.gpu[i].mig[m].noci) return -1;
         *g = &S.gpu[i]; *mig = m;
         return 0;
     }
@@ -1067,7 +1084,7 @@ static void mem_now(const gpu_t *g, int mig, double t, unsigned long long *total
     else {
         *total = g->mem_total; *reserved = g->mem_reserved;
         *used = u64(gv(g, S_MEM_USED, t));
-        if (g->mig_mode) {   /* the whole GPU: what its instances use */
+        if (mig_on(g, t)) {   /* the whole GPU: what its instances use */
             *used = 0;
             for (int i = 0; i < g->n_mig; i++) *used += g->mig[i].used;
         }
@@ -1079,6 +1096,7 @@ static void mem_now(const gpu_t *g, int mig, double t, unsigned long long *total
 API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t h, nvmlMemory_t *m)
 {
     ENTER("nvmlDeviceGetMemoryInfo"); DEV(h, 1); OUT(m);
+    if (mig < 0 && mig_on(g, t) && !g->mig_monitor) LEAVE(NVML_ERROR_NO_PERMISSION);  /* aggregate: monitor cap */
     unsigned long long total, reserved, used;
     mem_now(g, mig, t, &total, &reserved, &used);
     m->total = total; m->used = used + reserved; m->free = total - used - reserved;  /* v1: used includes reserved */
@@ -1088,6 +1106,7 @@ API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t h, nvmlMemory_t *m)
 API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t h, nvmlMemory_v2_t *m)
 {
     ENTER("nvmlDeviceGetMemoryInfo_v2"); DEV(h, 1); OUT(m);
+    if (mig < 0 && mig_on(g, t) && !g->mig_monitor) LEAVE(NVML_ERROR_NO_PERMISSION);
     if (m->version != nvmlMemory_v2) LEAVE(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
     unsigned long long total, reserved, used;
     mem_now(g, mig, t, &total, &reserved, &used);
@@ -1098,7 +1117,7 @@ API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t h, nvmlMemory_v2_t *m)
 API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t h, unsigned int *current, unsigned int *pending)
 {
     ENTER("nvmlDeviceGetMigMode"); DEV(h, 0); OUT(current); OUT(pending);
-    *current = *pending = g->mig_mode ? 1 : 0;
+    *current = *pending = (unsigned)mig_on(g, t);
     LEAVE(NVML_SUCCESS);
 }
 
@@ -1113,8 +1132,9 @@ API nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t h, unsigned in
 {
     ENTER("nvmlDeviceGetMigDeviceHandleByIndex"); DEV(h, 0); OUT(out);
     if (index >= g->mig_max) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
-    if (!g->mig_mode || (int)index >= g->n_mig) LEAVE(NVML_ERROR_NOT_FOUND);
-    *out = &mig_handles[g - S.gpu][index];
+    int m = mig_on(g, t) ? mig_by_index(g, index) : -1;
+    if (m < 0) LEAVE(NVML_ERROR_NOT_FOUND);
+    *out = &mig_handles[g - S.gpu][m];
     LEAVE(NVML_SUCCESS);
 }
 
@@ -1153,7 +1173,7 @@ API nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t h, nv
 API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t h, nvmlUtilization_t *u)
 {
     ENTER("nvmlDeviceGetUtilizationRates"); DEV(h, 0); OUT(u);
-    if (g->mig_mode) LEAVE(NVML_ERROR_NOT_SUPPORTED);   /* as on real GPUs with MIG enabled */
+    if (mig_on(g, t)) LEAVE(NVML_ERROR_NOT_SUPPORTED);   /* as on real GPUs with MIG enabled */
     u->gpu = u32(gv(g, S_GPU_UTIL, t));
     u->memory = u32(gv(g, S_MEM_UTIL, t));
     LEAVE(NVML_SUCCESS);
@@ -1444,7 +1464,7 @@ static nvmlReturn_t procs(const char *fn, nvmlDevice_t h, unsigned int *count, v
                           unsigned size)
 {
     ENTER(fn); DEV(h, 1); OUT(count);
-    if (mig < 0 && g->mig_mode && !g->mig_monitor) LEAVE(NVML_ERROR_NO_PERMISSION);
+    if (mig < 0 && mig_on(g, t) && !g->mig_monitor) LEAVE(NVML_ERROR_NO_PERMISSION);
     nvmlProcessInfo_t tmp[256];
     int n = compute ? collect_procs(g, (int)(g - S.gpu), mig, tmp, 256) : 0;
     if (n > 256) n = 256;
@@ -1481,7 +1501,7 @@ API nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t h, nvmlProce
 {
     ENTER("nvmlDeviceGetRunningProcessDetailList"); DEV(h, 1); OUT(plist);
     if (plist->version != nvmlProcessDetailList_v1) LEAVE(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
-    if (mig < 0 && g->mig_mode && !g->mig_monitor) LEAVE(NVML_ERROR_NO_PERMISSION);
+    if (mig < 0 && mig_on(g, t) && !g->mig_monitor) LEAVE(NVML_ERROR_NO_PERMISSION);
     nvmlProcessInfo_t tmp[256];
     int n = plist->mode == 0 ? collect_procs(g, (int)(g - S.gpu), mig, tmp, 256) : 0;
     if (n > 256) n = 256;
@@ -1543,10 +1563,13 @@ static nvmlReturn_t gpm_sample(const char *fn, nvmlDevice_t h, int gi, nvmlGpmSa
     if (!s || s->magic != GPM_MAGIC) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
     if (!g->gpm) LEAVE(NVML_ERROR_NOT_SUPPORTED);
     if (gi >= 0) {
-        if (!g->mig_mode) LEAVE(NVML_ERROR_NOT_SUPPORTED);
-        int found = 0;
-        for (int i = 0; i < g->n_mig; i++) if ((int)g->mig[i].gi == gi) found = 1;
-        if (!found) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+        if (!mig_on(g, t)) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+        int found = -1;
+        for (int i = 0; i < g->n_mig; i++) if ((int)g->mig[i].gi == gi) found = i;
+        if (found < 0) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+        if (g->mig[found].noci) LEAVE(NVML_ERROR_NOT_FOUND);   /* per-instance GPM needs a compute instance */
+    } else if (mig_on(g, t) && !g->mig_monitor) {
+        LEAVE(NVML_ERROR_NO_PERMISSION);                         /* the whole GPU's counters: monitor capability */
     }
     s->filled = 1; s->gpu = (int)(g - S.gpu); s->mig_gi = gi; s->t = t;
     LEAVE(NVML_SUCCESS);
