@@ -23,6 +23,7 @@ COPY agent/ agent/
 COPY collector/ collector/
 COPY probes/ probes/
 COPY client/ client/
+COPY common/ common/
 
 # The package into its own virtualenv, then Debian's bcc module linked in (as scripts/setup.sh does).
 RUN python3 -m venv /opt/xpusense/venv \

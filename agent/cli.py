@@ -8,8 +8,15 @@ import logging
 import os
 import sys
 
+import yaml
+
+from xpusense.common.tls import make_channel
+
 from .config import ConfigError, load_agent
+from .daemon import Agent, build_sources, inventory
+from .spool import SpoolError
 from .stream import resolve
+from .tiers import setup_sources
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -49,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_agent(path, flags)
         if args.cmd == "run":
             resolve(cfg.collector.address)
-            from .tls import make_channel
             make_channel(cfg.collector.address, cfg.collector)   # TLS/token/plaintext keys: exit 2 if unusable
     except (ConfigError, ValueError) as e:
         print(f"xpusense-agent: {e}", file=sys.stderr)
@@ -62,8 +68,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(cfg, args) -> int:
-    from .daemon import Agent
-    from .spool import SpoolError
     try:
         agent = Agent(cfg)
     except SpoolError as e:
@@ -74,8 +78,6 @@ def _run(cfg, args) -> int:
 
 
 def _with_sources(cfg):
-    from .daemon import build_sources
-    from .tiers import setup_sources
     states, _ = setup_sources(build_sources(cfg))
     return states
 
@@ -87,7 +89,6 @@ def _close(states) -> None:
 
 
 def _inventory(cfg, args) -> int:
-    from .daemon import inventory
     states = _with_sources(cfg)
     try:
         inv = inventory(cfg, states)
@@ -96,7 +97,6 @@ def _inventory(cfg, args) -> int:
     if args.format == "json":
         print(json.dumps(inv, indent=2))
     else:
-        import yaml
         print(yaml.safe_dump(inv, sort_keys=False), end="")
     return EXIT_OK
 
@@ -107,9 +107,8 @@ def hbm_watch_row(cfg, states) -> dict:
         return {"name": "hbm-watch", "state": "disabled", "reason": "[hbm_watch] enabled = false", "tiers": []}
     watched, not_watched = [], {}
     for st in states:
-        cov = getattr(st.source, "hbm_watch_coverage", None)
-        if st.state == "running" and cov is not None:
-            for dev, why in cov().items():
+        if st.state == "running":
+            for dev, why in st.source.hbm_watch_coverage().items():
                 if why:
                     not_watched[dev] = why
                 else:

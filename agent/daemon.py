@@ -7,9 +7,12 @@ import platform
 import signal
 import socket
 import threading
+import time
 import uuid
+from collections.abc import Callable
 
 from xpusense import __version__
+from xpusense.common.tls import channel_options, make_channel
 from xpusense.v1 import telemetry_pb2 as pb
 
 from .hbm_watch import HbmWatch, Rule
@@ -18,35 +21,21 @@ from .pods import build_pod_labeler
 from .sdnotify import Watchdog
 from .sources.agent_self import AgentSelfSource
 from .sources.base import Source
-from .sources.host import HostSource
-from .sources.npu_smi import NpuSmiSource
-from .sources.nvml import NvmlSource
+from .sources.registry import FAMILIES
 from .spool import Spool
-from .stream import StreamClient, channel_options
-from .tls import make_channel
+from .stream import StreamClient
 from .tiers import SourceState, TierLoop, periods_from_config, setup_sources
 
 log = logging.getLogger("xpusense.agent")
 
 
 def build_sources(cfg) -> list[Source]:
-    """Every source enabled in config, in a fixed order (host first)."""
+    """Every source enabled in config, family by family in the registry's order (host first)."""
     out: list[Source] = []
-    h = cfg.sources.host
-    if h.enabled:
-        out.append(HostSource(procfs=h.procfs, netns=h.netns, disk_exclude=h.disk_exclude,
-                              interface_include=h.interface_include, interface_exclude=h.interface_exclude))
-    n = cfg.sources.nvml
-    if n.enabled:
-        out.append(NvmlSource(events=n.events, event_wait_ms=n.event_wait_ms, gpm=n.gpm))
-    e = cfg.sources.ebpf
-    if e.get("enabled", True):
-        from .sources.ebpf import build_ebpf_sources
-        out.extend(build_ebpf_sources(e))
-    a = cfg.sources.npu_smi
-    if a.enabled:
-        out.append(NpuSmiSource(path=a.path, timeout_s=a.timeout_s, max_workers=a.max_workers,
-                                offline_timeout_s=a.offline_timeout_s, setup_timeout_s=a.setup_timeout_s))
+    for family in FAMILIES:
+        table = getattr(cfg.sources, family.name)
+        if table.enabled:
+            out.extend(family.build(table))
     return out
 
 
@@ -100,17 +89,37 @@ def process_map(states: list[SourceState]) -> dict[int, set[str]]:
     """pid -> accelerators it uses, merged from every running source that lists processes."""
     out: dict[int, set[str]] = {}
     for st in states:
-        fn = getattr(st.source, "processes", None)
-        if st.state != "running" or fn is None:
+        if st.state != "running":
             continue
         try:
-            found = fn()
+            found = st.source.processes()
         except Exception as e:  # a request for the other accelerators must still go out
             log.warning("source %s: cannot list accelerator processes: %s", st.name, e)
             continue
         for pid, devs in found.items():
             out.setdefault(pid, set()).update(devs)
     return out
+
+
+class InventoryWatch:
+    """Says when this node's inventory changed (a GPU lost, MIG reconfigured, a driver update), so the
+    stream sends it again: checked when a round brings events, else at most every `period_s`."""
+
+    def __init__(self, compute: Callable[[], dict], on_change: Callable[[], None], period_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.compute, self.on_change, self.period_s, self.clock = compute, on_change, period_s, clock
+        self._last: dict | None = None
+        self._checked = float("-inf")
+
+    def check(self, events: list) -> None:
+        now = self.clock()
+        if not events and now - self._checked < self.period_s:
+            return
+        self._checked = now
+        current = self.compute()
+        if self._last is not None and current != self._last:
+            self.on_change()
+        self._last = current
 
 
 class Agent:
@@ -140,7 +149,8 @@ class Agent:
         self.watch = HbmWatch(watch_rules(w), lambda: process_map(self.states), actions=w.actions,
                               signal_name=w.signal, request_dir=w.request_dir,
                               group_by=w.group_by) if w.enabled else None
-        self._watch_lock = threading.Lock()
+        self._sink_lock = threading.Lock()
+        self.inventory_watch = InventoryWatch(lambda: inventory(cfg, self.states), self.stream.inventory_changed)
         self.loop = TierLoop(self.states, periods_from_config(cfg.tiers), self._sink,
                              timeout_ratio=cfg.tiers.timeout_ratio)
         if startup_events:
@@ -153,9 +163,10 @@ class Agent:
     def _sink(self, samples, events) -> None:
         """Tier loop -> HBM watch -> stream (called from the sources' worker threads)."""
         samples = self.pods.label(samples) if self.pods is not None else samples   # [k8s] enabled
-        if self.watch is not None:
-            with self._watch_lock:
+        with self._sink_lock:
+            if self.watch is not None:
                 events = events + self.watch.observe(samples)
+            self.inventory_watch.check(events)
         if self.otlp is not None:
             self.otlp.put(samples)
             if self.otlp.only:   # [export.otlp] only: no collector stream

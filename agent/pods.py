@@ -32,7 +32,11 @@ import os
 import re
 import threading
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
+
+import grpc
+
+from xpusense.podresources.v1 import api_pb2, api_pb2_grpc
 
 from .sources.base import GAUGE, Sample
 
@@ -132,8 +136,6 @@ class Assignment:
 
 def list_pod_resources(socket_path: str, timeout_s: float = 2.0) -> list[Assignment]:
     """The kubelet's pod-resources List: every (pod, container, resource, device ids) assigned."""
-    import grpc
-    from xpusense.podresources.v1 import api_pb2, api_pb2_grpc
     with grpc.insecure_channel(f"unix://{os.path.abspath(socket_path)}") as ch:
         reply = api_pb2_grpc.PodResourcesListerStub(ch).List(api_pb2.ListPodResourcesRequest(), timeout=timeout_s)
     out = []
@@ -222,7 +224,9 @@ class PodLabeler:
         try:
             got = list_pod_resources(self.socket, self.timeout_s)
         except Exception as e:
-            msg = f"pod-resources List on {self.socket} failed: {getattr(e, 'details', lambda: e)()}"
+            details_fn = getattr(e, "details", None)   # grpc.RpcError has details()
+            details = details_fn() if callable(details_fn) else e
+            msg = f"pod-resources List on {self.socket} failed: {details}"
             if msg != self.last_error:
                 log.warning("%s; device assignments are not known until it works", msg)
             self.last_error = msg

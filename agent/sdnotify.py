@@ -16,11 +16,12 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger("xpusense.agent.sdnotify")
 
 
-def notify(message: str, env: dict | None = None) -> bool:
+def notify(message: str, env: Mapping[str, str] | None = None) -> bool:
     """Send one datagram to $NOTIFY_SOCKET; False when there is none or it cannot be reached."""
     env = os.environ if env is None else env
     addr = env.get("NOTIFY_SOCKET", "")
@@ -40,7 +41,7 @@ def notify(message: str, env: dict | None = None) -> bool:
         return False
 
 
-def watchdog_interval_s(env: dict | None = None) -> float:
+def watchdog_interval_s(env: Mapping[str, str] | None = None) -> float:
     """Seconds between WATCHDOG=1 pings (half of $WATCHDOG_USEC), 0 when no watchdog is asked for
     (or it is meant for another process: $WATCHDOG_PID)."""
     env = os.environ if env is None else env
@@ -57,7 +58,8 @@ def watchdog_interval_s(env: dict | None = None) -> float:
 class Watchdog:
     """READY=1 at start(), then WATCHDOG=1 every interval while `progress()` keeps moving."""
 
-    def __init__(self, progress, stall_s: float = 0.0, env: dict | None = None, clock=time.monotonic):
+    def __init__(self, progress: Callable[[], float], stall_s: float = 0.0, env: Mapping[str, str] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.env = dict(os.environ if env is None else env)
         self.progress = progress          # () -> a number that grows while the tier loop works
         self.stall_s = stall_s            # no progress for longer than this: wedged (0: one interval)

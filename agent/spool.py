@@ -27,7 +27,8 @@ import logging
 import os
 import re
 import threading
-from typing import Callable
+from collections.abc import Callable, Iterator
+from typing import BinaryIO, TextIO
 
 import msgpack
 
@@ -72,10 +73,10 @@ class Spool:
         self.on_drop = on_drop
         self.segments: dict[int, Segment] = {}
         self.acked: dict[str, int] = {}
-        self._f = None
+        self._f: BinaryIO | None = None
         self._cur: Segment | None = None
         self._lock = threading.Lock()
-        self._lockf = None
+        self._lockf: TextIO | None = None
         self._dirty = False
         self._acks_dirty = False
         self._stop = threading.Event()
@@ -127,7 +128,7 @@ class Spool:
                      sum(loc.samples for _, loc in found))
         return found
 
-    def _scan(self, seg: Segment):
+    def _scan(self, seg: Segment) -> Iterator[tuple[tuple[str, int], Loc]]:
         with open(seg.path, "rb") as f:
             data = f.read()
         unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1))
@@ -171,6 +172,7 @@ class Spool:
     def append(self, boot: str, seq: int, samples: int, data: bytes) -> Loc:
         rec = msgpack.packb([boot, seq, samples, data], use_bin_type=True)
         with self._lock:
+            assert self._cur is not None and self._f is not None, "append() on a spool that is not open"
             if self._cur.size and self._cur.size + len(rec) > self.segment_bytes:
                 self._roll(self._cur.id + 1)
             seg = self._cur
@@ -215,6 +217,7 @@ class Spool:
             if seg is None:
                 raise KeyError(f"segment {loc.segment} is gone (dropped over budget)")
             if seg is self._cur:
+                assert self._f is not None   # the current segment is always open
                 self._f.flush()
             path = seg.path
         with open(path, "rb") as f:

@@ -12,43 +12,25 @@ from __future__ import annotations
 
 import collections
 import logging
-import random
 import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import grpc
 
+from xpusense.common.backoff import backoff_delays
+from xpusense.common.config import split_host_port
+from xpusense.common.tls import channel_options
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
-from .config import split_host_port
 from .sources.base import COUNTER, GAUGE, HISTOGRAM, Event, Sample
 
 log = logging.getLogger("xpusense.agent.stream")
 
 KINDS = {GAUGE: pb.GAUGE, COUNTER: pb.COUNTER, HISTOGRAM: pb.HISTOGRAM}
-
-CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_send_message_length", 16 * 1024 * 1024),
-]
-
-
-def channel_options(backoff_initial_s: float = 0.2, backoff_max_s: float = 10.0) -> list[tuple[str, int]]:
-    """CHANNEL_OPTIONS plus gRPC's own reconnect backoff bounded like ours: left at its defaults
-    (up to 120 s), a channel that failed for a while does not even try to connect when our loop
-    asks it to, and an agent found its collector a minute after it was back."""
-    return CHANNEL_OPTIONS + [
-        ("grpc.initial_reconnect_backoff_ms", max(1, int(backoff_initial_s * 1000))),
-        ("grpc.min_reconnect_backoff_ms", max(1, int(backoff_initial_s * 1000))),
-        ("grpc.max_reconnect_backoff_ms", max(1, int(backoff_max_s * 1000))),
-    ]
-
 
 def sample_to_proto(s: Sample, series_ref: int = 0) -> pb.Sample:
     m = pb.Sample(name=s.name, unit=s.unit, kind=KINDS[s.kind], labels=s.labels, value=s.value,
@@ -75,13 +57,12 @@ def resolve(address: str) -> None:
         raise ValueError(f"collector address {address!r}: host {host!r} does not resolve ({e.strerror})") from None
 
 
-def backoff_delays(initial_s: float, max_s: float, rng: random.Random | None = None):
-    """Exponential backoff with full jitter in [d/2, d], d doubling from initial_s up to max_s."""
-    rng = rng or random.Random()
-    d = initial_s
-    while True:
-        yield rng.uniform(d / 2, d)
-        d = min(d * 2, max_s)
+class _StreamCall(Protocol):
+    """What the Ingest.Stream call returns (a grpc call that is also an iterator of replies)."""
+
+    def __iter__(self) -> Iterator[pb.CollectorMessage]: ...
+
+    def cancel(self) -> bool: ...
 
 
 class StreamClient:
@@ -99,7 +80,7 @@ class StreamClient:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.agent_version = agent_version
-        # How to reach the collector (agent/tls.py builds mTLS / token channels); default plaintext.
+        # How to reach the collector (common/tls.py builds mTLS / token channels); default plaintext.
         self.make_channel = channel or (lambda: grpc.insecure_channel(
             address, options=channel_options(backoff_initial_s, backoff_max_s)))
 
@@ -116,7 +97,7 @@ class StreamClient:
         self._inventory_dirty = False
         self._stop = threading.Event()
         self._conn_closed = True
-        self._call = None
+        self._call: _StreamCall | None = None
         self._threads: list[threading.Thread] = []
         # Figures, reported by the agent source and by `status()`.
         self.connected = False
@@ -137,6 +118,7 @@ class StreamClient:
                 self._cut_locked()
 
     def inventory_changed(self) -> None:
+        """Send the inventory again on the open stream (Agent calls it when its inventory changes)."""
         with self._cond:
             self._inventory_dirty = True
             self._cond.notify_all()
@@ -300,8 +282,9 @@ class StreamClient:
                     self._unsent = collections.deque(self._pending)  # resend all not acknowledged, in order
                     self._inventory_dirty = False
                 try:
-                    self._call = stub.Stream(self._requests())
-                    for msg in self._call:
+                    call: _StreamCall = stub.Stream(self._requests())
+                    self._call = call
+                    for msg in call:
                         if not self.connected:
                             self.connected = True
                             self.reconnects += 1

@@ -14,9 +14,21 @@ import logging
 import threading
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
-from .sources.base import COUNTER, Event, NEARLINE, OFFLINE, REALTIME, TIERS, Sample, Source, SourceError, Unavailable, stamp
+from .sources.base import (
+    COUNTER,
+    NEARLINE,
+    OFFLINE,
+    REALTIME,
+    TIERS,
+    Event,
+    Sample,
+    Source,
+    SourceError,
+    Unavailable,
+    stamp,
+)
 
 log = logging.getLogger("xpusense.agent.tiers")
 
@@ -107,6 +119,7 @@ class TierLoop:
                                       {"source": st.name}, COUNTER, now_ns)], [])
                     continue
                 st.busy.add(tier)
+            assert st.pool is not None   # every state is given its pool in __init__
             fut = st.pool.submit(self._run, st, tier, now_ns, timeout_s)
             futures.append(fut)
             with self._lock:

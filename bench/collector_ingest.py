@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import uuid
+
 from _proc import cpu_s, free_port, stop, tail, tool, wait_collector
 
 GOAL_BATCHES_S = 2000.0
@@ -227,7 +228,7 @@ async def run_agent(ag: SimAgent, address: str, rate: float, window: int, phase_
         if ag.sent_ns:
             try:
                 await asyncio.wait_for(drained.wait(), 15.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 fails.append(f"{ag.node_id}: {len(ag.sent_ns)} batches not acknowledged 15 s after the end")
         rtask.cancel()
         await call.done_writing()
@@ -282,6 +283,7 @@ def worker(indices: list[int], address: str, rate: float, window: int, cpus: lis
 # -- the parent: collector, workers, figures ------------------------------------------------------------
 def list_bench_nodes(address: str) -> list:
     import grpc
+
     from xpusense.v1 import telemetry_pb2 as pb
     from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
     with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 256 * 1024 * 1024)]) as ch:

@@ -4,7 +4,7 @@ In one run, under one fixed workload (pipe ping-pong for context switches, 4 KiB
 by fsync on a file of the root disk, UDP over a veth pair between two network namespaces of this
 bench's own), it runs at the same time:
 
-- an agent-like process: every probe of agent/sources/ebpf.py driven by the real tier loop
+- an agent-like process: every probe of agent/sources/ebpf/ driven by the real tier loop
   (agent/tiers.py) with a discarding sink; tc_traffic attached to the bench's veth only;
 - bcc's `runqlat-bpfcc` (same three sched tracepoints as our runqlat; bcc attaches raw tracepoints);
 - a bpftrace histogram on the same block tracepoint pair our blkio uses here.
@@ -102,10 +102,10 @@ BLOCK_PAIRS = {"io_start": ("block_io_start", "block_io_done"), "rq_issue": ("bl
 def agent_child(cfg_json: str, ready_path: str) -> int:
     """Set up every probe through the real tier loop, report, run until stdin closes or says quit."""
     t_start = time.monotonic()
-    from xpusense.agent.sources.ebpf import build_ebpf_sources
+    from xpusense.agent.sources.ebpf.family import build, table_from
     from xpusense.agent.tiers import TierLoop, setup_sources
 
-    sources = build_ebpf_sources(json.loads(cfg_json))
+    sources = build(table_from(json.loads(cfg_json)))
     states, _events = setup_sources(sources)
     startup_s = time.monotonic() - t_start
     counted = {"samples": 0}
@@ -250,9 +250,9 @@ def main() -> int:
             sh("ip", "-n", ns, "link", "set", ifname, "up")
 
         # Which block tracepoint pair our blkio uses here decides bpftrace's.
-        from xpusense.agent.sources import ebpf
+        from xpusense.agent.sources.ebpf.family import plans_for, table_from
         cfg = {"tc_netns": ns_a, "tc_interfaces": [if_a]}
-        plans, why = ebpf.plans_for(cfg)
+        plans, why = plans_for(table_from(cfg))
         blk_variant = next((p.variant.name for p in plans if p.probe.name == "blkio"), "rq_issue")
 
         # Start all three at once: each compiles/loads on its own.
@@ -292,7 +292,7 @@ def main() -> int:
                 lines.append(q.get())
             seen.buf = getattr(seen, "buf", {})
             seen.buf.setdefault(id(q), []).extend(lines)
-            return any(text in l for l in seen.buf[id(q)])
+            return any(text in line for line in seen.buf[id(q)])
         if rq:
             wait_for(lambda: seen(rq_lines, "Tracing run queue latency") or rq.poll() is not None, 60, "runqlat-bpfcc")
         if bt:
@@ -328,7 +328,8 @@ def main() -> int:
             cnt, ns = delta(before["agent"], after["agent"], src["prog_ids"])
             total_ns += ns
             rows.append({"what": f"xpusense {name}" + (f" ({src.get('variant')})" if src.get("variant") else ""),
-                         "events": cnt, "events_per_s": round(cnt / wall), "ns_per_event": round(ns / cnt, 1) if cnt else None})
+                         "events": cnt, "events_per_s": round(cnt / wall),
+                         "ns_per_event": round(ns / cnt, 1) if cnt else None})
         if rq:
             cnt, ns = delta(before["rq"], after["rq"], after["rq"].keys())
             rows.append({"what": "bcc runqlat-bpfcc (raw tracepoints)", "events": cnt, "events_per_s": round(cnt / wall),

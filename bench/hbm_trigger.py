@@ -92,7 +92,8 @@ def main() -> int:
            "p99_over_window_ms": round(q(0.99) - a.window_s * 1000, 1)}
     print(f"HBM watch trigger latency, {len(lat)} requests, window {a.window_s:g} s, realtime tier {a.realtime_s:g} s")
     print(f"  threshold crossed -> helper callback   p50 {res['p50_ms']:.0f} ms   p99 {res['p99_ms']:.0f} ms")
-    print(f"  of which beyond the window             p50 {res['p50_over_window_ms']:.0f} ms   p99 {res['p99_over_window_ms']:.0f} ms")
+    print(f"  of which beyond the window             p50 {res['p50_over_window_ms']:.0f} ms"
+          f"   p99 {res['p99_over_window_ms']:.0f} ms")
     print(json.dumps(res))
     return 0
 

@@ -2,7 +2,7 @@
 every node streams at 1 s.
 
 One process, one asyncio loop, as in the collector: a FleetState with the scheduler core attached
-(collector.scheduler.Scheduler, following the state through its watcher) and the real gRPC server
+(collector.scheduler.core.Scheduler, following the state through its watcher) and the real gRPC server
 (collector.server.start_server: Ingest, Query, Scheduler) on 127.0.0.1. The fleet is fed through
 the ingest path in-process: every node says Hello with an inventory of 8 devices (a third
 A100-SXM4-80GB with NVLink, a third Ascend-910B 64GB, a third Ascend-910B4 32GB; labels region,
@@ -13,8 +13,8 @@ the collector. The collector's gc.freeze() routine runs as in `serve`.
 
 Measured over --seconds after --warmup-s, per fleet size:
 - in-process: Scheduler.place(request) on the loop, timed around the call (answer proto included),
-  one decision every --interval-ms (x nodes / 2,000 above 2,000 nodes), requests rotating over four shapes (GPU 40GB x2 with data
-  region and replica zones; any 16GB x8 in one domain; NPU 32GB x4 with region residency; any
+  one decision every --interval-ms (x nodes / 2,000 above 2,000 nodes), requests rotating over four
+  shapes (GPU 40GB x2 with data region and replica zones; any 16GB x8 in one domain; NPU 32GB x4 with region residency; any
   60GB x1 in two allowed regions); `inproc_cpu` is the same calls' CPU time on the loop thread
   (time.thread_time), which leaves out what preempted the thread (other processes, gRPC threads);
 - over gRPC: a client process calling Scheduler/Place in a closed loop (one call at a time, a
@@ -93,6 +93,7 @@ def requests():
 def config():
     """Collector config with a region matrix, through the checked loader."""
     import tempfile
+
     from xpusense.collector.config import load_collector
     lines = ["[scheduler.region_latency_ms]"]
     lines += [f'"{a}/{b}" = {10 + 10 * abs(i - j)}' for i, a in enumerate(REGIONS) for j, b in enumerate(REGIONS) if i < j]
@@ -169,7 +170,8 @@ class Fleet:
         if r < 0.001:      # about one node in a thousand per second: an XID, or the HBM watch firing
             kind, pattern = KINDS[self.kind[i]][0], KINDS[self.kind[i]][6]
             etype = "xid" if kind == "GPU" and r < 0.0005 else "checkpoint_request"
-            b.events.add(id=f"e{self.events}", type=etype, severity="critical", device=pattern.format(self.rng.randrange(DEVICES)),
+            device = pattern.format(self.rng.randrange(DEVICES))
+            b.events.add(id=f"e{self.events}", type=etype, severity="critical", device=device,
                          message="bench", attributes={"xid": "79"} if etype == "xid" else {}, time_unix_nano=t)
             self.events += 1
         return b
@@ -179,6 +181,7 @@ def grpc_client(addr: str, seconds: float, pause_s: float, conn) -> None:
     """Closed-loop Place calls from another process; sends back the latencies (ms)."""
     pin_client()
     import grpc
+
     from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
     reqs = requests()
     lat = []
@@ -312,7 +315,8 @@ def main() -> int:
         # Fewer in-process decisions at 10,000 nodes, so the loop still has room to ingest.
         interval = args.interval_ms * max(1.0, n / 2000)
         results.append(asyncio.run(run_size(n, args.seconds, args.warmup_s, interval, args.seed)))
-    head = f"{'nodes':>6} {'path':<10} {'decisions':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8}  ingest batches/s (target)"
+    head = (f"{'nodes':>6} {'path':<10} {'decisions':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8}"
+            "  ingest batches/s (target)")
     print(head)
     for r in results:
         for path in ("inproc", "inproc_cpu", "grpc"):

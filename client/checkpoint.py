@@ -27,8 +27,14 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 DEFAULT_DIR = os.environ.get("XPUSENSE_CHECKPOINT_DIR", "/run/xpusense/checkpoint")
+
+# What signal.signal() returns: a handler, SIG_DFL/SIG_IGN (ints), or None (not set from Python).
+_Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
 class CheckpointRequests:
@@ -46,10 +52,10 @@ class CheckpointRequests:
         self._seen: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._previous_handler = None
+        self._previous_handler: _Handler = None
 
     # -- set-up ------------------------------------------------------------------------------
-    def install(self) -> "CheckpointRequests":
+    def install(self) -> CheckpointRequests:
         if self.signum is not None:
             self._previous_handler = signal.signal(self.signum, self._on_signal)
         if self.directory:

@@ -29,8 +29,8 @@ import stat
 
 import grpc
 
-from xpusense.agent.config import ConfigError, split_host_port
-from xpusense.agent.tls import is_loopback_host
+from xpusense.common.config import ConfigError, split_host_port
+from xpusense.common.tls import is_loopback_host
 
 from .certs import NODE_URI_PREFIX, parse_tokens, token_hash
 from .limits import RateLimitedLog
@@ -77,7 +77,9 @@ def cert_identities(pem: bytes) -> tuple[list[str], bool]:
         return uris, client_ok
     if dns:
         return list(dns), client_ok
-    return [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)], client_ok
+    # a CN's value is always a str (bytes only occur for X500UniqueIdentifier attributes)
+    return [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+            if isinstance(a.value, str)], client_ok
 
 
 class Security:
@@ -98,7 +100,7 @@ class Security:
         self.loopback = is_loopback_host(host)
 
     @classmethod
-    def from_config(cls, cfg, where: str = "configuration") -> "Security":
+    def from_config(cls, cfg, where: str = "configuration") -> Security:
         """Read the files the config names; ConfigError (one line naming the key) when unusable."""
         t = cfg.tls
         if bool(t.cert) != bool(t.key):
@@ -212,6 +214,7 @@ class Security:
         if not tok:
             return grpc.StatusCode.UNAUTHENTICATED, "no bearer token (authorization metadata)"
         h = token_hash(tok)
+        assert self.tokens is not None   # only called when tokens are configured
         want = self.tokens.get(node_id)
         if want is not None and hmac.compare_digest(h, want):
             return None, ""
@@ -224,6 +227,7 @@ class Security:
         if not tok:
             return False
         h = token_hash(tok)
+        assert self.tokens is not None   # the token interceptor exists only when tokens are configured
         return any(hmac.compare_digest(h, w) for w in self.tokens.values())
 
     def interceptors(self) -> list:

@@ -105,7 +105,7 @@ def _load_or_make_ca(d: Path, days: int):
     key = _new_key()
     name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "xpusense"),
                       x509.NameAttribute(NameOID.COMMON_NAME, f"xpusense fleet CA {secrets.token_hex(4)}")])
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
             .serial_number(x509.random_serial_number())
@@ -126,7 +126,7 @@ def _leaf(ca_cert, ca_key, cn: str, sans: list, server: bool, days: int):
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
     key = _new_key()
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     eku = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "xpusense"),
@@ -208,12 +208,13 @@ def make_tokens(out: str, nodes: list[str]) -> dict:
     d = _out_dir(out)
     table_path = d / "tokens"
     table = parse_tokens(table_path.read_text(), str(table_path)) if table_path.exists() else {}
-    paths = {"tokens_file": str(table_path), "nodes": {}}
+    node_paths: dict[str, str] = {}
+    paths = {"tokens_file": str(table_path), "nodes": node_paths}
     for n in nodes:
         tok = secrets.token_urlsafe(32)
         write_private(d / f"{n}.token", (tok + "\n").encode())
         table[n] = token_hash(tok)
-        paths["nodes"][n] = str(d / f"{n}.token")
+        node_paths[n] = str(d / f"{n}.token")
     body = "# node id, SHA-256 of its token (xpusense-collector tokens); the collector's tokens_file\n"
     body += "".join(f"{n} {h}\n" for n, h in sorted(table.items()))
     write_private(table_path, body.encode())

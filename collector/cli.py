@@ -15,11 +15,20 @@ import time
 
 import grpc
 
-from xpusense.agent.config import DEFAULT_ADDRESS, ConfigError, split_host_port
+from xpusense.common.config import DEFAULT_ADDRESS, ConfigError, split_host_port
+from xpusense.common.tls import make_channel
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
+from .auth import Security
+from .certs import CertError, make_certs, make_tokens
 from .config import load_collector
+from .exporters import Exporters
+from .limits import Limits
+from .scheduler.service import add_place_parser, place_command
+from .server import BindError, check_bind, serve
+from .state import FleetState
+from .store import Store, StoreError
 from .views import node_to_dict, render_table
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -47,7 +56,6 @@ def _parser() -> argparse.ArgumentParser:
             q.add_argument("--prefix", default="", help="only series whose name starts with this")
         else:
             q.add_argument("--interval-s", type=float, default=1.0)
-    from .scheduler_service import add_place_parser
     _client_security_flags(add_place_parser(sub, os.environ.get("XPUSENSE_COLLECTOR", DEFAULT_ADDRESS)))
     c = sub.add_parser("certs", help="make a CA, the collector's certificate and one client certificate per node")
     c.add_argument("--out", required=True, metavar="DIR", help="where to write them (a CA already there is reused)")
@@ -71,9 +79,8 @@ def _client_security_flags(q) -> None:
 
 
 def _query_channel(args):
-    """A channel factory for nodes/top from the security flags (agent/tls.py rules)."""
+    """A channel factory for nodes/top from the security flags (common/tls.py rules)."""
     from types import SimpleNamespace
-    from xpusense.agent.tls import make_channel
     keys = SimpleNamespace(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                            token_file=args.token_file, insecure=args.insecure)
     names = {"address": "--collector", "tls_ca": "--tls-ca", "tls_cert": "--tls-cert", "tls_key": "--tls-key",
@@ -92,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd in ("nodes", "top", "place"):
             args.channel = _query_channel(args)
         if args.cmd == "place":
-            from .scheduler_service import place_command
             return place_command(args)
         return {"nodes": _nodes, "top": _top}[args.cmd](args)
     except (ConfigError, ValueError) as e:
@@ -101,12 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args) -> int:
-    from .server import BindError, check_bind, serve
-    from .state import FleetState
     cfg = load_collector(args.config or os.environ.get("XPUSENSE_COLLECTOR_CONFIG"),
                          {"listen": args.listen, "log_level": args.log_level, "data_dir": args.data_dir})
-    from .auth import Security
-    from .limits import Limits
     security = Security.from_config(cfg, args.config or "configuration")   # ConfigError: exit 2, names the key
     limits = Limits.from_config(cfg.limits)
     try:
@@ -116,9 +118,7 @@ def _serve(args) -> int:
         return EXIT_FAIL
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     security.warn_at_start()
-    from .store import Store, StoreError
     state = FleetState(history_s=cfg.history_s, events_kept=cfg.events_kept)
-    from .exporters import Exporters
     exporters = Exporters.from_config(cfg, state)   # OTLP / Prometheus (docs/export.md)
     store = None
     if cfg.data_dir:
@@ -169,7 +169,7 @@ async def freeze_long_lived(stop: asyncio.Event, every_s: float = 5.0) -> None:
         try:
             await asyncio.wait_for(stop.wait(), every_s)
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -224,7 +224,6 @@ def _top(args) -> int:
 
 def _certs(args) -> int:
     """`certs` and `tokens`: credentials for a fleet (collector/certs.py), and the config keys to use."""
-    from .certs import CertError, make_certs, make_tokens
     nodes = args.nodes.split(",")
     try:
         if args.cmd == "tokens":

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from xpusense.agent.config import DEFAULT_ADDRESS, Key, host_port, load, log_level, positive
+from xpusense.common.config import DEFAULT_ADDRESS, Key, host_port, load, log_level, positive
+from xpusense.common.otlp import otlp_schema
 
-from xpusense.agent.otlp_config import otlp_schema
-
-from .scheduler import SCHEDULER_SCHEMA, check_config
+from .scheduler.config import SCHEDULER_SCHEMA, check_config
 
 OTLP_EXPORT_SCHEMA = otlp_schema(collector=True)
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 import logging
 
 from .inventory_book import InventoryBook
+from .otlp_export import MemoryQueue, OtlpExport, StoreQueue
+from .prometheus import PrometheusEndpoint
+from .server import BindError
 
 log = logging.getLogger("xpusense.collector.export")
 
@@ -26,27 +29,23 @@ class Exporters:
         self.prometheus = None
 
     @classmethod
-    def from_config(cls, cfg, state) -> "Exporters":
+    def from_config(cls, cfg, state) -> Exporters:
         return cls(cfg, state)
 
     def use_store(self, store) -> None:
         self.store = store
         if self.cfg.export.otlp.enabled:
-            from .otlp_export import StoreQueue
             self.otlp_queue = StoreQueue(store)
 
     def start(self) -> None:
         """Raises server.BindError when the Prometheus port cannot be had."""
         e = self.cfg.export
         if e.otlp.enabled:
-            from .otlp_export import MemoryQueue, OtlpExport
             if self.otlp_queue is None:
                 self.otlp_queue = MemoryQueue(e.otlp.queue_batches).watch(self.state)
             self.otlp = OtlpExport(e.otlp, self.book, self.otlp_queue)
             self.otlp.start()
         if e.prometheus.enabled:
-            from .prometheus import PrometheusEndpoint
-            from .server import BindError
             self.prometheus = PrometheusEndpoint(e.prometheus, self.state, self.book)
             try:
                 self.prometheus.start()

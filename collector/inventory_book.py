@@ -14,12 +14,12 @@ from xpusense.v1 import telemetry_pb2 as pb
 
 
 class InventoryBook:
-    def __init__(self):
+    def __init__(self) -> None:
         self._raw: dict[str, bytes] = {}
         self._parsed: dict[str, tuple[bytes, pb.Inventory]] = {}
         self._lock = threading.Lock()
 
-    def watch(self, state) -> "InventoryBook":
+    def watch(self, state) -> InventoryBook:
         state.watchers.append(self._on_change)
         return self
 

@@ -29,7 +29,8 @@ import dataclasses
 import inspect
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -88,6 +89,19 @@ class Limits:
     MAX_TRACKED_BOOTS = 20_000          # node boots whose checked series references are remembered
     MAX_BUCKETS = 100_000               # rate buckets kept before full (idle) ones are forgotten
 
+    # The limits (set in __init__ from DEFAULTS and the keyword arguments).
+    max_samples_per_batch: int
+    max_events_per_batch: int
+    max_labels_per_sample: int
+    max_label_key_len: int
+    max_label_value_len: int
+    max_name_len: int
+    max_text_len: int
+    max_histogram_buckets: int
+    max_series_per_boot: int
+    batches_per_s: float
+    burst_batches: int
+
     def __init__(self, clock: Callable[[], float] = time.monotonic, **limits):
         unknown = set(limits) - set(DEFAULTS)
         if unknown:
@@ -101,7 +115,7 @@ class Limits:
         self.log = RateLimitedLog(log)
 
     @classmethod
-    def from_config(cls, limits_cfg, **kw) -> "Limits":
+    def from_config(cls, limits_cfg, **kw) -> Limits:
         return cls(**{k: getattr(limits_cfg, k) for k in DEFAULTS}, **kw)
 
     # -- the check
@@ -130,6 +144,11 @@ class Limits:
         for e in batch.events:
             if (v := self._check_event(e)) is not None:
                 return v
+        return self._check_samples(node_id, batch)
+
+    def _check_samples(self, node_id: str, batch: pb.Batch) -> Violation | None:
+        """Each series of this boot is checked once (by its series_ref); a new one counts against
+        max_series_per_boot."""
         key = (node_id, batch.boot_id)
         checked = self._checked.get(key)
         if checked is None:
@@ -278,27 +297,34 @@ class _MalformedInput(grpc.aio.ServerInterceptor):
                     await guard._abort(context, why)
                 yield m
 
-        if h.stream_stream:
-            async def behavior(it, context):
-                async for out in h.stream_stream(requests(it, context), context):
-                    yield out
-            make = grpc.stream_stream_rpc_method_handler
-        elif h.stream_unary:
-            async def behavior(it, context):
-                return await h.stream_unary(requests(it, context), context)
-            make = grpc.stream_unary_rpc_method_handler
-        elif h.unary_stream:
-            async def behavior(req, context):
-                if isinstance(req, _Malformed):
-                    await guard._abort(context, req.why)
-                async for out in h.unary_stream(req, context):
-                    yield out
-            make = grpc.unary_stream_rpc_method_handler
-        else:
-            async def behavior(req, context):
-                if isinstance(req, _Malformed):
-                    await guard._abort(context, req.why)
-                return await h.unary_unary(req, context)
-            make = grpc.unary_unary_rpc_method_handler
-        return make(behavior, request_deserializer=_lenient(h.request_deserializer),
-                    response_serializer=h.response_serializer)
+        return _guarded_handler(h, requests, guard)
+
+
+def _guarded_handler(h, requests, guard: _MalformedInput):
+    """The same kind of handler as `h`, reading its requests through `requests` (which aborts the
+    call on a malformed message)."""
+    behavior: Callable[..., Any]   # an async generator function (streamed replies) or a coroutine function
+    if h.stream_stream:
+        async def stream_stream(it, context):
+            async for out in h.stream_stream(requests(it, context), context):
+                yield out
+        behavior, make = stream_stream, grpc.stream_stream_rpc_method_handler
+    elif h.stream_unary:
+        async def stream_unary(it, context):
+            return await h.stream_unary(requests(it, context), context)
+        behavior, make = stream_unary, grpc.stream_unary_rpc_method_handler
+    elif h.unary_stream:
+        async def unary_stream(req, context):
+            if isinstance(req, _Malformed):
+                await guard._abort(context, req.why)
+            async for out in h.unary_stream(req, context):
+                yield out
+        behavior, make = unary_stream, grpc.unary_stream_rpc_method_handler
+    else:
+        async def unary_unary(req, context):
+            if isinstance(req, _Malformed):
+                await guard._abort(context, req.why)
+            return await h.unary_unary(req, context)
+        behavior, make = unary_unary, grpc.unary_unary_rpc_method_handler
+    return make(behavior, request_deserializer=_lenient(h.request_deserializer),
+                response_serializer=h.response_serializer)

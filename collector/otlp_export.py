@@ -1,5 +1,5 @@
 """OTLP export from the collector: every point the fleet stored, to an OpenTelemetry backend over
-OTLP gRPC (opentelemetry-sdk's OTLPMetricExporter; conversion in agent/otlp_export.py).
+OTLP gRPC (opentelemetry-sdk's OTLPMetricExporter; conversion in common/otlp.py).
 
 Where the points come from:
 - with a data_dir, the durable store is the export queue: a `StoreReader(store, "otlp")` reads the
@@ -22,11 +22,24 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from typing import TYPE_CHECKING
 
-from xpusense.agent.otlp_export import (OtlpSender, StartTimes, backoff_delays, device_attributes,
-                                        metrics_data, resource_attributes)
+from xpusense.common.backoff import backoff_delays
+from xpusense.common.otlp import (
+    OtlpSender,
+    StartTimes,
+    device_attributes,
+    metrics_data,
+    resource_attributes,
+)
 
 from .inventory_book import InventoryBook
+from .store import StoreReader
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import MetricsData
+
+    from xpusense.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("xpusense.collector.otlp")
 
@@ -35,7 +48,6 @@ class StoreQueue:
     """The durable store as the export queue (collector/store.py StoreReader, cursor `otlp`)."""
 
     def __init__(self, store, name: str = "otlp"):
-        from .store import StoreReader
         self.reader = StoreReader(store, name)
         self._k = 64   # batches per read, shrunk when they hold more points than one request takes
 
@@ -63,13 +75,13 @@ class MemoryQueue:
 
     def __init__(self, max_batches: int):
         self.max_batches = max_batches
-        self._q: collections.deque = collections.deque()
+        self._q: collections.deque[tuple[int, pb.Batch]] = collections.deque()   # (seq, batch)
         self._seq = 0
         self._lock = threading.Lock()
         self.dropped_batches = 0
         self.dropped_points = 0
 
-    def watch(self, state) -> "MemoryQueue":
+    def watch(self, state) -> MemoryQueue:
         state.watchers.append(self._on_batch)
         return self
 
@@ -88,8 +100,10 @@ class MemoryQueue:
                                 "%d points so far; the backend is slow or away (set data_dir for a "
                                 "durable queue)", self.max_batches, self.dropped_batches, self.dropped_points)
 
-    def peek(self, max_points: int):
-        out, points, last = [], 0, None
+    def peek(self, max_points: int) -> tuple[list[pb.Batch], int | None]:
+        out: list[pb.Batch] = []
+        points = 0
+        last: int | None = None
         with self._lock:
             for seq, b in self._q:
                 if out and points + len(b.samples) > max_points:
@@ -128,7 +142,7 @@ class OtlpExport:
         self.last_error = ""
         self._thread: threading.Thread | None = None
 
-    def convert(self, batches):
+    def convert(self, batches: list[pb.Batch]) -> MetricsData:
         by_node: dict[str, list] = {}
         for b in batches:
             by_node.setdefault(b.node_id, []).extend(b.samples)

@@ -23,11 +23,21 @@ from __future__ import annotations
 import logging
 import math
 import re
+import threading
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
+from xpusense.common import metric_names as m
+from xpusense.common.config import split_host_port
 from xpusense.v1 import telemetry_pb2 as pb
 
 from .inventory_book import InventoryBook
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from prometheus_client.metrics_core import Metric
 
 log = logging.getLogger("xpusense.collector.prometheus")
 
@@ -38,36 +48,39 @@ UNIT_SUFFIX = {"By": "bytes", "s": "seconds", "ms": "milliseconds", "ns": "nanos
 # dcgm-exporter's names (NVIDIA/dcgm-exporter etc/default-counters.csv and etc/dcp-metrics-included.csv;
 # labels gpu, UUID, device, modelName, Hostname, as dcgm-exporter writes them): our series -> (name,
 # scale, type, help). Units are DCGM's: % (0-100), MiB, W, C, mJ, MHz, ratio 0-1 for DCGM_FI_PROF_*.
-DCGM = {
-    ("hw.gpu.utilization", ()): ("DCGM_FI_DEV_GPU_UTIL", 100.0, "gauge", "GPU utilization (in %)."),
-    ("xpusense.accelerator.memory_controller.utilization", ()):
+# A series: (name, its labels that select the mapped name, as (key, value) pairs).
+_SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
+
+DCGM: dict[_SeriesKey, tuple[str, float, str, str]] = {
+    (m.GPU_UTILIZATION, ()): ("DCGM_FI_DEV_GPU_UTIL", 100.0, "gauge", "GPU utilization (in %)."),
+    (m.MEMORY_CONTROLLER_UTILIZATION, ()):
         ("DCGM_FI_DEV_MEM_COPY_UTIL", 100.0, "gauge", "Memory utilization (in %)."),
-    ("hw.gpu.memory.usage", ()): ("DCGM_FI_DEV_FB_USED", 1 / 2**20, "gauge", "Framebuffer memory used (in MiB)."),
-    ("xpusense.accelerator.memory.free", ()): ("DCGM_FI_DEV_FB_FREE", 1 / 2**20, "gauge",
+    (m.GPU_MEMORY_USAGE, ()): ("DCGM_FI_DEV_FB_USED", 1 / 2**20, "gauge", "Framebuffer memory used (in MiB)."),
+    (m.MEMORY_FREE, ()): ("DCGM_FI_DEV_FB_FREE", 1 / 2**20, "gauge",
                                                "Framebuffer memory free (in MiB)."),
-    ("hw.power", ()): ("DCGM_FI_DEV_POWER_USAGE", 1.0, "gauge", "Power draw (in W)."),
-    ("hw.temperature", (("sensor", "chip"),)): ("DCGM_FI_DEV_GPU_TEMP", 1.0, "gauge", "GPU temperature (in C)."),
-    ("hw.temperature", (("sensor", "hbm"),)): ("DCGM_FI_DEV_MEMORY_TEMP", 1.0, "gauge", "Memory temperature (in C)."),
-    ("hw.energy", ()): ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 1000.0, "counter",
+    (m.POWER, ()): ("DCGM_FI_DEV_POWER_USAGE", 1.0, "gauge", "Power draw (in W)."),
+    (m.TEMPERATURE, (("sensor", "chip"),)): ("DCGM_FI_DEV_GPU_TEMP", 1.0, "gauge", "GPU temperature (in C)."),
+    (m.TEMPERATURE, (("sensor", "hbm"),)): ("DCGM_FI_DEV_MEMORY_TEMP", 1.0, "gauge", "Memory temperature (in C)."),
+    (m.ENERGY, ()): ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 1000.0, "counter",
                         "Total energy consumption since boot (in mJ)."),
     # GPM DRAM bandwidth utilisation is the closest we have to DCP's DRAM active ratio (0-1).
-    ("xpusense.accelerator.hbm.bandwidth.utilization", ()):
+    (m.HBM_BANDWIDTH_UTILIZATION, ()):
         ("DCGM_FI_PROF_DRAM_ACTIVE", 1.0, "gauge",
          "Ratio of cycles the device memory interface is active sending or receiving data."),
-    ("xpusense.accelerator.sm.utilization", ()):
+    (m.SM_UTILIZATION, ()):
         ("DCGM_FI_PROF_SM_ACTIVE", 1.0, "gauge", "The ratio of cycles an SM has at least 1 warp assigned."),
-    ("xpusense.accelerator.cube.utilization", ()):
+    (m.CUBE_UTILIZATION, ()):
         ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", 1.0, "gauge", "Ratio of cycles the tensor (HMMA) pipe is active."),
-    ("xpusense.accelerator.clock.frequency", (("clock", "sm"),)):
+    (m.CLOCK_FREQUENCY, (("clock", "sm"),)):
         ("DCGM_FI_DEV_SM_CLOCK", 1e-6, "gauge", "SM clock frequency (in MHz)."),
-    ("xpusense.accelerator.clock.frequency", (("clock", "memory"),)):
+    (m.CLOCK_FREQUENCY, (("clock", "memory"),)):
         ("DCGM_FI_DEV_MEM_CLOCK", 1e-6, "gauge", "Memory clock frequency (in MHz)."),
-    ("xpusense.accelerator.memory.remapped_rows", (("type", "correctable"),)):
+    (m.REMAPPED_ROWS, (("type", "correctable"),)):
         ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", 1.0, "counter", "Number of remapped rows for correctable errors"),
-    ("xpusense.accelerator.memory.remapped_rows", (("type", "uncorrectable"),)):
+    (m.REMAPPED_ROWS, (("type", "uncorrectable"),)):
         ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", 1.0, "counter",
          "Number of remapped rows for uncorrectable errors"),
-    ("xpusense.accelerator.memory.remap_failed", ()):
+    (m.REMAP_FAILED, ()):
         ("DCGM_FI_DEV_ROW_REMAP_FAILURE", 1.0, "gauge", "Whether remapping of rows has failed"),
 }
 
@@ -76,19 +89,19 @@ DCGM = {
 # physical id), `model_name`, and, as its newer versions write them, `container_name`, `namespace`,
 # `pod_name` (empty here: pod attribution is on the process series), plus `node` (our node id; one
 # collector serves many nodes where npu-exporter runs per node).
-NPU = {
-    ("hw.gpu.utilization", ()): ("npu_chip_info_utilization", 100.0, "the ai core utilization"),
-    ("xpusense.accelerator.vector.utilization", ()):
+NPU: dict[_SeriesKey, tuple[str, float, str]] = {
+    (m.GPU_UTILIZATION, ()): ("npu_chip_info_utilization", 100.0, "the ai core utilization"),
+    (m.VECTOR_UTILIZATION, ()):
         ("npu_chip_info_vector_utilization", 100.0, "the vector core utilization"),
-    ("hw.gpu.memory.usage", ()): ("npu_chip_info_hbm_used_memory", 1 / 2**20, "the npu hbm used memory"),
-    ("hw.gpu.memory.limit", ()): ("npu_chip_info_hbm_total_memory", 1 / 2**20, "the npu hbm total memory"),
-    ("hw.gpu.memory.utilization", ()): ("npu_chip_info_hbm_utilization", 100.0, "the npu hbm utilization"),
-    ("xpusense.accelerator.hbm.bandwidth.utilization", ()):
+    (m.GPU_MEMORY_USAGE, ()): ("npu_chip_info_hbm_used_memory", 1 / 2**20, "the npu hbm used memory"),
+    (m.GPU_MEMORY_LIMIT, ()): ("npu_chip_info_hbm_total_memory", 1 / 2**20, "the npu hbm total memory"),
+    (m.GPU_MEMORY_UTILIZATION, ()): ("npu_chip_info_hbm_utilization", 100.0, "the npu hbm utilization"),
+    (m.HBM_BANDWIDTH_UTILIZATION, ()):
         ("npu_chip_info_hbm_bandwidth_utilization", 100.0, "the npu hbm bandwidth util rate"),
-    ("hw.power", ()): ("npu_chip_info_power", 1.0, "the npu power"),
-    ("hw.temperature", (("sensor", "chip"),)): ("npu_chip_info_temperature", 1.0, "the npu temperature"),
-    ("hw.temperature", (("sensor", "hbm"),)): ("npu_chip_info_hbm_temperature", 1.0, "the npu hbm temperature"),
-    ("xpusense.accelerator.health", ()): ("npu_chip_info_health_status", 1.0, "the npu health status"),
+    (m.POWER, ()): ("npu_chip_info_power", 1.0, "the npu power"),
+    (m.TEMPERATURE, (("sensor", "chip"),)): ("npu_chip_info_temperature", 1.0, "the npu temperature"),
+    (m.TEMPERATURE, (("sensor", "hbm"),)): ("npu_chip_info_hbm_temperature", 1.0, "the npu hbm temperature"),
+    (m.HEALTH, ()): ("npu_chip_info_health_status", 1.0, "the npu health status"),
 }
 
 _BAD = re.compile(r"[^a-zA-Z0-9_]")
@@ -106,10 +119,6 @@ def prom_name(name: str, unit: str, kind: int) -> str:
 
 def prom_labels(labels: dict[str, str]) -> dict[str, str]:
     return {_BAD.sub("_", k): v for k, v in labels.items()}
-
-
-def _key(labels: dict[str, str], wanted: tuple) -> bool:
-    return all(labels.get(k) == v for k, v in wanted)
 
 
 def npu_id(res, index: int) -> str:
@@ -139,7 +148,7 @@ class FleetCollector:
     def describe(self):
         return []   # unchecked collector: the set of names depends on the fleet
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         from prometheus_client.metrics_core import Metric
         self.scrapes += 1
         families: dict[str, Metric] = {}
@@ -198,10 +207,10 @@ class FleetCollector:
         vendor = ser.labels.get("vendor", res.vendor if res is not None else "")
         extra = tuple((k, v) for k, v in ser.labels.items() if k in ("sensor", "clock", "type"))
         if vendor == "nvidia":
-            spec = DCGM.get((ser.name, extra))
-            if spec is None:
+            dcgm_spec = DCGM.get((ser.name, extra))
+            if dcgm_spec is None:
                 return
-            name, scale, kind, help_ = spec
+            name, scale, kind, help_ = dcgm_spec
             dev = ser.labels["device"]
             num = dev[3:] if dev.startswith("gpu") else dev
             labels = {"gpu": num, "UUID": res.attributes.get("uuid", "") if res is not None else "",
@@ -210,10 +219,10 @@ class FleetCollector:
             if "mig_instance" in ser.labels:
                 labels["GPU_I_ID"] = ser.labels["mig_instance"]
         elif vendor == "huawei":
-            spec = NPU.get((ser.name, extra))
-            if spec is None:
+            npu_spec = NPU.get((ser.name, extra))
+            if npu_spec is None:
                 return
-            name, scale, help_ = spec
+            name, scale, help_ = npu_spec
             kind = "gauge"
             labels = {"id": npu_id(res, npu_idx), "model_name": res.model if res is not None else "",
                       "container_name": "", "namespace": "", "pod_name": "", "node": node_id}
@@ -234,13 +243,12 @@ class PrometheusEndpoint:
         self.cfg = cfg
         self.book = book
         self.collector = FleetCollector(state, book, compat_names=cfg.compat_names, max_age_s=cfg.max_age_s)
-        self.server = None
-        self.thread = None
+        self.server: WSGIServer | None = None
+        self.thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Listen on `listen` (HOST:PORT); raises BindError-like OSError with a message to act on."""
         from prometheus_client import CollectorRegistry, start_http_server
-        from xpusense.agent.config import split_host_port
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.collector)
         host, port = split_host_port(self.cfg.listen)

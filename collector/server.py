@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import errno
-from typing import NamedTuple
 import logging
 import socket
+from typing import NamedTuple
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from xpusense.common.config import split_host_port
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
-from xpusense.agent.config import split_host_port
-
-from .scheduler_service import SCHEDULER_SERVICE
-from .scheduler_service import add_to_server as add_scheduler
+from .scheduler.service import SCHEDULER_SERVICE
+from .scheduler.service import add_to_server as add_scheduler
 from .state import FleetState
 from .store import StoreError
 

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import json
 import logging
 import os
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
 
 import msgpack
 
@@ -46,8 +48,7 @@ def read_records(path: str) -> Iterator[list]:
     with open(path, "rb") as f:
         unpacker = msgpack.Unpacker(f, raw=False, max_buffer_size=256 * 2**20)
         try:
-            for rec in unpacker:
-                yield rec
+            yield from unpacker
         except (ValueError, msgpack.UnpackException) as e:
             log.warning("%s: unreadable record (%s): the rest of this segment is skipped", path, e)
 
@@ -72,7 +73,7 @@ class Store:
         self.segment_bytes = segment_bytes
         self.fsync = fsync
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-fsync")
-        self._f = None
+        self._f: BinaryIO | None = None
         self._seg_id = 0
         self._seg_size = 0
         self._seg_started = 0.0
@@ -81,7 +82,7 @@ class Store:
         self._syncing = False
         # (segment id, offset) up to which everything is fsync'ed: readers never go past it.
         self.durable: tuple[int, int] = (0, 0)
-        self.readers: dict[str, "StoreReader"] = {}
+        self.readers: dict[str, StoreReader] = {}
         self.commits = 0
         self.records = 0
         self.failed: str = ""
@@ -99,7 +100,7 @@ class Store:
             raise StoreError(f"data_dir {self.dir!r} is not writable ({e.strerror}); set --data-dir / "
                              f"data_dir to a writable directory") from None
         t0 = time.monotonic()
-        figures = {"segments": 0, "batches": 0, "inventories": 0, "marks": 0}
+        figures: dict[str, float] = {"segments": 0, "batches": 0, "inventories": 0, "marks": 0}
         for path in segments(self.dir):
             figures["segments"] += 1
             for rec in read_records(path):
@@ -159,6 +160,7 @@ class Store:
             if self._f is None or (not self._syncing and (
                     self._seg_size > self.segment_bytes or time.monotonic() - self._seg_started > self.segment_s)):
                 self._roll()
+            assert self._f is not None   # _roll() opened a segment (or raised)
             self._f.write(data)
             self._seg_size += len(data)
             self.records += 1
@@ -181,9 +183,12 @@ class Store:
 
     def _sync(self) -> None:
         group, self._waiting = self._waiting, []
+        f = self._f
         try:
-            self._f.flush()
-        except (OSError, AttributeError) as e:
+            if f is None:   # closed (close(), or a failed write) while the previous fsync ran
+                raise OSError(errno.EBADF, "the segment is closed")
+            f.flush()
+        except OSError as e:
             err = StoreError(f"cannot write to the store in {self.dir}: {getattr(e, 'strerror', e)}")
             self.failed = str(err)
             for fut in group:
@@ -198,7 +203,7 @@ class Store:
         self._syncing = True
         loop = asyncio.get_running_loop()
         upto = (self._seg_id, self._seg_size)
-        task = loop.run_in_executor(self._pool, os.fsync, self._f.fileno())
+        task = loop.run_in_executor(self._pool, os.fsync, f.fileno())
         task.add_done_callback(lambda t: self._synced(group, t, upto))
 
     def _synced(self, group: list, task: asyncio.Future, upto: tuple[int, int]) -> None:

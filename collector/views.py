@@ -5,16 +5,16 @@ from __future__ import annotations
 import datetime
 import math
 
+from xpusense.common import metric_names as m
 from xpusense.v1 import telemetry_pb2 as pb
 
 KIND_NAMES = {pb.GAUGE: "gauge", pb.COUNTER: "counter", pb.HISTOGRAM: "histogram"}
-ACCEL_PREFIXES = ("hw.gpu.", "hw.power", "hw.temperature", "xpusense.accelerator.")
 
 
 def _iso(ns: int) -> str | None:
     if not ns:
         return None
-    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.UTC).isoformat(timespec="milliseconds")
 
 
 def _num(x: float) -> float | None:
@@ -81,13 +81,13 @@ def _bytes_rate(v) -> str:
 
 
 def host_line(node: dict) -> dict:
-    idle = _find(node, "system.cpu.utilization", state="idle")
-    mem = _find(node, "system.memory.utilization")
+    idle = _find(node, m.CPU_UTILIZATION, state="idle")
+    mem = _find(node, m.MEMORY_UTILIZATION)
     rx = sum(s.get("rate") or 0 for s in node["series"]
-             if s["name"] == "system.network.io" and s["labels"].get("direction") == "receive"
+             if s["name"] == m.NETWORK_IO and s["labels"].get("direction") == "receive"
              and s["labels"].get("device") != "lo")
     tx = sum(s.get("rate") or 0 for s in node["series"]
-             if s["name"] == "system.network.io" and s["labels"].get("direction") == "transmit"
+             if s["name"] == m.NETWORK_IO and s["labels"].get("direction") == "transmit"
              and s["labels"].get("device") != "lo")
     return {
         "cpu": _fmt(None if idle is None or idle["value"] is None else 1 - idle["value"], ".0f", 100, "%"),
@@ -103,7 +103,7 @@ def accelerators(node: dict) -> list[dict]:
         if r["type"] in ("GPU", "NPU"):
             devs[r["id"]] = {"device": r["id"], "vendor": r["vendor"], "model": r["model"]}
     for s in node["series"]:
-        if s["name"].startswith(ACCEL_PREFIXES) and "device" in s["labels"]:
+        if s["name"].startswith(m.ACCELERATOR_PREFIXES) and "device" in s["labels"]:
             d = devs.setdefault(s["labels"]["device"], {"device": s["labels"]["device"],
                                                        "vendor": s["labels"].get("vendor", ""), "model": ""})
             if "pid" in s["labels"] or "mig_instance" in s["labels"]:
@@ -115,11 +115,11 @@ def accelerators(node: dict) -> list[dict]:
         v = d.get("series", {})
         rows.append({
             "device": d["device"], "vendor": d["vendor"], "model": d["model"],
-            "util": _fmt(v.get("hw.gpu.utilization"), ".0f", 100, "%"),
-            "hbm_bw": _fmt(v.get("xpusense.accelerator.hbm.bandwidth.utilization"), ".0f", 100, "%"),
-            "hbm": _fmt(v.get("hw.gpu.memory.utilization"), ".0f", 100, "%"),
-            "power": _fmt(v.get("hw.power"), ".0f", 1, "W"),
-            "temp": _fmt(v.get("hw.temperature/chip"), ".0f", 1, "C"),
+            "util": _fmt(v.get(m.GPU_UTILIZATION), ".0f", 100, "%"),
+            "hbm_bw": _fmt(v.get(m.HBM_BANDWIDTH_UTILIZATION), ".0f", 100, "%"),
+            "hbm": _fmt(v.get(m.GPU_MEMORY_UTILIZATION), ".0f", 100, "%"),
+            "power": _fmt(v.get(m.POWER), ".0f", 1, "W"),
+            "temp": _fmt(v.get(f"{m.TEMPERATURE}/chip"), ".0f", 1, "C"),
         })
     return rows
 

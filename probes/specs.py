@@ -1,6 +1,7 @@
 """What each eBPF probe in probes/*.bpf.c needs from the kernel and which of its maps become which metrics.
 
-Data only: agent/sources/ebpf.py reads these specs to feature-test, compile, attach and turn map
+Data only: the eBPF sources (agent/sources/ebpf/: loader.py plans and compiles, source.py and the
+probes' modules attach and read maps) use these specs to feature-test, compile, attach and turn map
 entries into samples. A probe lists its variants in order of preference; the first whose required
 tracepoints all exist is compiled with that variant's defines (features are tested, not kernel
 versions). Histograms are log2 buckets of nanoseconds (bcc's bpf_log2l): slot i holds values in
@@ -15,7 +16,7 @@ from pathlib import Path
 PROBES_DIR = Path(__file__).resolve().parent
 
 REALTIME, NEARLINE = "realtime", "nearline"
-GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+COUNTER, HISTOGRAM = "counter", "histogram"
 
 # Attach kinds
 TRACEPOINT, UPROBE, SCHED_CLS = "tracepoint", "uprobe", "sched_cls"
@@ -53,12 +54,11 @@ class Probe:
     summary: str
     variants: tuple[Variant, ...]
     attach_kind: str
-    # map name -> key decoder understood by agent/sources/ebpf.py:
-    #   cgroup (u64 cgroup v2 id), disk (dev_t + direction), process (u32 tgid, value has comm),
-    #   family (array index 0/1 = ipv4/ipv6), netdev (interface name), iface (ifindex + direction)
+    # map name -> key decoder (EbpfSource.key_labels in agent/sources/ebpf/source.py, or the probe's own):
+    #   cgroup (u64 cgroup v2 id), disk (dev_t + direction, probes.py), process (u32 tgid, value has comm),
+    #   family (array index 0/1 = ipv4/ipv6), netdev (interface name), iface (ifindex + direction, tc.py)
     maps: tuple[tuple[str, str], ...]
     metrics: tuple[Metric, ...]
-    needs: tuple[str, ...] = ()     # kernel features beyond the tracepoints, for `sources` output
 
     @property
     def c_file(self) -> Path:
@@ -72,8 +72,6 @@ def log2_bounds_s(slots: int) -> tuple[float, ...]:
     """Inclusive upper bounds in seconds of slots 0..slots-2; slot slots-1 is the overflow bucket."""
     return tuple(((1 << i) - 1) * 1e-9 for i in range(slots - 1))
 
-
-HIST_SLOTS = 40     # RUNQLAT_SLOTS, BLKIO_SLOTS, ACCEL_SLOTS in the C files
 
 RUNQLAT = Probe(
     name="runqlat",
@@ -157,7 +155,6 @@ ACCEL_IOCTL = Probe(
         Metric("accel_stats", "slots", "xpusense.accelerator.ioctl.latency", "s", HISTOGRAM, NEARLINE,
                scale=1e-9, sum_field="sum_ns"),
     ),
-    needs=("CONFIG_FTRACE_SYSCALLS",),
 )
 ACCEL_MAX_PREFIXES = 4      # ACCEL_MAX_PREFIXES in accel_ioctl.bpf.c
 ACCEL_PREFIX_LEN = 32       # ACCEL_PREFIX_LEN
@@ -220,7 +217,6 @@ CUDA_UPROBE = Probe(
         Metric("cuda_stats", "alloc_bytes", "xpusense.cuda.memory.allocated", "By", COUNTER, REALTIME),
         Metric("cuda_stats", "frees", "xpusense.cuda.memory.frees", "{free}", COUNTER, REALTIME),
     ),
-    needs=("CONFIG_UPROBE_EVENTS",),
 )
 
 # tc filters we own carry this name, priority and handle, so a restarted agent can find and remove
@@ -240,14 +236,6 @@ TC_TRAFFIC = Probe(
         Metric("tc_traffic", "bytes", "xpusense.network.tc.io", "By", COUNTER, REALTIME),
         Metric("tc_traffic", "packets", "xpusense.network.tc.packets", "{packet}", COUNTER, REALTIME),
     ),
-    needs=("CONFIG_NET_CLS_BPF", "CONFIG_NET_SCH_INGRESS (clsact)"),
 )
 
 PROBES: dict[str, Probe] = {p.name: p for p in (RUNQLAT, BLKIO, NETIO, ACCEL_IOCTL, CUDA_UPROBE, TC_TRAFFIC)}
-
-# Self-metrics every probe reports (from bpf_stats, summed over its programs), realtime tier.
-SELF_METRICS = (
-    ("xpusense.ebpf.probe.events", "{event}", COUNTER),
-    ("xpusense.ebpf.probe.ns_per_event", "ns", GAUGE),
-    ("xpusense.ebpf.probe.run_time", "s", COUNTER),
-)

@@ -9,8 +9,7 @@ import subprocess
 import uuid
 
 import pytest
-
-from helpers import Proc
+from helpers import FIGURES, Proc
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -93,11 +92,8 @@ def veth_pair():
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The fault tests' figures: samples produced, stored, duplicated, dropped."""
-    import sys
-    mod = sys.modules.get("test_faults")
-    figures = getattr(mod, "FIGURES", [])
-    if figures:
-        terminalreporter.section("delivery figures (tests/e2e/test_faults.py)")
-        for f in figures:
+    """The fault and attack tests' figures: batches produced, stored, duplicated, dropped; RSS."""
+    if FIGURES:
+        terminalreporter.section("fault and attack figures (helpers.record_figure)")
+        for f in FIGURES:
             terminalreporter.write_line(", ".join(f"{k}={v}" for k, v in f.items()))

@@ -36,7 +36,16 @@ enabled = false
 """
 
 
-def wait_until(cond, timeout_s: float = 15.0, interval_s: float = 0.05, what: str = "condition"):
+# Figures of the fault and attack tests (produced, stored, duplicated, dropped, RSS...), printed at
+# the end of the run by tests/conftest.py.
+FIGURES: list[dict] = []
+
+
+def record_figure(test: str, **figures) -> None:
+    FIGURES.append({"test": test, **figures})
+
+
+def wait_until(cond, timeout_s: float = 60.0, interval_s: float = 0.05, what: str = "condition"):
     """Poll `cond` until it returns a truthy value or the deadline passes (then fail the test)."""
     deadline = time.monotonic() + timeout_s
     last_exc = None
@@ -102,6 +111,7 @@ class InProcessCollector:
                  **start_kw):
         import asyncio
         import threading
+
         from xpusense.collector import server as server_mod
         from xpusense.collector.state import FleetState
         self._asyncio = asyncio

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import ClassVar, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
 
-REALTIME, NEARLINE, OFFLINE = "realtime", "nearline", "offline"
-TIERS = (REALTIME, NEARLINE, OFFLINE)
+from xpusense.common.measures import COUNTER, GAUGE, HISTOGRAM, NEARLINE, OFFLINE, REALTIME, TIERS
 
-GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+# Sources import the tier and kind names from here, with the interface they implement.
+__all__ = ["COUNTER", "GAUGE", "HISTOGRAM", "NEARLINE", "OFFLINE", "REALTIME", "TIERS", "Event", "Sample",
+           "Source", "SourceError", "SourceFamily", "Unavailable", "stamp"]
 
 
 class Unavailable(Exception):
@@ -26,7 +28,7 @@ class SourceError(Exception):
     `samples` holds what the round could still read: it is kept, and the error is reported.
     """
 
-    def __init__(self, message: str, samples: "list[Sample] | None" = None):
+    def __init__(self, message: str, samples: list[Sample] | None = None):
         super().__init__(message)
         self.samples = samples or []
 
@@ -80,8 +82,29 @@ class Source:
         """Extra facts for `xpusense-agent sources` (attach points, devices, missing metrics)."""
         return {}
 
+    # Optional abilities: the defaults say "none"; accelerator sources override them.
+    def processes(self) -> dict[int, set[str]]:
+        """pid -> ids of the accelerators it uses (read when the HBM watch fires)."""
+        return {}
+
+    def hbm_watch_coverage(self) -> dict[str, str]:
+        """device id -> why the HBM watch cannot follow it ("" when it can)."""
+        return {}
+
     def close(self) -> None:
         """Release what setup() took."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceFamily:
+    """One `[sources.NAME]` config table: its keys, declared beside the code that reads them, and how
+    its sources are built from the checked table. Every source module exports one as `FAMILY`;
+    agent/sources/registry.py lists them, and the agent's config schema and daemon loop over that list.
+    """
+
+    name: str
+    schema: dict[str, Any]                  # xpusense.common.config Keys; must include "enabled"
+    build: Callable[[Any], list[Source]]    # the checked table (a namespace) -> sources
 
 
 def stamp(samples: Iterable[Sample], time_ns: int | None = None) -> list[Sample]:

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from .base import COUNTER, NEARLINE, Sample, Source, SourceError, Unavailable
+from xpusense.common.config import Key
+
+from .base import COUNTER, NEARLINE, Sample, Source, SourceError, SourceFamily, Unavailable
+
+if TYPE_CHECKING:
+    from pyroute2 import IPRoute
 
 # Partitions, RAM disks and loop devices would count the same I/O twice or not be disks at all
 # (the same default as node_exporter's diskstats collector).
@@ -144,7 +150,7 @@ class HostSource(Source):
         self.interface_include = interface_include
         self.interface_exclude = interface_exclude
         self._prev_cpu: dict[str, float] | None = None
-        self._ipr = None
+        self._ipr: IPRoute | None = None
 
     def setup(self) -> None:
         if not os.path.isdir(self.procfs):
@@ -172,6 +178,7 @@ class HostSource(Source):
         out += load_samples(psutil.getloadavg())
         out += disk_samples(psutil.disk_io_counters(perdisk=True) or {}, self.disk_exclude)
         try:
+            assert self._ipr is not None, "collect() before setup() or after close()"
             msgs = self._ipr.get_links()
         except Exception as e:
             raise SourceError(f"rtnetlink get_links failed: {e}", out) from e
@@ -185,3 +192,21 @@ class HostSource(Source):
         if self._ipr is not None:
             self._ipr.close()
             self._ipr = None
+
+
+SCHEMA = {
+    "enabled": Key(bool, True),
+    "procfs": Key(str, "/proc"),
+    "netns": Key(str, "", help="read interfaces of this network namespace (default: the agent's)"),
+    "disk_exclude": Key(str, DEFAULT_DISK_EXCLUDE, help="regular expression of disks left out"),
+    "interface_include": Key(str, "", help="regular expression; empty: every interface"),
+    "interface_exclude": Key(str, ""),
+}
+
+
+def build(table: Any) -> list[Source]:
+    return [HostSource(procfs=table.procfs, netns=table.netns, disk_exclude=table.disk_exclude,
+                       interface_include=table.interface_include, interface_exclude=table.interface_exclude)]
+
+
+FAMILY = SourceFamily("host", SCHEMA, build)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 
 from helpers import BIN, free_port, nodes_json, series, wait_until
+
 from xpusense.collector.store import stored_batches
 
 FAST = """

@@ -6,7 +6,6 @@ import socket
 import subprocess
 
 import pytest
-
 from helpers import BIN, free_port
 
 

@@ -12,8 +12,9 @@ import time
 
 import msgpack
 import pytest
-
 from helpers import BIN, free_port, nodes_json, series, wait_until
+from helpers import record_figure as record
+
 from xpusense.agent.sources.base import Sample
 from xpusense.agent.stream import StreamClient
 from xpusense.collector.store import stored_batches
@@ -37,13 +38,6 @@ enabled = false
 [hbm_watch]
 enabled = false
 """
-
-FIGURES: list[dict] = []
-
-
-def record(test: str, **fig) -> None:
-    FIGURES.append({"test": test, **fig})
-
 
 def spooled(spool_dir) -> list[tuple[str, int]]:
     """(boot, seq) of the batches a (killed) agent left in its spool, not acknowledged."""
@@ -119,7 +113,7 @@ def test_agent_killed_and_restarted_replays_its_spool(procs, tmp_path):
     rig.start_collector()
     rig.start_agent()
     # The new agent (a new boot) sends the old boot's batches first, with their own seq numbers.
-    wait_until(lambda: {(b, s) for b, s, _ in rig.stored()} >= set(left), timeout_s=30,
+    wait_until(lambda: {(b, s) for b, s, _ in rig.stored()} >= set(left), timeout_s=90,
                what="the killed agent's spooled batches to be stored")
     n = wait_until(lambda: (n := rig.view()) and n["boot_id"] != boot1 and n["stored_up_to"] >= 3 and n,
                    what="the new boot streaming")
@@ -208,7 +202,7 @@ def test_200_agents_for_60_seconds(procs, tmp_path):
         tick = 0
         while time.monotonic() < t_end and not stop.is_set():
             tick += 1
-            for i, c in enumerate(clients):
+            for c in clients:
                 c.put([Sample("test.v", float(tick), "1", {"device": str(d)}, time_ns=time.time_ns())
                        for d in range(20)])
                 c.flush()

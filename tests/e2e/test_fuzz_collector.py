@@ -17,10 +17,10 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import BIN, FAST_HOST_ONLY, free_port, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import FAST_HOST_ONLY, BIN, free_port, wait_until
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
@@ -230,7 +230,7 @@ def test_fuzzed_streams_get_errors_while_the_real_agent_keeps_being_stored(colle
     assert "Traceback" not in out and "Unexpected" not in out, out[-3000:]
     # No forged log lines: every line is the collector's (a timestamp) or gRPC core's (I/W/E + date).
     stamp = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} |[IWEF]\d{4} )")
-    forged = [l for l in out.splitlines() if not stamp.match(l)]
+    forged = [line for line in out.splitlines() if not stamp.match(line)]
     assert not forged, f"log lines not written by the collector: {forged[:3]!r}"
     assert "unreachable" not in agent.output(), "the real agent lost its stream during the fuzzing"
     channel.close()

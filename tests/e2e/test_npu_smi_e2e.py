@@ -41,7 +41,7 @@ def test_nodes_shows_8_npus_with_utilisation_hbm_and_inventory(procs, tmp_path):
         return n if n and len(series(n, "xpusense.accelerator.hbm.bandwidth.utilization")) == 8 \
             and series(n, "hw.power") else None
 
-    n = wait_until(node, timeout_s=30, what="8 NPUs at the collector")
+    n = wait_until(node, timeout_s=90, what="8 NPUs at the collector")
     devices = {f"npu{i}-0" for i in range(8)}
     util = {s["labels"]["device"]: s["value"] for s in series(n, "hw.gpu.utilization", vendor="huawei")}
     assert set(util) == devices and util["npu0-0"] == 0.10   # Aicore Usage Rate(%) 10 in usages-0.txt

@@ -14,9 +14,9 @@ import threading
 import time
 
 import grpc
+from helpers import BIN, ROOT, free_port, nodes_json, wait_until
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 
-from helpers import BIN, ROOT, free_port, nodes_json, wait_until
 from xpusense.collector.store import stored_batches
 
 sys.path.insert(0, str(ROOT / "tests"))
@@ -145,7 +145,7 @@ def test_otlp_export_from_the_durable_store_survives_a_receiver_outage(procs, tm
     # The receiver goes away while the collector stores 30 s of batches.
     server.stop(grace=None)
     down_ns = time.time_ns()
-    wait_until(lambda: "OTLP export to" in coll.output() and "failed" in coll.output(), timeout_s=30,
+    wait_until(lambda: "OTLP export to" in coll.output() and "failed" in coll.output(), timeout_s=90,
                what="the collector to notice the receiver is down")
 
     def stored_through(t_ns):

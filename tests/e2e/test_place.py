@@ -13,8 +13,8 @@ import time
 
 import grpc
 import pytest
-
 from helpers import BIN, Proc, free_port, nodes_json, wait_until
+
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
@@ -213,7 +213,7 @@ def test_a_node_that_stops_reporting_drops_out_once_stale(fleet):
     def dropped():
         o = place_json(addr, "--accelerator", "npu", "--memory", "40GB")
         return o if "gz-910b-quiet" not in ids(o) else None
-    out = wait_until(dropped, timeout_s=20, what="the silent node to go stale")
+    out = wait_until(dropped, timeout_s=90, what="the silent node to go stale")
     assert time.monotonic() - t0 >= STALE_S * 0.5   # not at once: only after stale_s without telemetry
     e = {e["node_id"]: e for e in out["excluded"]}["gz-910b-quiet"]
     assert e["reason"] == "stale" and "stale after 1.5 s" in e["detail"]

@@ -14,8 +14,8 @@ import urllib.parse
 import urllib.request
 
 import pytest
-
 from helpers import BIN, ROOT, free_port, nodes_json, series, wait_until
+
 from xpusense.collector.prometheus import prom_labels, prom_name
 from xpusense.v1 import telemetry_pb2 as pb
 
@@ -88,7 +88,7 @@ def test_prometheus_scrapes_native_and_dashboard_names(procs, tmp_path, promethe
                   "xpusense.accelerator.health")
         return (g and n and all(series(g, x) for x in want_g) and all(series(n, x) for x in want_n)
                 and series(g, "system.cpu.time"))
-    wait_until(ready, timeout_s=60, what="GPU and NPU series at the collector")
+    wait_until(ready, timeout_s=120, what="GPU and NPU series at the collector")
     # The agents stop: the collector's latest values stand still, so Prometheus must show exactly them.
     gpu_agent.kill(signal.SIGTERM)
     npu_agent.kill(signal.SIGTERM)
@@ -103,9 +103,9 @@ def test_prometheus_scrapes_native_and_dashboard_names(procs, tmp_path, promethe
     assert check.returncode == 0, check.stdout + check.stderr
     procs([prometheus_bin, f"--config.file={pcfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
            f"--web.listen-address={prom}", "--log.level=warn"], "prometheus")
-    wait_until(lambda: one(prom, 'up{job="xpusense"}') == 1.0, timeout_s=60, what="Prometheus to scrape the collector")
+    wait_until(lambda: one(prom, 'up{job="xpusense"}') == 1.0, timeout_s=120, what="Prometheus to scrape the collector")
     wait_until(lambda: query(prom, "DCGM_FI_DEV_GPU_UTIL") and query(prom, "npu_chip_info_utilization"),
-               timeout_s=30, what="the dashboard names in Prometheus")
+               timeout_s=120, what="the dashboard names in Prometheus")
 
     # Every series the collector holds, under its native name, with the same value.
     everything = query(prom, '{job="xpusense"}')

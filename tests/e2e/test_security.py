@@ -14,8 +14,7 @@ import json
 import subprocess
 
 import pytest
-
-from helpers import FAST_HOST_ONLY, BIN, free_port, wait_until
+from helpers import BIN, FAST_HOST_ONLY, free_port, wait_until
 
 FAST = FAST_HOST_ONLY
 
@@ -62,7 +61,8 @@ def keeps_storing(addr, node_id, *flags, rounds=3) -> None:
     """stored_up_to of `node_id` grows, `rounds` times in a row (waits on it, no fixed sleeps)."""
     last = wait_until(lambda: stored(addr, node_id, *flags), what=f"{node_id} to store batches")
     for _ in range(rounds):
-        last = wait_until(lambda: (v := stored(addr, node_id, *flags)) > last and v, what=f"{node_id} to keep storing")
+        last = wait_until(lambda last=last: (v := stored(addr, node_id, *flags)) > last and v,
+                          what=f"{node_id} to keep storing")
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_mtls_good_agent_streams_impostors_are_refused_and_logged(procs, tmp_pat
     liar = start_agent(procs, tmp_path, addr, "node-b", node_keys(fleet, "node-a"), "liar")
     wait_until(lambda: "PERMISSION_DENIED" in liar.output(), what="the liar to be refused")
     wait_until(lambda: "claiming node 'node-b'" in coll.output(), what="the refusal in the collector's log")
-    line = next(l for l in coll.output().splitlines() if "claiming node 'node-b'" in l)
+    line = next(x for x in coll.output().splitlines() if "claiming node 'node-b'" in x)
     assert "refused stream from ipv4:127.0.0.1:" in line and "certificate is for node 'node-a'" in line
 
     # A certificate from another CA, and no certificate at all: refused in the TLS handshake.
@@ -107,11 +107,11 @@ def test_mtls_good_agent_streams_impostors_are_refused_and_logged(procs, tmp_pat
     nocert = start_agent(procs, tmp_path, addr, "node-d", {"tls_ca": str(fleet / "ca.pem")}, "nocert")
     plain = start_agent(procs, tmp_path, addr, "node-e", {}, "plain")
     for p in (foreign, nocert, plain):
-        wait_until(lambda: "unreachable (UNAVAILABLE" in p.output(), what=f"{p.log_path.name} to be refused")
+        wait_until(lambda p=p: "unreachable (UNAVAILABLE" in p.output(), what=f"{p.log_path.name} to be refused")
     # gRPC core logs each refused handshake with its reason on the collector's stderr (no hook in
     # grpcio lets the collector's own code see a handshake that never became a call).
     for reason in ("CERTIFICATE_VERIFY_FAILED", "PEER_DID_NOT_RETURN_A_CERTIFICATE"):
-        wait_until(lambda: any("Handshake failed" in l and reason in l for l in coll.output().splitlines()),
+        wait_until(lambda reason=reason: any("Handshake failed" in x and reason in x for x in coll.output().splitlines()),
                    what=f"the refused handshake ({reason}) in the collector's log")
     # The query API needs a fleet certificate too.
     with pytest.raises(RuntimeError, match="UNAVAILABLE"):

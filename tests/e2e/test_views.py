@@ -10,7 +10,6 @@ import signal
 import subprocess
 
 import yaml
-
 from helpers import BIN, free_port, nodes_json, series, wait_until
 
 

@@ -5,7 +5,8 @@ I/O on a loop device, UDP and TCP over a veth pair in namespaces of the test's o
 device node of its own, calls into a fake libcuda built here) and compares the probe's figure with
 it. Tests skip with the reason when not root or when this kernel lacks the probe's features; a
 probe that plans but then fails to compile or attach fails the test. The tests at the end need no
-root: feature-test fallbacks on a fake tracefs, config errors, the pure helpers.
+root (feature-test fallbacks on a fake tracefs, config errors, the pure helpers) are in
+tests/unit/test_ebpf_helpers.py.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from helpers import ROOT, wait_until
-from xpusense.agent.sources import ebpf
+
 from xpusense.agent.sources.base import HISTOGRAM, NEARLINE, REALTIME, Unavailable
+from xpusense.agent.sources.ebpf import family
+from xpusense.agent.sources.ebpf.loader import EbpfLoader
+from xpusense.agent.sources.ebpf.procfs import cgroup2_root
+from xpusense.agent.sources.ebpf.tc import TC_PARENTS, ours
 from xpusense.probes import specs
 
 pytestmark = pytest.mark.privileged
@@ -42,7 +46,7 @@ def require_ebpf():
         import bcc  # noqa: F401
     except ImportError:
         pytest.skip("bcc's Python module is not importable: run scripts/setup.sh (links python3-bpfcc)")
-    loader = ebpf.EbpfLoader(ebpf.config_with_defaults({}))
+    loader = EbpfLoader(family.table_from())
     try:
         loader.check_environment()
     except Unavailable as e:
@@ -56,7 +60,7 @@ def probe():
 
     def make(name, **cfg):
         require_ebpf()
-        [src] = ebpf.build_ebpf_sources({"probes": [name], **cfg})
+        [src] = family.build(family.table_from({"probes": [name], **cfg}))
         opened.append(src)
         try:
             src.loader.plan(name)
@@ -93,7 +97,7 @@ def sh(*args, **kw):
 @pytest.fixture
 def cgroup():
     """cgroup(name) -> (cgroup.procs path, label as the probes report it); removed at the end."""
-    root = ebpf._cgroup2_root("/proc")
+    root = cgroup2_root("/proc")
     if not root:
         pytest.skip("no cgroup2 mount (the per-cgroup probes key by cgroup v2 id)")
     made = []
@@ -107,13 +111,14 @@ def cgroup():
     yield make
     for path in made:
         # processes that exited may take a moment to leave the cgroup
-        wait_until(lambda: not (path / "cgroup.procs").read_text().strip(), 10, what=f"{path} to empty")
+        wait_until(lambda path=path: not (path / "cgroup.procs").read_text().strip(), 10, what=f"{path} to empty")
         path.rmdir()
 
 
 # Workload scripts take their cgroup as argv[1] ("-" for none) and join it themselves when run
 # directly; under `ip netns exec` (which mounts its own /sys) joining happens before the exec.
-JOIN_CGROUP = "import os, sys\nif sys.argv[1] != '-' and os.path.exists(sys.argv[1]): open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+JOIN_CGROUP = ("import os, sys\n"
+               "if sys.argv[1] != '-' and os.path.exists(sys.argv[1]): open(sys.argv[1], 'w').write(str(os.getpid()))\n")
 
 
 def ns_python(ns: str, code: str, *args) -> list[str]:
@@ -356,9 +361,9 @@ def our_filters(ns, ifname):
     with IPRoute(netns=ns) as ipr:
         idx = ipr.link_lookup(ifname=ifname)[0]
         out = []
-        for direction, parent in ebpf.TC_PARENTS.items():
+        for direction, parent in TC_PARENTS.items():
             for m in ipr.get_filters(index=idx, parent=parent):
-                if m["handle"] and ebpf.ours(m):
+                if m["handle"] and ours(m):
                     out.append((direction, (m["info"] >> 16) & 0xFFFF, m["handle"]))
         return out
 
@@ -396,9 +401,9 @@ def test_tc_traffic_counts_both_directions_and_passes_every_packet(probe, veth_p
 
 AGENT_LIKE = """
 import json, sys
-from xpusense.agent.sources.ebpf import build_ebpf_sources
-[src] = build_ebpf_sources({"probes": ["tc_traffic"], "tc_netns": sys.argv[1], "tc_interfaces": [sys.argv[2]],
-                            "bpf_stats": False})
+from xpusense.agent.sources.ebpf.family import build, table_from
+[src] = build(table_from({"probes": ["tc_traffic"], "tc_netns": sys.argv[1], "tc_interfaces": [sys.argv[2]],
+                          "bpf_stats": False}))
 src.setup()
 with open(sys.argv[3] + ".tmp", "w") as f:
     json.dump(src.describe(), f)
@@ -542,12 +547,6 @@ def test_cuda_uprobe_counts_calls_into_libcuda_per_process(probe, fake_libcuda):
         assert value(rt, "xpusense.cuda.memory.frees", pid=pid) == did["frees"]
 
 
-def test_cuda_uprobe_without_the_library_is_unavailable_with_the_config_key(tmp_path):
-    [src] = ebpf.build_ebpf_sources({"probes": ["cuda_uprobe"], "cuda_library": str(tmp_path / "libcuda.so.1")})
-    with pytest.raises(Unavailable, match="cuda_library"):
-        src.loader.plan("cuda_uprobe")
-
-
 # ------------------------------------------------------------------------------------------ isolation
 
 def test_a_probe_that_does_not_compile_does_not_take_the_others_down(monkeypatch):
@@ -555,7 +554,7 @@ def test_a_probe_that_does_not_compile_does_not_take_the_others_down(monkeypatch
     orig = specs.Probe.c_text
     monkeypatch.setattr(specs.Probe, "c_text",
                         lambda self: orig(self) + ("\n#error broken on purpose\n" if self.name == "netio" else ""))
-    runq, net = ebpf.build_ebpf_sources({"probes": ["runqlat", "netio"]})
+    runq, net = family.build(family.table_from({"probes": ["runqlat", "netio"]}))
     try:
         with pytest.raises(Unavailable, match="broken on purpose"):
             net.setup()
@@ -566,60 +565,3 @@ def test_a_probe_that_does_not_compile_does_not_take_the_others_down(monkeypatch
         runq.close()
         net.close()
 
-
-# ------------------------------------------------------------------------------------------ no root needed
-
-def fake_tracefs(tmp_path, *tracepoints):
-    for tp in tracepoints:
-        cat, ev = tp.split(":")
-        (tmp_path / "events" / cat / ev).mkdir(parents=True)
-    return str(tmp_path)
-
-
-def test_feature_tests_pick_the_fallback_variant_and_say_why(tmp_path):
-    tfs = fake_tracefs(tmp_path, "block:block_rq_issue", "block:block_rq_complete", "net:net_dev_xmit",
-                       "net:netif_receive_skb", "tcp:tcp_retransmit_skb")
-    loader = ebpf.build_ebpf_sources({"probes": ["blkio", "netio", "runqlat"], "tracefs": tfs})[0].loader
-    blk, net = loader.plan("blkio"), loader.plan("netio")
-    assert (blk.variant.name, blk.cflags()) == ("rq_issue", ["-DBLKIO_IO_START=0"])
-    assert net.variant.name == "netdev" and "sock:sock_send_length" in net.notes[0]
-    with pytest.raises(Unavailable, match="sched:sched_switch"):
-        loader.plan("runqlat")
-    text = ebpf.render_c([blk, net])
-    assert "-DNETIO_SOCK=0" in text and '#line 1 "blkio.bpf.c"' in text
-
-
-def test_without_privileges_every_probe_is_unavailable_with_what_to_do(monkeypatch):
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(ebpf, "read_cap_eff", lambda procfs="/proc": 0)
-    for src in ebpf.build_ebpf_sources({}):
-        with pytest.raises(Unavailable, match="root or CAP_BPF"):
-            src.setup()
-
-
-def test_config_errors_name_the_key():
-    with pytest.raises(ValueError, match=r"sources.ebpf.probes: unknown probe\(s\) nope"):
-        ebpf.build_ebpf_sources({"probes": ["nope"]})
-    with pytest.raises(ValueError, match="sources.ebpf.variants.netio"):
-        ebpf.build_ebpf_sources({"variants": {"netio": "carrier-pigeon"}})
-    with pytest.raises(ValueError, match="sources.ebpf.device_globs"):
-        ebpf.build_ebpf_sources({"device_globs": ["/dev/a*", "/dev/b*", "/dev/c*", "/dev/d*", "/dev/e*"]})
-    with pytest.raises(ValueError, match="unknown key"):
-        ebpf.build_ebpf_sources({"tc_interface": ["eth0"]})
-    assert ebpf.build_ebpf_sources({"enabled": False}) == []
-
-
-def test_pure_helpers():
-    h = ebpf.hist_sample("x", "s", {}, [0, 2, 3, 0, 1], 7e9, 1e-9)
-    assert h.counts == (0, 2, 5, 5, 6) and h.value == pytest.approx(7.0)
-    assert h.bounds == pytest.approx((0.0, 1e-9, 3e-9, 7e-9))
-    info = ebpf.parse_fdinfo("pos:\t0\nflags:\t02000002\nprog_type:\t5\nprog_id:\t42\nrun_time_ns:\t1234\nrun_cnt:\t7\n")
-    assert (info["prog_id"], info["run_time_ns"], info["run_cnt"]) == (42, 1234, 7)
-    assert ebpf.device_prefixes(["/dev/nvidia*", "/dev/nvidia[0-9]*", "/dev/davinci?"]) == ["/dev/nvidia", "/dev/davinci"]
-    words, masks = ebpf.prefix_words("/dev/nv")
-    assert masks[0] == (1 << 56) - 1 and masks[1:] == [0, 0, 0]
-    assert ebpf.decode_dev((7 << 20) | 3) == (7, 3)
-    mi = "30 25 0:26 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw\n"
-    assert ebpf.cgroup2_mount("29 25 0:25 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n" + mi) == "/sys/fs/cgroup/unified"
-    assert ebpf.physical_links([{"ifname": "lo", "loopback": True}, {"ifname": "eth0"},
-                                {"ifname": "veth1", "kind": "veth"}]) == ["eth0"]

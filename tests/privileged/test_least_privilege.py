@@ -26,10 +26,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from helpers import BIN, ROOT, free_port, nodes_json, wait_until
-from xpusense.agent.sources import ebpf
+
 from xpusense.agent.sources.base import Unavailable
+from xpusense.agent.sources.ebpf.family import plans_for, table_from
+from xpusense.agent.sources.ebpf.loader import EbpfLoader
 
 pytestmark = pytest.mark.privileged
 
@@ -71,7 +72,7 @@ def can_drop():
     except ImportError:
         pytest.skip("bcc's Python module is not importable: run scripts/setup.sh (links python3-bpfcc)")
     try:
-        ebpf.EbpfLoader(ebpf.config_with_defaults({})).check_environment()
+        EbpfLoader(table_from()).check_environment()
     except Unavailable as e:
         pytest.skip(f"eBPF unavailable here even as root: {e}")
 
@@ -136,7 +137,7 @@ def accel_glob(home):
 
 def test_tracepoint_probes_run_as_nobody_with_bpf_perfmon_dac_read_search(can_drop, home, accel_glob):
     keys = {"probes": TRACEPOINT_PROBES, "device_globs": [accel_glob]}
-    _, not_here = ebpf.plans_for(keys)      # as root: what this kernel cannot run anyway
+    _, not_here = plans_for(table_from(keys))      # as root: what this kernel cannot run anyway
     rows, ident = sources(home, TRACEPOINT_CAPS, keys)
     assert_exactly(ident, TRACEPOINT_CAPS)
     assert len(not_here) < len(TRACEPOINT_PROBES), not_here

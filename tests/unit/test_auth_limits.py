@@ -1,5 +1,5 @@
 """The collector's limits and guards, identities in certificates, tokens, and the channel rules
-(collector/limits.py, collector/auth.py, collector/certs.py, agent/tls.py)."""
+(collector/limits.py, collector/auth.py, collector/certs.py, common/tls.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-
 from helpers import InProcessCollector
+
 from xpusense.agent.config import ConfigError
-from xpusense.agent.tls import is_loopback_host, make_channel
 from xpusense.collector.auth import Security, cert_identities
 from xpusense.collector.certs import CertError, make_certs, make_tokens, parse_tokens, token_hash
 from xpusense.collector.config import COLLECTOR_SCHEMA, load_collector
 from xpusense.collector.limits import DEFAULTS, Limits
+from xpusense.common.tls import is_loopback_host, make_channel
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
@@ -177,7 +177,7 @@ def _cert(cn, dns=(), uris=()):
     from cryptography.x509.oid import NameOID
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     b = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
          .serial_number(1).not_valid_before(now).not_valid_after(now + dt.timedelta(days=1)))
     sans = [x509.DNSName(d) for d in dns] + [x509.UniformResourceIdentifier(u) for u in uris]
@@ -268,3 +268,14 @@ def test_loopback_hosts():
     assert is_loopback_host("127.3.2.1") and is_loopback_host("localhost")
     assert not is_loopback_host("0.0.0.0") and not is_loopback_host("") and not is_loopback_host("192.0.2.1")
     assert not is_loopback_host("::")
+
+
+def test_localhost_is_loopback_by_name_even_without_a_resolver(monkeypatch):
+    # A fresh host may have no /etc/hosts entry for localhost: name resolution must not decide.
+    import socket
+
+    def no_resolver(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    monkeypatch.setattr(socket, "getaddrinfo", no_resolver)
+    assert is_loopback_host("localhost") and is_loopback_host("LOCALHOST.") and is_loopback_host("agent.localhost")
+    assert not is_loopback_host("localhost.example.com") and not is_loopback_host("notlocalhost")

@@ -7,6 +7,7 @@ import os
 import signal
 
 from helpers import wait_until
+
 from xpusense.client.checkpoint import CheckpointRequests
 
 

@@ -36,7 +36,15 @@ def test_labels_are_a_free_table(tmp_path):
 
 @pytest.mark.parametrize("text,needle", [
     ("[tiers]\nrealtim_s = 1\n", "unknown key 'tiers.realtim_s'"),
-    ("[tiers]\nrealtime_s = 0\n", "'tiers.realtime_s' must be greater than 0"),
+    ("[tiers]\nrealtime_s = 0\n", "'tiers.realtime_s' must be between 0.1 and 86400"),
+    ("[tiers]\nrealtime_s = 1e-300\n", "'tiers.realtime_s' must be between 0.1 and 86400"),
+    ("[tiers]\nnearline_s = inf\n", "'tiers.nearline_s' must be a finite number"),
+    ("[tiers]\noffline_s = nan\n", "'tiers.offline_s' must be a finite number"),
+    ("[tiers]\noffline_s = 1e26\n", "'tiers.offline_s' must be between 0.1 and 86400"),
+    ("[stream]\nflush_s = inf\n", "'stream.flush_s' must be a finite number"),
+    ('node_id = "a\\nb"\n', "'node_id' node id 'a\\nb' has spaces or control characters"),
+    ('node_id = "has space"\n', "'node_id' node id 'has space' has spaces"),
+    ("x = " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
     ("[tiers]\nrealtime_s = false\n", "'tiers.realtime_s' must be int or float"),
     ("[stream]\nqueue_batches = 1.5\n", "'stream.queue_batches' must be int"),
     ("tiers = 3\n", "'tiers' must be a table"),

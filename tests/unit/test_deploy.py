@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from helpers import ROOT
+
 from xpusense.agent.config import load_agent
 from xpusense.collector.config import load_collector
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from helpers import ROOT
+
 from xpusense.agent.config import load_agent
 from xpusense.collector.config import load_collector
 

@@ -12,9 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from xpusense.agent.config import load_agent
-from xpusense.agent.otlp_export import (AgentOtlpExporter, StartTimes, device_attributes, metrics_data,
-                                        parse_headers, resource_attributes)
-from xpusense.agent.otlp_config import endpoint_check
+from xpusense.agent.otlp_export import AgentOtlpExporter
 from xpusense.agent.sources.base import COUNTER, GAUGE, HISTOGRAM, Sample
 from xpusense.collector.config import load_collector
 from xpusense.collector.inventory_book import InventoryBook
@@ -22,6 +20,14 @@ from xpusense.collector.otlp_export import MemoryQueue, OtlpExport, StoreQueue
 from xpusense.collector.prometheus import FleetCollector, prom_name
 from xpusense.collector.state import FleetState
 from xpusense.collector.store import Store
+from xpusense.common.otlp import (
+    StartTimes,
+    device_attributes,
+    endpoint_check,
+    metrics_data,
+    parse_headers,
+    resource_attributes,
+)
 from xpusense.v1 import telemetry_pb2 as pb
 
 INV = pb.Inventory(hostname="host-a", labels={"cloud": "huawei_cloud", "region": "cn-north-4", "k8s_node": "n1",

@@ -5,8 +5,7 @@ import collections
 import pytest
 
 from xpusense.agent.sources.base import COUNTER
-from xpusense.agent.sources.host import (cpu_utilization, disk_samples, link_samples, load_samples,
-                                         memory_samples)
+from xpusense.agent.sources.host import cpu_utilization, disk_samples, link_samples, load_samples, memory_samples
 
 
 def by(samples, name, **labels):

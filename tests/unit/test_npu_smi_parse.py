@@ -12,12 +12,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xpusense.agent.sources import npu_smi
-from xpusense.agent.sources.npu_smi import (
-    MIB, KvOutput, ParseError, catalog_entry, chip_records, health_readings, health_samples, info_samples,
-    inventory_resources, load_catalog, normalize_model, parse_info, parse_kv, power_samples, temp_samples,
+from xpusense.agent.sources.npu_smi.catalog import inventory_resources, normalize_model
+from xpusense.agent.sources.npu_smi.kv import KvOutput, chip_records, parse_kv
+from xpusense.agent.sources.npu_smi.readings import (
+    health_readings,
+    health_samples,
+    power_samples,
+    temp_samples,
     usages_samples,
 )
+from xpusense.agent.sources.npu_smi.source import NpuSmiSource
+from xpusense.agent.sources.npu_smi.table import parse_info
+from xpusense.agent.sources.npu_smi.values import MIB, ParseError
+from xpusense.common import catalog as common_catalog
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "npu-smi"
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "npu-smi"
@@ -76,18 +83,6 @@ def test_info_910B4_table():
     assert t.processes == [] and t.idle_npus == list(range(8)) and t.pids() == {}
     assert t.chips[7].fields["HBM-Usage(MB)"] == "2653 / 32768"
 
-    s = by_name(info_samples(t), "npu7-0")
-    assert s == {
-        ("hw.gpu.utilization",): 0.0,
-        ("hw.gpu.memory.limit",): 32768 * MIB,
-        ("hw.gpu.memory.usage",): 2653 * MIB,
-        ("hw.gpu.memory.utilization",): 2653 / 32768,
-        ("hw.power",): 81.6,
-        ("hw.temperature", "chip"): 37,
-        ("xpusense.accelerator.health", "OK"): 1.0,
-    }
-    assert all(x.labels["vendor"] == "huawei" for x in info_samples(t))
-
 
 def test_info_910A_table_with_health_and_processes():
     t = parse_info(recorded("info-910A-2.txt"))
@@ -107,9 +102,6 @@ def test_info_910A_table_with_health_and_processes():
     assert len(pids) == 32
     assert pids[37656] == "npu0-0" and pids[37665] == "npu1-0" and pids[37663] == "npu7-0"
     assert sorted(p for p, d in pids.items() if d == "npu3-0") == [37643, 37651, 37659, 37667]
-    s = by_name(info_samples(t), "npu3-0")
-    assert s[("xpusense.accelerator.health", "Warning")] == 0.0
-    assert s[("hw.gpu.memory.usage",)] == 0.0 and s[("hw.gpu.memory.limit",)] == 32768 * MIB
 
 
 def test_info_l():
@@ -214,7 +206,7 @@ def test_usages_910B_full_modern_field_set():
 
 def test_inventory_910B4_from_the_table_and_the_catalog():
     t = parse_info(recorded("info-910B4-1.txt"))
-    res = inventory_resources(t, load_catalog())
+    res = inventory_resources(t)
     assert len(res) == 8
     assert res[4] == {
         "type": "NPU", "vendor": "huawei", "model": "Ascend-910B4", "id": "npu4-0",
@@ -229,11 +221,11 @@ def test_inventory_910A_takes_the_chip_name_from_info_m_when_the_table_hides_it(
     t = parse_info(recorded("info-910A-2.txt"))
     m = parse_kv(recorded("info-m-910A-1.txt"), "npu-smi info -m")
     names = {f"npu{n.npu_id}-{r.chip_id}": r.get("Chip Name") for n in m.npus for r in n.chips}
-    res = inventory_resources(t, load_catalog(), names)
+    res = inventory_resources(t, names)
     assert {r["model"] for r in res} == {"Ascend-910A"}
     assert res[0]["attributes"]["matrix_units"] == "32"
     assert res[0]["interconnects"] == [{"type": "HCCS", "bandwidth": "90GB/s"}]
-    assert inventory_resources(t, load_catalog())[0]["model"] == "Ascend-xxx"  # without -m: as printed
+    assert inventory_resources(t)[0]["model"] == "Ascend-xxx"  # without -m: as printed
 
 
 # -- layouts and formats beyond the recorded samples (written here, values made up) -------------
@@ -292,8 +284,6 @@ def test_310P_one_npu_row_several_chip_rows():
         ("npu4-0", "0", 12, 2001, 21534), ("npu4-1", "1", 34, 3002, 21534)]
     assert [c.power_w for c in t.chips] == [21.5, None]        # the card's power is given once
     assert [c.temp_c for c in t.chips] == [47, 47] and t.chips[1].health == "OK"
-    s = by_name(info_samples(t), "npu4-1")
-    assert s[("hw.gpu.memory.usage",)] == 3002 * MIB and s[("hw.gpu.utilization",)] == 0.34
 
 
 def test_A3_blocks_per_chip_and_process_table():
@@ -303,7 +293,7 @@ def test_A3_blocks_per_chip_and_process_table():
     [p] = t.processes
     assert (p.device, p.pid, p.name, p.memory_mb) == ("npu2-1", 4242, "python3 train", 3000)
     assert normalize_model(t.chips[0].name) == "Ascend-910"
-    assert catalog_entry(load_catalog(), "Ascend-910") == {}   # A3's "Ascend910" is not the 910A
+    assert common_catalog.huawei_model("Ascend-910") == {}   # A3's "Ascend910" is not the 910A
 
 
 def test_columns_are_found_by_name_not_position():
@@ -311,7 +301,6 @@ def test_columns_are_found_by_name_not_position():
     [c] = t.chips
     assert (c.device, c.health, c.name, c.temp_c, c.power_w, c.bus_id) == ("npu5-0", "Alarm", "X99", 61, 301.5, "")
     assert (c.hbm_used_mb, c.hbm_total_mb, c.npu_util_pct) == (7000, 98304, 42)
-    assert by_name(info_samples(t))[("hw.gpu.utilization",)] == 0.42
 
 
 def test_kv_spaces_instead_of_tabs_and_no_chip_id():
@@ -378,7 +367,6 @@ def test_empty_output_is_a_parse_error(parse, text):
 # -- fuzzing --------------------------------------------------------------------------------------
 
 ALL_TEXTS = [(FIXTURES / n).read_text() for n in RECORDED] + [TABLE_310P, TABLE_A3, TABLE_REORDERED]
-CATALOG = load_catalog()
 
 
 @st.composite
@@ -431,8 +419,7 @@ def exercise_converters(result):
             f(result, 3, [0, 1])
         health_samples(health_readings(result, 3, [0, 1]))
     else:
-        info_samples(result)
-        inventory_resources(result, CATALOG, {})
+        inventory_resources(result, {})
         result.pids()
 
 
@@ -479,5 +466,12 @@ def test_fuzz_recombined_lines(lines):
 
 
 def test_module_names_one_source():
-    assert npu_smi.NpuSmiSource.name == "npu-smi"
-    assert npu_smi.NpuSmiSource.tiers == ("realtime", "offline")
+    assert NpuSmiSource.name == "npu-smi"
+    assert NpuSmiSource.tiers == ("realtime", "offline")
+
+
+def test_a_bad_npu_id_followed_by_a_continuation_line_is_a_parse_error():
+    # Used to raise KeyError (the continuation was appended to a key the bad NPU never had).
+    with pytest.raises(ParseError, match="NPU ID is not a number at line 1") as e:
+        parse_kv("NPU ID : x\n\t : more\nChip ID : 0\nPower(W) : 3\n")
+    assert e.value.partial.npus[0].npu_id is None

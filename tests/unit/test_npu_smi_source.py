@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from xpusense.agent.sources.base import OFFLINE, REALTIME, SourceError, Unavailable
-from xpusense.agent.sources.npu_smi import MIB, SKIPPED_METRIC, NpuSmiSource
+from xpusense.agent.sources.npu_smi.source import SKIPPED_METRIC, NpuSmiSource
+from xpusense.agent.sources.npu_smi.values import MIB
 
 TESTS = Path(__file__).resolve().parents[1]
 FAKE = TESTS / "fakes" / "npu-smi" / "npu-smi"

@@ -10,8 +10,8 @@ import shutil
 
 import grpc
 import pytest
-
 from helpers import ROOT
+
 from xpusense.agent import pods
 from xpusense.agent.config import load_agent
 from xpusense.agent.sources.base import COUNTER, Sample

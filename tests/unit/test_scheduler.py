@@ -1,138 +1,49 @@
-"""The scheduler core on a simulated fleet fed through the real ingest path (the gRPC Ingest stream
-of an in-process collector), and its formulas, filters and config checks."""
+"""The scheduler core on a simulated fleet fed in-process (FleetState's hello/ingest, as the Ingest
+stream does; no gRPC server: tests/e2e/test_place_grpc.py), its formulas, filters and config
+checks, and the four score dimensions as the pure functions they are."""
 
 from __future__ import annotations
 
-import asyncio
+import logging
 import math
-import queue
 import random
-import threading
 import time
 
-import grpc
 import pytest
+from helpers import ROOT
+from sched_sim import KINDS, GiB, dev_id, event, inventory, readings
 
-from helpers import ROOT, free_port
-from xpusense.agent.config import ConfigError
-from xpusense.collector import server as server_mod
 from xpusense.collector.config import load_collector
-from xpusense.collector.scheduler import (DEFAULT_WEIGHTS, PlaceError, Scheduler, parse_memory,
-                                          resolve_weights)
+from xpusense.collector.scheduler import inventory as sched_inventory
+from xpusense.collector.scheduler import scoring
+from xpusense.collector.scheduler.config import DEFAULT_WEIGHTS, PlaceError, resolve_weights
+from xpusense.collector.scheduler.core import Scheduler
+from xpusense.collector.scheduler.inventory import PeakTflops, parse_memory
 from xpusense.collector.state import FleetState
+from xpusense.common import catalog
+from xpusense.common.config import ConfigError
 from xpusense.v1 import scheduler_pb2 as spb
-from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
 from xpusense.v1 import telemetry_pb2 as pb
-from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
-GiB = 2**30
-
-# kind -> (type, vendor, model, memory attribute, HBM bytes, interconnect)
-KINDS = {
-    "a100": ("GPU", "nvidia", "A100-SXM4-80GB", "80GB", 80 * GiB, "NVLink"),
-    "a100pcie": ("GPU", "nvidia", "A100-PCIE-40GB", "40GB", 40 * GiB, ""),
-    "910b": ("NPU", "huawei", "Ascend-910B", "64GB", 64 * GiB, "HCCS"),
-    "910b4": ("NPU", "huawei", "Ascend-910B4", "32GB", 32 * GiB, "HCCS"),
-    "910a": ("NPU", "huawei", "Ascend-910A", "32GB", 32 * GiB, "HCCS"),
-}
+DEFAULTS = load_collector(None, env={})
 
 
-def dev_id(kind: str, i: int) -> str:
-    return f"gpu{i}" if KINDS[kind][0] == "GPU" else f"npu{i}-0"
-
-
-def inventory(kind: str, devices: int = 8, **labels) -> pb.Inventory:
-    rtype, vendor, model, mem, _, link = KINDS[kind]
-    inv = pb.Inventory(hostname=f"host-{kind}", labels={k: str(v) for k, v in labels.items()})
-    for i in range(devices):
-        attrs = {"memory": mem}
-        if rtype == "GPU":
-            attrs["nvlink_count"] = "12" if link else "0"
-        r = inv.resources.add(type=rtype, vendor=vendor, model=model, id=dev_id(kind, i), attributes=attrs)
-        if link:
-            r.interconnects.add(type=link)
-    inv.resources.add(type="CPU", vendor="intel", model="Xeon", id="cpu0")
-    return inv
-
-
-def readings(kind: str, devices: int = 8, util=0.0, used_gib=0.0, bw=0.0, health=None, t_ns=None) -> list[pb.Sample]:
-    """Realtime accelerator samples as the NVML / npu-smi sources name them; util/used/bw per device
-    as a number or a dict {device index: value}."""
-    t = t_ns or time.time_ns()
-    _, vendor, _, _, hbm, _ = KINDS[kind]
-    out = []
-    for i in range(devices):
-        lab = {"device": dev_id(kind, i), "vendor": vendor}
-        pick = (lambda v: v.get(i, 0.0) if isinstance(v, dict) else v)
-        for name, unit, value in (("hw.gpu.utilization", "1", pick(util)),
-                                  ("hw.gpu.memory.usage", "By", pick(used_gib) * GiB),
-                                  ("hw.gpu.memory.limit", "By", float(hbm)),
-                                  ("xpusense.accelerator.hbm.bandwidth.utilization", "1", pick(bw))):
-            out.append(pb.Sample(name=name, unit=unit, kind=pb.GAUGE, labels=lab, value=value, time_unix_nano=t))
-        if health is not None and i in health:
-            ok = health[i] == "OK"
-            out.append(pb.Sample(name="xpusense.accelerator.health", unit="1", kind=pb.GAUGE,
-                                 labels={**lab, "status": health[i]}, value=1.0 if ok else 0.0, time_unix_nano=t))
-    out.append(pb.Sample(name="system.memory.limit", unit="By", kind=pb.GAUGE, value=1e12, time_unix_nano=t))
-    return out
-
-
-def event(kind: str, device: str, t_ns=None, **attrs) -> pb.Event:
-    return pb.Event(id=f"{kind}-{device}-{time.monotonic_ns()}", type=kind, severity="critical", device=device,
-                    message=f"{kind} on {device}", attributes=attrs, time_unix_nano=t_ns or time.time_ns())
-
-
-class Collector:
-    """The real collector server (Ingest, Query, Scheduler) on its own event loop thread."""
-
-    def __init__(self, cfg=None, clock=None):
-        self.addr = f"127.0.0.1:{free_port()}"
-        self.state = FleetState(clock=clock) if clock else FleetState()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = self.call(server_mod.start_server(self.addr, self.state, config=cfg))
-        self.channel = grpc.insecure_channel(self.addr)
-        self.stub = spb_grpc.SchedulerStub(self.channel)
-
-    def call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
-
-    def place(self, **kw) -> spb.PlaceReply:
-        return self.stub.Place(spb.PlaceRequest(**kw), timeout=10)
-
-    def stop(self):
-        self.channel.close()
-        self.call(self.server.stop(0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+def core(state: FleetState, cfg=None) -> Scheduler:
+    """The core following `state`, with the collector's configuration (its defaults when None)."""
+    cfg = cfg or DEFAULTS
+    return Scheduler(state, cfg.scheduler, cfg.stale_s)
 
 
 class SimAgent:
-    """A simulated agent on the real Ingest stream: Hello with inventory, then Batches; `send`
-    returns once the collector acknowledged (stored) the batch."""
+    """A simulated agent feeding the fleet state in-process as the Ingest stream does: Hello with
+    its inventory, then Batches; `send` returns once the state stored the batch."""
 
-    def __init__(self, addr: str, node_id: str, kind: str, devices: int = 8, **labels):
-        self.node_id, self.kind, self.devices = node_id, kind, devices
+    def __init__(self, state: FleetState, node_id: str, kind: str, devices: int = 8, **labels):
+        self.state, self.node_id, self.kind, self.devices = state, node_id, kind, devices
         self.boot = f"boot-{node_id}-{time.monotonic_ns()}"
         self.seq = 0
-        self.channel = grpc.insecure_channel(addr)
-        self.out: queue.Queue = queue.Queue()
-        self.acks: queue.Queue = queue.Queue()
-        hello = pb.Hello(node_id=node_id, boot_id=self.boot, inventory=inventory(kind, devices, **labels))
-        self.out.put(pb.AgentMessage(hello=hello))
-        self.calls = pb_grpc.IngestStub(self.channel).Stream(iter(self.out.get, None))
-        first = next(self.calls)
-        assert first.HasField("welcome")
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        try:
-            for msg in self.calls:
-                self.acks.put(msg.ack)
-        except grpc.RpcError:
-            pass
+        welcome = state.hello(pb.Hello(node_id=node_id, boot_id=self.boot, inventory=inventory(kind, devices, **labels)))
+        assert welcome.boot_id == self.boot
 
     def send(self, samples=None, events=(), **readings_kw):
         self.seq += 1
@@ -140,41 +51,25 @@ class SimAgent:
             samples = readings(self.kind, self.devices, **readings_kw)
         b = pb.Batch(node_id=self.node_id, boot_id=self.boot, seq=self.seq, samples=samples, events=list(events),
                      sent_unix_nano=time.time_ns())
-        self.out.put(pb.AgentMessage(batch=b))
-        ack = self.acks.get(timeout=10)
-        assert ack.seq == self.seq and not ack.duplicate
-
-    def close(self):
-        self.out.put(None)
-        self.channel.close()
+        assert self.state.ingest(b)   # stored, not a duplicate
 
 
-@pytest.fixture
-def fleet():
-    """Start a collector (fleet(cfg=..., clock=...)) and agents on it (fleet.agent(...)); all closed after."""
-    made: dict = {"coll": None, "agents": []}
+class Fleet:
+    """A FleetState (on `clock` when given) with the scheduler core following it (collector config
+    `cfg`, the defaults when None), and agents on it (fleet.agent(...))."""
 
-    class Fleet:
-        def __call__(self, cfg=None, clock=None):
-            made["coll"] = Collector(cfg, clock)
-            return self
+    def __init__(self, cfg=None, clock=None):
+        self.state = FleetState(clock=clock) if clock else FleetState()
+        self.core = core(self.state, cfg)
 
-        @property
-        def coll(self) -> Collector:
-            return made["coll"]
+    def agent(self, node_id, kind, devices=8, send=True, **labels) -> SimAgent:
+        a = SimAgent(self.state, node_id, kind, devices, **labels)
+        if send:
+            a.send()
+        return a
 
-        def agent(self, node_id, kind, devices=8, send=True, **labels) -> SimAgent:
-            a = SimAgent(made["coll"].addr, node_id, kind, devices, **labels)
-            made["agents"].append(a)
-            if send:
-                a.send()
-            return a
-
-    yield Fleet()
-    for a in made["agents"]:
-        a.close()
-    if made["coll"]:
-        made["coll"].stop()
+    def place(self, **kw) -> spb.PlaceReply:
+        return self.core.place(spb.PlaceRequest(**kw))
 
 
 def write_cfg(tmp_path, text: str):
@@ -187,10 +82,10 @@ def dims(c: spb.Candidate) -> dict[str, float]:
     return {d.dimension: d.score for d in c.dimensions}
 
 
-# -- the "done when" cases, through the real ingest path -------------------------------------------------
+# -- the "done when" cases -------------------------------------------------
 
-def test_40gb_request_gets_a_64gb_910b_or_an_80gb_a100_never_a_32gb_910b4(fleet):
-    fleet()
+def test_40gb_request_gets_a_64gb_910b_or_an_80gb_a100_never_a_32gb_910b4():
+    fleet = Fleet()
     fleet.agent("a100-1", "a100", region="r1", zone="z1", price=4.0)
     fleet.agent("910b-1", "910b", region="r1", zone="z2", price=2.0)
     fleet.agent("910b4-1", "910b4", region="r1", zone="z1", price=1.0)
@@ -200,116 +95,115 @@ def test_40gb_request_gets_a_64gb_910b_or_an_80gb_a100_never_a_32gb_910b4(fleet)
     busy.send(used_gib=50.0)
 
     for accel in (spb.ACCELERATOR_ANY, spb.ACCELERATOR_NPU, spb.ACCELERATOR_GPU):
-        reply = fleet.coll.place(accelerator=accel, memory_bytes=parse_memory("40GB"), count=2)
+        reply = fleet.place(accelerator=accel, memory_bytes=parse_memory("40GB"), count=2)
         got = {c.node_id: c.model for c in reply.candidates}
         want = {spb.ACCELERATOR_ANY: {"a100-1": "A100-SXM4-80GB", "910b-1": "Ascend-910B"},
                 spb.ACCELERATOR_NPU: {"910b-1": "Ascend-910B"},
                 spb.ACCELERATOR_GPU: {"a100-1": "A100-SXM4-80GB"}}[accel]
         assert got == want
         assert all(len(c.devices) == 2 for c in reply.candidates)
-    reply = fleet.coll.place(accelerator=spb.ACCELERATOR_ANY, memory_bytes=40 * GiB, count=2)
+    reply = fleet.place(accelerator=spb.ACCELERATOR_ANY, memory_bytes=40 * GiB, count=2)
     excluded = {e.node_id: e for e in reply.excluded}
     assert {n: excluded[n].reason for n in ("910b4-1", "910b4-2", "a100-busy")} == \
         {"910b4-1": "memory", "910b4-2": "memory", "a100-busy": "memory"}
     assert "32.0GiB" in excluded["910b4-1"].detail and "30.0GiB" in excluded["a100-busy"].detail
     assert reply.excluded_counts["memory"] == 3 and reply.nodes_feasible == 2 and reply.nodes_total == 5
     # 32 GiB fits the 910B4s exactly.
-    reply = fleet.coll.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=32 * GiB, count=8)
+    reply = fleet.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=32 * GiB, count=8)
     assert sorted(c.node_id for c in reply.candidates) == ["910b-1", "910b4-1", "910b4-2"]
 
 
-def test_data_sovereignty_removes_every_node_outside_the_region(fleet):
-    fleet()
+def test_data_sovereignty_removes_every_node_outside_the_region():
+    fleet = Fleet()
     regions = {"n-bj-1": "cn-beijing", "n-bj-2": "cn-beijing", "n-sh-1": "cn-shanghai",
                "n-gz-1": "cn-guangzhou", "n-none": ""}
     for nid, region in regions.items():
         labels = {"zone": "z1", "price": 2.0, **({"region": region} if region else {})}
         fleet.agent(nid, "a100", **labels)
-    reply = fleet.coll.place(memory_bytes=10 * GiB, residency=spb.RESIDENCY_REGION, data_region="cn-beijing")
+    reply = fleet.place(memory_bytes=10 * GiB, residency=spb.RESIDENCY_REGION, data_region="cn-beijing")
     assert sorted(c.node_id for c in reply.candidates) == ["n-bj-1", "n-bj-2"]
     assert reply.excluded_counts["residency"] == 3
     assert sorted(e.node_id for e in reply.excluded if e.reason == "residency") == ["n-gz-1", "n-none", "n-sh-1"]
     # Without the constraint, the same data region is only a preference.
-    reply = fleet.coll.place(memory_bytes=10 * GiB, data_region="cn-beijing")
+    reply = fleet.place(memory_bytes=10 * GiB, data_region="cn-beijing")
     assert len(reply.candidates) == 5
     assert {c.node_id for c in reply.candidates[:2]} == {"n-bj-1", "n-bj-2"}
     # Allowed regions are a hard filter too; province residency needs the `province` label.
-    reply = fleet.coll.place(memory_bytes=10 * GiB, allowed_regions=["cn-shanghai", "cn-guangzhou"])
+    reply = fleet.place(memory_bytes=10 * GiB, allowed_regions=["cn-shanghai", "cn-guangzhou"])
     assert sorted(c.node_id for c in reply.candidates) == ["n-gz-1", "n-sh-1"]
     assert reply.excluded_counts["region"] == 3
-    reply = fleet.coll.place(memory_bytes=10 * GiB, residency=spb.RESIDENCY_PROVINCE, data_province="beijing")
+    reply = fleet.place(memory_bytes=10 * GiB, residency=spb.RESIDENCY_PROVINCE, data_province="beijing")
     assert not reply.candidates and reply.excluded_counts["residency"] == 5
-    with pytest.raises(grpc.RpcError) as e:
-        fleet.coll.place(residency=spb.RESIDENCY_REGION)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "data region" in e.value.details()
+    with pytest.raises(PlaceError, match="data region"):   # over gRPC: INVALID_ARGUMENT (tests/e2e/test_place_grpc.py)
+        fleet.place(residency=spb.RESIDENCY_REGION)
 
 
-def test_a_node_that_stopped_reporting_drops_out_once_stale(fleet):
+def test_a_node_that_stopped_reporting_drops_out_once_stale():
     clock = [time.time_ns()]
-    fleet(clock=lambda: clock[0])   # stale_s defaults to 10 s; the collector's clock is ours
+    fleet = Fleet(clock=lambda: clock[0])   # stale_s defaults to 10 s; the collector's clock is ours
     quiet = fleet.agent("quiet", "a100", region="r1", zone="z1", price=2.0)
     talker = fleet.agent("talker", "a100", region="r1", zone="z1", price=2.0)
-    assert {c.node_id for c in fleet.coll.place(memory_bytes=GiB).candidates} == {"quiet", "talker"}
+    assert {c.node_id for c in fleet.place(memory_bytes=GiB).candidates} == {"quiet", "talker"}
     clock[0] += int(9.5e9)
     talker.send()
-    assert {c.node_id for c in fleet.coll.place(memory_bytes=GiB).candidates} == {"quiet", "talker"}
+    assert {c.node_id for c in fleet.place(memory_bytes=GiB).candidates} == {"quiet", "talker"}
     clock[0] += int(1e9)    # quiet: 10.5 s without telemetry
     talker.send()
-    reply = fleet.coll.place(memory_bytes=GiB)
+    reply = fleet.place(memory_bytes=GiB)
     assert [c.node_id for c in reply.candidates] == ["talker"]
     assert [(e.node_id, e.reason) for e in reply.excluded] == [("quiet", "stale")]
     assert "10.5 s" in reply.excluded[0].detail and reply.excluded_counts["stale"] == 1
     quiet.send()            # reporting again: back in
-    assert {c.node_id for c in fleet.coll.place(memory_bytes=GiB).candidates} == {"quiet", "talker"}
+    assert {c.node_id for c in fleet.place(memory_bytes=GiB).candidates} == {"quiet", "talker"}
 
 
-def test_a_gpu_with_a_fresh_xid_is_not_offered(tmp_path, fleet):
+def test_a_gpu_with_a_fresh_xid_is_not_offered(tmp_path):
     clock = [time.time_ns()]
-    fleet(write_cfg(tmp_path, "[scheduler]\nxid_window_s = 60\n"), clock=lambda: clock[0])
+    fleet = Fleet(write_cfg(tmp_path, "[scheduler]\nxid_window_s = 60\n"), clock=lambda: clock[0])
     a = fleet.agent("a", "a100", region="r1", zone="z1", price=2.0)
     # gpu3 is the idlest GPU: it would be chosen first for a single-GPU job.
     a.send(util={i: 0.5 for i in range(8) if i != 3}, events=[event("xid", "gpu3", clock[0], xid="79")])
     for _ in range(3):
-        reply = fleet.coll.place(accelerator=spb.ACCELERATOR_GPU, memory_bytes=GiB, count=7)
+        reply = fleet.place(accelerator=spb.ACCELERATOR_GPU, memory_bytes=GiB, count=7)
         c = reply.candidates[0]
         assert "gpu3" not in c.devices and len(c.devices) == 7
         assert [(d.device, d.reason) for d in c.excluded_devices] == [("gpu3", "xid")]
         assert "XID 79" in c.excluded_devices[0].detail
         a.send(util=0.5)    # later batches without the event: still out
-    reply = fleet.coll.place(accelerator=spb.ACCELERATOR_GPU, memory_bytes=GiB, count=8)
+    reply = fleet.place(accelerator=spb.ACCELERATOR_GPU, memory_bytes=GiB, count=8)
     assert not reply.candidates and [(e.node_id, e.reason) for e in reply.excluded] == [("a", "xid")]
     assert [d.device for d in reply.excluded[0].devices] == ["gpu3"]
     clock[0] += int(61e9)   # the window has passed: offered again, with no new batch needed
     a.send(util=0.5)
-    reply = fleet.coll.place(accelerator=spb.ACCELERATOR_GPU, memory_bytes=GiB, count=8)
+    reply = fleet.place(accelerator=spb.ACCELERATOR_GPU, memory_bytes=GiB, count=8)
     assert "gpu3" in reply.candidates[0].devices
 
 
-def test_unhealthy_accelerator_is_out_until_a_newer_reading_says_ok(fleet):
-    fleet()
+def test_unhealthy_accelerator_is_out_until_a_newer_reading_says_ok():
+    fleet = Fleet()
     n = fleet.agent("n", "910b", send=False, region="r1", zone="z1", price=2.0)
     t = time.time_ns()
     n.send(health={0: "Alarm", 1: "OK"}, t_ns=t)
-    reply = fleet.coll.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, count=7)
+    reply = fleet.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, count=7)
     c = reply.candidates[0]
     assert "npu0-0" not in c.devices and [(d.device, d.reason) for d in c.excluded_devices] == [("npu0-0", "unhealthy")]
     assert "Alarm" in c.excluded_devices[0].detail
     # A health event newer than the reading: npu1 goes Critical at once (the series lags, 5 min tier).
     n.send(events=[pb.Event(id="h1", type="health", severity="critical", device="npu1-0", message="Critical",
                             attributes={"status": "Critical"}, time_unix_nano=t + 1)], t_ns=t)
-    reply = fleet.coll.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, count=7)
+    reply = fleet.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, count=7)
     assert not reply.candidates and reply.excluded[0].reason == "unhealthy"
     assert sorted(d.device for d in reply.excluded[0].devices) == ["npu0-0", "npu1-0"]
     n.send(health={0: "OK", 1: "OK"}, t_ns=t + 2)
-    assert len(fleet.coll.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, count=8).candidates) == 1
+    assert len(fleet.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, count=8).candidates) == 1
 
 
-def test_hbm_watch_firing_penalises_and_says_why(fleet):
-    fleet()
+def test_hbm_watch_firing_penalises_and_says_why():
+    fleet = Fleet()
     fleet.agent("calm", "a100", region="r1", zone="z1", price=2.0)
     hot = fleet.agent("hot", "a100", region="r1", zone="z1", price=2.0)
     hot.send(bw={0: 0.95, 1: 0.95}, events=[event("checkpoint_request", "gpu0"), event("checkpoint_request", "gpu1")])
-    reply = fleet.coll.place(accelerator=spb.ACCELERATOR_GPU, memory_bytes=GiB, count=8)
+    reply = fleet.place(accelerator=spb.ACCELERATOR_GPU, memory_bytes=GiB, count=8)
     by = {c.node_id: c for c in reply.candidates}
     assert [c.node_id for c in reply.candidates] == ["calm", "hot"]
     assert sorted(p.device for p in by["hot"].penalties) == ["gpu0", "gpu1"]
@@ -318,7 +212,7 @@ def test_hbm_watch_firing_penalises_and_says_why(fleet):
     assert dims(by["hot"])["compute"] == pytest.approx(free_hot)
     assert by["hot"].score == pytest.approx((by["calm"].score - 0.4 * (1 - free_hot)) * 0.5)
     # Six GPUs are enough: the two the watch fired on are left aside, and there is no penalty.
-    reply = fleet.coll.place(accelerator=spb.ACCELERATOR_GPU, memory_bytes=GiB, count=6)
+    reply = fleet.place(accelerator=spb.ACCELERATOR_GPU, memory_bytes=GiB, count=6)
     by = {c.node_id: c for c in reply.candidates}
     assert not by["hot"].penalties and not {"gpu0", "gpu1"} & set(by["hot"].devices)
     assert by["hot"].score == pytest.approx(by["calm"].score)
@@ -326,7 +220,7 @@ def test_hbm_watch_firing_penalises_and_says_why(fleet):
 
 # -- the score ----------------------------------------------------------------------------------------
 
-def test_score_is_the_weighted_sum_of_the_four_dimensions(tmp_path, fleet):
+def test_score_is_the_weighted_sum_of_the_four_dimensions(tmp_path):
     cfg = write_cfg(tmp_path, """
 [scheduler]
 latency_ref_ms = 100
@@ -338,12 +232,12 @@ transfer_cost_ref = 0.10
 [scheduler.peak_tflops]
 "Ascend-910B" = 300
 """)
-    fleet(cfg)
+    fleet = Fleet(cfg)
     fleet.agent("cheap", "a100", region="r1", zone="z1", price=2.0, encryption="tdx", attestation="yes")
     fleet.agent("dear", "a100", region="r1", zone="z2", price=4.0, encryption="none")
     far = fleet.agent("far", "910b", send=False, region="r2", zone="z3", price=3.0, attestation="tpm")
     far.send(util=0.5, bw=0.2, used_gib=16.0)
-    reply = fleet.coll.place(memory_bytes=GiB, count=1, data_region="r1", replica_zones=["z1", "z9"])
+    reply = fleet.place(memory_bytes=GiB, count=1, data_region="r1", replica_zones=["z1", "z9"])
     by = {c.node_id: c for c in reply.candidates}
     assert [c.node_id for c in reply.candidates] == ["cheap", "dear", "far"]
     w = DEFAULT_WEIGHTS
@@ -363,12 +257,12 @@ transfer_cost_ref = 0.10
     assert "r2 -> r1: 50 ms" in by["far"].dimensions[1].detail
     # A node whose TFLOPS are unknown (no catalog figure, none in config) counts 0.5 for value.
     fleet.agent("b4", "910b4", region="r1", zone="z9", price=1.0)
-    reply = fleet.coll.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, limit=5)
+    reply = fleet.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, limit=5)
     b4 = {c.node_id: c for c in reply.candidates}["b4"]
     assert dims(b4)["compute"] == pytest.approx(0.5)
     assert "no peak TFLOPS for Ascend-910B4" in b4.dimensions[0].detail
     # Request weights override the configured ones: more weight on compute moves `dear` down.
-    reply = fleet.coll.place(memory_bytes=GiB, data_region="r1", replica_zones=["z1", "z9"],
+    reply = fleet.place(memory_bytes=GiB, data_region="r1", replica_zones=["z1", "z9"],
                              weights=spb.Weights(compute=0.5, disaster_tolerance=0.15, compliance=0.10))
     assert reply.weights.compute == pytest.approx(0.5) and reply.weights.data_affinity == pytest.approx(0.25)
     for c in reply.candidates:
@@ -376,12 +270,12 @@ transfer_cost_ref = 0.10
                                         + 0.15 * dims(c)["disaster_tolerance"] + 0.10 * dims(c)["compliance"])
 
 
-def test_chosen_devices_are_the_least_busy_of_those_that_fit(fleet):
-    fleet()
+def test_chosen_devices_are_the_least_busy_of_those_that_fit():
+    fleet = Fleet()
     a = fleet.agent("a", "a100", send=False, region="r1", zone="z1", price=2.0)
     # free GiB: 10, 70, 35, 80, 60, 1, 20, 50; `free` score = mean(1 - util, free share, 1 - bw)
     a.send(used_gib={0: 70, 1: 10, 2: 45, 3: 0, 4: 20, 5: 79, 6: 60, 7: 30}, util={1: 0.5, 3: 0.9})
-    place = lambda mem, n: fleet.coll.place(accelerator=spb.ACCELERATOR_GPU, memory_bytes=mem * GiB, count=n)
+    place = lambda mem, n: fleet.place(accelerator=spb.ACCELERATOR_GPU, memory_bytes=mem * GiB, count=n)
     assert list(place(40, 2).candidates[0].devices) == ["gpu4", "gpu7"]       # 0.917, 0.875
     # gpu2 (0.8125) is third best but has 35 GiB free: passed over for gpu1 and gpu3.
     c = place(40, 4).candidates[0]
@@ -397,38 +291,38 @@ def test_chosen_devices_are_the_least_busy_of_those_that_fit(fleet):
     assert reply.excluded[0].reason == "count" and "8 GPU on the node, 9 asked" in reply.excluded[0].detail
 
 
-def test_same_domain_keeps_the_devices_in_one_hccs_or_nvlink_domain(fleet):
-    fleet()
+def test_same_domain_keeps_the_devices_in_one_hccs_or_nvlink_domain():
+    fleet = Fleet()
     fleet.agent("atlas800", "910a", region="r1", zone="z1", price=1.0)    # two HCCS groups: npu0-3, npu4-7
     fleet.agent("pcie", "a100pcie", devices=4, region="r1", zone="z1", price=1.0)
     fleet.agent("hgx", "a100", region="r1", zone="z1", price=1.0)
-    reply = fleet.coll.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, count=4, same_domain=True)
+    reply = fleet.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, count=4, same_domain=True)
     c = reply.candidates[0]
     groups = ({f"npu{i}-0" for i in range(4)}, {f"npu{i}-0" for i in range(4, 8)})
     assert set(c.devices) in groups and c.domain in ("hccs0", "hccs1")
-    reply = fleet.coll.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, count=5, same_domain=True)
+    reply = fleet.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, count=5, same_domain=True)
     assert not reply.candidates and reply.excluded[0].reason == "domain"
-    assert len(fleet.coll.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, count=5).candidates) == 1
-    reply = fleet.coll.place(accelerator=spb.ACCELERATOR_GPU, memory_bytes=GiB, count=2, same_domain=True)
+    assert len(fleet.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, count=5).candidates) == 1
+    reply = fleet.place(accelerator=spb.ACCELERATOR_GPU, memory_bytes=GiB, count=2, same_domain=True)
     assert [c.node_id for c in reply.candidates] == ["hgx"] and reply.candidates[0].domain == "nvlink"
     assert [(e.node_id, e.reason) for e in reply.excluded] == [("pcie", "domain")]
 
 
-def test_compliance_capabilities_can_be_required(fleet):
-    fleet()
+def test_compliance_capabilities_can_be_required():
+    fleet = Fleet()
     fleet.agent("plain", "a100", region="r1", zone="z1", price=1.0)
     fleet.agent("enc", "a100", region="r1", zone="z1", price=1.0, encryption="sme")
     fleet.agent("both", "a100", region="r1", zone="z1", price=1.0, encryption="tdx", attestation="true")
-    reply = fleet.coll.place(memory_bytes=GiB, require_encryption=True)
+    reply = fleet.place(memory_bytes=GiB, require_encryption=True)
     assert [c.node_id for c in reply.candidates] == ["both", "enc"]
-    reply = fleet.coll.place(memory_bytes=GiB, require_encryption=True, require_attestation=True)
+    reply = fleet.place(memory_bytes=GiB, require_encryption=True, require_attestation=True)
     assert [c.node_id for c in reply.candidates] == ["both"]
     assert {e.node_id: e.reason for e in reply.excluded} == {"plain": "encryption", "enc": "attestation"}
 
 
 # -- weights and config ------------------------------------------------------------------------------
 
-def test_weights_out_of_range_are_refused_naming_the_weight(tmp_path, fleet):
+def test_weights_out_of_range_are_refused_naming_the_weight(tmp_path):
     with pytest.raises(ConfigError, match=r"'scheduler\.weights\.compute' must be between 0\.3 and 0\.5"):
         write_cfg(tmp_path, "[scheduler.weights]\ncompute = 0.6\n")
     with pytest.raises(ConfigError, match=r"'scheduler\.weights\.compliance' .* \(a ratio: 0\.1 for 10%\)"):
@@ -442,10 +336,9 @@ def test_weights_out_of_range_are_refused_naming_the_weight(tmp_path, fleet):
         resolve_weights(DEFAULT_WEIGHTS, spb.Weights(data_affinity=0.35))
     with pytest.raises(PlaceError, match=r"add up to 1\.05"):
         resolve_weights(DEFAULT_WEIGHTS, spb.Weights(compute=0.45))
-    fleet()
-    with pytest.raises(grpc.RpcError) as e:
-        fleet.coll.place(weights=spb.Weights(disaster_tolerance=0.3))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'disaster_tolerance'" in e.value.details()
+    fleet = Fleet()
+    with pytest.raises(PlaceError, match="'disaster_tolerance'"):   # over gRPC: INVALID_ARGUMENT
+        fleet.place(weights=spb.Weights(disaster_tolerance=0.3))
 
 
 @pytest.mark.parametrize("text, key", [
@@ -482,7 +375,7 @@ def test_scheduler_started_after_the_nodes_sees_them_and_their_events():
     st = FleetState()
     st.hello(pb.Hello(node_id="n", boot_id="b", inventory=inventory("a100", region="r1", zone="z1", price=2.0)))
     st.ingest(pb.Batch(node_id="n", boot_id="b", seq=1, samples=readings("a100"), events=[event("xid", "gpu0")]))
-    sch = Scheduler(st)
+    sch = core(st)
     reply = sch.place(spb.PlaceRequest(memory_bytes=GiB, count=8))
     assert reply.excluded[0].reason == "xid"
     st.set_inventory("n", inventory("a100", devices=4, region="r2", zone="z1", price=2.0))
@@ -493,7 +386,7 @@ def test_scheduler_started_after_the_nodes_sees_them_and_their_events():
 def test_a_decision_over_1000_nodes_is_one_pass(tmp_path):
     """Not the bench (bench/place_latency.py): a guard against a decision that grows worse than linear."""
     st = FleetState()
-    sch = Scheduler(st)
+    sch = core(st)
     kinds = ["a100", "910b", "910b4"]
     for i in range(1000):
         kind = kinds[i % 3]
@@ -511,14 +404,14 @@ def test_a_decision_over_1000_nodes_is_one_pass(tmp_path):
 
 
 def test_indexed_search_answers_as_the_full_scan_does():
-    """The decision uses per-bucket arrays and levels (Scheduler._search); the plain walk over
+    """The decision uses per-bucket arrays and levels (search.search); the plain walk over
     every node (scan=True) is the reference. Random fleets (types, sizes, labels, loads, XIDs,
     health, HBM watch, stale nodes, label changes) and random requests: same ranking, same counts."""
     rng = random.Random(9)
     for round_ in range(12):
         clock = [10**18]
-        st = FleetState(clock=lambda: clock[0])
-        sch = Scheduler(st)
+        st = FleetState(clock=lambda clock=clock: clock[0])
+        sch = core(st)
         kinds = ["a100", "910b", "910b4", "910a", "a100pcie"]
         nodes = {}
         for i in range(rng.randrange(20, 120)):
@@ -537,7 +430,7 @@ def test_indexed_search_answers_as_the_full_scan_does():
             st.hello(pb.Hello(node_id=nid, boot_id="b", inventory=inv))
             nodes[nid] = [kind, devices, 0]
 
-        def feed(nid):
+        def feed(nid, st=st, clock=clock, nodes=nodes):
             kind, devices, seq = nodes[nid]
             nodes[nid][2] = seq = seq + 1
             hbm = KINDS[kind][4] / GiB
@@ -584,3 +477,83 @@ def test_indexed_search_answers_as_the_full_scan_does():
                     [(round(c.score, 9), c.node_id, list(c.devices)) for c in ref.candidates], where
                 assert sorted((e.node_id, e.reason) for e in fast.excluded) == \
                     sorted((e.node_id, e.reason) for e in ref.excluded), where
+
+
+# -- the four dimensions, as pure functions ----------------------------------------------------------------
+
+def test_compute_efficiency_free_score_value_and_norm():
+    nan = math.nan
+    # mean(1 - util, free / HBM, 1 - bandwidth) over the readings a device has
+    assert scoring.free_score(0.5, 16 * GiB, 48 * GiB, 64 * GiB, 0.2) == (0.5 + 0.75 + 0.8) / 3
+    assert scoring.free_score(0.0, 0.0, 80 * GiB, 80 * GiB, 0.0) == 1.0
+    assert scoring.free_score(1.7, nan, 80 * GiB, 80 * GiB, 0.25) == 0.375   # over 1 counts as 1; no HBM reading
+    assert scoring.free_score(0.25, 8 * GiB, 0.0, 0.0, nan) == 0.75          # HBM size unknown: that half is left out
+    assert scoring.free_score(nan, nan, 80 * GiB, 80 * GiB, nan) == scoring.NO_READINGS_FREE == 0.5
+    # value = peak TFLOPS / price; value_norm = value / the fleet's best
+    assert scoring.value_per_price(312.0, 2.0) == 156.0
+    for tflops, price in ((None, 2.0), (312.0, None), (0.0, 2.0)):
+        assert scoring.value_per_price(tflops, price) == -1.0
+    assert scoring.value_norm(64.0, 1 / 128) == 0.5 and scoring.value_norm(128.0, 1 / 128) == 1.0
+    assert scoring.value_norm(-1.0, 1 / 128) == scoring.UNKNOWN_VALUE_NORM == 0.5
+    assert scoring.compute_efficiency(0.5, 0.75) == 0.375 and scoring.compute_efficiency(1.0, 1.0) == 1.0
+
+
+def test_data_affinity_from_the_region_matrix():
+    regions = scoring.region_matrix({"r2/r1": "25", "r3/r1": "250", "a/b": "10", "b/a": "30"},
+                                    {"r2/r1": "0.125", "r4/r1": "0.25"}, 100.0, 0.5)
+    assert scoring.data_affinity("r2", "r1", regions) == 1 - 0.5 * 0.25 - 0.5 * 0.25 == 0.75
+    assert scoring.data_affinity("r1", "r2", regions) == 0.75          # symmetric unless both directions are given
+    assert regions.latency_ms[("a", "b")] == 10.0 and regions.latency_ms[("b", "a")] == 30.0
+    assert scoring.data_affinity("r3", "r1", regions) == 0.0           # latency past the reference, cost unknown: 1 + 1
+    assert scoring.data_affinity("r4", "r1", regions) == 0.25          # latency unknown (1), cost 0.25 / 0.5
+    assert scoring.data_affinity("r5", "r1", regions) == 0.0           # a pair the matrix lacks
+    assert scoring.data_affinity("r1", "r1", regions) == 1.0           # in the data's region
+    assert scoring.data_affinity("", "r1", regions) == 0.0             # no region label
+    assert scoring.data_affinity("r2", "", regions) == 1.0             # no data region in the request
+
+
+def test_disaster_tolerance_by_the_other_replicas_zones():
+    assert scoring.disaster_tolerance("z1", ["z1", "z9"]) == 0.5
+    assert scoring.disaster_tolerance("z2", ["z1", "z9"]) == 1.0
+    assert scoring.disaster_tolerance("z1", ["z1", "z1", "z2", "z3"]) == 0.5
+    assert scoring.disaster_tolerance("z1", ["z1"]) == 0.0
+    assert scoring.disaster_tolerance("z1", []) == 1.0                 # no other replicas given
+    assert scoring.disaster_tolerance("", ["z1"]) == 0.5               # no zone label
+
+
+def test_compliance_from_the_capability_labels():
+    assert scoring.compliance(True, True) == 1.0
+    assert scoring.compliance(True, False) == scoring.compliance(False, True) == 0.5
+    assert scoring.compliance(False, False) == 0.0
+    assert all(scoring.capable(x) for x in ("tdx", "sme", "tpm", "true", "yes", "1"))
+    assert not any(scoring.capable(x) for x in (None, "", "none", "None", " false ", "no", "off", "0", "n/a", "unsupported"))
+
+
+def test_peak_tflops_from_config_then_the_vendors_catalog(monkeypatch, caplog):
+    tflops = PeakTflops({"Ascend-910B": 300.0, "A100-SXM4-80GB": 100.0})
+    assert tflops("nvidia", "A100-SXM4-80GB") == 100.0          # the operator's figure first
+    assert tflops("huawei", "Ascend-910B") == 300.0
+    assert PeakTflops({})("nvidia", "A100-SXM4-80GB") == 312.0   # common/catalog/nvidia.toml
+    assert PeakTflops({})("NVIDIA", "H100-PCIe-80GB") == 756.0
+    assert PeakTflops({})("huawei", "Ascend-910A") == 256.0      # common/catalog/huawei.toml
+    assert PeakTflops({})("huawei", "Ascend-910B4") is None      # no public figure: value per price unknown
+    assert PeakTflops({})("", "Ascend-910A") == 256.0            # a vendor the catalog lacks: every catalog
+    assert PeakTflops({})("amd", "MI300X") is None
+
+    def broken(vendor, model):
+        raise catalog.CatalogError(f"catalog {vendor}.toml is not valid TOML")
+    monkeypatch.setattr(sched_inventory.catalog, "peak_tflops", broken)
+    tflops = PeakTflops({"Ascend-910B": 300.0})
+    with caplog.at_level(logging.ERROR, logger="xpusense.collector.scheduler"):
+        assert tflops("nvidia", "A100-SXM4-80GB") is None and tflops("nvidia", "H100") is None
+        assert tflops("huawei", "Ascend-910B") == 300.0
+    assert [r.getMessage().count("nvidia.toml") for r in caplog.records] == [1]   # reported once
+
+
+def test_the_core_does_not_import_the_agent():
+    import subprocess
+    import sys
+    code = ("import sys, xpusense.collector.scheduler.core; "
+            "print(sorted(m for m in sys.modules if m.startswith('xpusense.agent')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -7,8 +7,8 @@ import socket
 import threading
 
 import pytest
-
 from helpers import BIN, wait_until
+
 from xpusense.agent import sdnotify
 
 
@@ -25,7 +25,7 @@ def notify_socket(tmp_path):
         while not stop.is_set():
             try:
                 got.append(s.recv(4096).decode())
-            except socket.timeout:
+            except TimeoutError:
                 pass
     t = threading.Thread(target=reader, daemon=True)
     t.start()
@@ -53,10 +53,10 @@ def test_pings_follow_progress_and_stop_when_the_loop_is_wedged(notify_socket):
     w.start()
     try:
         wait_until(lambda: any(m.startswith("READY=1") for m in got), what="READY=1")
-        for i in range(3):   # the loop makes progress: a ping per interval
+        for _ in range(3):   # the loop makes progress: a ping per interval
             seen = w.pings
             progress[0] += 1
-            wait_until(lambda: w.pings > seen, what="a WATCHDOG=1 after progress")
+            wait_until(lambda seen=seen: w.pings > seen, what="a WATCHDOG=1 after progress")
         sent = w.pings
         wait_until(lambda: got.count("WATCHDOG=1") >= sent >= 3, what="the pings at the socket")
         # Wedged: once no round has started for stall_s, no pings, however long it lasts.
@@ -90,7 +90,7 @@ def test_the_agent_says_ready_and_pings_while_running(procs, tmp_path, notify_so
                    "[sources.npu_smi]\nenabled = false\n[spool]\nenabled = false\n")
     agent = procs([str(BIN / "xpusense-agent"), "run", "--config", str(cfg), "--collector", "127.0.0.1:9"],
                   "agent", env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"})
-    wait_until(lambda: any(m.startswith("READY=1") for m in got), timeout_s=30, what="READY=1 from the agent")
+    wait_until(lambda: any(m.startswith("READY=1") for m in got), timeout_s=90, what="READY=1 from the agent")
     ready = next(m for m in got if m.startswith("READY=1"))
     assert f"MAINPID={agent.p.pid}" in ready
-    wait_until(lambda: got.count("WATCHDOG=1") >= 3, timeout_s=30, what="WATCHDOG=1 pings from the agent")
+    wait_until(lambda: got.count("WATCHDOG=1") >= 3, timeout_s=90, what="WATCHDOG=1 pings from the agent")

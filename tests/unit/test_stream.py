@@ -6,12 +6,13 @@ import random
 
 import grpc
 import pytest
-
 from helpers import InProcessCollector, free_port, wait_until
+
 from xpusense.agent.sources.base import Sample
-from xpusense.agent.stream import StreamClient, backoff_delays
+from xpusense.agent.stream import StreamClient
 from xpusense.collector import server as server_mod
 from xpusense.collector.state import FleetState
+from xpusense.common.backoff import backoff_delays
 from xpusense.v1 import telemetry_pb2 as pb
 
 

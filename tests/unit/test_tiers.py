@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from helpers import wait_until
+
 from xpusense.agent.sources.base import NEARLINE, REALTIME, Sample, Source, SourceError, Unavailable
 from xpusense.agent.tiers import TierLoop, setup_sources
 

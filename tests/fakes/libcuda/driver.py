@@ -27,7 +27,7 @@ lib.cuMemcpyDtoD_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c
 lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t]
 lib.cuMemFree_v2.argtypes = [ctypes.c_ulonglong]
 lib.cuInit(0)
-for i in range(n):
+for _ in range(n):
     lib.cuMemAlloc_v2(ctypes.byref(ptr), ALLOC)
     lib.cuMemcpyHtoD_v2(ptr.value, buf, HTOD)
     lib.cuMemcpyHtoDAsync_v2(ptr.value, buf, HTOD_ASYNC, None)

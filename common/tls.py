@@ -18,13 +18,12 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
-from typing import Callable
 
 import grpc
 
 from .config import ConfigError, split_host_port
 
-log = logging.getLogger("xpusense.agent.tls")
+log = logging.getLogger("xpusense.tls")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -36,11 +35,15 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         pass
+    # RFC 6761: "localhost" and names under ".localhost" are loopback, whatever (or whether) the
+    # host's resolver is configured; a host without /etc/hosts must not turn them into "remote".
+    if host.lower().rstrip(".") == "localhost" or host.lower().rstrip(".").endswith(".localhost"):
+        return True
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except socket.gaierror:
         return False
-    addrs = {i[4][0] for i in infos}
+    addrs = {str(i[4][0]) for i in infos}   # an IPv4/IPv6 sockaddr's host: already a str
     return bool(addrs) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addrs)
 
 
@@ -87,8 +90,59 @@ class _Details(grpc.ClientCallDetails):
         self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
 
 
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+]
+
+
+def channel_options(backoff_initial_s: float = 0.2, backoff_max_s: float = 10.0) -> list[tuple[str, int]]:
+    """CHANNEL_OPTIONS plus gRPC's own reconnect backoff bounded like ours: left at its defaults
+    (up to 120 s), a channel that failed for a while does not even try to connect when our loop
+    asks it to, and an agent found its collector a minute after it was back."""
+    return CHANNEL_OPTIONS + [
+        ("grpc.initial_reconnect_backoff_ms", max(1, int(backoff_initial_s * 1000))),
+        ("grpc.min_reconnect_backoff_ms", max(1, int(backoff_initial_s * 1000))),
+        ("grpc.max_reconnect_backoff_ms", max(1, int(backoff_max_s * 1000))),
+    ]
+
+
+class ChannelFactory:
+    """Makes gRPC channels to one collector, as make_channel() configured them; `mode` says how
+    they connect ("plaintext", "TLS", "mTLS", each possibly "+ token")."""
+
+    def __init__(self, address: str, options: list, names: dict[str, str], loopback: bool,
+                 ca: bytes | None, cert: bytes | None, key: bytes | None, token: str | None):
+        self.address = address
+        self.options = options
+        self.names = names
+        self.loopback = loopback
+        self.ca, self.cert, self.key, self.token = ca, cert, key, token
+        self.tls = bool(ca or cert)
+        self.mode = ("mTLS" if cert else "TLS" if self.tls else "plaintext") + (" + token" if token else "")
+        self._warned = False
+
+    def __call__(self) -> grpc.Channel:
+        address, options, token, n = self.address, self.options, self.token, self.names
+        if self.tls:
+            creds = grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                                 certificate_chain=self.cert)
+            if token:
+                creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+            return grpc.secure_channel(address, creds, options=options)
+        if not self.loopback and not self._warned:
+            self._warned = True
+            log.warning("PLAINTEXT to collector %s (%s): telemetry%s travels in clear; set %s for production",
+                        address, n["insecure"], " and this node's token" if token else "", n["tls_ca"])
+        ch = grpc.insecure_channel(address, options=options)
+        return grpc.intercept_channel(ch, _BearerInterceptor(token)) if token else ch
+
+
 def make_channel(address: str, collector_cfg, options: list | None = None,
-                 names: dict[str, str] | None = None) -> Callable[[], grpc.Channel]:
+                 names: dict[str, str] | None = None) -> ChannelFactory:
     """Check the [collector] security keys now; return a factory of channels to `address`.
 
     `names`: how errors call each setting (default the config keys; the query CLI passes its flags)."""
@@ -117,22 +171,5 @@ def make_channel(address: str, collector_cfg, options: list | None = None,
                           f"set {n['tls_ca']} (and {n['tls_cert']}/{n['tls_key']} for mTLS), or {n['insecure']} "
                           f"to send in clear")
     if options is None:
-        from .stream import CHANNEL_OPTIONS
         options = CHANNEL_OPTIONS
-    warned = []
-
-    def factory() -> grpc.Channel:
-        if tls:
-            creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-            if token:
-                creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
-            return grpc.secure_channel(address, creds, options=options)
-        if not loopback and not warned:
-            warned.append(True)
-            log.warning("PLAINTEXT to collector %s (%s): telemetry%s travels in clear; set %s for production",
-                        address, n["insecure"], " and this node's token" if token else "", n["tls_ca"])
-        ch = grpc.insecure_channel(address, options=options)
-        return grpc.intercept_channel(ch, _BearerInterceptor(token)) if token else ch
-
-    factory.mode = ("mTLS" if cert else "TLS" if tls else "plaintext") + (" + token" if token else "")
-    return factory
+    return ChannelFactory(address, options, n, loopback, ca, cert, key, token)

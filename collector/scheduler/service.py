@@ -15,7 +15,10 @@ from google.protobuf import json_format
 from xpusense.v1 import scheduler_pb2 as spb
 from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
 
-from .scheduler import DIMENSIONS, PlaceError, Scheduler, parse_memory
+from ..config import load_collector
+from .config import DIMENSIONS, PlaceError
+from .core import Scheduler
+from .inventory import parse_memory
 
 log = logging.getLogger("xpusense.collector.scheduler")
 
@@ -37,8 +40,11 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
 
 
 def add_to_server(server: grpc.aio.Server, state, cfg=None) -> Scheduler:
-    """Build the core over `state` (call it on the loop that owns the state) and serve it."""
-    core = Scheduler(state, cfg)
+    """Build the core over `state` (call it on the loop that owns the state) and serve it.
+    `cfg`: the collector's loaded configuration; None: its defaults."""
+    if cfg is None:
+        cfg = load_collector(None, env={})
+    core = Scheduler(state, cfg.scheduler, cfg.stale_s)
     spb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(core), server)
     return core
 

@@ -1,0 +1,74 @@
+"""The scheduler core: ranks the fleet's nodes for a job, from the collector's live fleet state.
+
+Scheduler(state, section, stale_s) follows `state` (fleet.py) with the loaded [scheduler] config
+section; place(request) decides (search.py) and answers with the ranking and its reasons
+(explain.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+from xpusense.v1 import scheduler_pb2 as spb
+
+from .config import PlaceError, Settings, resolve_weights
+from .explain import fill_reply
+from .fleet import FleetView
+from .index import CMAX, TYPE_INDEX
+from .search import Query, scan, search
+
+
+class Scheduler:
+    """The core. Construct it on the loop thread that owns `state`; it registers itself as a watcher.
+    `section`: the loaded (and checked) [scheduler] table of the collector's config; `stale_s`:
+    the collector's, after which a silent node is left out."""
+
+    def __init__(self, state: Any, section: Any, stale_s: float):
+        self.settings = Settings.from_section(section, stale_s)
+        self.weights = self.settings.weights
+        self.view = FleetView(state, self.settings)
+        self.state = state
+
+    def place(self, req: spb.PlaceRequest, scan: bool = False) -> spb.PlaceReply:
+        """Rank the fleet for one request. Runs on the loop thread that owns the state, in one go.
+        `scan`: walk every node (the reference the indexed search is tested against).
+
+        The cyclic garbage collector is held off while deciding: a collection that falls due (the
+        fleet state's history grows by tens of thousands of objects a second) then runs at the next
+        allocation after the decision, on the ingest path, instead of adding milliseconds here."""
+        if not gc.isenabled():
+            return self._place(req, scan)
+        gc.disable()
+        try:
+            return self._place(req, scan)
+        finally:
+            gc.enable()
+
+    def _place(self, req: spb.PlaceRequest, full_scan: bool) -> spb.PlaceReply:
+        t0 = time.perf_counter_ns()
+        weights = self.weights if not req.HasField("weights") else resolve_weights(self.weights, req.weights)
+        if req.residency == spb.RESIDENCY_REGION and not req.data_region:
+            raise PlaceError("residency REGION needs the data region (data_region, --data-region)")
+        if req.residency == spb.RESIDENCY_PROVINCE and not req.data_province:
+            raise PlaceError("residency PROVINCE needs the data province (data_province, --data-province)")
+        type_index = TYPE_INDEX.get(req.accelerator)
+        if type_index is None:
+            raise PlaceError(f"unknown accelerator type {req.accelerator}")
+        view = self.view
+        now = self.state.clock()
+        if view.expiries and view.expiries[0][0] <= now:
+            view.expire(now)
+        q = Query(req, weights, type_index, now, self.settings.stale_ns, self.settings.regions)
+        if full_scan or q.count > CMAX:
+            scan(view, q)
+        else:
+            search(view, q)
+        reply = spb.PlaceReply(nodes_total=len(view.summaries), nodes_feasible=q.feasible, time_unix_nano=now)
+        rw = reply.weights
+        rw.compute, rw.data_affinity, rw.disaster_tolerance, rw.compliance = (
+            q.w_compute, q.w_data, q.w_dr, q.w_compliance)
+        fill_reply(view, q, reply, weights)
+        reply.decision_us = (time.perf_counter_ns() - t0) / 1e3
+        return reply

@@ -1,0 +1,294 @@
+"""Following the collector's FleetState: one NodeSummary per node, kept up to date by a watcher on
+FleetState (called on the event loop after every Hello, inventory and stored batch), and filed in
+the index (index.py) after every change.
+
+Per node: its accelerators' free HBM and free score from the latest readings, their health (an XID
+or double-bit ECC event within xid_window_s, or a health state other than OK: the newer of the
+`xpusense.accelerator.health` series and the last `health` event, takes a device out; a checkpoint
+request from the HBM watch within hbm_watch_window_s keeps it, penalised), its groups by type and
+interconnect domain. Staleness is read from each NodeState's last_seen_ns when a node is looked at;
+`stale()` finds the stale nodes without a scan.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+from typing import Any, cast
+
+from xpusense.v1 import scheduler_pb2 as spb
+
+from .config import Settings
+from .index import ACCEL_TYPES, INF, POOLS, Device, Group, NodeSummary, Pool, file_node
+from .inventory import PeakTflops, device_memory, interconnect_domain, price
+from .scoring import capable, free_score
+
+log = logging.getLogger("xpusense.collector.scheduler")
+
+UTIL, USED, LIMIT, BANDWIDTH, HEALTH = ("hw.gpu.utilization", "hw.gpu.memory.usage", "hw.gpu.memory.limit",
+                                        "xpusense.accelerator.hbm.bandwidth.utilization",
+                                        "xpusense.accelerator.health")
+_DEVICE_SERIES = {UTIL: "util", USED: "used", LIMIT: "limit", BANDWIDTH: "bandwidth"}   # name -> Device attribute
+
+
+class FleetView:
+    """The scheduler's view of the fleet. Construct it on the loop thread that owns `state`; it
+    registers itself as a watcher."""
+
+    def __init__(self, state: Any, settings: Settings):
+        self.state = state
+        self.settings = settings
+        self.stale_ns = settings.stale_ns
+        self.peak_tflops = PeakTflops(settings.peak_tflops)
+        self.summaries: dict[str, NodeSummary] = {}
+        self.pools: tuple[Pool, ...] = tuple(Pool() for _ in range(POOLS))
+        self.seen_heap: list[tuple[int, str]] = []   # (last seen ns, node), see _seen
+        self.seen_pushed: dict[str, int] = {}        # node -> time of its live entry in seen_heap
+        self.stale_known: dict[str, NodeSummary] = {}
+        self.best_value = 0.0                         # the fleet's best value (TFLOPS per price)
+        self.inv_best_value = 0.0
+        self.expiries: list[tuple[int, str]] = []    # heap: (when a node's XID/HBM-watch window ends, node)
+        for n in list(state.nodes.values()):
+            self._rebuild(self._summary(n), initial=True)
+            self._seen(n)
+        watchers = getattr(state, "watchers", None)
+        if watchers is None:
+            raise RuntimeError("FleetState has no `watchers` list: the scheduler cannot follow it")
+        watchers.append(self.on_change)
+
+    def _summary(self, n: Any) -> NodeSummary:
+        s = self.summaries.get(n.node_id)
+        if s is None or s.state is not n:
+            s = self.summaries[n.node_id] = NodeSummary(n)
+        return s
+
+    def on_change(self, node: Any, batch: Any) -> None:
+        """FleetState's watcher: batch None after a Hello or a new inventory, else a stored batch."""
+        try:
+            self._seen(node)
+            s = self.summaries.get(node.node_id)
+            if s is None or batch is None:
+                s = self._summary(node)
+                self._rebuild(s)
+                if batch is None:
+                    return
+            if batch.events:
+                self._note_events(s, batch.events)
+            self._refresh(s, self.state.clock())
+        except Exception:   # never let the scheduler break ingest; the node keeps its last summary
+            log.exception("scheduler: cannot follow node %s", node.node_id)
+
+    # -- a new inventory -----------------------------------------------------------------------------
+    def _rebuild(self, s: NodeSummary, initial: bool = False) -> None:
+        """A new inventory: labels, devices, domains; then the readings."""
+        inv = s.state.inventory
+        self._read_labels(s, dict(inv.labels))
+        s.devices = devs = [Device(r.id, r.type.upper(), r.model, device_memory(r.attributes),
+                                   self.peak_tflops(r.vendor, r.model), interconnect_domain(r, r.type.upper()))
+                            for r in inv.resources if r.type.upper() in ACCEL_TYPES]
+        s.layout = []
+        for i, t in enumerate(ACCEL_TYPES):
+            of_type = [d for d in devs if d.type == t]
+            if of_type:
+                domains: dict[str, list[Device]] = {}
+                for d in of_type:
+                    domains.setdefault(d.domain, []).append(d)
+                s.layout.append((i, t, of_type, domains if len(domains) > 1 else None))
+        s.series_seen = -1
+        if initial:
+            for e in reversed(s.state.events):   # the node's recent events, oldest first
+                self._note_events(s, (e,))
+        old = s.best_value
+        self._refresh(s, self.state.clock())
+        s.best_value = max((g.value for g in s.by_type.values()), default=-1.0)
+        if s.best_value > self.best_value or (old >= self.best_value and s.best_value < old):
+            self._rescale_fleet()
+
+    @staticmethod
+    def _read_labels(s: NodeSummary, labels: dict[str, str]) -> None:
+        s.labels = labels
+        s.region, s.zone, s.province = labels.get("region", ""), labels.get("zone", ""), labels.get("province", "")
+        s.encryption, s.attestation = capable(labels.get("encryption")), capable(labels.get("attestation"))
+        s.price = price(labels.get("price", ""))
+        s.placement_key = (s.region, s.zone, s.province, s.encryption, s.attestation)
+        s.base_candidate = spb.Candidate(node_id=s.node_id, labels=labels)
+
+    def _rescale_fleet(self) -> None:
+        """The fleet's best value moved: every group's value_norm and compute levels with it."""
+        self.best_value = max((x.best_value for x in self.summaries.values()), default=0.0)
+        self.inv_best_value = 1.0 / self.best_value if self.best_value > 0 else 0.0
+        for x in self.summaries.values():
+            for g in {id(g): g for gs in x.pool_groups for g in gs}.values():
+                g.rescale(self.inv_best_value)
+            file_node(self.pools, x)
+
+    # -- staleness -------------------------------------------------------------------------------------
+    def _seen(self, node: Any) -> None:
+        """Track when a node was last heard from, to find the stale ones without a scan: every
+        node is in `stale_known` or has one live entry (time, node) in `seen_heap` with a time at
+        or before its last_seen_ns (renewed at most every stale_s / 2, and when it comes due)."""
+        nid = node.node_id
+        if nid in self.stale_known:
+            del self.stale_known[nid]
+        t = node.last_seen_ns
+        pushed = self.seen_pushed.get(nid)
+        if pushed is None or t - pushed > self.stale_ns // 2:
+            heapq.heappush(self.seen_heap, (t, nid))
+            self.seen_pushed[nid] = t
+
+    def stale(self, cut: int) -> list[NodeSummary]:
+        """Every node last heard from before `cut`, as its NodeState says now."""
+        heap, known, pushed = self.seen_heap, self.stale_known, self.seen_pushed
+        while heap and heap[0][0] < cut:
+            t, nid = heapq.heappop(heap)
+            if pushed.get(nid) != t:
+                continue          # superseded by a later entry
+            s = self.summaries.get(nid)
+            if s is None:
+                continue
+            seen = s.state.last_seen_ns
+            if seen < cut:
+                known[nid] = s
+                del pushed[nid]
+            else:                 # heard from since: follow it on from there
+                heapq.heappush(heap, (seen, nid))
+                pushed[nid] = seen
+        out = []
+        for nid, s in list(known.items()):
+            if s.state.last_seen_ns < cut:
+                out.append(s)
+            else:                 # back (a resend refreshes last_seen without a stored batch)
+                del known[nid]
+                heapq.heappush(heap, (s.state.last_seen_ns, nid))
+                pushed[nid] = s.state.last_seen_ns
+        return out
+
+    # -- readings and events ---------------------------------------------------------------------------
+    def _map_series(self, s: NodeSummary) -> None:
+        by_id = {d.id: d for d in s.devices}
+        for d in s.devices:
+            d.health = []
+        for ser in s.state.series.values():
+            attr = _DEVICE_SERIES.get(ser.name)
+            if attr is None and ser.name != HEALTH:
+                continue
+            dev = by_id.get(ser.labels.get("device", ""))
+            if dev is None:
+                continue
+            if attr is None:
+                dev.health.append(ser)
+            else:
+                setattr(dev, attr, ser)
+        s.series_seen = len(s.state.series)
+
+    def _note_events(self, s: NodeSummary, events: Any) -> None:
+        now = self.state.clock()
+        for e in events:
+            t = e.time_unix_nano or now
+            if t > now:   # an agent clock ahead of ours: count from when it arrived
+                t = now
+            kind = e.type
+            if kind == "xid" or kind == "ecc":
+                what = f"XID {e.attributes['xid']}" if "xid" in e.attributes else (
+                    "double-bit ECC error" if kind == "ecc" else "XID")
+                s.xid_events[e.device] = (t, f"{what}: {e.message}")
+            elif kind == "health":
+                status = e.attributes.get("status", "")
+                ok = status.upper() in ("OK", "HEALTHY") if status else e.severity == "info"
+                s.health_events[e.device] = (t, ok, f"health {status or e.severity}: {e.message}")
+            elif kind == "checkpoint_request":
+                s.checkpoint_requests[e.device] = (t, e.message or "HBM bandwidth watch fired")
+
+    def _refresh(self, s: NodeSummary, now: int) -> None:
+        """New readings or events: each device's free HBM, free score and health; then the groups."""
+        if len(s.state.series) != s.series_seen:
+            self._map_series(s)
+        expires = INF
+        with_events = bool(s.xid_events or s.health_events or s.checkpoint_requests)
+        nan = math.nan
+        for d in s.devices:
+            d.excluded = d.penalty = None
+            if with_events or d.health:
+                expires = self._health(s, d, now, expires)
+            # Free HBM, readings and free score from the latest series values.
+            limit = d.limit.value if d.limit is not None else nan
+            total = limit if limit > 0 else d.capacity    # NaN > 0 is False
+            used = d.used.value if d.used is not None else nan
+            free = total - used if used >= 0 else total
+            free = d.free = free if free > 0 else 0.0
+            util = d.util.value if d.util is not None else nan
+            bandwidth = d.bandwidth.value if d.bandwidth is not None else nan
+            score = d.free_score = free_score(util, used, free, total, bandwidth)
+            d.readings = (util, free, total, bandwidth)
+            d.choice_order = (d.penalty is not None, -score, -free)
+        self._group(s)
+        s.not_offered = [d for d in s.devices if d.excluded is not None]
+        if expires != s.expires_ns:
+            s.expires_ns = expires
+            if expires < INF:
+                heapq.heappush(self.expiries, (expires, s.node_id))
+        file_node(self.pools, s)
+
+    def _group(self, s: NodeSummary) -> None:
+        """The node's groups: per type, and per interconnect domain (the type's group when it has
+        one domain); then the lists each pool looks at."""
+        factor, inv_best = self.settings.hbm_watch_factor, self.inv_best_value
+        by_type: dict[str, Group] = {}
+        per_type: list[list[Group]] = [[], []]
+        per_domain: list[list[Group]] = [[], []]
+        for i, t, devs, domains in s.layout:
+            g = by_type[t] = Group(s, t, "", devs, factor)
+            g.rescale(inv_best)
+            per_type[i].append(g)
+            if domains is None:
+                g.domain = devs[0].domain
+                per_domain[i].append(g)
+            else:
+                for name, of_domain in domains.items():
+                    dg = Group(s, t, name, of_domain, factor)
+                    dg.rescale(inv_best)
+                    per_domain[i].append(dg)
+        s.by_type = by_type
+        s.pool_groups = (per_type[0], per_type[1], per_type[0] + per_type[1],
+                         per_domain[0], per_domain[1], per_domain[0] + per_domain[1])
+
+    def _health(self, s: NodeSummary, d: Device, now: int, expires: int) -> int:
+        """Whether the device is offered (d.excluded) and penalised (d.penalty) now; returns the
+        earliest time a window that decided it ends."""
+        xid_window, ckpt_window = self.settings.xid_window_ns, self.settings.hbm_watch_window_ns
+        xid = s.xid_events.get(d.id) if s.xid_events else None
+        if xid is not None and now - xid[0] < xid_window:
+            d.excluded = ("xid", f"{xid[1]} ({(now - xid[0]) / 1e9:.0f} s ago)")
+            expires = min(expires, xid[0] + xid_window)
+        else:
+            d.excluded = _health_state(d, s.health_events.get(d.id) if s.health_events else None)
+        ckpt = s.checkpoint_requests.get(d.id) if s.checkpoint_requests else None
+        if ckpt is not None and now - ckpt[0] < ckpt_window:
+            d.penalty = f"HBM watch asked for a checkpoint {(now - ckpt[0]) / 1e9:.0f} s ago: {ckpt[1]}"
+            expires = min(expires, ckpt[0] + ckpt_window)
+        return expires
+
+    def expire(self, now: int) -> None:
+        """Windows (XID, HBM watch) that ended since the last decision: refresh those nodes."""
+        heap = self.expiries
+        while heap and heap[0][0] <= now:
+            _, nid = heapq.heappop(heap)
+            s = self.summaries.get(nid)
+            if s is not None and s.expires_ns <= now:
+                self._refresh(s, now)
+
+
+def _health_state(d: Device, event: tuple | None) -> tuple | None:
+    """("unhealthy", detail) when the newer of the health series and the last health event says
+    the device is not OK, else None."""
+    newest_time, newest = -1, cast(Any, None)
+    for ser in d.health:
+        if ser.time_ns > newest_time:
+            newest_time, newest = ser.time_ns, ser
+    if event is not None and event[0] > newest_time:
+        return None if event[1] else ("unhealthy", event[2])
+    if newest is not None and newest.value < 1.0:
+        return ("unhealthy", f"health {newest.labels.get('status', 'not OK')} "
+                             f"(xpusense.accelerator.health = {newest.value:g})")
+    return None

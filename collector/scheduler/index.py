@@ -1,0 +1,318 @@
+"""The per-node index a decision walks: what the scheduler keeps per node (NodeSummary, its Devices
+and Groups, with what a decision needs for any device count precomputed) and where it is filed
+(per kind of request a Pool, of Buckets by placement key, of Entries).
+
+A Pool is what one kind of request walks: type GPU 0, NPU 1, any 2; +3 when the devices must share
+one interconnect domain. In it, per placement key (region, zone, province, encryption,
+attestation) a Bucket, whose part of the score is worked out once per request for all its nodes.
+For each node with one group to look at, the Bucket and the Pool hold a row of CMAX values (the
+free HBM of its c-th most free offered device, c = 1..CMAX), so that a decision counts what fits
+with C-speed passes over one column; and the Bucket files the node by the level of its compute
+part per count, so that a decision can rank best level first and stop early (search.py).
+"""
+
+from __future__ import annotations
+
+import operator
+from array import array
+from typing import Any
+
+from xpusense.v1 import scheduler_pb2 as spb
+
+from .scoring import NO_READINGS_FREE, UNKNOWN_VALUE_NORM, value_norm, value_per_price
+
+ACCEL_TYPES = ("GPU", "NPU")
+TYPE_INDEX = {spb.ACCELERATOR_GPU: 0, spb.ACCELERATOR_NPU: 1, spb.ACCELERATOR_ANY: 2}
+TYPE_NAMES = (("GPU",), ("NPU",), ACCEL_TYPES)   # the device types a type index stands for
+POOLS = 6          # type index (0..2) + 3 when the devices must share a domain
+INF = 1 << 62
+CMAX = 8           # device counts the index serves; a larger count is answered by a scan
+LEVELS = 32        # levels of the compute part, for the top-K search
+FEWER_OFFERED = -1.0   # in a fit row: fewer than c devices offered (some are out)
+FEWER_AT_ALL = -2.0    # in a fit row: fewer than c devices on the node at all
+NO_FIT = array("d", [FEWER_AT_ALL] * CMAX)
+
+
+class Device:
+    """One accelerator of a node, with its latest readings (FleetState's Series, read in place)."""
+    __slots__ = ("id", "type", "model", "capacity", "tflops", "domain", "util", "used", "limit", "bandwidth",
+                 "health", "free", "free_score", "readings", "penalty", "excluded", "choice_order")
+
+    def __init__(self, rid: str, rtype: str, model: str, capacity: float, tflops: float | None, domain: str):
+        self.id, self.type, self.model = rid, rtype, model
+        self.capacity, self.tflops, self.domain = capacity, tflops, domain
+        self.util: Any = None               # Series of FleetState, read in place
+        self.used: Any = None
+        self.limit: Any = None
+        self.bandwidth: Any = None
+        self.health: list = []              # health Series (one per status label)
+        self.free = capacity                # free HBM, bytes
+        self.free_score = NO_READINGS_FREE
+        self.readings: tuple = ()           # (utilisation, free HBM, HBM, bandwidth utilisation); NaN: none
+        self.penalty: str | None = None     # why, when the HBM watch fired recently
+        self.excluded: tuple | None = None  # (reason, detail) when not offered
+        self.choice_order: tuple = ()       # (penalised, -free score, -free HBM): the order devices are chosen in
+
+
+_CHOICE_ORDER = operator.attrgetter("choice_order")
+
+
+class Group:
+    """The offered (healthy) devices of one type on a node, or of one interconnect domain, with what
+    a decision needs for any `count` precomputed. Devices are in the order they would be chosen:
+    not penalised first, then by free score. For `count` devices of `memory` bytes each:
+    free_desc[count-1] >= memory says whether enough devices fit at all; when min_free[count] >=
+    memory the first `count` devices all fit and compute[count] (the compute dimension) and
+    penalty[count] (the penalty factor) are the answer in O(1); otherwise `choose` walks the devices."""
+    __slots__ = ("node", "type", "domain", "devices", "free_desc", "min_free", "mean_free", "penalty", "compute",
+                 "value_norm", "tflops", "value", "model", "free_all_desc", "n_all", "fit_row", "levels",
+                 "value_text")
+
+    def __init__(self, node: NodeSummary, rtype: str, domain: str, devs: list[Device], factor: float):
+        self.node, self.type, self.domain = node, rtype, domain
+        offered = [d for d in devs if d.excluded is None]
+        if len(offered) > 1:
+            offered.sort(key=_CHOICE_ORDER)
+        self.devices = offered
+        self.free_desc = sorted((d.free for d in offered), reverse=True)
+        # Per count c (index 0 unused): the least free HBM among the first c devices, their mean free
+        # score, and the penalty factor when they are the ones chosen.
+        min_free: list[float] = [INF]
+        mean_free, penalty = [0.0], [1.0]
+        total_score, factor_now, least = 0.0, 1.0, float(INF)
+        for i, d in enumerate(offered, 1):
+            total_score += d.free_score
+            if d.penalty is not None:
+                factor_now = factor
+            if d.free < least:
+                least = d.free
+            min_free.append(least)
+            mean_free.append(total_score / i)
+            penalty.append(factor_now)
+        self.min_free, self.mean_free, self.penalty = min_free, mean_free, penalty
+        self.free_all_desc = sorted((d.free for d in devs), reverse=True)
+        self.n_all = len(devs)
+        self.model = devs[0].model
+        known = [d.tflops for d in devs if d.tflops is not None]
+        self.tflops = min(known) if len(known) == len(devs) else None   # the slowest, when all are known
+        self.value = value_per_price(self.tflops, node.price)
+        self.value_norm = UNKNOWN_VALUE_NORM
+        self.compute: list[float] = mean_free   # set by rescale()
+        self.value_text = ""
+        # The row the index files (Bucket.fit, Pool.fit): per count c = 1..CMAX the free HBM of the
+        # c-th most free offered device, or FEWER_OFFERED / FEWER_AT_ALL.
+        n = len(offered)
+        self.fit_row = array("d", [(self.free_desc[c - 1] if c <= n else
+                                    (FEWER_OFFERED if c <= self.n_all else FEWER_AT_ALL))
+                                   for c in range(1, CMAX + 1)])
+        self.levels: list[int] = []
+
+    def rescale(self, inv_best_value: float) -> None:
+        """The fleet's best value per price is 1 / inv_best_value: the compute dimension per count,
+        and its level (0..LEVELS-1; -1 where the count is not offered)."""
+        self.value_text = ""   # the compute dimension's value text (explain.py), made when first asked for
+        self.value_norm = norm = value_norm(self.value, inv_best_value)
+        self.compute = compute = [norm * f for f in self.mean_free]   # scoring.compute_efficiency, inlined
+        n = len(compute) - 1
+        self.levels = [-1] + [(LEVELS - 1 if compute[c] >= 1.0 else int(compute[c] * LEVELS)) if c <= n else -1
+                              for c in range(1, CMAX + 1)]
+
+    def choose(self, count: int, memory: int) -> tuple[list[Device], float, float]:
+        """The first `count` devices in choice order that have `memory` free: (devices, mean free
+        score, penalty factor); fewer devices when not enough fit."""
+        chosen = [d for d in self.devices if d.free >= memory][:count]
+        if not chosen:
+            return chosen, 0.0, 1.0
+        factor = self.penalty[-1] if any(d.penalty is not None for d in chosen) else 1.0
+        return chosen, sum(d.free_score for d in chosen) / len(chosen), factor
+
+    def fits(self, count: int, memory: int) -> bool:
+        """Whether `count` offered devices have `memory` free."""
+        return len(self.free_desc) >= count and self.free_desc[count - 1] >= memory
+
+
+class NodeSummary:
+    """What the scheduler keeps per node. `pool_groups[i]` is the list of groups a request of Pool
+    i looks at: i = type index (GPU 0, NPU 1, any 2) + 3 when the devices must share one domain."""
+    __slots__ = ("state", "node_id", "labels", "region", "zone", "province", "encryption", "attestation",
+                 "price", "placement_key", "devices", "by_type", "pool_groups", "expires_ns", "series_seen",
+                 "xid_events", "health_events", "checkpoint_requests", "not_offered", "best_value",
+                 "base_candidate", "layout")
+
+    def __init__(self, state: Any):
+        self.state = state                  # FleetState's NodeState, read in place (last_seen_ns...)
+        self.node_id: str = state.node_id
+        self.devices: list[Device] = []
+        self.by_type: dict[str, Group] = {}
+        self.pool_groups: tuple[list[Group], ...] = ([],) * POOLS
+        self.expires_ns = INF               # when its next XID / HBM-watch window ends
+        self.series_seen = -1               # len(state.series) when the devices' series were mapped
+        self.xid_events: dict[str, tuple] = {}     # device -> (time ns, detail): last XID / double-bit ECC
+        self.health_events: dict[str, tuple] = {}  # device -> (time ns, ok, detail): last health event
+        self.checkpoint_requests: dict[str, tuple] = {}   # device -> (time ns, detail): last HBM-watch request
+        self.labels: dict[str, str] = {}
+        self.region = self.zone = self.province = ""
+        self.encryption = self.attestation = False
+        self.price: float | None = None
+        self.placement_key: tuple = ()      # (region, zone, province, encryption, attestation)
+        self.not_offered: list[Device] = []   # devices not offered now (d.excluded says why)
+        self.best_value = -1.0              # best value (TFLOPS per price) among its groups
+        self.base_candidate = spb.Candidate(node_id=self.node_id)   # what every answer naming it starts from
+        self.layout: list[tuple] = []       # (type index, type, devices, {domain: devices} or None)
+
+
+class Entry:
+    """A node in one pool. `group`: its one group to look at there (the common case), or None with
+    `groups` the several (types for `any`, domains for same_domain), evaluated one by one."""
+    __slots__ = ("summary", "state", "key", "group", "groups", "bucket_slot", "pool_slot", "levels")
+
+    def __init__(self, s: NodeSummary, key: tuple):
+        self.summary, self.state, self.key = s, s.state, key
+        self.group: Group | None = None
+        self.groups: list[Group] = []
+        self.bucket_slot = -1          # row in its Bucket's fit (one-group nodes)
+        self.pool_slot = -1            # row in its Pool's fit
+        self.levels = [-1] * (CMAX + 1)   # per count: its level in Bucket.by_level, -1 when not there
+
+
+class Bucket:
+    """The nodes of one placement key in a pool. For the one-group nodes (`one_group`, by slot), per
+    count c: fit[slot * CMAX + c - 1] = free HBM of the c-th most free offered device (or
+    FEWER_OFFERED / FEWER_AT_ALL), a column of which is read with C-speed slicing, map and sum;
+    by_level[c][level] = the nodes whose compute part for c devices is in that level, walked best
+    level first. `many_groups`: the nodes with several groups."""
+    __slots__ = ("key", "one_group", "many_groups", "fit", "by_level", "nonempty", "key_part")
+
+    def __init__(self, key: tuple):
+        self.key = key
+        self.one_group: list[Entry] = []
+        self.many_groups: dict[str, Entry] = {}
+        self.fit = array("d")   # row per slot: Group.fit_row (CMAX values)
+        self.by_level: list[list[dict[str, Entry]]] = [[]] + [[{} for _ in range(LEVELS)] for _ in range(CMAX)]
+        self.nonempty = [0] * (CMAX + 1)   # per count: bit `level` set when by_level[c][level] has nodes
+        self.key_part = 0.0     # during a decision: its placement key's part of the score
+
+    def size(self) -> int:
+        return len(self.one_group) + len(self.many_groups)
+
+    def move_levels(self, e: Entry, new_levels: list[int]) -> None:
+        """File a one-group node under its group's levels (per count) instead of its old ones."""
+        nid = e.summary.node_id
+        old_levels = e.levels
+        for c in range(1, CMAX + 1):
+            old, new = old_levels[c], new_levels[c]
+            if new != old:
+                if old >= 0:
+                    self._unfile(c, old, nid)
+                if new >= 0:
+                    self.by_level[c][new][nid] = e
+                    self.nonempty[c] |= 1 << new
+        e.levels = new_levels
+
+    def remove_one_group(self, e: Entry) -> None:
+        """Take a one-group node out: its row (the last row moves into its place) and its levels."""
+        last = self.one_group.pop()
+        if last is not e:
+            self.one_group[e.bucket_slot] = last
+            row = e.bucket_slot * CMAX
+            self.fit[row:row + CMAX] = self.fit[-CMAX:]
+            last.bucket_slot = e.bucket_slot
+        del self.fit[-CMAX:]
+        nid = e.summary.node_id
+        for c in range(1, CMAX + 1):
+            if e.levels[c] >= 0:
+                self._unfile(c, e.levels[c], nid)
+        e.bucket_slot = -1
+
+    def _unfile(self, count: int, level: int, nid: str) -> None:
+        nodes = self.by_level[count][level]
+        del nodes[nid]
+        if not nodes:
+            self.nonempty[count] &= ~(1 << level)
+
+
+class Pool:
+    """What one kind of request walks: the nodes that have such devices, in Buckets by placement
+    key. `fit` and `one_group` hold every one-group node's fit row once more, pool-wide, so that a
+    decision counts the whole pool in one pass and only visits the buckets a filter removes."""
+    __slots__ = ("buckets", "entries", "with_devices_out", "fit", "one_group")
+
+    def __init__(self) -> None:
+        self.buckets: dict[tuple, Bucket] = {}
+        self.entries: dict[str, Entry] = {}
+        self.with_devices_out: dict[str, Entry] = {}   # nodes with a device not offered now
+        self.fit = array("d")
+        self.one_group: list[Entry] = []
+
+    def add(self, s: NodeSummary, one_group: bool) -> Entry:
+        """A new entry for the node in the bucket of its placement key, its rows not yet set."""
+        nid, key = s.node_id, s.placement_key
+        e = self.entries[nid] = Entry(s, key)
+        b = self.buckets.get(key)
+        if b is None:
+            b = self.buckets[key] = Bucket(key)
+        if one_group:
+            e.bucket_slot = len(b.one_group)
+            b.one_group.append(e)
+            b.fit.extend(NO_FIT)
+            e.pool_slot = len(self.one_group)
+            self.one_group.append(e)
+            self.fit.extend(NO_FIT)
+        else:
+            b.many_groups[nid] = e
+        return e
+
+    def set_group(self, e: Entry, g: Group) -> None:
+        """A one-group node's group after a refresh: its fit rows and its levels."""
+        e.group = g
+        b = self.buckets[e.key]
+        row = e.bucket_slot * CMAX
+        b.fit[row:row + CMAX] = g.fit_row
+        row = e.pool_slot * CMAX
+        self.fit[row:row + CMAX] = g.fit_row
+        if e.levels != g.levels:
+            b.move_levels(e, g.levels)
+
+    def remove(self, e: Entry) -> None:
+        nid = e.summary.node_id
+        b = self.buckets[e.key]
+        if e.bucket_slot >= 0:
+            b.remove_one_group(e)
+            last = self.one_group.pop()
+            if last is not e:
+                self.one_group[e.pool_slot] = last
+                row = e.pool_slot * CMAX
+                self.fit[row:row + CMAX] = self.fit[-CMAX:]
+                last.pool_slot = e.pool_slot
+            del self.fit[-CMAX:]
+            e.pool_slot = -1
+        else:
+            del b.many_groups[nid]
+        del self.entries[nid]
+        self.with_devices_out.pop(nid, None)
+        if not b.size():
+            del self.buckets[e.key]
+
+
+def file_node(pools: tuple[Pool, ...], s: NodeSummary) -> None:
+    """Index the node's current groups in every pool (after every refresh)."""
+    nid = s.node_id
+    for pool, groups in zip(pools, s.pool_groups):
+        e = pool.entries.get(nid)
+        if not groups:
+            if e is not None:
+                pool.remove(e)
+            continue
+        one = len(groups) == 1
+        if e is None or e.key != s.placement_key or (e.bucket_slot >= 0) != one:
+            if e is not None:
+                pool.remove(e)
+            e = pool.add(s, one)
+        if one:
+            pool.set_group(e, groups[0])
+        else:
+            e.groups = groups
+        if s.not_offered:
+            pool.with_devices_out[nid] = e
+        else:
+            pool.with_devices_out.pop(nid, None)

@@ -1,0 +1,440 @@
+"""The decision: a request (Query) against the index, answered by the indexed search or by the scan.
+
+A node's score is (key_part + w_compute * compute) * penalty: the part its placement key decides
+(data affinity, disaster tolerance, compliance, weighted; the same for every node of a Bucket) plus
+its weighted compute dimension, times the penalty factor of the devices chosen.
+
+`search` counts what fits with C-speed passes over the pool-wide fit column (the free HBM of each
+one-group node's count-th most free offered device), corrected for the stale nodes and the buckets
+a hard filter removes, and ranks by walking the compute levels best first across buckets, stopping
+when no node left can beat the K-th best. `scan` walks every node: it answers counts above CMAX
+and is the reference the search is tested against. Both leave the ranking, the counts of excluded
+nodes by reason, and a few excluded nodes to list in the Query.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+from itertools import chain, compress, islice, repeat
+from typing import Any
+
+from xpusense.v1 import scheduler_pb2 as spb
+
+from .fleet import FleetView
+from .index import CMAX, FEWER_AT_ALL, LEVELS, Bucket, Entry, Group, NodeSummary, Pool
+from .scoring import RegionMatrix, compliance, data_affinity, disaster_tolerance
+
+HEALTH_REASONS = ("xid", "unhealthy")
+FIT_REASONS = ("count", "domain", "memory")
+
+
+class _Later:
+    """A node id that sorts the other way: in the min-heap of the best, the larger id goes first."""
+    __slots__ = ("s",)
+
+    def __init__(self, s: str):
+        self.s = s
+
+    def __lt__(self, other: _Later) -> bool:
+        return other.s < self.s
+
+
+class Query:
+    """One request while it is being decided: its terms, the running top K, counts and lists."""
+    __slots__ = ("req", "type_index", "pool_index", "same_domain", "count", "mem", "limit", "max_listed",
+                 "allowed", "replicas", "data_region", "cut", "regions", "w_compute", "w_data", "w_dr",
+                 "w_compliance", "result", "threshold", "feasible", "counts", "listed_health", "listed_filter",
+                 "listed_fit", "affinity_by_region", "tolerance_by_zone", "filtering")
+
+    def __init__(self, req: spb.PlaceRequest, weights: dict[str, float], type_index: int, now: int,
+                 stale_ns: int, regions: RegionMatrix):
+        self.req, self.type_index = req, type_index
+        self.same_domain = req.same_domain
+        self.pool_index = type_index + 3 if self.same_domain else type_index
+        self.count = req.count or 1
+        self.mem = req.memory_bytes
+        self.limit = req.limit or 5
+        self.max_listed = req.max_excluded or 10
+        self.allowed = frozenset(req.allowed_regions)
+        self.replicas = list(req.replica_zones)
+        self.data_region = req.data_region
+        self.cut = now - stale_ns          # a node last heard from before this is stale
+        self.regions = regions
+        self.w_compute, self.w_data = weights["compute"], weights["data_affinity"]
+        self.w_dr, self.w_compliance = weights["disaster_tolerance"], weights["compliance"]
+        self.result: list[tuple] = []      # min-heap of (score, _Later(node id), group), at most `limit`
+        self.threshold = -1.0              # the K-th best score once the heap is full
+        self.feasible = 0
+        self.counts: dict[str, int] = {}   # excluded nodes by reason
+        self.listed_health: list[tuple[str, NodeSummary]] = []   # (reason, node) to list: stale, xid, unhealthy
+        self.listed_filter: list[tuple[str, NodeSummary]] = []   # ... region, residency, encryption, attestation
+        self.listed_fit: list[tuple[str, NodeSummary]] = []      # ... count, domain, memory
+        self.affinity_by_region: dict[str, float] = {}
+        self.tolerance_by_zone: dict[str, float] = {}
+        self.filtering = bool(self.allowed or req.residency or req.require_encryption or req.require_attestation)
+
+    def offer(self, score: float, nid: str, g: Group) -> None:
+        """Keep the best `limit`: higher score first, then the lower node id (so that the answer
+        does not depend on the order nodes are looked at)."""
+        r = self.result
+        if len(r) < self.limit:
+            heapq.heappush(r, (score, _Later(nid), g))
+            if len(r) == self.limit:
+                self.threshold = r[0][0]
+        elif score > self.threshold or (score == self.threshold and nid < r[0][1].s):
+            heapq.heapreplace(r, (score, _Later(nid), g))
+            self.threshold = r[0][0]
+
+    def count_reason(self, reason: str, n: int) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + n
+
+    def note_misfit(self, reason: str, s: NodeSummary) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        listed = self.listed_health if reason in HEALTH_REASONS else self.listed_fit
+        if len(listed) < self.max_listed:
+            listed.append((reason, s))
+
+    def key_part(self, key: tuple) -> float:
+        """The part of the score a node's placement key decides: data affinity, disaster
+        tolerance, compliance, weighted (each worked out once per region / zone in a decision)."""
+        region, zone, _, encryption, attestation = key
+        affinity = self.affinity_by_region.get(region)
+        if affinity is None:
+            affinity = self.affinity_by_region[region] = data_affinity(region, self.data_region, self.regions)
+        tolerance = self.tolerance_by_zone.get(zone)
+        if tolerance is None:
+            tolerance = self.tolerance_by_zone[zone] = disaster_tolerance(zone, self.replicas)
+        return self.w_data * affinity + self.w_dr * tolerance + self.w_compliance * compliance(encryption, attestation)
+
+    def fits(self, g: Group) -> bool:
+        return g.fits(self.count, self.mem)
+
+
+def hard_filter(key: tuple, req: spb.PlaceRequest, allowed: frozenset[str]) -> str | None:
+    """Hard filters on a placement key (region, zone, province, encryption, attestation): the
+    reason its nodes are left out, or None."""
+    region, _, province, encryption, attestation = key
+    if allowed and region not in allowed:
+        return "region"
+    residency = req.residency
+    if residency == spb.RESIDENCY_REGION and region != req.data_region:
+        return "residency"
+    if residency == spb.RESIDENCY_PROVINCE and (not province or province != req.data_province):
+        return "residency"
+    if req.require_encryption and not encryption:
+        return "encryption"
+    if req.require_attestation and not attestation:
+        return "attestation"
+    return None
+
+
+def classify(s: NodeSummary, q: Query) -> str:
+    """Why a node that passed the filters cannot take the job: health first."""
+    groups = s.pool_groups[q.type_index]
+    count, mem = q.count, q.mem
+    if s.not_offered:
+        for g in groups:
+            every = g.free_all_desc
+            if len(every) >= count and every[count - 1] >= mem and any(d.type == g.type for d in s.not_offered):
+                return "xid" if any(d.excluded and d.excluded[0] == "xid" for d in s.not_offered) else "unhealthy"
+    if max(g.n_all for g in groups) < count:
+        return "count"
+    if q.same_domain and any(q.fits(g) for g in groups):
+        return "domain"
+    return "memory"
+
+
+def group_score(q: Query, g: Group, key_part: float) -> float:
+    """The score of a node whose group to use is `g`: its best `count` devices when they all fit
+    (precomputed), else the first `count` that fit."""
+    count, mem = q.count, q.mem
+    if g.min_free[count] >= mem:
+        return (key_part + q.w_compute * g.compute[count]) * g.penalty[count]
+    _, mean_free, factor = g.choose(count, mem)
+    return (key_part + q.w_compute * g.value_norm * mean_free) * factor
+
+
+def best_of_groups(q: Query, e: Entry, key_part: float) -> tuple[float, Group | None]:
+    """The best score over a node's several groups and the group: (-1, None) when none fits."""
+    best, best_group = -1.0, None
+    for g in e.groups:
+        if q.fits(g):
+            _, mean_free, factor = g.choose(q.count, q.mem)
+            score = (key_part + q.w_compute * g.value_norm * mean_free) * factor
+            if score > best:
+                best, best_group = score, g
+    return best, best_group
+
+
+# -- the scan: every node, one by one ----------------------------------------------------------------
+
+def scan(view: FleetView, q: Query) -> None:
+    """Every node of the pool, one by one: O(1) each for the one-group nodes."""
+    cut = q.cut
+    stale: list[NodeSummary] = []
+    misfits: list[NodeSummary] = []
+    filtered: list[tuple[str, Bucket]] = []
+    for key, b in view.pools[q.pool_index].buckets.items():
+        why = hard_filter(key, q.req, q.allowed)
+        if why is not None:
+            filtered.append((why, b))
+            continue
+        key_part = q.key_part(key)
+        for e in chain(b.one_group, b.many_groups.values()):
+            if e.state.last_seen_ns < cut:
+                stale.append(e.summary)
+                continue
+            if e.group is not None:   # O(1) when its best `count` devices all fit
+                group = e.group if q.fits(e.group) else None
+                score = group_score(q, group, key_part) if group is not None else -1.0
+            else:
+                score, group = best_of_groups(q, e, key_part)
+            if group is None:
+                misfits.append(e.summary)
+            else:
+                q.feasible += 1
+                q.offer(score, e.summary.node_id, group)
+    for why, b in filtered:   # a stale node is counted as stale, whatever its region
+        nodes = [e.summary for e in chain(b.one_group, b.many_groups.values())]
+        fresh = [s for s in nodes if s.state.last_seen_ns >= cut]
+        stale += [s for s in nodes if s.state.last_seen_ns < cut]
+        if fresh:
+            q.count_reason(why, len(fresh))
+            q.listed_filter += [(why, s) for s in fresh[:q.max_listed]]
+    if stale:
+        q.count_reason("stale", len(stale))
+        q.listed_health += [("stale", s) for s in stale[:q.max_listed]]
+    for s in misfits:
+        q.note_misfit(classify(s, q), s)
+
+
+# -- the indexed search --------------------------------------------------------------------------------
+
+class _Walk:
+    """The working state of one indexed search over a pool. `fit_col`: per one-group node of the
+    pool (by pool slot) the free HBM of its count-th most free offered device (or FEWER_OFFERED /
+    FEWER_AT_ALL). The counts are of fresh one-group nodes in buckets no filter removes: `fitting`
+    (count devices fit), `too_few` (fewer than count devices at all), `one_group` (all of them)."""
+    __slots__ = ("pool", "mem", "fit_col", "fitting", "too_few", "one_group", "stale_by_key", "filtered_keys",
+                 "typefit_classified", "levels_heap", "pushed")
+
+    def __init__(self, pool: Pool, q: Query):
+        self.pool, self.mem = pool, q.mem
+        self.fit_col = pool.fit[q.count - 1::CMAX]
+        self.fitting, self.too_few = column_counts(self.fit_col, q.mem)
+        self.one_group = len(pool.one_group)
+        self.stale_by_key: dict[tuple, list[Entry]] = {}
+        self.filtered_keys: set[tuple] = set()
+        self.typefit_classified = 0   # same_domain: misfits classified one by one that fit as a type
+        self.levels_heap: list[tuple] = []   # (-bound, push order, level, bucket): best level first
+        self.pushed = 0
+
+    def drop_one_group(self, fit: float) -> None:
+        """Take one one-group node, whose fit-column value is `fit`, out of the counts."""
+        self.one_group -= 1
+        if fit >= self.mem:
+            self.fitting -= 1
+        elif fit == FEWER_AT_ALL:
+            self.too_few -= 1
+
+    def push_level(self, q: Query, b: Bucket, level: int) -> None:
+        """Queue a bucket's level: no node in it can score above key_part + w_compute x its top."""
+        if level >= 0:
+            self.pushed += 1
+            heapq.heappush(self.levels_heap, (-(b.key_part + q.w_compute * (level + 1) / LEVELS), self.pushed,
+                                              level, b))
+
+
+def column_counts(col: Any, mem: int) -> tuple[int, int]:
+    """(values >= mem, values == FEWER_AT_ALL) in a fit column, at C speed."""
+    return sum(map(operator.ge, col, repeat(mem))), col.count(FEWER_AT_ALL)
+
+
+def search(view: FleetView, q: Query) -> None:
+    """The indexed decision: counts from the pool-wide fit column, corrected for the stale nodes
+    and the buckets a filter removes; the ranking from the best compute levels down."""
+    walk = _Walk(view.pools[q.pool_index], q)
+    _take_out_stale(view, q, walk)
+    for key, b in walk.pool.buckets.items():
+        why = hard_filter(key, q.req, q.allowed) if q.filtering else None
+        if why is not None:
+            _filter_bucket(q, walk, b, why)
+            continue
+        b.key_part = q.key_part(key)
+        walk.push_level(q, b, b.nonempty[q.count].bit_length() - 1)   # its best non-empty level
+        if b.many_groups:
+            _score_many_group_nodes(q, walk, b)
+    q.feasible += walk.fitting
+    if walk.too_few:
+        q.count_reason("count", walk.too_few)
+    if walk.stale_by_key:
+        stale = [e for entries in walk.stale_by_key.values() for e in entries]
+        q.count_reason("stale", len(stale))
+        q.listed_health += [("stale", e.summary) for e in stale[:q.max_listed]]
+    _rank_by_levels(q, walk)
+    _count_fit_misfits(view, q, walk)
+    _list_fit_misfits(q, walk)
+
+
+def _take_out_stale(view: FleetView, q: Query, walk: _Walk) -> None:
+    """The pool's stale nodes, by placement key, out of the one-group counts."""
+    entries = walk.pool.entries
+    for s in view.stale(q.cut):
+        e = entries.get(s.node_id)
+        if e is None:
+            continue
+        walk.stale_by_key.setdefault(e.key, []).append(e)
+        if e.pool_slot >= 0:
+            walk.drop_one_group(walk.fit_col[e.pool_slot])
+
+
+def _filter_bucket(q: Query, walk: _Walk, b: Bucket, why: str) -> None:
+    """A bucket a hard filter removes: its fresh nodes counted (and a few listed) under `why`, and
+    its fresh one-group nodes taken out of the pool-wide counts."""
+    walk.filtered_keys.add(b.key)
+    stale = walk.stale_by_key.get(b.key, [])
+    n_fresh = b.size() - len(stale)
+    if not n_fresh:
+        return
+    q.count_reason(why, n_fresh)
+    room = q.max_listed - len(q.listed_filter)
+    if room > 0:
+        stale_ids = {e.summary.node_id for e in stale}
+        q.listed_filter += islice(((why, e.summary) for e in chain(b.one_group, b.many_groups.values())
+                                   if e.summary.node_id not in stale_ids), room)
+    if b.one_group:
+        bucket_col = b.fit[q.count - 1::CMAX]
+        fitting, too_few = column_counts(bucket_col, q.mem)
+        one_group = len(b.one_group)
+        for e in stale:            # already taken out of the counts as stale
+            if e.bucket_slot >= 0:
+                one_group -= 1
+                fit = bucket_col[e.bucket_slot]
+                if fit >= q.mem:
+                    fitting -= 1
+                elif fit == FEWER_AT_ALL:
+                    too_few -= 1
+        walk.fitting -= fitting
+        walk.too_few -= too_few
+        walk.one_group -= one_group
+
+
+def _score_many_group_nodes(q: Query, walk: _Walk, b: Bucket) -> None:
+    """The bucket's fresh nodes with several groups, one by one: ranked, or classified as misfits."""
+    cut = q.cut
+    for e in b.many_groups.values():
+        if e.state.last_seen_ns < cut:
+            continue
+        score, group = best_of_groups(q, e, b.key_part)
+        if group is None:
+            q.note_misfit(classify(e.summary, q), e.summary)
+            walk.typefit_classified += q.same_domain and _fits_as_type(e.summary, q)
+        else:
+            q.feasible += 1
+            q.offer(score, e.summary.node_id, group)
+
+
+def _rank_by_levels(q: Query, walk: _Walk) -> None:
+    """Best compute level first, across buckets, until the K-th best beats every level left."""
+    heap, fit_col, result = walk.levels_heap, walk.fit_col, q.result
+    count, mem, cut, limit = q.count, q.mem, q.cut, q.limit
+    heapify, heappop = heapq.heapify, heapq.heappop
+    heapify(heap)
+    while heap:
+        neg_bound, _, level, b = heappop(heap)
+        if len(result) >= limit and -neg_bound < q.threshold:
+            break
+        key_part = b.key_part
+        for e in b.by_level[count][level].values():
+            if fit_col[e.pool_slot] < mem or e.state.last_seen_ns < cut:
+                continue
+            g = e.group
+            assert g is not None
+            q.offer(group_score(q, g, key_part), e.summary.node_id, g)
+        walk.push_level(q, b, (b.nonempty[count] & ((1 << level) - 1)).bit_length() - 1)   # next level down
+
+
+def _count_fit_misfits(view: FleetView, q: Query, walk: _Walk) -> None:
+    """The one-group nodes that passed the filters and are not feasible: those with a device out
+    classified one by one (health first); the rest counted as domain (same_domain) or memory."""
+    misfits = walk.one_group - walk.fitting - walk.too_few   # too few offered devices with the memory free
+    fit_col, mem, cut = walk.fit_col, q.mem, q.cut
+    for e in walk.pool.with_devices_out.values():
+        if e.pool_slot < 0 or e.key in walk.filtered_keys or e.state.last_seen_ns < cut:
+            continue
+        fit = fit_col[e.pool_slot]
+        if fit >= mem or fit == FEWER_AT_ALL:
+            continue
+        q.note_misfit(classify(e.summary, q), e.summary)
+        misfits -= 1
+        walk.typefit_classified += q.same_domain and _fits_as_type(e.summary, q)
+    if q.same_domain and misfits:
+        domain = _domain_misfits(view, q, walk) - walk.typefit_classified
+        if domain:
+            q.count_reason("domain", domain)
+            misfits -= domain
+    if misfits:
+        q.count_reason("memory", misfits)
+
+
+def _list_fit_misfits(q: Query, walk: _Walk) -> None:
+    """A few of the fit misfits to show: the misfit rows of the pool, found at C speed."""
+    unlisted = sum(q.counts.get(r, 0) for r in FIT_REASONS) - len(q.listed_fit)
+    room = q.max_listed - len(q.listed_health) - len(q.listed_filter)   # listed before these
+    if unlisted <= 0 or len(q.listed_fit) >= room:
+        return
+    shown = {s.node_id for _, s in q.listed_fit}
+    fit_col, one_group = walk.fit_col, walk.pool.one_group
+    for slot in compress(range(len(fit_col)), map(operator.lt, fit_col, repeat(q.mem))):
+        e = one_group[slot]
+        if e.key in walk.filtered_keys or e.state.last_seen_ns < q.cut or e.summary.node_id in shown:
+            continue
+        if e.summary.not_offered or q.same_domain:
+            reason = classify(e.summary, q)
+        else:
+            reason = "count" if fit_col[slot] == FEWER_AT_ALL else "memory"
+        if reason not in HEALTH_REASONS:
+            q.listed_fit.append((reason, e.summary))
+            if len(q.listed_fit) >= room:
+                break
+
+
+def _fits_as_type(s: NodeSummary, q: Query) -> bool:
+    return any(q.fits(g) for g in s.pool_groups[q.type_index])
+
+
+def _domain_misfits(view: FleetView, q: Query, walk: _Walk) -> int:
+    """same_domain: nodes whose devices fit as a type but not within one domain = the nodes that
+    fit at the type level (pool type_index) less those feasible in one domain."""
+    type_pool = view.pools[q.type_index]
+    mem, cut = q.mem, q.cut
+    type_col = type_pool.fit[q.count - 1::CMAX]
+    fit_as_type = sum(map(operator.ge, type_col, repeat(mem)))
+    for entries in walk.stale_by_key.values():
+        for e in entries:
+            te = type_pool.entries.get(e.summary.node_id)
+            if te is not None and te.pool_slot >= 0 and type_col[te.pool_slot] >= mem:
+                fit_as_type -= 1
+    for key, b in type_pool.buckets.items():
+        if key in walk.filtered_keys:
+            fit_as_type -= _fresh_fitting_in_filtered(q, walk, type_pool, b)
+            continue
+        for e in b.many_groups.values():
+            if e.state.last_seen_ns >= cut and any(q.fits(g) for g in e.groups):
+                fit_as_type += 1
+    return fit_as_type - q.feasible
+
+
+def _fresh_fitting_in_filtered(q: Query, walk: _Walk, type_pool: Pool, b: Bucket) -> int:
+    """The one-group nodes of a filtered type-pool bucket that fit as a type, less the stale ones
+    (already taken out)."""
+    if not b.one_group:
+        return 0
+    bucket_col = b.fit[q.count - 1::CMAX]
+    n = sum(map(operator.ge, bucket_col, repeat(q.mem)))
+    for e in walk.stale_by_key.get(b.key, ()):
+        te = type_pool.entries.get(e.summary.node_id)
+        if te is not None and te.bucket_slot >= 0 and bucket_col[te.bucket_slot] >= q.mem:
+            n -= 1
+    return n

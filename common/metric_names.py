@@ -1,0 +1,35 @@
+"""Metric names: the contract between the agent's sources and the collector's readers.
+
+Every name that one side writes and the other reads stands here once; docs/metrics.md documents
+each (a unit test checks that every name here is in it). Names follow OpenTelemetry semantic
+conventions where one exists and `xpusense.*` where none does.
+"""
+
+from __future__ import annotations
+
+# Accelerators: the same name for NVIDIA (NVML) and Ascend (npu-smi), with a `vendor` label.
+GPU_UTILIZATION = "hw.gpu.utilization"
+GPU_MEMORY_USAGE = "hw.gpu.memory.usage"
+GPU_MEMORY_LIMIT = "hw.gpu.memory.limit"
+GPU_MEMORY_UTILIZATION = "hw.gpu.memory.utilization"
+POWER = "hw.power"
+ENERGY = "hw.energy"
+TEMPERATURE = "hw.temperature"                      # label sensor = chip / hbm
+HBM_BANDWIDTH_UTILIZATION = "xpusense.accelerator.hbm.bandwidth.utilization"
+MEMORY_CONTROLLER_UTILIZATION = "xpusense.accelerator.memory_controller.utilization"
+SM_UTILIZATION = "xpusense.accelerator.sm.utilization"
+CUBE_UTILIZATION = "xpusense.accelerator.cube.utilization"
+VECTOR_UTILIZATION = "xpusense.accelerator.vector.utilization"
+MEMORY_FREE = "xpusense.accelerator.memory.free"
+CLOCK_FREQUENCY = "xpusense.accelerator.clock.frequency"   # label clock = sm / memory
+REMAPPED_ROWS = "xpusense.accelerator.memory.remapped_rows"
+REMAP_FAILED = "xpusense.accelerator.memory.remap_failed"
+HEALTH = "xpusense.accelerator.health"
+
+# Host.
+CPU_UTILIZATION = "system.cpu.utilization"
+MEMORY_UTILIZATION = "system.memory.utilization"
+NETWORK_IO = "system.network.io"
+
+# What is about an accelerator, by name (the collector's views group these under a device).
+ACCELERATOR_PREFIXES = ("hw.gpu.", POWER, TEMPERATURE, "xpusense.accelerator.")
