@@ -2,6 +2,13 @@
 
 nvmlEventSetWait blocks, so a thread of its own waits on the set and turns what arrives into
 `Event`s on a queue that the source drains every round.
+
+XIDs are not all alike. NVIDIA's k8s-device-plugin ignores 13, 31, 43, 45, 68 and 109 for GPU health:
+they are application errors (a kernel's bad memory access, a reset channel, a killed context...) that
+leave the GPU fine for the next job; those are `warning` with class `application`. Every other XID is
+`critical` with class `hardware`; 999 is the driver's "unknown Xid" (nvml.h), class `unknown`, also
+critical (the device plugin does not skip it). In MIG mode an XID that belongs to one instance
+carries its GPU and compute instance ids (0xFFFFFFFF otherwise), kept as attributes.
 """
 
 from __future__ import annotations
@@ -24,6 +31,13 @@ XID_EVENT, DBE_EVENT, SBE_EVENT = 0x8, 0x2, 0x1
 MIG_CONFIG_EVENT = 0x100
 GPU_UNAVAILABLE_EVENT, GPU_RECOVERY_EVENT = 0x4000, 0x8000
 WATCHED_EVENTS = XID_EVENT | DBE_EVENT | MIG_CONFIG_EVENT | GPU_UNAVAILABLE_EVENT | GPU_RECOVERY_EVENT
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})   # k8s-device-plugin: not a GPU health problem
+UNKNOWN_XID = 999
+NO_INSTANCE = 0xFFFFFFFF
+
+
+def xid_class(xid: int) -> str:
+    return "application" if xid in APPLICATION_XIDS else "unknown" if xid == UNKNOWN_XID else "hardware"
 
 
 class EventWatcher:
@@ -117,10 +131,23 @@ def event_from(g: Gpu | None, data: Any) -> Event:
     attrs = {"vendor": VENDOR, "event_type": hex(data.eventType)}
     if g:
         attrs["uuid"] = g.info.get("uuid", "")
+    where = ""
+    for attr, field in (("mig_instance", "gpuInstanceId"), ("compute_instance", "computeInstanceId")):
+        v = getattr(data, field, NO_INSTANCE)
+        if v != NO_INSTANCE:
+            attrs[attr] = str(v)
+    if "mig_instance" in attrs:
+        where = f" in MIG instance {attrs['mig_instance']}" + (
+            f" (compute instance {attrs['compute_instance']})" if "compute_instance" in attrs else "")
     now = time.time_ns()
     if data.eventType == XID_EVENT:
-        attrs["xid"] = str(data.eventData)
-        return Event("xid", f"{dev} ({name}): XID {data.eventData}", "critical", dev, attrs, now)
+        xid = int(data.eventData)
+        cls = attrs["xid_class"] = xid_class(xid)
+        attrs["xid"] = str(xid)
+        text = {"application": "an application error (the GPU stays usable)",
+                "unknown": "an XID the driver could not identify (999)", "hardware": "a GPU error"}[cls]
+        return Event("xid", f"{dev} ({name}): XID {xid}{where}: {text}",
+                     "warning" if cls == "application" else "critical", dev, attrs, now)
     if data.eventType == DBE_EVENT:
         return Event("ecc", f"{dev} ({name}): double-bit ECC error", "critical", dev, attrs, now)
     if data.eventType == GPU_UNAVAILABLE_EVENT:

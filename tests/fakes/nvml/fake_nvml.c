@@ -583,12 +583,14 @@ static int set_gpu_key(gpu_t *g, int idx, const char *key, char *val)
         g->n_errs++;
         return 0;
     }
-    if (!strcmp(key, "event")) {        /* event = T TYPE [DATA] */
+    if (!strcmp(key, "event")) {        /* event = T TYPE [DATA [GI [CI]]] */
         char *save = NULL, *a = strtok_r(val, " \t", &save), *b = strtok_r(NULL, " \t", &save);
-        char *c = strtok_r(NULL, " \t", &save);
+        char *c = strtok_r(NULL, " \t", &save), *d = strtok_r(NULL, " \t", &save);
+        char *f = strtok_r(NULL, " \t", &save);
         double t;
-        unsigned long long mask = 0, data = 0;
-        if (!a || !b || parse_num(a, &t)) return perr("event = T TYPE [DATA]");
+        unsigned long long mask = 0, data = 0, gi = NO_INSTANCE, ci = NO_INSTANCE;
+        if (!a || !b || parse_num(a, &t)) return perr("event = T TYPE [DATA [GI [CI]]]");
+        if ((d && parse_uint(d, &gi)) || (f && parse_uint(f, &ci))) return perr("bad GI or CI in '%s'", val);
         for (size_t i = 0; i < sizeof evtab / sizeof evtab[0]; i++)
             if (!strcasecmp(evtab[i].name, b)) mask = evtab[i].mask;
         if (!mask && (parse_uint(b, &mask) || !mask)) return perr("unknown event type '%s'", b);
@@ -597,7 +599,7 @@ static int set_gpu_key(gpu_t *g, int idx, const char *key, char *val)
         if (S.n_events >= MAX_EVENTS) return perr("at most %d events", MAX_EVENTS);
         event_t *ev = &S.events[S.n_events++];
         ev->t = t; ev->gpu = idx; ev->type = mask; ev->data = data;
-        ev->gi = NO_INSTANCE; ev->ci = NO_INSTANCE;
+        ev->gi = (unsigned)gi; ev->ci = (unsigned)ci;
         return 0;
     }
     return perr("unknown key '%s'", key);
@@ -1691,6 +1693,10 @@ static int next_event(const struct nvmlEventSet_st *s)
         const event_t *e = &S.events[i];
         if (s->delivered[i] || !(s->mask[e->gpu] & e->type)) continue;
         if (!S.deliver_past_events && e->t < s->reg_t[e->gpu]) continue;
+        /* nvml.h: in MIG mode without the required privileges only events that affect the whole
+         * device are reported (an instance's XID is then never delivered). */
+        const gpu_t *g = &S.gpu[e->gpu];
+        if (e->gi != NO_INSTANCE && mig_on(g, e->t) && !g->mig_monitor) continue;
         return i;
     }
     return -1;
@@ -1711,7 +1717,7 @@ static nvmlReturn_t event_wait(const char *fn, nvmlEventSet_t set, nvmlEventData
             if (data) {
                 data->device = &dev_handles[e->gpu];
                 data->eventType = e->type; data->eventData = e->data;
-                data->gpuInstanceId = NO_INSTANCE; data->computeInstanceId = NO_INSTANCE;
+                data->gpuInstanceId = e->gi; data->computeInstanceId = e->ci;
             } else {
                 data1->device = &dev_handles[e->gpu];
                 data1->eventType = e->type; data1->eventData = e->data;
