@@ -39,6 +39,9 @@ class Asker:
         except self.nv.NVMLError as e:
             self.failed(g, what, library.code(e), str(e), now, dev)
             return None
+        except library.Unreadable as e:
+            self.states.failed(dev, what, library.UNSUPPORTED, str(e), now)
+            return None
         self.states.succeeded(dev, what)
         self.health.answered(g, what)
         return v

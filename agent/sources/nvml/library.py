@@ -67,6 +67,10 @@ RESET = "reset_required"      # the GPU needs a reset: a health event, and ask a
 LOST = "lost"                 # the GPU fell off the bus: a health event, the GPU is left out
 
 
+class Unreadable(Exception):
+    """An answer with a success code that cannot be read (an unknown value type): not supported here."""
+
+
 def classify(rc: int | None) -> str:
     """What an NVML return code means for the reading that got it."""
     if rc == GPU_IS_LOST:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..base import COUNTER, GAUGE, NEARLINE, OFFLINE, REALTIME
-from .library import FUNCTION_NOT_FOUND, code
+from .library import FUNCTION_NOT_FOUND, Unreadable, code
 
 log = logging.getLogger("xpusense.agent.nvml")
 ARGUMENT_VERSION_MISMATCH = 25
@@ -76,7 +76,33 @@ class MemoryReader:
             "nvmlDeviceGetMemoryInfo v1 (reserved counted as used)"
 
 
-def calls(nv: Any, memory: MemoryReader) -> dict[str, Call]:
+class Fallback:
+    """The newest of several calls that the driver has, e.g. nvmlDeviceGetTemperatureV (R570 and
+    newer) before nvmlDeviceGetTemperature (deprecated, gone in CUDA 14): on FunctionNotFound (or a
+    pynvml without the wrapper) the next one, for the rest of the run (one driver per run)."""
+
+    def __init__(self, nv: Any, options: list[tuple[str, Callable[[Any], Any]]]):
+        self.nv = nv
+        self.options = [(name, fn) for name, fn in options if hasattr(nv, name)] or options[-1:]
+        self.i = 0
+
+    @property
+    def using(self) -> str:
+        return self.options[self.i][0]
+
+    def __call__(self, handle: Any) -> Any:
+        while True:
+            name, fn = self.options[self.i]
+            try:
+                return fn(handle)
+            except self.nv.NVMLError as e:
+                if code(e) != FUNCTION_NOT_FOUND or self.i == len(self.options) - 1:
+                    raise
+                self.i += 1
+                log.info("%s is not in this driver: %s from now on", name, self.using)
+
+
+def calls(nv: Any, memory: MemoryReader, fallbacks: dict[str, Fallback]) -> dict[str, Call]:
     """Reading call name -> function of a device handle."""
     return {
         "utilization": nv.nvmlDeviceGetUtilizationRates,
@@ -88,7 +114,7 @@ def calls(nv: Any, memory: MemoryReader) -> dict[str, Call]:
         "power": nv.nvmlDeviceGetPowerUsage,
         "power_limit": nv.nvmlDeviceGetEnforcedPowerLimit,
         "energy": nv.nvmlDeviceGetTotalEnergyConsumption,
-        "temperature": lambda h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
+        "temperature": fallbacks["temperature"],
         "ecc_corrected": lambda h: nv.nvmlDeviceGetTotalEccErrors(
             h, nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC),
         "ecc_uncorrected": lambda h: nv.nvmlDeviceGetTotalEccErrors(
@@ -138,6 +164,14 @@ READINGS = [
 ]
 
 
+def fallbacks(nv: Any) -> dict[str, Fallback]:
+    gpu = getattr(nv, "NVML_TEMPERATURE_GPU", 0)
+    return {
+        "temperature": Fallback(nv, [("nvmlDeviceGetTemperatureV", lambda h: nv.nvmlDeviceGetTemperatureV(h, gpu)),
+                                     ("nvmlDeviceGetTemperature", lambda h: nv.nvmlDeviceGetTemperature(h, gpu))]),
+    }
+
+
 def fields(nv: Any, handle: Any, ids: list) -> list[tuple[int, float]]:
     """(timestamp us, value) per field id; a per-field error raises it as an NVMLError."""
     out = []
@@ -152,13 +186,15 @@ def field(nv: Any, handle: Any, fid: int) -> float:
     return fields(nv, handle, [fid])[0][1]
 
 
+# nvmlValueType_t -> the nvmlValue_t union member it fills (nvml.h; SIGNED_INT since 12.2, UNSIGNED_SHORT
+# since 12.6). Drivers change a field's type between releases, so a field is read by its valueType.
+VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+
+
 def field_value(nv: Any, v: Any) -> float:
-    """The value of a c_nvmlFieldValue_t by its valueType (the union member NVML filled)."""
-    members = {
-        nv.NVML_VALUE_TYPE_DOUBLE: "dVal", nv.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
-        nv.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal", nv.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
-        nv.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
-        getattr(nv, "NVML_VALUE_TYPE_SIGNED_INT", 5): "siVal",
-        getattr(nv, "NVML_VALUE_TYPE_UNSIGNED_SHORT", 6): "usVal",
-    }
-    return getattr(v.value, members.get(v.valueType, "ullVal"))
+    """The value of a c_nvmlFieldValue_t by its valueType (the union member NVML filled); a type this
+    agent does not know raises Unreadable rather than guessing a member."""
+    member = VALUE_MEMBERS.get(v.valueType)
+    if member is None or not hasattr(v.value, member):
+        raise Unreadable(f"field {v.fieldId} has value type {v.valueType}, newer than this agent knows")
+    return float(getattr(v.value, member))

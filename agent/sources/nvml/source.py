@@ -61,6 +61,7 @@ class NvmlSource(Source):
         self.procs: ProcessReader | None = None
         self.ask: Asker | None = None
         self.round: GpuRound | None = None
+        self.fallbacks: dict[str, readings.Fallback] = {}
 
     # -- setup ---------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -74,7 +75,8 @@ class NvmlSource(Source):
         self.memory = readings.MemoryReader(nv)
         self.procs = ProcessReader(nv)
         self.ask = Asker(nv, self.states, self.health)
-        self.round = GpuRound(nv, self.ask, readings.calls(nv, self.memory), self.memory, self.procs)
+        self.fallbacks = readings.fallbacks(nv)
+        self.round = GpuRound(nv, self.ask, readings.calls(nv, self.memory, self.fallbacks), self.memory, self.procs)
         try:
             self.driver = library.text(nv.nvmlSystemGetDriverVersion())
             self.nvml_version = library.text(nv.nvmlSystemGetNVMLVersion())
@@ -268,6 +270,7 @@ class NvmlSource(Source):
             "retrying_readings": retrying,
             "dropped_values": self.gate.describe(),
             "memory_call": self.memory.describe() if self.memory is not None else "",
+            "calls": {k: f.using for k, f in sorted(self.fallbacks.items())},
             "process_list": (f"{self.procs.describe()}, {self.procs.dropped} impossible pid(s) left out"
                              if self.procs is not None else ""),
             "gpm_rounds_too_soon": {g.id: g.gpm_stream.too_soon for g in self.gpus

@@ -169,6 +169,7 @@ typedef struct {
     int n_unsup_fields; unsigned unsup_fields[MAX_IDS];
     int n_unsup_gpm; unsigned unsup_gpm[MAX_IDS];
     double gpm_min_interval_ms, gpm_short_value;
+    int n_field_types; unsigned field_type_id[MAX_IDS], field_type[MAX_IDS];
     int n_gpm_nan; gpm_nan_t gpm_nan[MAX_IDS];
     int n_procs; proc_t procs[MAX_PROCS];
 } gpu_t;
@@ -554,6 +555,23 @@ static int set_gpu_key(gpu_t *g, int idx, const char *key, char *val)
                 snprintf(e->fn, sizeof e->fn, "%s", tok);
                 e->code = NVML_ERROR_NOT_SUPPORTED; e->from = -INFINITY; e->to = INFINITY;
             } else return perr("unsupported: '%s' is not an nvml* function, field:N or gpm:N", tok);
+        }
+        return 0;
+    }
+    if (!strcmp(key, "field_type")) {   /* field_type = ID:TYPE ... (TYPE a name or a valueType number) */
+        static const char *const names[] = {"double", "uint", "ulong", "ull", "sll", "sint", "ushort"};
+        char *save = NULL;
+        for (char *tok = strtok_r(val, " \t,", &save); tok; tok = strtok_r(NULL, " \t,", &save)) {
+            char *colon = strchr(tok, ':');
+            unsigned long long id, type = 99;
+            if (!colon) return perr("field_type wants ID:TYPE");
+            *colon = 0;
+            for (unsigned k = 0; k < 7; k++) if (!strcmp(colon + 1, names[k])) type = k;
+            if (parse_uint(tok, &id) || (type == 99 && parse_uint(colon + 1, &type)))
+                return perr("field_type wants ID:TYPE, TYPE one of double uint ulong ull sll sint ushort or a number");
+            if (g->n_field_types >= MAX_IDS) return perr("too many field_type entries");
+            g->field_type_id[g->n_field_types] = (unsigned)id;
+            g->field_type[g->n_field_types++] = (unsigned)type;
         }
         return 0;
     }
@@ -1397,6 +1415,29 @@ static void field_one(const gpu_t *g, int mig, double t, nvmlFieldValue_t *v)
     v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
 }
 
+/* field_type: the same value in another union member, as drivers change a field's valueType from
+ * one release to the next (the reader must go by valueType, never assume one). */
+static void retype(const gpu_t *g, nvmlFieldValue_t *v)
+{
+    int k = -1;
+    for (int i = 0; i < g->n_field_types; i++) if (g->field_type_id[i] == v->fieldId) k = i;
+    if (k < 0) return;
+    double x = v->valueType == VT_UINT ? (double)v->value.uiVal : (double)v->value.ullVal;
+    if (v->valueType == VT_UINT && v->value.uiVal == 0xFFFFFFFFu) x = -1;   /* all-ones stays all-ones */
+    memset(&v->value, 0, sizeof v->value);
+    v->valueType = g->field_type[k];
+    switch (v->valueType) {
+    case VT_DOUBLE: v->value.dVal = x; break;
+    case VT_UINT: v->value.uiVal = (unsigned)(long long)x; break;
+    case VT_ULONG: v->value.ulVal = (unsigned long)(long long)x; break;
+    case VT_ULL: v->value.ullVal = (unsigned long long)(long long)x; break;
+    case VT_SLL: v->value.sllVal = (long long)x; break;
+    case VT_SINT: v->value.siVal = (int)x; break;
+    case 6: v->value.usVal = (unsigned short)(long long)x; break;
+    default: v->value.ullVal = (unsigned long long)(long long)x; break;   /* a type newer than the reader */
+    }
+}
+
 API nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t h, int count, nvmlFieldValue_t *values)
 {
     ENTER("nvmlDeviceGetFieldValues"); DEV(h, 1);
@@ -1406,6 +1447,7 @@ API nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t h, int count, nvmlFieldVa
     for (int i = 0; i < count; i++) {
         values[i].timestamp = ts;
         field_one(g, mig, t, &values[i]);
+        if (values[i].nvmlReturn == NVML_SUCCESS) retype(g, &values[i]);
     }
     LEAVE(NVML_SUCCESS);
 }
