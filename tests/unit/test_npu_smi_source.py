@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from xpusense.agent.sources.base import OFFLINE, REALTIME, SourceError, Unavailable
-from xpusense.agent.sources.npu_smi.source import SKIPPED_METRIC, NpuSmiSource
+from xpusense.agent.sources.npu_smi.source import OVERSIZED_METRIC, SKIPPED_METRIC, NpuSmiSource
 from xpusense.agent.sources.npu_smi.values import MIB
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -133,7 +133,7 @@ def test_slow_npu_smi_round_is_skipped_and_counted_not_queued(scenario, monkeypa
         monkeypatch.setenv("FAKE_NPU_SMI_DELAY_S", "600")   # far beyond any budget: only a kill ends it
         monkeypatch.setenv("FAKE_NPU_SMI_DELAY_ON", "usages")
         first = src.collect(REALTIME)
-        assert [s.name for s in first] == [SKIPPED_METRIC] and skipped(first) == 1
+        assert [s.name for s in first] == [SKIPPED_METRIC, OVERSIZED_METRIC] and skipped(first) == 1
         d = src.describe()
         assert d["rounds_skipped"]["realtime"] == 1
         assert sorted(d["last_late_commands"]["realtime"]) == sorted(f"npu-smi info -t usages -i {n}" for n in range(8))
@@ -304,3 +304,44 @@ def test_fake_rejects_unknown_commands_like_npu_smi(scenario):
     assert r.returncode == 1 and "-i id" in r.stderr
     r = subprocess.run([str(FAKE), "info", "-t", "usages", "-i", "4", "-c", "0"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout == (scenario / "usages-4.txt").read_text()
+
+
+def test_endless_output_is_cut_at_the_bound_and_the_call_killed(source, scenario, tmp_path):
+    """`yes` as npu-smi for one NPU: that call is killed past max_output_bytes and counted; the other
+    NPUs are read; the agent's memory does not follow the output (issue 13 item 7)."""
+    import psutil
+    from helpers import record_figure
+    wrapper = tmp_path / "npu-smi"
+    wrapper.write_text(f'#!/bin/sh\nif [ "$*" = "info -t usages -i 3" ]; then exec yes npu; fi\nexec "{FAKE}" "$@"\n')
+    wrapper.chmod(0o755)
+    src = NpuSmiSource(path=str(wrapper), timeout_s=GENEROUS_S, offline_timeout_s=GENEROUS_S,
+                       max_output_bytes=1 << 20)
+    src.setup()
+    rss_before = psutil.Process().memory_info().rss
+    try:
+        with pytest.raises(SourceError) as ei:
+            src.collect(REALTIME)
+        assert "`npu-smi info -t usages -i 3` printed more than 1048576 bytes" in str(ei.value)
+        kept = ei.value.samples
+        assert {s.labels["device"] for s in kept if "device" in s.labels} == {f"npu{n}-0" for n in range(8) if n != 3}
+        [oversized] = [s for s in kept if s.name == "xpusense.npu_smi.calls.oversized"]
+        assert oversized.value == 1 and oversized.kind == "counter"
+        assert src.describe()["calls_killed_for_output_size"] == 1
+    finally:
+        src.close()
+    grown_mb = (psutil.Process().memory_info().rss - rss_before) / 2**20
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["yes", "npu"]], "yes still runs"
+    record_figure("npu-smi endless output", max_output_bytes=1 << 20, rss_growth_mb=round(grown_mb, 1))
+    assert grown_mb < 64
+
+
+def test_output_within_the_bound_is_read_whole(scenario):
+    import time
+
+    from xpusense.agent.sources.npu_smi.runner import OutputTooLarge, Runner
+    r = Runner(["realtime"], 1, max_output_bytes=200_000)
+    r.exe = "/bin/sh"
+    assert r.run(["-c", "yes x | head -c 150000"], time.monotonic() + GENEROUS_S) == "x\n" * 75000
+    with pytest.raises(OutputTooLarge, match="printed more than 200000 bytes"):
+        r.run(["-c", "head -c 250000 /dev/zero"], time.monotonic() + GENEROUS_S)
+    assert r.oversized == 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import selectors
 import signal
 import subprocess
 import threading
@@ -19,6 +20,7 @@ from collections.abc import Iterable
 from ..base import SourceError
 
 KILL_GRACE_S = 1.0  # how long a round waits, past its deadline, for killed calls to be reaped
+DEFAULT_MAX_OUTPUT_BYTES = 4 * 2**20   # `npu-smi info` of 16 NPUs prints about 10 KB
 
 Job = tuple[tuple, list[str]]                       # (key, npu-smi arguments)
 Result = tuple[tuple, list[str], str | BaseException]  # (key, arguments, output or error)
@@ -37,6 +39,15 @@ class CommandFailed(Exception):
         self.command, self.returncode, self.text = command, returncode, text
 
 
+class OutputTooLarge(CommandFailed):
+    """The call printed more than the configured bound, and was killed: a failed call."""
+
+    def __init__(self, command: str, limit: int):
+        Exception.__init__(self, f"`{command}` printed more than {limit} bytes ([sources.npu_smi] "
+                                 f"max_output_bytes): killed, its output ignored")
+        self.command, self.returncode, self.text = command, -signal.SIGKILL, ""
+
+
 def command_line(args: list[str]) -> str:
     """`npu-smi ARGS` as shown in messages."""
     return " ".join(["npu-smi", *args])
@@ -45,10 +56,13 @@ def command_line(args: list[str]) -> str:
 class Runner:
     """Runs the npu-smi at `exe`; `start()` makes one pool of `max_workers` threads per tier for rounds."""
 
-    def __init__(self, tiers: Iterable[str], max_workers: int) -> None:
+    def __init__(self, tiers: Iterable[str], max_workers: int,
+                 max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> None:
         self.exe = ""
         self.tiers = tuple(tiers)
         self.max_workers = max_workers
+        self.max_output_bytes = max_output_bytes
+        self.oversized = 0   # calls killed for printing more than max_output_bytes
         self._lock = threading.Lock()
         self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
         self._inflight: dict[tuple, concurrent.futures.Future] = {}
@@ -60,22 +74,54 @@ class Runner:
     def run(self, args: list[str], deadline: float) -> str:
         """Run `npu-smi ARGS` until `deadline` (time.monotonic()); kill it when late.
 
-        Raises TimedOut, CommandFailed, or OSError when it cannot be started.
+        Raises TimedOut, OutputTooLarge, CommandFailed, or OSError when it cannot be started.
         """
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if deadline - time.monotonic() <= 0:
             raise TimedOut(command_line(args))
         proc = subprocess.Popen([self.exe, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True)
         try:
-            out, err = proc.communicate(timeout=remaining)
-        except subprocess.TimeoutExpired:
+            out, err = self._read_bounded(proc, deadline)
+        except TimedOut:
             self._kill(proc)
             raise TimedOut(command_line(args)) from None
+        except OutputTooLarge:
+            self._kill(proc)
+            with self._lock:
+                self.oversized += 1
+            raise OutputTooLarge(command_line(args), self.max_output_bytes) from None
         text = out.decode("utf-8", "replace")
         if proc.returncode != 0:
             raise CommandFailed(command_line(args), proc.returncode, err.decode("utf-8", "replace") + "\n" + text)
         return text
+
+    def _read_bounded(self, proc: subprocess.Popen, deadline: float) -> tuple[bytes, bytes]:
+        """stdout and stderr of `proc` until it exits; TimedOut at the deadline, OutputTooLarge past
+        max_output_bytes (both together): an endless or huge output never grows the agent."""
+        assert proc.stdout is not None and proc.stderr is not None
+        chunks: dict[int, list[bytes]] = {proc.stdout.fileno(): [], proc.stderr.fileno(): []}
+        total = 0
+        with selectors.DefaultSelector() as sel:
+            for f in (proc.stdout, proc.stderr):
+                sel.register(f, selectors.EVENT_READ)
+            while sel.get_map():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimedOut()
+                for key, _ in sel.select(timeout=remaining):
+                    data = os.read(key.fd, 65536)
+                    if not data:
+                        sel.unregister(key.fileobj)
+                        continue
+                    total += len(data)
+                    if total > self.max_output_bytes:
+                        raise OutputTooLarge("", self.max_output_bytes)
+                    chunks[key.fd].append(data)
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:   # closed its output but goes on running
+            raise TimedOut() from None
+        return b"".join(chunks[proc.stdout.fileno()]), b"".join(chunks[proc.stderr.fileno()])
 
     def _kill(self, proc: subprocess.Popen) -> None:
         try:
@@ -155,6 +201,7 @@ class Runner:
         with self._lock:
             return {
                 "rounds_skipped": dict(self._skipped),
+                "calls_killed_for_output_size": self.oversized,
                 "last_round_s": {t: round(v, 6) for t, v in self._last_round_s.items()},
                 "last_late_commands": {t: list(v) for t, v in self._late.items() if v},
             }

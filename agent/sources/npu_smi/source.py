@@ -31,7 +31,7 @@ from .readings import (
     temp_samples,
     usages_samples,
 )
-from .runner import CommandFailed, Job, Runner, TimedOut, command_line
+from .runner import DEFAULT_MAX_OUTPUT_BYTES, CommandFailed, Job, Runner, TimedOut, command_line
 from .table import InfoChip, InfoTable, parse_info
 from .values import VENDOR, ParseError, device_id, parse_number
 
@@ -41,6 +41,7 @@ log = logging.getLogger("xpusense.agent.sources.npu_smi")
 DEFAULT_SEARCH_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/bin")
 MAX_CHIPS_PER_NPU = 64  # a `Chip Count` above this is taken for garbage
 SKIPPED_METRIC = "xpusense.npu_smi.rounds.skipped"
+OVERSIZED_METRIC = "xpusense.npu_smi.calls.oversized"   # killed for printing more than max_output_bytes
 OFFLINE_TYPES = ("power", "temp", "health")
 
 
@@ -52,14 +53,14 @@ class NpuSmiSource(Source):
 
     def __init__(self, path: str = "", timeout_s: float = 0.8, max_workers: int = 8, *,
                  offline_timeout_s: float = 10.0, setup_timeout_s: float = 15.0,
-                 search_dirs: Iterable[str] = DEFAULT_SEARCH_DIRS):
+                 max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES, search_dirs: Iterable[str] = DEFAULT_SEARCH_DIRS):
         self.path = path
         self.timeout_s = timeout_s
         self.max_workers = max(1, int(max_workers))
         self.offline_timeout_s = offline_timeout_s
         self.setup_timeout_s = setup_timeout_s
         self.search_dirs = tuple(search_dirs)
-        self._runner = Runner(self.tiers, self.max_workers)
+        self._runner = Runner(self.tiers, self.max_workers, max_output_bytes)
         self._lock = threading.Lock()
         self._table = InfoTable()
         self._chips: dict[int, list[int]] = {}
@@ -204,6 +205,7 @@ class NpuSmiSource(Source):
         if tier == REALTIME:
             self._note_hbm_bandwidth(samples)
         samples.append(Sample(SKIPPED_METRIC, float(self._runner.skipped(tier)), "{round}", {"tier": tier}, COUNTER))
+        samples.append(Sample(OVERSIZED_METRIC, float(self._runner.oversized), "{call}", {}, COUNTER))
         if errors:
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
             raise SourceError(errors[0] + more, samples)
@@ -317,13 +319,16 @@ SCHEMA = {
     "offline_timeout_s": Key((int, float), 10.0, positive),
     "setup_timeout_s": Key((int, float), 15.0, positive),
     "max_workers": Key(int, 8, positive, help="npu-smi calls run at once"),
+    "max_output_bytes": Key(int, DEFAULT_MAX_OUTPUT_BYTES, positive,
+                            help="a call printing more is killed and counted (xpusense.npu_smi.calls.oversized)"),
 }
 
 
 def build(table: Any) -> list[Source]:
     """The source of a checked `[sources.npu_smi]` table."""
     return [NpuSmiSource(path=table.path, timeout_s=table.timeout_s, max_workers=table.max_workers,
-                         offline_timeout_s=table.offline_timeout_s, setup_timeout_s=table.setup_timeout_s)]
+                         offline_timeout_s=table.offline_timeout_s, setup_timeout_s=table.setup_timeout_s,
+                         max_output_bytes=table.max_output_bytes)]
 
 
 FAMILY = SourceFamily("npu_smi", SCHEMA, build)
