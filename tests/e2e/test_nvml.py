@@ -61,8 +61,9 @@ def test_h100_tiers_values_and_inventory(libdir):
     assert 38000 * 2**20 * 0.5 < rate < 41000 * 2**20 * 1.5  # ~38-41 GB/s over a real-time interval
 
     assert all(v == 1980e6 for v in pick(near, "xpusense.accelerator.clock.frequency", clock="sm").values())
-    # 5,400,000 KB/s at t=0 rising to 5,600,000 at t=30: KB/s x 1000 -> By/s
-    assert all(5.4e9 <= v <= 5.45e9 for v in pick(near, "xpusense.accelerator.pcie.throughput", direction="receive").values())
+    # 5,400,000 KB/s at t=0 rising to 5,600,000 at t=30: NVML's KB are KiB (x 1024 -> By/s)
+    assert all(5.4e6 * 1024 <= v <= 5.45e6 * 1024
+               for v in pick(near, "xpusense.accelerator.pcie.throughput", direction="receive").values())
     assert out["processes"] == {str(4242 + i): [f"gpu{i}"] for i in range(8)}
     assert pick(near, "xpusense.accelerator.process.memory.usage", pid="4242") == {"gpu0": 63 * 2**30}
 

@@ -8,7 +8,7 @@ import sys
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "tests/fakes/nvml"))
-from driving import drive, h100s, write_scenario  # noqa: E402
+from driving import drive, h100s, pick, write_scenario  # noqa: E402
 
 
 def test_xid_classes_severities_and_mig_instances(libdir, tmp_path):
@@ -47,3 +47,22 @@ event = 0.7 xid 94        # contained ECC error, the whole device: reported
     msg = next(e["message"] for e in out["events"] if e["type"] == "xid" and e["attributes"]["xid"] == "31")
     assert "MIG instance 1" in msg and "application error" in msg
     assert [e["severity"] for e in out["events"] if e["type"] == "ecc"] == ["critical"]
+
+
+def test_a_lost_gpu_in_the_event_set_is_reported_once_and_the_others_events_still_come(libdir, tmp_path):
+    # Once gpu1 is lost every nvmlEventSetWait answers GPU_IS_LOST (nvml.h): the thread used to log
+    # that every second forever and deliver nothing else.
+    scn = write_scenario(tmp_path, h100s(2) + """
+[gpu 1]
+lost_at = 1
+[gpu 0]
+event = 2.5 xid 48
+""")
+    out = drive(libdir, scn, "offline", gap_s=0.3, until_t=5.0)
+    assert out["errors"] == []
+    lost = [e for e in out["events"] if e["type"] == "health" and e["attributes"]["status"] == "lost"]
+    assert [e["device"] for e in lost] == ["gpu1"]
+    assert [(e["device"], e["attributes"]["xid"]) for e in out["events"] if e["type"] == "xid"] == [("gpu0", "48")]
+    assert "event wait failed" not in out["stderr"]
+    late = [r for r in out["rounds"] if r["st"] >= 1.5]
+    assert late and all(set(pick(r, "hw.power")) == {"gpu0"} for r in late)

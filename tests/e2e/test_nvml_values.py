@@ -53,3 +53,24 @@ def test_chip_temperature_on_drivers_before_and_after_the_versioned_call(libdir,
         assert all(pick(r, "hw.temperature", sensor="chip") == {"gpu0": 60, "gpu1": 60} for r in out["rounds"])
         assert out["describe"]["calls"]["temperature"] == used
         assert not any("temperature" in k for k in out["describe"]["unavailable_readings"])
+
+
+def test_throttle_reasons_on_drivers_before_nvml_12_2(libdir, tmp_path):
+    # R525/R530: no nvmlDeviceGetCurrentClocksEventReasons; the older call has the same bits.
+    scn = write_scenario(tmp_path, "missing_symbols = nvmlDeviceGetCurrentClocksEventReasons\n"
+                         + h100s(1, clocks_event_reasons="0x24"))   # SwPowerCap | SwThermalSlowdown
+    out = drive(libdir, scn, "offline", t0_at=None)
+    r = out["rounds"][0]
+    flags = {s["labels"]["reason"]: s["value"] for s in r["samples"] if s["name"] == "xpusense.accelerator.throttle"}
+    assert flags == {"sw_power_cap": 1.0, "hw_slowdown": 0.0, "sw_thermal_slowdown": 1.0,
+                     "hw_thermal_slowdown": 0.0, "hw_power_brake_slowdown": 0.0}
+    assert out["describe"]["calls"]["throttle"] == "nvmlDeviceGetCurrentClocksThrottleReasons"
+
+
+def test_pcie_is_kib_per_s_and_what_power_means_is_in_the_inventory(libdir, tmp_path):
+    out = drive(libdir, write_scenario(tmp_path, h100s(1)), "nearline", t0_at=None)
+    # pcie_rx_kbps = 2,000,000 "KB/s" (a 20 ms snapshot): KiB, as GPM's MiB/s of the same counter.
+    assert pick(out["rounds"][0], "xpusense.accelerator.pcie.throughput", direction="receive") == {"gpu0": 2e6 * 1024}
+    assert out["inventory"][0]["attributes"]["power_reading"] == "1s_average"
+    a100 = drive(libdir, "a100x4", "nearline", t0_at=None)
+    assert {r["attributes"]["power_reading"] for r in a100["inventory"]} == {"instantaneous"}   # GA100

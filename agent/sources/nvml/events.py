@@ -9,6 +9,11 @@ leave the GPU fine for the next job; those are `warning` with class `application
 `critical` with class `hardware`; 999 is the driver's "unknown Xid" (nvml.h), class `unknown`, also
 critical (the device plugin does not skip it). In MIG mode an XID that belongs to one instance
 carries its GPU and compute instance ids (0xFFFFFFFF otherwise), kept as attributes.
+
+nvmlEventSetWait answers GPU_IS_LOST once a GPU of the set has fallen off the bus, at every call: the
+thread then finds which GPUs answer GPU_IS_LOST, reports them lost (one health event each, shared with
+the rounds) and waits on a new set without them. Any other failure is logged once per streak and
+retried with back-off, never every second forever.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 from ..base import Event
 from .device import VENDOR, Gpu
 from .health import Health
-from .library import code, handle_key
+from .library import GPU_IS_LOST, TIMEOUT, code, handle_key
 from .states import ReadingStates
 
 log = logging.getLogger("xpusense.agent.nvml")
@@ -53,6 +58,8 @@ class EventWatcher:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._by_handle: dict[int, Gpu | None] = {}
+        self._lock = threading.Lock()             # the set and who is in it: the thread rebuilds it
+        self.registered: list[Gpu] = []
 
     def start(self) -> None:
         nv = self.nv
@@ -67,40 +74,89 @@ class EventWatcher:
 
     def add(self, g: Gpu) -> None:
         """Register g's events (at start, or when a GPU that failed at start is opened)."""
-        nv = self.nv
-        if self._set is None:
-            return
-        try:
-            mask = nv.nvmlDeviceGetSupportedEventTypes(g.handle) & WATCHED_EVENTS
-            if not mask:
-                self.states.mark_unsupported(g.id, "events", "no XID/ECC events supported")
+        with self._lock:
+            if self._set is None or not self._register(g, self._set):
                 return
-            nv.nvmlDeviceRegisterEvents(g.handle, mask, self._set)
-        except nv.NVMLError as e:
-            self.states.mark_unsupported(g.id, "events", str(e))
-            return
+            self.registered.append(g)
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="nvml-events", daemon=True)
             self._thread.start()
 
+    def _register(self, g: Gpu, event_set: Any) -> bool:
+        nv = self.nv
+        try:
+            mask = nv.nvmlDeviceGetSupportedEventTypes(g.handle) & WATCHED_EVENTS
+            if not mask:
+                self.states.mark_unsupported(g.id, "events", "no XID/ECC events supported")
+                return False
+            nv.nvmlDeviceRegisterEvents(g.handle, mask, event_set)
+        except nv.NVMLError as e:
+            self.states.mark_unsupported(g.id, "events", str(e))
+            return False
+        return True
+
     def _loop(self) -> None:
         nv = self.nv
-        while not self._stop.is_set():
+        failures = 0
+        while not self._stop.is_set() and self._set is not None:
             try:
                 data = nv.nvmlEventSetWait(self._set, self.wait_ms)
             except nv.NVMLError as e:
-                if code(e) == nv.NVML_ERROR_TIMEOUT:
+                rc = code(e)
+                if rc == TIMEOUT:
+                    failures = 0
                     continue
                 if self._stop.is_set():
                     return
-                log.warning("NVML event wait failed: %s", e)
-                self._stop.wait(1.0)
+                if rc == GPU_IS_LOST and self._drop_lost(str(e)):
+                    continue
+                failures += 1
+                delay = min(60.0, 2.0 ** (failures - 1))
+                if failures in (1, 10, 100) or failures % 1000 == 0:
+                    log.warning("NVML event wait failed (%s), %d time(s) in a row; trying again in %.0f s",
+                                e, failures, delay)
+                self._stop.wait(delay)
                 continue
+            failures = 0
             g = self._gpu_for(data.device)
             if g is not None and data.eventType == MIG_CONFIG_EVENT:
                 g.mig_changed = True          # the next round reads the MIG layout again
                 continue
             self.out.put(event_from(g, data))
+
+    def _drop_lost(self, why: str) -> bool:
+        """The set said a GPU is lost: report the GPUs that say so, and wait on a set without them.
+        False when none of them says so (then the failure is retried with back-off)."""
+        nv = self.nv
+        lost = []
+        for g in list(self.registered):
+            try:
+                nv.nvmlDeviceGetSupportedEventTypes(g.handle)
+            except nv.NVMLError as e:
+                if code(e) == GPU_IS_LOST:
+                    lost.append(g)
+        if not lost:
+            return False
+        for g in lost:
+            self.health.lost(g, f"reported by the event set ({why})")
+        try:
+            fresh = nv.nvmlEventSetCreate()
+        except nv.NVMLError as e:
+            log.warning("NVML events: cannot make a new event set (%s)", e)
+            return False
+        with self._lock:
+            old, self._set = self._set, fresh
+            self.registered = [g for g in self.registered if g not in lost and self._register(g, self._set)]
+            try:
+                nv.nvmlEventSetFree(old)
+            except nv.NVMLError:
+                pass
+            if not self.registered:
+                nv.nvmlEventSetFree(self._set)
+                self._set = None
+        log.info("NVML events: %s lost; watching %s", ", ".join(g.id for g in lost),
+                 ", ".join(g.id for g in self.registered) or "no GPU any more")
+        return True
 
     def _gpu_for(self, handle: Any) -> Gpu | None:
         key = handle_key(handle)
@@ -117,12 +173,13 @@ class EventWatcher:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=self.wait_ms / 1000 + 2)
-        if self._set is not None:
-            try:
-                self.nv.nvmlEventSetFree(self._set)
-            except self.nv.NVMLError:
-                pass
-            self._set = None
+        with self._lock:
+            if self._set is not None:
+                try:
+                    self.nv.nvmlEventSetFree(self._set)
+                except self.nv.NVMLError:
+                    pass
+                self._set = None
 
 
 def event_from(g: Gpu | None, data: Any) -> Event:

@@ -34,7 +34,22 @@ def identify(nv: Any, g: Gpu, driver: str) -> None:
     g.info["driver"] = driver
 
 
+GA100 = ("A100", "A800", "A30")   # GA100 boards: Ampere, but instantaneous power like older GPUs
+AMPERE = 7                         # NVML_DEVICE_ARCH_AMPERE
+
+
+def power_reading(name: str, arch: int | None) -> str:
+    """What nvmlDeviceGetPowerUsage means on this GPU (nvml.h): averaged over 1 s on Ampere (except
+    GA100) and newer, instantaneous on GA100 and older architectures."""
+    if arch is None:
+        return ""
+    if arch < AMPERE or (arch == AMPERE and any(m in name for m in GA100)):
+        return "instantaneous"
+    return "1s_average"
+
+
 def catalog_facts(g: Gpu) -> None:
+    g.info["power_reading"] = power_reading(g.name, g.arch)
     entry = catalog.nvidia_gpu(g.name)
     g.peak_tflops = float(entry.get("peak_tflops", 0.0))
     if entry.get("architecture"):

@@ -19,7 +19,7 @@ ARGUMENT_VERSION_MISMATCH = 25
 
 ALL_LINKS = 0xFFFFFFFF  # field-value scopeId for "summed over all NVLink links" (nvml.h)
 
-THROTTLE_REASONS = {  # nvmlClocksEventReason* bits
+THROTTLE_REASONS = {  # nvmlClocksEventReason* bits (the same bits as the older nvmlClocksThrottleReason*)
     0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal_slowdown",
     0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown",
 }
@@ -120,7 +120,7 @@ def calls(nv: Any, memory: MemoryReader, fallbacks: dict[str, Fallback]) -> dict
         "ecc_uncorrected": lambda h: nv.nvmlDeviceGetTotalEccErrors(
             h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC),
         "remapped_rows": nv.nvmlDeviceGetRemappedRows,
-        "throttle": nv.nvmlDeviceGetCurrentClocksEventReasons,
+        "throttle": fallbacks["throttle"],
         "hbm_temperature": lambda h: field(nv, h, nv.NVML_FI_DEV_MEMORY_TEMP),
         "nvlink": lambda h: fields(nv, h, [(nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
                                            (nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS)]),
@@ -144,9 +144,11 @@ READINGS = [
     Reading("xpusense.accelerator.memory.reserved", "By", REALTIME, "memory",
             lambda m: None if m.reserved is None else float(m.reserved)),
     Reading("hw.gpu.memory.utilization", "1", REALTIME, "memory", used_share),
-    Reading("xpusense.accelerator.pcie.throughput", "By/s", NEARLINE, "pcie_tx", lambda kb: kb * 1000.0,
+    # nvml.h: "KB/s", a byte counter over a 20 ms window (a snapshot, not the tier's average); read
+    # as KiB/s like nvitop and GPM's PCIE_*_PER_SEC (MiB/s) of the same counter.
+    Reading("xpusense.accelerator.pcie.throughput", "By/s", NEARLINE, "pcie_tx", lambda kb: kb * 1024.0,
             labels=(("direction", "transmit"),)),
-    Reading("xpusense.accelerator.pcie.throughput", "By/s", NEARLINE, "pcie_rx", lambda kb: kb * 1000.0,
+    Reading("xpusense.accelerator.pcie.throughput", "By/s", NEARLINE, "pcie_rx", lambda kb: kb * 1024.0,
             labels=(("direction", "receive"),)),
     Reading("xpusense.accelerator.clock.frequency", "Hz", NEARLINE, "clock_sm", lambda mhz: mhz * 1e6,
             labels=(("clock", "sm"),)),
@@ -169,6 +171,10 @@ def fallbacks(nv: Any) -> dict[str, Fallback]:
     return {
         "temperature": Fallback(nv, [("nvmlDeviceGetTemperatureV", lambda h: nv.nvmlDeviceGetTemperatureV(h, gpu)),
                                      ("nvmlDeviceGetTemperature", lambda h: nv.nvmlDeviceGetTemperature(h, gpu))]),
+        # NVML 12.2 renamed throttle reasons to clock event reasons; R525/R530 have only the old call.
+        "throttle": Fallback(nv, [("nvmlDeviceGetCurrentClocksEventReasons", nv.nvmlDeviceGetCurrentClocksEventReasons),
+                                  ("nvmlDeviceGetCurrentClocksThrottleReasons",
+                                   nv.nvmlDeviceGetCurrentClocksThrottleReasons)]),
     }
 
 

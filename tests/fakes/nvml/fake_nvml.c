@@ -1766,6 +1766,10 @@ static nvmlReturn_t event_wait(const char *fn, nvmlEventSet_t set, nvmlEventData
             }
             LEAVE(NVML_SUCCESS);
         }
+        /* nvml.h: GPU_IS_LOST "if a GPU has fallen off the bus": once a GPU of the set is lost,
+         * every wait without a due event answers it at once. */
+        for (int k = 0; k < S.gpu_count; k++)
+            if (set->mask[k] && t >= S.gpu[k].lost_at) LEAVE(NVML_ERROR_GPU_IS_LOST);
         double now = wall_now();
         if (now >= deadline) LEAVE(NVML_ERROR_TIMEOUT);
         double until = deadline;
