@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(cfg, args) -> int:
     try:
-        agent = Agent(cfg)
+        agent = Agent(cfg, setup_in_background=not args.once)
     except SpoolError as e:
         print(f"xpusense-agent: {e}", file=sys.stderr)
         return EXIT_FAIL

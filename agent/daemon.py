@@ -24,7 +24,7 @@ from .sources.base import Source
 from .sources.registry import FAMILIES
 from .spool import Spool
 from .stream import StreamClient
-from .tiers import SourceState, TierLoop, periods_from_config, setup_sources
+from .tiers import SourceState, TierLoop, periods_from_config, setup_source, setup_sources
 
 log = logging.getLogger("xpusense.agent")
 
@@ -122,8 +122,14 @@ class InventoryWatch:
         self._last = current
 
 
+STARTUP_WAIT_S = 2.0   # how long start-up waits for the sources' setup before streaming what it has
+
+
 class Agent:
-    def __init__(self, cfg):
+    def __init__(self, cfg, setup_in_background: bool = True):
+        """`setup_in_background`: sources that take longer than STARTUP_WAIT_S to set up (a hanging
+        npu-smi, a slow eBPF compile) join the running loop when ready, so the others stream at once;
+        `run --once` sets them all up first."""
         self.cfg = cfg
         self.boot_id = uuid.uuid4().hex
         self.stop_event = threading.Event()
@@ -133,7 +139,10 @@ class Agent:
             self.spool = Spool(Spool.for_node(sp.dir, cfg.node_id), sp.max_bytes, sp.segment_bytes, sp.fsync,
                                sp.fsync_interval_s, on_drop=lambda keys, n: self.stream.spool_dropped(keys, n))
             spooled = self.spool.open()   # SpoolError: the CLI says what to fix
-        self.states, startup_events = setup_sources(build_sources(cfg))
+        sources = build_sources(cfg)
+        self._states_lock = threading.Lock()
+        self._setting_up: set[Source] = set()
+        self.states, startup_events = ([], []) if setup_in_background else setup_sources(sources)
         s = cfg.stream
         self.stream = StreamClient(
             cfg.collector.address, cfg.node_id, self.boot_id,
@@ -144,7 +153,7 @@ class Agent:
                                                     options=channel_options(s.backoff_initial_s, s.backoff_max_s)))
         self.stream.resume(spooled)
         self_state, _ = setup_sources([AgentSelfSource(self.stream.status)])
-        self.states += self_state
+        self.states = self.states + self_state
         w = cfg.hbm_watch
         self.watch = HbmWatch(watch_rules(w), lambda: process_map(self.states), actions=w.actions,
                               signal_name=w.signal, request_dir=w.request_dir,
@@ -157,8 +166,41 @@ class Agent:
             self.stream.put([], startup_events)
         self.pods = build_pod_labeler(cfg, lambda: inventory(cfg, self.states)["resources"])   # [k8s]
         self.otlp = build_agent_exporter(cfg, lambda: inventory_to_proto(inventory(cfg, self.states)))
+        tiers = {t for src in sources for t in src.tiers} | set(self.loop.tiers_in_use())
         self.watchdog = Watchdog(lambda: sum(self.loop.rounds.values()),   # systemd READY=1 / WATCHDOG=1
-                                 stall_s=2 * min(map(self.loop.periods_s.get, self.loop.tiers_in_use()), default=60))
+                                 stall_s=2 * min((self.loop.periods_s[t] for t in tiers), default=60))
+        if setup_in_background:
+            self._setup_in_background(sources)
+
+    def _setup_in_background(self, sources: list[Source]) -> None:
+        """Every source's setup in a thread of its own; waits up to STARTUP_WAIT_S for them all."""
+        self.loop.joining = len(sources)
+        self._setting_up = set(sources)
+        threads = [threading.Thread(target=self._setup_late, args=(src,), name=f"setup-{src.name}", daemon=True)
+                   for src in sources]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + STARTUP_WAIT_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if late := [t.name.removeprefix("setup-") for t in threads if t.is_alive()]:
+            log.info("still setting up: %s (they join when ready; the other sources stream now)", ", ".join(late))
+
+    def _setup_late(self, src: Source) -> None:
+        st, events = setup_source(src)
+        with self._states_lock:
+            self._setting_up.discard(src)
+            stopped = self.stop_event.is_set()
+            self.states = self.states + [st]
+            if st.state == "running" and not stopped:
+                self.loop.add(st)
+            self.loop.joining -= 1
+        if stopped and st.state == "running":   # the agent stopped while this source set up
+            src.close()
+            return
+        if events:
+            self.stream.put([], events)
+        self.stream.inventory_changed()
 
     def _sink(self, samples, events) -> None:
         """Tier loop -> HBM watch -> stream (called from the sources' worker threads)."""
@@ -198,6 +240,14 @@ class Agent:
             self.loop.run(self.stop_event)
             return 0
         finally:
+            with self._states_lock:
+                self.stop_event.set()   # a source still setting up closes itself when it is done...
+                setting_up = list(self._setting_up)
+            for src in setting_up:      # ...and is told to give up now (kills a hung npu-smi call)
+                try:
+                    src.close()
+                except Exception:
+                    log.exception("source %s: close during setup failed", src.name)
             self.watchdog.stop()
             if self.otlp is not None:
                 self.otlp.stop()

@@ -33,6 +33,7 @@ from .sources.base import (
 log = logging.getLogger("xpusense.agent.tiers")
 
 Sink = Callable[[list[Sample], list[Event]], None]
+JOIN_POLL_S = 0.2   # how often the loop looks for sources that finished setting up late
 
 
 class SourceState:
@@ -61,25 +62,32 @@ class SourceState:
         }
 
 
+def setup_source(src: Source) -> tuple[SourceState, list[Event]]:
+    """Run setup() of one source; an unavailable one is logged once and kept with its reason."""
+    st = SourceState(src)
+    events = []
+    try:
+        src.setup()
+        st.state = "running"
+    except Unavailable as e:
+        st.state, st.reason = "unavailable", str(e)
+        log.warning("source %s unavailable: %s", src.name, e)
+        events.append(Event("source_unavailable", f"{src.name}: {e}", "warning", attributes={"source": src.name}))
+    except Exception as e:  # a bug or an unexpected environment: say it, run the others
+        st.state, st.reason = "failed", f"setup failed: {type(e).__name__}: {e}"
+        log.exception("source %s failed to set up", src.name)
+        events.append(Event("source_unavailable", f"{src.name}: {st.reason}", "warning",
+                            attributes={"source": src.name}))
+    return st, events
+
+
 def setup_sources(sources: list[Source]) -> tuple[list[SourceState], list[Event]]:
-    """Run setup() of every source; an unavailable one is logged once and kept with its reason."""
+    """setup() of every source, one after the other (the CLI's `sources`, `inventory`, `run --once`)."""
     states, events = [], []
     for src in sources:
-        st = SourceState(src)
-        try:
-            src.setup()
-            st.state = "running"
-        except Unavailable as e:
-            st.state, st.reason = "unavailable", str(e)
-            log.warning("source %s unavailable: %s", src.name, e)
-            events.append(Event("source_unavailable", f"{src.name}: {e}", "warning",
-                                attributes={"source": src.name}))
-        except Exception as e:  # a bug or an unexpected environment: say it, run the others
-            st.state, st.reason = "failed", f"setup failed: {type(e).__name__}: {e}"
-            log.exception("source %s failed to set up", src.name)
-            events.append(Event("source_unavailable", f"{src.name}: {st.reason}", "warning",
-                                attributes={"source": src.name}))
+        st, ev = setup_source(src)
         states.append(st)
+        events += ev
     return states, events
 
 
@@ -95,13 +103,26 @@ class TierLoop:
         self.rounds = {t: 0 for t in TIERS}
         self._lock = threading.Lock()
         self._pending: set[concurrent.futures.Future] = set()
+        self.joining = 0     # sources still setting up, to be add()ed; the loop looks for them often
         for st in self.states:
-            # One worker per tier: a slow 15 s round of a source never holds up its 1 s round.
-            st.pool = concurrent.futures.ThreadPoolExecutor(len(st.source.tiers) or 1,
-                                                            thread_name_prefix=f"src-{st.name}")
+            self._give_pool(st)
+
+    @staticmethod
+    def _give_pool(st: SourceState) -> None:
+        # One worker per tier: a slow 15 s round of a source never holds up its 1 s round.
+        st.pool = concurrent.futures.ThreadPoolExecutor(len(st.source.tiers) or 1, thread_name_prefix=f"src-{st.name}")
+
+    def add(self, st: SourceState) -> None:
+        """A source whose setup finished after the loop started joins it (its tiers from the next
+        due round; a tier no source had so far starts at once)."""
+        self._give_pool(st)
+        with self._lock:
+            self.states = self.states + [st]
 
     def tiers_in_use(self) -> list[str]:
-        return [t for t in TIERS if any(t in st.source.tiers for st in self.states)]
+        with self._lock:
+            states = self.states
+        return [t for t in TIERS if any(t in st.source.tiers for st in states)]
 
     def dispatch(self, tier: str) -> list[concurrent.futures.Future]:
         """Start one round of `tier` on every source that has it; never blocks."""
@@ -109,7 +130,9 @@ class TierLoop:
         timeout_s = self.periods_s[tier] * self.timeout_ratio
         self.rounds[tier] += 1
         futures = []
-        for st in self.states:
+        with self._lock:
+            states = self.states
+        for st in states:
             if tier not in st.source.tiers:
                 continue
             with self._lock:
@@ -173,12 +196,11 @@ class TierLoop:
 
     def run(self, stop: threading.Event) -> None:
         """Dispatch rounds at their deadlines until `stop` is set."""
-        tiers = self.tiers_in_use()
-        start = self.clock()
-        due = {t: start for t in tiers}
+        due: dict[str, float] = {}
         while not stop.is_set():
             now = self.clock()
-            for t in tiers:
+            for t in self.tiers_in_use():
+                due.setdefault(t, now)   # a tier starts when its first source is there
                 if due[t] <= now:
                     self.dispatch(t)
                     period = self.periods_s[t]
@@ -187,10 +209,13 @@ class TierLoop:
                         missed = int((now - due[t]) // period) + 1
                         self.missed_rounds[t] += missed
                         due[t] += missed * period
-            if not tiers:
+            wait_s = max(0.0, min(due.values()) - self.clock()) if due else None
+            if self.joining:   # a source still setting up may bring a tier: look again soon
+                wait_s = min(wait_s, JOIN_POLL_S) if wait_s is not None else JOIN_POLL_S
+            if wait_s is None:
                 stop.wait()
                 break
-            stop.wait(max(0.0, min(due.values()) - self.clock()))
+            stop.wait(wait_s)
 
     def run_once(self, wait_s: float = 30.0) -> None:
         """One round of every tier in use, waiting for all of them (`run --once`)."""
@@ -198,7 +223,9 @@ class TierLoop:
         concurrent.futures.wait(futures, timeout=wait_s)
 
     def close(self) -> None:
-        for st in self.states:
+        with self._lock:
+            states = self.states
+        for st in states:
             if st.pool:
                 st.pool.shutdown(wait=False, cancel_futures=True)
             try:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import shutil
+import signal
 
+import psutil
 from helpers import BIN, ROOT, free_port, nodes_json, series, wait_until
 
 FAKE = ROOT / "tests/fakes/npu-smi/npu-smi"
@@ -53,3 +55,35 @@ def test_nodes_shows_8_npus_with_utilisation_hbm_and_inventory(procs, tmp_path):
     assert {r["id"] for r in npus} == devices
     assert {r["vendor"] for r in npus} == {"huawei"} and {r["model"] for r in npus} == {"Ascend-910B4"}
     assert npus[0]["attributes"]["memory"] == "32GB"
+
+
+def test_a_hanging_npu_smi_does_not_hold_back_the_other_sources(procs, tmp_path):
+    """npu-smi hangs in setup (600 s, with a setup budget as long): the host source streams all the
+    same, and the agent still stops cleanly on SIGTERM (issue 13 item 7: nothing was streamed for the
+    first setup_timeout_s)."""
+    scenario = tmp_path / "scenario"
+    shutil.copytree(SCENARIO, scenario)
+    addr = f"127.0.0.1:{free_port()}"
+    procs([str(BIN / "xpusense-collector"), "serve", "--listen", addr], "collector")
+    wait_until(lambda: nodes_json(addr) is not None, what="collector")
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(CONFIG.replace("timeout_s = 0.8\n", "timeout_s = 0.8\nsetup_timeout_s = 600\n")
+                   + "[spool]\nenabled = false\n")
+    agent = procs([str(BIN / "xpusense-agent"), "run", "--config", str(cfg), "--collector", addr,
+                   "--node-id", "hung-npu", "--npu-smi", str(FAKE)], "agent",
+                  env={"FAKE_NPU_SMI_DIR": str(scenario), "FAKE_NPU_SMI_DELAY_S": "600", "FAKE_NPU_SMI_DELAY_ON": "info"})
+
+    def host_series():
+        n = next((n for n in nodes_json(addr)["nodes"] if n["node_id"] == "hung-npu"), None)
+        return n if n and series(n, "system.cpu.utilization") else None
+
+    n = wait_until(host_series, timeout_s=90, what="host series while npu-smi hangs in setup")
+    assert not series(n, "hw.gpu.utilization")       # npu-smi has not answered: no NPU yet
+    assert "still setting up: npu-smi" in agent.output()
+    assert agent.kill(signal.SIGTERM) == 0
+    # and the hung npu-smi call went with it (the fake keeps its scenario in its environment)
+    def hung_calls():
+        return [p for p in psutil.process_iter(["cmdline", "environ"])
+                if str(FAKE) in " ".join(p.info["cmdline"] or [])
+                and (p.info["environ"] or {}).get("FAKE_NPU_SMI_DIR") == str(scenario)]
+    wait_until(lambda: not hung_calls(), what="the hung npu-smi call to be killed")

@@ -67,6 +67,7 @@ class Runner:
         self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
         self._inflight: dict[tuple, concurrent.futures.Future] = {}
         self._stragglers: list[subprocess.Popen] = []
+        self._live: set[subprocess.Popen] = set()   # calls running now; close() kills them
         self._skipped = {t: 0 for t in self.tiers}
         self._last_round_s: dict[str, float] = {}
         self._late: dict[str, list[str]] = {}
@@ -80,6 +81,8 @@ class Runner:
             raise TimedOut(command_line(args))
         proc = subprocess.Popen([self.exe, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True)
+        with self._lock:
+            self._live.add(proc)
         try:
             out, err = self._read_bounded(proc, deadline)
         except TimedOut:
@@ -90,6 +93,9 @@ class Runner:
             with self._lock:
                 self.oversized += 1
             raise OutputTooLarge(command_line(args), self.max_output_bytes) from None
+        finally:
+            with self._lock:
+                self._live.discard(proc)
         text = out.decode("utf-8", "replace")
         if proc.returncode != 0:
             raise CommandFailed(command_line(args), proc.returncode, err.decode("utf-8", "replace") + "\n" + text)
@@ -207,7 +213,12 @@ class Runner:
             }
 
     def close(self) -> None:
+        """Stop the pools and kill every call still running (a setup() waiting on a hung npu-smi too)."""
         for pool in self._pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
         self._pools = {}
+        with self._lock:
+            live = list(self._live)
+        for proc in live:
+            self._kill(proc)
         self._reap()
