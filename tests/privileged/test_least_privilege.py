@@ -10,8 +10,10 @@ capabilities named, checks the process had those and no others, and checks which
 
 The interpreter: the virtualenv's Python lives under /root (mode 0700 on CI), which nobody cannot
 enter, so the tests run the system's Python of the same version over the virtualenv's
-site-packages (the same agent code and C extensions). Skips with the reason when root, setpriv, a
-matching system Python or eBPF is missing.
+site-packages (the same agent code and C extensions). Where the checkout itself is not readable by
+nobody (a clone under /root), those site-packages and the project's packages are copied once into
+a world-readable directory, so the test does not depend on where the checkout lives. Skips with the
+reason when root, setpriv, a matching system Python or eBPF is missing.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import json
 import os
 import shutil
 import site
+import stat
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -55,8 +59,49 @@ def venv_site() -> str:
     return next(p for p in site.getsitepackages() if p.endswith("site-packages"))
 
 
+def readable_by_others(path: Path) -> bool:
+    """Every directory above `path` searchable and `path` itself readable by a user of no group."""
+    path = path.resolve()
+    if not path.stat().st_mode & stat.S_IROTH:
+        return False
+    return all(p.stat().st_mode & stat.S_IXOTH for p in [path, *path.parents] if p.is_dir())
+
+
+# What nobody's copy of the site-packages leaves out: dev tools the agent never imports, and the
+# editable install's finder, which points into the checkout.
+NOT_COPIED = ("mypy", "ruff", "grpc_tools", "hypothesis", "pip", "setuptools", "_pytest", "pytest",
+              "kubernetes_validate", "__editable__")
+
+
+SITE: dict[str, str] = {}   # where as_nobody's interpreter finds the agent (the agent_site fixture)
+
+
 @pytest.fixture(scope="module")
-def can_drop():
+def agent_site():
+    """site-packages holding the agent that nobody can read: the virtualenv's where the checkout is
+    readable by others, else a copy (with the project's packages laid out as the wheel would)."""
+    here = Path(venv_site())
+    if readable_by_others(here) and readable_by_others(ROOT / "agent" / "cli.py"):
+        SITE["dir"] = str(here)
+        yield SITE["dir"]
+        return
+    d = Path(tempfile.mkdtemp(prefix="xps-lp-site-", dir="/tmp"))
+    try:
+        shutil.copytree(here, d / "site", symlinks=True,
+                        ignore=lambda _dir, names: [n for n in names if n.startswith(NOT_COPIED)])
+        dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+        for package, folder in sorted(dirs.items()):   # parents first: "xpusense" before "xpusense.agent"
+            shutil.copytree(ROOT / folder, d / "site" / package.replace(".", "/"), dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        subprocess.run(["chmod", "-R", "a+rX", str(d)], check=True)
+        SITE["dir"] = str(d / "site")
+        yield SITE["dir"]
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def can_drop(agent_site):
     if os.geteuid() != 0:
         pytest.skip("needs root to switch to another uid with chosen capabilities")
     if not shutil.which("setpriv"):
@@ -94,7 +139,7 @@ def as_nobody(home: Path, caps: list[str], argv: list[str], netns: str = "", tim
     cmd = (["nsenter", f"--net=/run/netns/{netns}"] if netns else []) + [
         "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", f"--inh-caps={capset}",
         f"--ambient-caps={capset}", f"--bounding-set={capset}", "--",
-        SYS_PYTHON, "-c", WRAPPER, venv_site(), str(report), *argv]
+        SYS_PYTHON, "-c", WRAPPER, SITE["dir"], str(report), *argv]
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(home), "XPUSENSE_SPOOL_DIR": str(home / "spool"),
            "LANG": "C.UTF-8"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd="/", env=env)
