@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from xpusense.common.ids import bad_id
 from xpusense.v1 import telemetry_pb2 as pb
 
 HISTOGRAM = pb.HISTOGRAM
@@ -236,18 +237,6 @@ class Limits:
                 if tok + (now - t) * self.batches_per_s >= self.burst_batches]
         for n in full or list(self._buckets)[: len(self._buckets) // 2]:
             del self._buckets[n]
-
-
-MAX_ID_LEN = 253   # a node id is usually a host name (at most 253 characters)
-
-
-def bad_id(what: str, v: str) -> str | None:
-    """Why a node or boot id is unusable (it ends up in logs, file names, labels), or None."""
-    if not 0 < len(v) <= MAX_ID_LEN:
-        return f"{what} must have 1 to {MAX_ID_LEN} characters, not {len(v)}"
-    if not v.isprintable() or any(c.isspace() for c in v):
-        return f"{what} {v[:64]!r} has spaces or control characters"
-    return None
 
 
 def check_hello(hello: pb.Hello) -> str | None:
