@@ -27,16 +27,22 @@ enabled = false   # tests attach probes only to namespaces they create
 """
 
 
-def test_nodes_shows_8_npus_with_utilisation_hbm_and_inventory(procs, tmp_path):
+def start(procs, tmp_path, node_id: str, config: str = CONFIG, env: dict | None = None):
+    """A collector, and an agent whose npu-smi is the fake over a copy of the 8x 910B4 scenario."""
     scenario = tmp_path / "scenario"
     shutil.copytree(SCENARIO, scenario)
     addr = f"127.0.0.1:{free_port()}"
     procs([str(BIN / "xpusense-collector"), "serve", "--listen", addr], "collector")
     wait_until(lambda: nodes_json(addr) is not None, what="collector")
     cfg = tmp_path / "agent.toml"
-    cfg.write_text(CONFIG)
-    procs([str(BIN / "xpusense-agent"), "run", "--config", str(cfg), "--collector", addr, "--node-id", "npu-node",
-           "--npu-smi", str(FAKE)], "agent", env={"FAKE_NPU_SMI_DIR": str(scenario)})
+    cfg.write_text(config)
+    agent = procs([str(BIN / "xpusense-agent"), "run", "--config", str(cfg), "--collector", addr, "--node-id", node_id,
+                   "--npu-smi", str(FAKE)], "agent", env={"FAKE_NPU_SMI_DIR": str(scenario), **(env or {})})
+    return addr, scenario, agent
+
+
+def test_nodes_shows_8_npus_with_utilisation_hbm_and_inventory(procs, tmp_path):
+    addr, _, _ = start(procs, tmp_path, "npu-node")
 
     def node():
         n = next((n for n in nodes_json(addr)["nodes"] if n["node_id"] == "npu-node"), None)
@@ -61,17 +67,9 @@ def test_a_hanging_npu_smi_does_not_hold_back_the_other_sources(procs, tmp_path)
     """npu-smi hangs in setup (600 s, with a setup budget as long): the host source streams all the
     same, and the agent still stops cleanly on SIGTERM (issue 13 item 7: nothing was streamed for the
     first setup_timeout_s)."""
-    scenario = tmp_path / "scenario"
-    shutil.copytree(SCENARIO, scenario)
-    addr = f"127.0.0.1:{free_port()}"
-    procs([str(BIN / "xpusense-collector"), "serve", "--listen", addr], "collector")
-    wait_until(lambda: nodes_json(addr) is not None, what="collector")
-    cfg = tmp_path / "agent.toml"
-    cfg.write_text(CONFIG.replace("timeout_s = 0.8\n", "timeout_s = 0.8\nsetup_timeout_s = 600\n")
-                   + "[spool]\nenabled = false\n")
-    agent = procs([str(BIN / "xpusense-agent"), "run", "--config", str(cfg), "--collector", addr,
-                   "--node-id", "hung-npu", "--npu-smi", str(FAKE)], "agent",
-                  env={"FAKE_NPU_SMI_DIR": str(scenario), "FAKE_NPU_SMI_DELAY_S": "600", "FAKE_NPU_SMI_DELAY_ON": "info"})
+    config = CONFIG.replace("timeout_s = 0.8\n", "timeout_s = 0.8\nsetup_timeout_s = 600\n") + "[spool]\nenabled = false\n"
+    addr, scenario, agent = start(procs, tmp_path, "hung-npu", config,
+                                  {"FAKE_NPU_SMI_DELAY_S": "600", "FAKE_NPU_SMI_DELAY_ON": "info"})
 
     def host_series():
         n = next((n for n in nodes_json(addr)["nodes"] if n["node_id"] == "hung-npu"), None)
