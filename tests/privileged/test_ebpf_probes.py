@@ -565,3 +565,85 @@ def test_a_probe_that_does_not_compile_does_not_take_the_others_down(monkeypatch
         runq.close()
         net.close()
 
+
+
+# ------------------------------------------------------------------------------------------ the loader process
+
+AGENT_NO_LLVM = JOIN_CGROUP + """
+import json, sys, time
+from xpusense.agent.sources.base import NEARLINE
+from xpusense.agent.sources.ebpf.family import build, table_from
+srcs = build(table_from({"probes": ["runqlat", "netio", "blkio"]}))
+for s in srcs:
+    s.setup()
+for _ in range(int(sys.argv[2])):
+    time.sleep(0.0002)
+time.sleep(0.2)
+runq = srcs[0].collect(NEARLINE)
+maps = open("/proc/self/maps").read()
+print(json.dumps({"bcc_imported": any(m == "bcc" or m.startswith("bcc.") for m in sys.modules),
+                  "llvm_mapped": [l.split()[-1] for l in maps.splitlines() if "LLVM" in l or "libbcc" in l or "clang" in l][:3],
+                  "loader": srcs[0].describe().get("loader", {}),
+                  "runqlat": [[s.labels.get("cgroup"), s.counts[-1]] for s in runq]}))
+for s in srcs:
+    s.close()
+"""
+
+
+def test_the_agent_holds_the_probes_without_bcc_or_llvm_and_reads_the_same_figures(cgroup):
+    """The loader process compiled and attached; the agent process never imported bcc, has no LLVM
+    mapped, and reads its own sleeps from runqlat's map through the bpf syscall."""
+    require_ebpf()
+    procs, label = cgroup("nollvm")
+    n = 150
+    out = sh(sys.executable, "-c", AGENT_NO_LLVM, procs, str(n), timeout=120, cwd=str(ROOT)).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["bcc_imported"] is False and got["llvm_mapped"] == []
+    assert got["loader"]["pid"] and got["loader"]["peak_rss_mb"] > 0     # the process that had them, gone
+    with pytest.raises(ProcessLookupError):
+        os.kill(got["loader"]["pid"], 0)
+    counts = dict(got["runqlat"])
+    assert n <= counts.get(label, 0) <= n + n // 4 + 10, counts
+
+
+def test_maps_read_in_one_batch_call_or_key_by_key_agree(probe, loop_device):
+    src = probe("blkio")
+    fd = os.open(loop_device, os.O_RDWR | os.O_DIRECT)
+    buf = mmap.mmap(-1, 4096)
+    try:
+        for i in range(16):
+            os.pwrite(fd, buf, i * 4096)
+    finally:
+        os.close(fd)
+    table = src.table("blkio_hist")
+    wait_until(lambda: table.raw_items()[0] > 0, 10, what="blkio_hist entries")
+    calls = table.batch_calls
+    batched = {bytes(k): bytes(v) for k, v in table.items()}
+    assert table.batch_calls == calls + 1 and table.batch_ok, "one BPF_MAP_LOOKUP_BATCH call for the whole map"
+    table.batch_ok = False
+    walked = {bytes(k): bytes(v) for k, v in table.items()}
+    assert walked.keys() == batched.keys()
+    name = os.path.basename(loop_device)
+    assert any(s.labels["device"] == name for s in find(src.collect(REALTIME), "xpusense.disk.operations"))
+
+
+def test_a_loader_killed_before_it_hands_over_makes_every_probe_unavailable_with_the_reason(monkeypatch):
+    require_ebpf()
+    monkeypatch.setattr(EbpfLoader, "loader_argv",
+                        lambda self, fd: [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    sources = family.build(family.table_from({"probes": ["runqlat", "netio"]}))
+    for src in sources:
+        with pytest.raises(Unavailable, match="eBPF loader process .* killed by SIGKILL before handing over"):
+            src.setup()
+        src.close()
+
+
+def test_a_loader_that_hangs_is_killed_and_the_probes_say_so(monkeypatch):
+    require_ebpf()
+    from xpusense.agent.sources.ebpf import loader as loader_module
+    monkeypatch.setattr(loader_module, "LOADER_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(EbpfLoader, "loader_argv",
+                        lambda self, fd: [sys.executable, "-c", "import time; time.sleep(600)", str(fd)])
+    [src] = family.build(family.table_from({"probes": ["runqlat"]}))
+    with pytest.raises(Unavailable, match="handed nothing over within 2 s and was killed"):
+        src.setup()

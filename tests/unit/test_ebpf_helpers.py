@@ -1,18 +1,23 @@
 """The eBPF sources' parts that need no root: feature-test fallbacks on a fake tracefs, the missing
-library case, the privilege check, config errors, the pure helpers. (Loading probes into the kernel:
-tests/privileged/test_ebpf_probes.py.)
+library case, the privilege check, config errors, the pure helpers, the loader process's hand-over
+(fds over a socket; a loader that exits, is killed or hangs) and the map type decoding. (Loading
+probes into the kernel: tests/privileged/test_ebpf_probes.py.)
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import struct
+import sys
+import tempfile
 
 import pytest
 
 from xpusense.agent.sources.base import Unavailable
-from xpusense.agent.sources.ebpf import family, loader, procfs
+from xpusense.agent.sources.ebpf import bpfmap, family, handoff, handover, loader, procfs
 from xpusense.agent.sources.ebpf.loader import render_c
-from xpusense.agent.sources.ebpf.source import hist_sample
+from xpusense.agent.sources.ebpf.source import _sum_percpu, hist_sample
 from xpusense.common.config import ConfigError, load
 
 SCHEMA_WRAPPER = {"sources": {"ebpf": family.SCHEMA}}
@@ -90,3 +95,88 @@ def test_pure_helpers():
     assert procfs.cgroup2_mount(cgroup_v1 + mi) == "/sys/fs/cgroup/unified"
     assert procfs.physical_links([{"ifname": "lo", "loopback": True}, {"ifname": "eth0"},
                                   {"ifname": "veth1", "kind": "veth"}]) == ["eth0"]
+
+
+# ------------------------------------------------------------------------------------------ the loader process
+
+def test_handoff_carries_a_message_and_its_fds_in_order_past_one_message_worth():
+    a, b = handoff.pair()
+    pipes = [os.pipe() for _ in range(3)]
+    # 3 pipes' write ends, each repeated: more fds than one message may carry
+    fds = [w for _r, w in pipes] * ((handoff.FDS_PER_MESSAGE // 3) + 10)
+    try:
+        handoff.send(a, {"hello": [1, 2]}, fds)
+        data, got = handoff.recv(b, 5.0)
+        assert data == {"hello": [1, 2]} and len(got) == len(fds) > handoff.FDS_PER_MESSAGE
+        for i, fd in enumerate(got):        # the i-th fd received writes into the i-th pipe sent
+            os.write(fd, bytes([i % 3]))
+        for k, (r, _w) in enumerate(pipes):
+            assert set(os.read(r, 4096)) == {k}
+        assert all(os.get_inheritable(fd) is False for fd in got), "close-on-exec, not leaked to children"
+    finally:
+        for fd in locals().get("got", []):
+            os.close(fd)
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+        a.close()
+        b.close()
+
+
+def test_handoff_times_out_and_sees_a_closed_peer():
+    a, b = handoff.pair()
+    with pytest.raises(handoff.HandoffError, match="timed out"):
+        handoff.recv(b, 0.2)
+    a.close()
+    with pytest.raises(handoff.HandoffError, match="closed"):
+        handoff.recv(b, 1.0)
+    b.close()
+
+
+def loader_running(code):
+    """A run_loader argv function: `python -c code FD` instead of the real loader."""
+    return lambda fd: [sys.executable, "-c", code, str(fd)]
+
+
+def test_a_loader_that_exits_or_is_killed_gives_the_reason_and_no_fds():
+    with pytest.raises(Unavailable, match=r"exited with status 3 before handing over the probes; it said: .*no headers here"):
+        handover.run_loader(loader_running("import sys; print('no headers here', file=sys.stderr); sys.exit(3)"),
+                            {"probes": []}, 30)
+    with pytest.raises(Unavailable, match="killed by SIGKILL before handing over"):
+        handover.run_loader(loader_running("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"), {"probes": []}, 30)
+
+
+def test_a_loader_that_hangs_is_killed_at_the_deadline():
+    pidfile = tempfile.mktemp()
+    code = f"import os, time; open({pidfile!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    with pytest.raises(Unavailable, match=r"handed nothing over within 1 s and was killed"):
+        handover.run_loader(loader_running(code), {"probes": []}, 1.0)
+    pid = int(open(pidfile).read())
+    os.unlink(pidfile)
+    with pytest.raises(ProcessLookupError):   # reaped, not left running
+        os.kill(pid, 0)
+
+
+def test_map_types_decode_from_bccs_descriptions():
+    # As libbcc describes accel_ioctl.bpf.c's and tc_traffic.bpf.c's types (recorded).
+    stats = bpfmap.ctype_of(["accel_stats", [["calls", "unsigned long long"], ["errors", "unsigned long long"],
+                                             ["sum_ns", "unsigned long long"], ["slots", "unsigned long long", [40]],
+                                             ["comm", "char", [16]]], "struct_packed"])
+    assert ctypes.sizeof(stats) == 8 * 43 + 16
+    v = stats.from_buffer_copy(struct.pack("=43Q16s", 5, 1, 99, *range(40), b"python3"))
+    assert (v.calls, v.errors, v.sum_ns, v.slots[39], v.comm) == (5, 1, 99, 39, b"python3")
+    key = bpfmap.ctype_of(["accel_fd_key", [["tgid", "unsigned int"], ["fd", "unsigned int"]], "struct_packed"])
+    assert bytes(key(7, 3)) == struct.pack("=II", 7, 3)
+    assert bpfmap.ctype_of("unsigned long long") is ctypes.c_ulonglong
+    nested = bpfmap.ctype_of(["o", [["a", "int"], ["", [["x", "short"], ["y", "int"]], "union"]], "struct"])
+    assert ctypes.sizeof(nested) == 8 and nested(a=1, x=2).x == 2
+    with pytest.raises(ValueError, match="unknown C type"):
+        bpfmap.ctype_of("struct task_struct")
+    assert bpfmap.parse_cpu_list("0-3,5") == 6 and bpfmap.parse_cpu_list("0") == 1
+
+
+def test_per_cpu_values_are_summed_field_by_field_arrays_too():
+    hist = bpfmap.ctype_of(["h", [["sum_ns", "unsigned long long"], ["slots", "unsigned long long", [3]]], "struct"])
+    summed = _sum_percpu([hist(10, (1, 2, 3)), hist(5, (0, 1, 0))])
+    assert summed.sum_ns == 15 and summed.slots == [1, 3, 3]
+    assert _sum_percpu([ctypes.c_ulonglong(4), ctypes.c_ulonglong(6)]).value == 10

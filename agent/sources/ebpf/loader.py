@@ -1,25 +1,30 @@
-"""The one loader all eBPF sources of an agent share: feature tests, one compilation, bpf_stats.
+"""The one loader all eBPF sources of an agent share: feature tests, one loader process, bpf_stats.
 
 Planning a probe (`EbpfLoader.plan`) picks the first variant of its spec whose tracepoints exist
 under tracefs, sets the -D defines of that variant and of its optional tracepoints, and runs the
-source's own feature test (a library, interfaces); it compiles nothing and needs no root. Compiling
-is bcc's main cost (clang on every load), so on first use the C of every probe that planned is
-compiled once, as one translation unit (`render_c`); if that fails, each probe is compiled on its own
-so one broken probe cannot take the others down.
+source's own feature test (a library, interfaces); it compiles nothing and needs no root.
+
+On first use, the C of every probe that planned is compiled, loaded and attached by a short-lived
+loader process (loadproc.py) that imports bcc, compiles all probes once as one translation unit
+(`render_c`; each on its own if that fails, so one broken probe cannot take the others down), and
+hands the maps', programs' and attachments' fds to the agent over a unix socket (handoff.py,
+SCM_RIGHTS). Then it exits: clang and LLVM never enter the agent's memory. The agent reads the maps
+through the bpf syscall (bpfmap.py) and detaches a probe by closing its fds. A loader that fails, is
+killed or hangs (LOADER_TIMEOUT_S) makes every probe Unavailable with the reason; the agent goes on.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import importlib.util
+import json
 import logging
 import os
 import platform
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,11 +32,22 @@ from xpusense.probes import specs
 
 from ..base import Unavailable
 from .bpf_stats import BpfStats
+from .bpfmap import BpfMap, possible_cpus
+from .handover import ProbeHandle, close_fd, run_loader
 from .procfs import headers_release, read_cap_eff
 
 log = logging.getLogger("xpusense.agent.sources.ebpf")
 
 CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 12, 21, 38, 39
+LOADER_TIMEOUT_S = 120.0     # compile + load + attach; a loader taking longer is killed
+# How the loader process starts: the agent's own interpreter, every import path the agent has that a
+# fresh interpreter lacks (a site directory added at run time, with its .pth files: an editable
+# install's finder), then loadproc.main on the inherited socket.
+LOADER_BOOT = ("import json, site, sys\n"
+               "for p in json.loads(sys.argv[1]):\n"
+               "    if p not in sys.path: site.addsitedir(p)\n"
+               "from xpusense.agent.sources.ebpf.loadproc import main\n"
+               "main(int(sys.argv[2]))\n")
 
 
 @dataclasses.dataclass
@@ -43,6 +59,9 @@ class Plan:
     tracepoints: list[str]
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
+    # what the loader process attaches and writes (loadproc.Builder.attach_probe): tracepoints,
+    # raw_tracepoints {name: fn}, uprobes {library, symbols}, tc {...}, map_init {map: [[key, fields]]}
+    attach: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def cflags(self) -> list[str]:
         return [f"-D{k}={v}" for k, v in self.defines]
@@ -50,32 +69,6 @@ class Plan:
     def metrics(self, tier: str | None = None) -> list[specs.Metric]:
         return [m for m in self.probe.metrics
                 if (not m.variants or self.variant.name in m.variants) and (tier is None or m.tier == tier)]
-
-
-@contextlib.contextmanager
-def _capture_stderr() -> Iterator[dict[str, str]]:
-    """Collect what bcc/clang print on fd 2 (warnings, compile errors) so it can be logged and quoted."""
-    buf = {"text": ""}
-    try:
-        saved = os.dup(2)
-    except OSError:
-        yield buf
-        return
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
-        try:
-            sys.stderr.flush()
-            os.dup2(tmp.fileno(), 2)
-            yield buf
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            buf["text"] = tmp.read().decode(errors="replace")
-
-
-def _first_errors(text: str, n: int = 3) -> str:
-    lines = [line.strip() for line in text.splitlines() if "error" in line.lower()]
-    return "; ".join(lines[:n]) or text.strip()[-300:]
 
 
 def render_c(plans: Iterable[Plan]) -> str:
@@ -100,13 +93,15 @@ class EbpfLoader:
         self._lock = threading.RLock()
         self._planners: dict[str, Callable[[Plan], None]] = {}
         self._plans: dict[str, Plan | Unavailable] = {}
-        self._objects: dict[str, Any] = {}          # probe -> bcc BPF object holding its programs
-        self._compile_errors: dict[str, str] = {}
-        self._compiled = False
+        self._handles: dict[str, ProbeHandle] = {}     # probe -> what the loader process handed over
+        self._errors: dict[str, str] = {}              # probe -> why the loader could not build it
+        self._maps: dict[str, BpfMap] = {}
+        self._load_error: Unavailable | None = None
+        self._loaded = False
         self._users: set[str] = set()
-        self._all_objects: list[Any] = []
         self.compile_s: float | None = None
         self.compile_mode = ""
+        self.loader_info: dict[str, Any] = {}
         self.headers = ""
         self.stats = BpfStats(cfg.procfs)
         self._env_error: Unavailable | None = None
@@ -122,13 +117,13 @@ class EbpfLoader:
         self._planners[probe] = planner
 
     def tracefs(self) -> str:
+        """The configured tracefs, else the first mounted of bcc's two places (bcc itself is not imported)."""
         if self.cfg.tracefs:
             return str(self.cfg.tracefs)
-        try:
-            import bcc
-            return str(bcc.TRACEFS)
-        except Exception:
-            return "/sys/kernel/tracing"
+        for path in ("/sys/kernel/debug/tracing", "/sys/kernel/tracing"):
+            if os.path.isdir(os.path.join(path, "events")):
+                return path
+        return "/sys/kernel/tracing"
 
     def tracepoint_exists(self, tp: str) -> bool:
         cat, _, ev = tp.partition(":")
@@ -168,7 +163,7 @@ class EbpfLoader:
             for tp, define in v.optional:
                 if dict(defines)[define] == "1":
                     tps.append(tp)
-            plan = Plan(spec, v, defines, tps)
+            plan = Plan(spec, v, defines, tps, attach={"tracepoints": list(tps)} if tps else {})
             if v is not spec.variants[0] and not forced:
                 plan.notes.append(f"fallback variant {v.name} ({v.note}); preferred one unavailable: "
                                   + "; ".join(missing_by_variant))
@@ -218,12 +213,16 @@ class EbpfLoader:
                 raise Unavailable(f"eBPF probes need root or CAP_BPF+CAP_PERFMON (and CAP_NET_ADMIN for tc_traffic); "
                                   f"the agent runs as uid {os.geteuid()} without them: run it as root (the "
                                   f"systemd unit does) or set [sources.ebpf] probes = []")
+        # Only found here, never imported: bcc (and the LLVM libbcc maps) lives in the loader process.
         try:
-            import bcc  # noqa: F401  (Debian's python3-bpfcc; the PyPI "bcc" is another project)
-            from bcc import BPF  # noqa: F401
-        except Exception as e:
-            raise Unavailable(f"bcc's Python module is not importable from {sys.executable} ({e}): install "
-                              f"python3-bpfcc and link it into the virtualenv (scripts/setup.sh does both)") from e
+            found = importlib.util.find_spec("bcc") is not None   # Debian's python3-bpfcc, not PyPI's "bcc"
+        except (ImportError, ValueError) as e:
+            found, why = False, str(e)
+        else:
+            why = "no module named bcc"
+        if not found:
+            raise Unavailable(f"bcc's Python module is not importable from {sys.executable} ({why}): install "
+                              f"python3-bpfcc and link it into the virtualenv (scripts/setup.sh does both)")
         release = platform.release()
         build = os.path.join(self.cfg.modules_dir, release, "build")
         if os.path.isdir(build):
@@ -247,23 +246,26 @@ class EbpfLoader:
             raise Unavailable(f"tracefs is not mounted at {self.tracefs()}: run `mount -t tracefs nodev "
                               f"/sys/kernel/tracing` (scripts/setup-ebpf.sh does it)")
 
-    # -- compilation
-    def acquire(self, probe: str) -> Any:
-        """The bcc BPF object holding `probe`'s programs; compiles every planned probe on first use."""
+    # -- the loader process
+    def acquire(self, probe: str) -> ProbeHandle:
+        """What the loader process built for `probe`; runs the loader (all planned probes) on first use."""
         with self._lock:
             self.check_environment()
             plan = self.plan(probe)
-            if not self._compiled:
-                self._compile_all()
-            if probe in self._compile_errors:
-                raise Unavailable(f"{probe}: bcc could not compile {plan.probe.c_file.name}: "
-                                  f"{self._compile_errors[probe]}")
-            if probe not in self._objects:
-                raise Unavailable(f"{probe}: not compiled (planned after the first compilation; restart the agent)")
+            if not self._loaded:
+                self._load_all()
+            if self._load_error is not None:
+                raise self._load_error
+            if probe in self._errors:
+                raise Unavailable(self._errors[probe])
+            handle = self._handles.get(probe)
+            if handle is None or handle.closed:
+                raise Unavailable(f"{probe}: not built (planned after the loader ran; restart the agent)")
             self._users.add(probe)
             if self.cfg.bpf_stats:
                 self.stats.enable()
-            return self._objects[probe]
+            log.debug("%s: %s", probe, plan.variant.name)
+            return handle
 
     def _planned(self) -> list[Plan]:
         out = []
@@ -274,71 +276,99 @@ class EbpfLoader:
                 pass
         return out
 
-    def _bpf_class(self) -> Any:
-        from bcc import BPF
+    def request(self, plans: list[Plan]) -> dict:
+        """What the loader process is asked to build (see loadproc.Builder)."""
+        return {"combined": bool(self.cfg.combined_compile), "combined_text": render_c(plans),
+                "probes": [{"name": p.probe.name, "text": render_c([p]), "cflags": p.cflags(), "attach": p.attach}
+                           for p in plans]}
 
-        class _BPF(BPF):
-            # bcc attaches every tracepoint__* function as soon as it compiles the module, and one
-            # failing attach would take the whole object down; attach per probe in the sources instead.
-            def _trace_autoload(self):
-                pass
+    def loader_argv(self, fd: int) -> list[str]:
+        return [sys.executable, "-c", LOADER_BOOT, json.dumps(sys.path), str(fd)]
 
-        return _BPF
-
-    def _compile(self, plans: list[Plan]) -> Any:
-        cls = self._bpf_class()
-        text = render_c(plans)
-        cflags = [f for p in plans for f in p.cflags()]
-        with _capture_stderr() as err:
-            try:
-                obj = cls(text=text.encode(), cflags=cflags)
-            except Exception as e:
-                obj = e
-        if err["text"].strip():
-            log.debug("bcc output compiling %s:\n%s", [p.probe.name for p in plans], err["text"])
-        if isinstance(obj, Exception):
-            raise RuntimeError(_first_errors(err["text"]) or str(obj))
-        return obj
-
-    def _compile_all(self) -> None:
+    def _load_all(self) -> None:
         plans = self._planned()
-        self._compiled = True
+        self._loaded = True
         if not plans:
             return
         t0 = time.perf_counter()
-        if self.cfg.combined_compile and len(plans) > 1:
-            try:
-                obj = self._compile(plans)
-                self._all_objects.append(obj)
-                for p in plans:
-                    self._objects[p.probe.name] = obj
-                self.compile_mode = f"combined ({len(plans)} probes, one clang run)"
-            except RuntimeError as e:
-                log.warning("compiling all eBPF probes at once failed (%s); compiling each on its own", e)
-        if not self._objects:
-            self.compile_mode = "per probe"
-            for p in plans:
-                try:
-                    obj = self._compile([p])
-                    self._all_objects.append(obj)
-                    self._objects[p.probe.name] = obj
-                except RuntimeError as e:
-                    self._compile_errors[p.probe.name] = str(e)
-        self.compile_s = time.perf_counter() - t0
-        log.info("compiled eBPF probes %s in %.2f s (%s)", [p.probe.name for p in plans], self.compile_s,
-                 self.compile_mode)
+        try:
+            manifest, fds = run_loader(self.loader_argv, self.request(plans), LOADER_TIMEOUT_S)
+        except Unavailable as e:
+            self._load_error = e
+            log.warning("eBPF probes unavailable: %s", e)
+            return
+        try:
+            self._take(manifest, fds, plans)
+        except Exception as e:      # a manifest we cannot read: nothing of it is used
+            for fd in fds:
+                close_fd(fd)
+            self._load_error = Unavailable(f"the eBPF loader's answer could not be used: {type(e).__name__}: {e}")
+            log.warning("eBPF probes unavailable: %s", self._load_error)
+            return
+        total_s = time.perf_counter() - t0
+        self.compile_s = float(manifest.get("compile_s", 0.0))
+        self.compile_mode = str(manifest.get("compile_mode", ""))
+        self.loader_info = {"pid": manifest.get("pid"), "peak_rss_mb": round(manifest.get("vm_hwm_kb", 0) / 1024, 1),
+                            "import_s": round(manifest.get("import_s", 0.0), 3),
+                            "compile_s": round(self.compile_s, 3), "attach_s": round(manifest.get("attach_s", 0.0), 3),
+                            "total_s": round(total_s, 3)}
+        if manifest.get("combined_error"):
+            log.warning("compiling all eBPF probes at once failed (%s); compiled each on its own",
+                        manifest["combined_error"])
+        if manifest.get("bcc_output"):
+            log.debug("bcc output:\n%s", manifest["bcc_output"])
+        log.info("eBPF loader process built %s in %.2f s (compile %.2f s, %s), peak RSS %.0f MB; the agent holds "
+                 "the fds", sorted(self._handles), total_s, self.compile_s, self.compile_mode,
+                 self.loader_info["peak_rss_mb"])
+
+    def _take(self, manifest: dict, fds: list[int], plans: list[Plan]) -> None:
+        """The manifest and its fds -> maps, one handle per probe built, reasons for the others."""
+        if not manifest.get("ok"):
+            for fd in fds:
+                close_fd(fd)
+            self._load_error = Unavailable(str(manifest.get("reason", "the eBPF loader failed")))
+            if manifest.get("traceback"):
+                log.debug("eBPF loader traceback:\n%s", manifest["traceback"])
+            return
+        ncpus = possible_cpus(self.cfg.sysfs)
+        used = set()
+        for m in manifest["maps"]:
+            self._maps[m["name"]] = BpfMap.from_manifest(fds[m["fd"]], m, ncpus)
+            used.add(m["fd"])
+        by_name = {p.probe.name: p for p in plans}
+        for probe, why in manifest.get("compile_errors", {}).items():
+            self._errors[probe] = f"{probe}: bcc could not compile {by_name[probe].probe.c_file.name}: {why}"
+        for probe, got in manifest["probes"].items():
+            if not got.get("ok"):
+                self._errors[probe] = str(got.get("reason"))
+                continue
+            progs = [(p["fn"], fds[p["fd"]]) for p in got["progs"]]
+            links = [{**link, "fd": None if link["fd"] is None else fds[link["fd"]]} for link in got["links"]]
+            used.update(p["fd"] for p in got["progs"])
+            used.update(link["fd"] for link in got["links"] if link["fd"] is not None)
+            self._handles[probe] = ProbeHandle(probe, self._maps, progs, links, got.get("extra", {}), self.tracefs())
+        for i, fd in enumerate(fds):
+            if i not in used:
+                close_fd(fd)
+        for p in plans:
+            if p.probe.name not in self._handles and p.probe.name not in self._errors:
+                self._errors[p.probe.name] = f"{p.probe.name}: the eBPF loader did not build it"
 
     def release(self, probe: str) -> None:
         with self._lock:
+            handle = self._handles.get(probe)
+            if handle is not None:
+                handle.close()
             self._users.discard(probe)
             if self._users:
                 return
-            for obj in self._all_objects:
-                try:
-                    obj.cleanup()
-                except Exception:
-                    log.debug("bcc cleanup failed", exc_info=True)
-            self._all_objects.clear()
-            self._objects.clear()
-            self._compiled = False
+            for h in self._handles.values():
+                h.close()
+            for m in self._maps.values():
+                m.close()
+            self._handles.clear()
+            self._maps.clear()
+            self._errors.clear()
+            self._load_error = None
+            self._loaded = False
             self.stats.disable()

@@ -1,8 +1,9 @@
 """The tracepoint and uprobe probes: runqlat, blkio, netio, accel_ioctl, cuda_uprobe.
 
-runqlat and netio are their specs and nothing more; blkio names disks; accel_ioctl fills the device
-path prefixes its programs match and adds device files opened before it attached; cuda_uprobe finds
-libcuda and attaches one uprobe per exported driver-API symbol. (tc_traffic is in tc.py.)
+runqlat and netio are their specs and nothing more; blkio names disks; accel_ioctl has the loader
+fill the device path prefixes its programs match and adds device files opened before it attached;
+cuda_uprobe finds libcuda, and the loader attaches one uprobe per exported driver-API symbol.
+(tc_traffic is in tc.py.)
 """
 
 from __future__ import annotations
@@ -59,16 +60,16 @@ class AccelIoctlSource(EbpfSource):
         self._scanned: set[int] = set()
         self.fds_from_scan = 0
 
-    def before_attach(self) -> None:
-        t = self.table("accel_prefixes")
+    def plan_extra(self, plan: Plan) -> None:
+        """The loader writes the prefixes into accel_prefixes before it attaches the programs."""
+        entries = []
         for i in range(specs.ACCEL_MAX_PREFIXES):
-            v = t.Leaf()
             if i < len(self.prefixes):
                 words, masks = prefix_words(self.prefixes[i])
-                v.used = 1
-                for w in range(len(words)):
-                    v.word[w], v.mask[w] = words[w], masks[w]
-            t[ctypes.c_int(i)] = v
+                entries.append([i, {"used": 1, "word": words, "mask": masks}])
+            else:
+                entries.append([i, {"used": 0}])
+        plan.attach["map_init"] = {"accel_prefixes": entries}
 
     def after_attach(self) -> None:
         self.scan(only_new=False)
@@ -102,7 +103,7 @@ class AccelIoctlSource(EbpfSource):
         return added
 
     def collect(self, tier: str) -> list[Sample]:
-        if tier == NEARLINE and self.bpf is not None:
+        if tier == NEARLINE and self.handle is not None:
             self.scan(only_new=True)
         return super().collect(tier)
 
@@ -140,43 +141,7 @@ class CudaUprobeSource(EbpfSource):
             raise Unavailable(f"cuda_uprobe: libcuda.so.1 not found ({where}): no NVIDIA driver on this host, "
                               f"or set [sources.ebpf] cuda_library to its path")
         plan.extra["library"] = lib
-
-    def attach(self) -> None:
-        from bcc import BPF
-        lib = self.planned.extra["library"]
-        try:
-            found = BPF.get_user_functions_and_addresses(lib.encode(), b"^cu")
-        except Exception as e:
-            raise Unavailable(f"cuda_uprobe: cannot read the symbols of {lib}: {e}") from e
-        addr_of: dict[str, int] = {}
-        for name, addr in found:
-            name = name.decode() if isinstance(name, bytes) else name
-            addr_of.setdefault(name, addr)
-        seen_addr = set()
-        for sym, fn in specs.CUDA_SYMBOLS.items():
-            addr = addr_of.get(sym)
-            if addr is None or addr in seen_addr:    # absent, or an alias of one already probed
-                continue
-            self._load(fn, "KPROBE")
-            try:
-                self.bpf.attach_uprobe(name=lib.encode(), sym=sym.encode(), fn_name=fn.encode())
-            except Exception as e:
-                raise Unavailable(f"cuda_uprobe: could not attach a uprobe to {sym} in {lib}: {e}") from e
-            seen_addr.add(addr)
-            self._attached.append(("uprobe", sym))
-        if not self._attached:
-            raise Unavailable(f"cuda_uprobe: {lib} exports none of {', '.join(list(specs.CUDA_SYMBOLS)[:4])}...: "
-                              f"is it libcuda (the driver library)? set [sources.ebpf] cuda_library")
-
-    def detach(self) -> None:
-        lib = self.plan_.extra.get("library") if self.plan_ else None
-        for kind, target in reversed(self._attached):
-            try:
-                if kind == "uprobe" and lib:
-                    self.bpf.detach_uprobe(name=lib.encode(), sym=target.encode())
-            except Exception:
-                log.debug("%s: detaching uprobe %s failed", self.name, target, exc_info=True)
-        self._attached.clear()
+        plan.attach["uprobes"] = {"library": lib, "symbols": dict(specs.CUDA_SYMBOLS)}
 
     def describe(self) -> dict:
         d = super().describe()

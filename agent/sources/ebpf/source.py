@@ -1,9 +1,11 @@
-"""The Source every eBPF probe is: plan, programs from the shared loader, attach, maps -> samples.
+"""The Source every eBPF probe is: plan, what the loader process attached, maps -> samples.
 
 Which maps become which metrics is data in `xpusense.probes.specs`; a map's key decoder turns its
 keys into labels (cgroup, process, family, netdev here; disk and iface in the probes that own them).
 Counters are read at the realtime tier, histograms (log2 buckets, cumulative counts) at the nearline
 tier. Every probe also reports its cost from bpf_stats: run_cnt and run_time_ns of its programs.
+The programs are compiled, loaded and attached by the loader process (loadproc.py); a source holds
+its probe's fds (handover.ProbeHandle) and reads the maps with the bpf syscall (bpfmap.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, ClassVar
 from xpusense.probes import specs
 
 from ..base import COUNTER, GAUGE, HISTOGRAM, NEARLINE, REALTIME, Sample, Source, SourceError, Unavailable
+from .handover import ProbeHandle
 from .loader import EbpfLoader, Plan
 from .procfs import CgroupNames, cgroup2_root, parse_fdinfo
 
@@ -51,18 +54,21 @@ class _Summed:
 
 
 def _sum_percpu(value: Any) -> Any:
-    if not isinstance(value, ctypes.Array) or isinstance(value, (bytes, str)):
-        return value
-    if len(value) == 0:
+    """A per-CPU map value (a list of one value per CPU) summed; any other value as it is."""
+    if not isinstance(value, list) or not value:
         return value
     first = value[0]
     if isinstance(first, ctypes.Structure):
         fields = {}
         for field in first._fields_:
             name = field[0]
-            fields[name] = sum(getattr(v, name) for v in value)
+            if isinstance(getattr(first, name), ctypes.Array):
+                arrays = [getattr(v, name) for v in value]
+                fields[name] = [sum(col) for col in zip(*arrays)]
+            else:
+                fields[name] = sum(getattr(v, name) for v in value)
         return _Summed(**fields)
-    return _Summed(value=sum(int(v) for v in value))
+    return _Summed(value=sum(int(v.value if hasattr(v, "value") else v) for v in value))
 
 
 class EbpfSource(Source):
@@ -79,10 +85,9 @@ class EbpfSource(Source):
         self.loader = loader
         self.cfg = loader.cfg
         self.spec = specs.PROBES[self.probe]
-        self.bpf: Any = None                            # bcc BPF object while set up
+        self.handle: ProbeHandle | None = None          # the probe's fds while set up
         self.plan_: Plan | None = None
-        self._attached: list[tuple[str, str]] = []     # (kind, target) for describe and detach
-        self._fns: list[str] = []
+        self._attached: list[tuple[str, str]] = []     # (kind, target) for describe
         self._prev_stats: tuple[int, int] | None = None
         self.setup_s: float | None = None
         self._cgroups: CgroupNames | None = None
@@ -90,71 +95,52 @@ class EbpfSource(Source):
 
     @property
     def planned(self) -> Plan:
-        """The plan setup() made (attach and the map readers run only after it)."""
+        """The plan setup() made (the map readers run only after it)."""
         if self.plan_ is None:
             raise SourceError(f"{self.name} is not set up")
         return self.plan_
 
     # -- hooks for subclasses
     def plan_extra(self, plan: Plan) -> None:
-        """Probe-specific feature tests at plan time (libraries, interfaces); raise Unavailable."""
-
-    def before_attach(self) -> None:
-        """Fill maps the programs read (after compiling, before attaching)."""
-
-    def attach(self) -> None:
-        for tp in self.planned.tracepoints:
-            cat, _, ev = tp.partition(":")
-            fn = f"tracepoint__{cat}__{ev}"
-            self._load(fn, "TRACEPOINT")
-            try:
-                self.bpf.attach_tracepoint(tp=tp.encode(), fn_name=fn.encode())
-            except Exception as e:
-                raise Unavailable(f"{self.probe}: could not attach to tracepoint {tp}: {e}") from e
-            self._attached.append(("tracepoint", tp))
+        """Probe-specific feature tests at plan time (libraries, interfaces) and what the loader process
+        attaches or writes first (plan.attach); raise Unavailable."""
 
     def after_attach(self) -> None:
         """Catch up on state from before the programs ran (e.g. fds already open)."""
 
     def detach(self) -> None:
-        for kind, target in reversed(self._attached):
-            try:
-                if kind == "tracepoint":
-                    self.bpf.detach_tracepoint(target.encode())
-            except Exception:
-                log.debug("%s: detaching %s %s failed", self.name, kind, target, exc_info=True)
-        self._attached.clear()
+        """What closing the probe's fds does not undo (tc filters live in the kernel)."""
 
     # -- Source interface
     def setup(self) -> None:
         t0 = time.perf_counter()
         self.loader.check_environment()
         self.plan_ = self.loader.plan(self.probe)
-        self.bpf = self.loader.acquire(self.probe)
+        self.handle = self.loader.acquire(self.probe)
+        self._attached = list(self.handle.attached)
         try:
-            self.before_attach()
-            self.attach()
             self.after_attach()
         except BaseException as e:
-            self.detach()
-            self.loader.release(self.probe)
-            self.bpf = None
+            self.close()
             if isinstance(e, Unavailable):
                 raise
-            raise Unavailable(f"{self.probe}: attaching failed: {type(e).__name__}: {e}") from e
+            raise Unavailable(f"{self.probe}: setting up after attaching failed: {type(e).__name__}: {e}") from e
         for note in self.plan_.notes:
             log.warning("%s: %s", self.name, note)
         self.setup_s = time.perf_counter() - t0
 
     def close(self) -> None:
-        if self.bpf is None:
+        if self.handle is None:
             return
-        self.detach()
-        self.bpf = None
-        self.loader.release(self.probe)
+        try:
+            self.detach()
+        finally:
+            self.handle = None
+            self._attached = []
+            self.loader.release(self.probe)
 
     def collect(self, tier: str) -> list[Sample]:
-        if self.bpf is None:
+        if self.handle is None:
             raise SourceError(f"{self.name} is not set up")
         out = self.read_maps(tier)
         if tier == REALTIME:
@@ -169,6 +155,8 @@ class EbpfSource(Source):
         if self.loader.compile_s is not None:
             d["compile_s"] = round(self.loader.compile_s, 3)
             d["compile"] = self.loader.compile_mode
+        if self.loader.loader_info:
+            d["loader"] = self.loader.loader_info
         if self.loader.headers:
             d["kernel_headers"] = self.loader.headers
         d["bpf_stats"] = self.loader.stats_state
@@ -177,26 +165,12 @@ class EbpfSource(Source):
         return d
 
     # -- helpers
-    def _load(self, fn: str, prog_type: str) -> Any:
-        from bcc import BPF
-        try:
-            f = self.bpf.load_func(fn.encode(), getattr(BPF, prog_type))
-        except Exception as e:
-            raise Unavailable(f"{self.probe}: the kernel refused program {fn} ({e}); run with "
-                              f"`python -m xpusense.agent.sources.ebpf --print-c` to see the C") from e
-        if fn not in self._fns:
-            self._fns.append(fn)
-        return f
-
     def program_stats(self) -> list[dict]:
         """bpf_stats of this probe's programs: [{fn, prog_id, run_cnt, run_time_ns}] from fdinfo."""
         out = []
-        for fn in self._fns:
-            f = self.bpf.funcs.get(fn.encode())
-            if f is None:
-                continue
+        for fn, fd in self.handle.progs if self.handle else []:
             try:
-                with open(f"{self.cfg.procfs}/self/fdinfo/{f.fd}") as fh:
+                with open(f"{self.cfg.procfs}/self/fdinfo/{fd}") as fh:
                     info = parse_fdinfo(fh.read())
             except OSError:
                 continue
@@ -221,7 +195,9 @@ class EbpfSource(Source):
         return out
 
     def table(self, name: str) -> Any:
-        return self.bpf.get_table(name.encode())
+        if self.handle is None:
+            raise SourceError(f"{self.name} is not set up")
+        return self.handle.table(name)
 
     def key_labels(self, decoder: str, key: Any, value: Any) -> dict[str, str] | None:
         """Map key (and value, for comm) -> labels; None to skip the entry."""

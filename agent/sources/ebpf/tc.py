@@ -3,6 +3,8 @@
 Our filters carry a name, priority and handle of their own (specs.TC_FILTER_*), so a restarted agent
 finds and removes the ones a crashed run left behind, on any interface of the namespace, without
 touching anyone else's. A clsact qdisc we added is removed again when no filter is left on it.
+The loader process adds the filters (`attach_filters`, with the programs' fds it just loaded); the
+kernel holds the programs from then on, and the agent's source removes the filters on close.
 """
 
 from __future__ import annotations
@@ -26,6 +28,99 @@ IFF_LOOPBACK = 0x8
 EEXIST = 17
 
 
+def open_ipr(netns: str) -> Any:
+    """An IPRoute in `netns` (a name under /run/netns or a path; "" for our own)."""
+    from pyroute2 import IPRoute
+    if netns:
+        path = netns if "/" in netns else os.path.join("/run/netns", netns)
+        if not os.path.exists(path):   # pyroute2 would create it
+            raise Unavailable(f"tc_traffic: network namespace {netns!r} does not exist (no {path}); "
+                              f"fix [sources.ebpf] tc_netns")
+        return IPRoute(netns=netns)
+    return IPRoute()
+
+
+def remove_ours(ipr: Any, idx: int) -> int:
+    """Delete our filters (by name or priority) from both clsact hooks of ifindex `idx`; how many."""
+    removed = 0
+    for parent in TC_PARENTS.values():
+        try:
+            msgs = list(ipr.get_filters(index=idx, parent=parent))
+        except Exception:
+            continue
+        prios = {(m["info"] >> 16) & 0xFFFF for m in msgs if ours(m) and m["handle"]}
+        for prio in prios:
+            try:
+                ipr.tc("del-filter", "bpf", idx, 0, parent=parent, prio=prio)
+                removed += 1
+            except Exception:
+                log.debug("tc_traffic: deleting filter prio %d on ifindex %d failed", prio, idx, exc_info=True)
+    return removed
+
+
+def attach_filters(spec: dict, fds: dict[str, int]) -> dict:
+    """In the loader process: stale filters removed, then clsact and our ingress/egress filters added on
+    every interface of spec["interfaces"] ({ifindex: name}). Returns what was done, for the agent and for
+    detach_filters; "error" says why it stopped (what it had added is then still listed)."""
+    from pyroute2.netlink.exceptions import NetlinkError
+    done: dict[str, Any] = {"netns": spec["netns"], "ifaces": spec["interfaces"], "attached": [],
+                            "created_clsact": [], "stale_removed": 0, "error": ""}
+    try:
+        ipr = open_ipr(spec["netns"])
+    except Unavailable as e:
+        done["error"] = str(e)
+        return done
+    try:
+        # Filters a crashed run left behind, on any interface of the namespace (the configured list may
+        # have changed since): found by our name/priority, removed before adding ours.
+        for idx in spec.get("all_ifindexes") or [int(i) for i in spec["interfaces"]]:
+            done["stale_removed"] += remove_ours(ipr, idx)
+        for sidx, ifname in spec["interfaces"].items():
+            idx = int(sidx)
+            try:
+                ipr.tc("add", "clsact", idx)
+                done["created_clsact"].append(idx)
+            except NetlinkError as e:
+                if e.code != EEXIST:   # someone (maybe we, before a crash) added it already
+                    done["error"] = f"tc_traffic: cannot add a clsact qdisc to {ifname}: {e}"
+                    return done
+            for direction, fd in fds.items():
+                try:
+                    ipr.tc("add-filter", "bpf", idx, specs.TC_FILTER_HANDLE, fd=fd, name=specs.TC_FILTER_NAME,
+                           parent=TC_PARENTS[direction], classid=1, direct_action=True, prio=specs.TC_FILTER_PRIO)
+                except NetlinkError as e:
+                    done["error"] = f"tc_traffic: cannot attach the {direction} filter to {ifname}: {e}"
+                    return done
+                done["attached"].append(f"{ifname} {direction}")
+    finally:
+        ipr.close()
+    return done
+
+
+def detach_filters(done: dict) -> None:
+    """Our filters off every interface attach_filters worked on, and the clsact qdiscs it added when
+    no filter is left on them."""
+    try:
+        ipr = open_ipr(done["netns"])
+    except Exception:
+        log.warning("tc_traffic: cannot open rtnetlink to detach; the next start removes the filters")
+        return
+    created = set(done.get("created_clsact", []))
+    try:
+        for sidx in done["ifaces"]:
+            idx = int(sidx)
+            remove_ours(ipr, idx)
+            if idx in created:
+                others = [m for p in TC_PARENTS.values() for m in ipr.get_filters(index=idx, parent=p)]
+                if not others:
+                    try:
+                        ipr.tc("del", "clsact", idx)
+                    except Exception:
+                        pass
+    finally:
+        ipr.close()
+
+
 def ours(filter_msg: Any) -> bool:
     """A tc filter message that one of our runs added (by name or by our priority)."""
     if filter_msg.get_attr("TCA_KIND") != "bpf":
@@ -43,22 +138,12 @@ class TcTrafficSource(EbpfSource):
         super().__init__(loader)
         self.netns: str = self.cfg.tc_netns
         self.ifaces: dict[int, str] = {}
-        self._created_clsact: set[int] = set()
         self.stale_removed = 0
-
-    def _ipr(self) -> Any:
-        from pyroute2 import IPRoute
-        if self.netns:
-            path = self.netns if "/" in self.netns else os.path.join("/run/netns", self.netns)
-            if not os.path.exists(path):   # pyroute2 would create it
-                raise Unavailable(f"tc_traffic: network namespace {self.netns!r} does not exist (no {path}); "
-                                  f"fix [sources.ebpf] tc_netns")
-            return IPRoute(netns=self.netns)
-        return IPRoute()
+        self._done: dict | None = None     # what the loader's attach_filters did, for detach
 
     def plan_extra(self, plan: Plan) -> None:
         try:
-            ipr = self._ipr()
+            ipr = open_ipr(self.netns)
         except Unavailable:
             raise
         except Exception as e:
@@ -87,78 +172,22 @@ class TcTrafficSource(EbpfSource):
                                   f"[sources.ebpf] tc_interfaces")
         plan.extra["interfaces"] = {by_name[n]: n for n in wanted}
         plan.extra["all_ifindexes"] = sorted(by_name.values())
+        plan.attach["tc"] = {"netns": self.netns, "interfaces": {str(i): n for i, n in plan.extra["interfaces"].items()},
+                             "all_ifindexes": plan.extra["all_ifindexes"], "ingress_fn": specs.TC_INGRESS_FN,
+                             "egress_fn": specs.TC_EGRESS_FN}
 
-    def attach(self) -> None:
-        from pyroute2.netlink.exceptions import NetlinkError
-        fns = {d: self._load(fn, "SCHED_CLS") for d, fn in
-               (("ingress", specs.TC_INGRESS_FN), ("egress", specs.TC_EGRESS_FN))}
-        plan = self.planned
-        self.ifaces = dict(plan.extra["interfaces"])
-        ipr = self._ipr()
-        try:
-            # Filters a crashed run left behind, on any interface of the namespace (the configured
-            # list may have changed since): found by our name/priority, removed before adding ours.
-            for idx in plan.extra.get("all_ifindexes", self.ifaces):
-                self.stale_removed += self._remove_ours(ipr, idx)
-            for idx, ifname in self.ifaces.items():
-                try:
-                    ipr.tc("add", "clsact", idx)
-                    self._created_clsact.add(idx)
-                except NetlinkError as e:
-                    if e.code != EEXIST:   # someone (maybe we, before a crash) added it already
-                        raise Unavailable(f"tc_traffic: cannot add a clsact qdisc to {ifname}: {e}") from e
-                for direction, fn in fns.items():
-                    try:
-                        ipr.tc("add-filter", "bpf", idx, specs.TC_FILTER_HANDLE, fd=fn.fd,
-                               name=f"{specs.TC_FILTER_NAME}", parent=TC_PARENTS[direction], classid=1,
-                               direct_action=True, prio=specs.TC_FILTER_PRIO)
-                    except NetlinkError as e:
-                        raise Unavailable(f"tc_traffic: cannot attach the {direction} filter to {ifname}: {e}") from e
-                    self._attached.append(("tc", f"{ifname} {direction}"))
-        finally:
-            ipr.close()
+    def after_attach(self) -> None:
+        assert self.handle is not None
+        self._done = dict(self.handle.extra, attached=[t for _k, t in self.handle.attached])
+        self.ifaces = {int(i): n for i, n in self._done["ifaces"].items()}
+        self.stale_removed = int(self._done.get("stale_removed", 0))
         if self.stale_removed:
             log.warning("tc_traffic: removed %d stale filter(s) left by an earlier run", self.stale_removed)
 
-    @staticmethod
-    def _remove_ours(ipr: Any, idx: int) -> int:
-        removed = 0
-        for parent in TC_PARENTS.values():
-            try:
-                msgs = list(ipr.get_filters(index=idx, parent=parent))
-            except Exception:
-                continue
-            prios = {(m["info"] >> 16) & 0xFFFF for m in msgs if ours(m) and m["handle"]}
-            for prio in prios:
-                try:
-                    ipr.tc("del-filter", "bpf", idx, 0, parent=parent, prio=prio)
-                    removed += 1
-                except Exception:
-                    log.debug("tc_traffic: deleting filter prio %d on ifindex %d failed", prio, idx, exc_info=True)
-        return removed
-
     def detach(self) -> None:
-        if not self._attached and not self._created_clsact:
-            return
-        try:
-            ipr = self._ipr()
-        except Exception:
-            log.warning("tc_traffic: cannot open rtnetlink to detach; the next start removes the filters")
-            return
-        try:
-            for idx in self.ifaces:
-                self._remove_ours(ipr, idx)
-                if idx in self._created_clsact:
-                    others = [m for p in TC_PARENTS.values() for m in ipr.get_filters(index=idx, parent=p)]
-                    if not others:
-                        try:
-                            ipr.tc("del", "clsact", idx)
-                        except Exception:
-                            pass
-        finally:
-            ipr.close()
-        self._attached.clear()
-        self._created_clsact.clear()
+        if self._done is not None:
+            detach_filters(self._done)
+            self._done = None
 
     def key_labels(self, decoder: str, key: Any, value: Any) -> dict[str, str] | None:
         if decoder == "iface":

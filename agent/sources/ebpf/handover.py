@@ -1,0 +1,144 @@
+"""Starting the eBPF loader process (loadproc.py) and holding what it hands over, per probe.
+
+`run_loader` starts the process, sends the request and waits (with a deadline) for the manifest and
+its fds; when the process exits, is killed or does not answer, it raises Unavailable with a reason
+a person can act on, and the process is gone (killed on timeout). `ProbeHandle` holds one probe's
+program and attachment fds; closing the attachment fds (perf events, raw tracepoints) detaches it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from ..base import Unavailable
+from . import handoff
+from .bpfmap import BpfMap
+
+log = logging.getLogger("xpusense.agent.sources.ebpf")
+
+
+class ProbeHandle:
+    """What the loader process handed over for one probe: its programs' and attachments' fds, and the
+    maps (shared by all probes of the loader). Closing the attachment fds detaches the probe."""
+
+    def __init__(self, probe: str, maps: dict[str, BpfMap], progs: list[tuple[str, int]], links: list[dict],
+                 extra: dict, tracefs: str):
+        self.probe, self.maps, self.progs, self.links, self.extra = probe, maps, progs, links, extra
+        self.tracefs = tracefs
+        self.closed = False
+
+    def table(self, name: str) -> BpfMap:
+        try:
+            return self.maps[name]
+        except KeyError:
+            raise KeyError(f"{self.probe}: the loader handed over no map {name!r}") from None
+
+    @property
+    def attached(self) -> list[tuple[str, str]]:
+        return [(link["kind"], link["target"]) for link in self.links]
+
+    def close(self) -> None:
+        """Detach (close the perf event and raw tracepoint fds), then drop the programs."""
+        if self.closed:
+            return
+        self.closed = True
+        for link in reversed(self.links):
+            if link.get("fd") is not None:
+                close_fd(link["fd"])
+            if link["kind"] == "uprobe" and link.get("event"):
+                remove_uprobe_event(self.tracefs, link["event"])
+        for _fn, fd in self.progs:
+            close_fd(fd)
+
+
+def remove_uprobe_event(tracefs: str, event: str) -> None:
+    """A uprobe bcc created through tracefs (kernels without the uprobe PMU) is removed by name;
+    one made through the PMU (Linux 4.17+) went with its perf event fd, and is not listed."""
+    path = os.path.join(tracefs, "uprobe_events")
+    try:
+        with open(path) as f:
+            listed = any(line.split(" ", 1)[0].endswith("/" + event) for line in f)
+        if listed:
+            with open(path, "a") as f:
+                f.write(f"-:{event}\n")
+    except OSError:
+        log.debug("removing uprobe event %s failed", event, exc_info=True)
+
+
+def close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def run_loader(argv: Callable[[int], list[str]], request: dict, timeout_s: float) -> tuple[dict, list[int]]:
+    """Start the loader process, send `request`, return its manifest and fds; raise Unavailable with the
+    reason when it exits, is killed or does not answer within `timeout_s` (then it is killed)."""
+    ours, theirs = handoff.pair()
+    err = tempfile.TemporaryFile()
+    try:
+        try:
+            proc = subprocess.Popen(argv(theirs.fileno()), pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                    stdout=err, stderr=err)
+        except OSError as e:
+            raise Unavailable(f"cannot start the eBPF loader process ({e})") from e
+        finally:
+            theirs.close()
+        try:
+            handoff.send(ours, request)
+            return handoff.recv(ours, timeout_s)
+        except (handoff.HandoffError, OSError) as e:
+            timed_out = "timed out" in str(e)
+            if timed_out:
+                proc.kill()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise Unavailable(loader_failure(proc.pid, proc.returncode, timed_out, timeout_s, _tail(err))) from None
+        finally:
+            if proc.poll() is None:
+                try:
+                    proc.wait(10)       # it exits as soon as the fds are sent
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    finally:
+        ours.close()
+        err.close()
+
+
+def loader_failure(pid: int, returncode: int | None, timed_out: bool, timeout_s: float, stderr_tail: str) -> str:
+    """The Unavailable reason when the loader process handed nothing over."""
+    said = f"; it said: {stderr_tail}" if stderr_tail else ""
+    if timed_out:
+        return (f"the eBPF loader process (pid {pid}) handed nothing over within {timeout_s:.0f} s and was killed "
+                f"(compiling stuck or the machine overloaded?){said}; the other sources run, restart the agent to "
+                f"try again")
+    if returncode is not None and returncode < 0:
+        try:
+            how = f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            how = f"killed by signal {-returncode}"
+    else:
+        how = f"exited with status {returncode}"
+    return (f"the eBPF loader process (pid {pid}) {how} before handing over the probes{said}; the other "
+            f"sources run, restart the agent to try again")
+
+
+def _tail(f: Any, n: int = 400) -> str:
+    try:
+        f.seek(0)
+        text = f.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return " | ".join(lines[-3:])[-n:]

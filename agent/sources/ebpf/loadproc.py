@@ -1,0 +1,321 @@
+"""The loader process: compiles the probes' C with bcc, loads and attaches them, hands the fds to the agent.
+
+Started by the agent's EbpfLoader (loader.py) as `python -c LOADER_BOOT SYS_PATH FD`, it reads one request
+from the socket FD (handoff.py): the C to compile (all probes as one translation unit, and each
+probe's own for the fallback), the -D flags, and per probe what to attach (tracepoints, raw
+tracepoints, uprobes, tc filters) and which map entries to write first. It answers with a manifest
+and the fds of every map, program and attachment (perf event or raw tracepoint), then ends with
+os._exit, so bcc's clean-up (which would detach the probes) never runs. Clang and LLVM (libbcc maps
+about 70 MB of them) live and die with this process; the agent keeps only the fds.
+
+One broken probe cannot take the others down: if the combined compile fails, each probe is compiled
+on its own; a probe whose load or attach fails gets its reason in the manifest and what it had
+attached is detached again (tc filters removed; perf events close with this process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import resource
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+from . import handoff
+
+
+@contextlib.contextmanager
+def capture_stderr() -> Iterator[dict[str, str]]:
+    """Collect what bcc/clang print on fd 2 (warnings, compile errors) so it can be quoted."""
+    buf = {"text": ""}
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield buf
+        return
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        try:
+            sys.stderr.flush()
+            os.dup2(tmp.fileno(), 2)
+            yield buf
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            buf["text"] = tmp.read().decode(errors="replace")
+
+
+def first_errors(text: str, n: int = 3) -> str:
+    lines = [line.strip() for line in text.splitlines() if "error" in line.lower()]
+    return "; ".join(lines[:n]) or text.strip()[-300:]
+
+
+class Refused(Exception):
+    """A probe could not be loaded or attached; the message is its Unavailable reason."""
+
+
+class Builder:
+    """What one run of the loader built: bcc objects, fds to send, the manifest that names them."""
+
+    def __init__(self, req: dict):
+        self.req = req
+        self.fds: list[int] = []
+        self.manifest: dict[str, Any] = {"ok": True, "probes": {}, "maps": [], "compile_errors": {}}
+        self.objects: dict[str, Any] = {}       # probe -> bcc BPF object
+        self._all: list[Any] = []
+        self._tc_cleanup: list[Any] = []
+
+    def fd(self, fd: int) -> int:
+        """Index of fd in the list sent to the agent."""
+        self.fds.append(fd)
+        return len(self.fds) - 1
+
+    # -- compiling
+    def bpf_class(self) -> Any:
+        from bcc import BPF
+
+        class _BPF(BPF):
+            # bcc attaches every tracepoint__* function as soon as it compiles the module; one failing
+            # attach would take the whole object down. Each probe attaches its own programs instead.
+            def _trace_autoload(self) -> None:
+                pass
+
+        return _BPF
+
+    def compile_one(self, text: str, cflags: list[str]) -> Any:
+        cls = self.bpf_class()
+        with capture_stderr() as err:
+            try:
+                obj = cls(text=text.encode(), cflags=cflags)
+            except Exception as e:
+                obj = e
+        if err["text"].strip():
+            self.manifest.setdefault("bcc_output", "")
+            self.manifest["bcc_output"] = (self.manifest["bcc_output"] + err["text"])[-4000:]
+        if isinstance(obj, Exception):
+            raise RuntimeError(first_errors(err["text"]) or str(obj))
+        return obj
+
+    def compile_all(self) -> None:
+        probes = self.req["probes"]
+        t0 = time.perf_counter()
+        if self.req.get("combined") and len(probes) > 1:
+            try:
+                obj = self.compile_one(self.req["combined_text"], [f for p in probes for f in p["cflags"]])
+                self._all.append(obj)
+                for p in probes:
+                    self.objects[p["name"]] = obj
+                self.manifest["compile_mode"] = f"combined ({len(probes)} probes, one clang run)"
+            except RuntimeError as e:
+                self.manifest["combined_error"] = str(e)
+        if not self.objects:
+            self.manifest["compile_mode"] = "per probe"
+            for p in probes:
+                try:
+                    obj = self.compile_one(p["text"], p["cflags"])
+                    self._all.append(obj)
+                    self.objects[p["name"]] = obj
+                except RuntimeError as e:
+                    self.manifest["compile_errors"][p["name"]] = str(e)
+        self.manifest["compile_s"] = time.perf_counter() - t0
+
+    # -- loading and attaching
+    def load(self, obj: Any, probe: str, fn: str, prog_type: str) -> Any:
+        from bcc import BPF
+        try:
+            return obj.load_func(fn.encode(), getattr(BPF, prog_type))
+        except Exception as e:
+            raise Refused(f"{probe}: the kernel refused program {fn} ({e}); run with "
+                          f"`python -m xpusense.agent.sources.ebpf --print-c` to see the C") from e
+
+    def attach_probe(self, p: dict) -> dict:
+        name, obj, spec = p["name"], self.objects[p["name"]], p["attach"]
+        progs: dict[str, Any] = {}
+        links: list[dict] = []
+        extra: dict[str, Any] = {}
+        for map_name, entries in spec.get("map_init", {}).items():
+            write_entries(obj.get_table(map_name.encode()), entries)
+        for tp in spec.get("tracepoints", []):
+            cat, _, ev = tp.partition(":")
+            fn = f"tracepoint__{cat}__{ev}"
+            progs[fn] = self.load(obj, name, fn, "TRACEPOINT")
+            try:
+                obj.attach_tracepoint(tp=tp.encode(), fn_name=fn.encode())
+            except Exception as e:
+                raise Refused(f"{name}: could not attach to tracepoint {tp}: {e}") from e
+            links.append({"kind": "tracepoint", "target": tp, "fd": obj.tracepoint_fds[tp.encode()]})
+        for tp, fn in spec.get("raw_tracepoints", {}).items():
+            progs[fn] = self.load(obj, name, fn, "RAW_TRACEPOINT")
+            try:
+                obj.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
+            except Exception as e:
+                raise Refused(f"{name}: could not attach to raw tracepoint {tp}: {e}") from e
+            links.append({"kind": "raw_tracepoint", "target": tp, "fd": obj.raw_tracepoint_fds[tp.encode()]})
+        if "uprobes" in spec:
+            links += self.attach_uprobes(obj, name, spec["uprobes"], progs)
+        if "tc" in spec:
+            from .tc import attach_filters
+            t = spec["tc"]
+            for fn in (t["ingress_fn"], t["egress_fn"]):
+                progs[fn] = self.load(obj, name, fn, "SCHED_CLS")
+            done = attach_filters(t, {"ingress": progs[t["ingress_fn"]].fd, "egress": progs[t["egress_fn"]].fd})
+            self._tc_cleanup.append(done)
+            if done.get("error"):
+                raise Refused(done["error"])
+            links += [{"kind": "tc", "target": target, "fd": None} for target in done["attached"]]
+            extra.update({k: v for k, v in done.items() if k != "attached"})
+        return {"ok": True, "progs": [{"fn": fn, "fd": self.fd(f.fd)} for fn, f in progs.items()],
+                "links": [{**link, "fd": None if link["fd"] is None else self.fd(link["fd"])} for link in links],
+                "extra": extra}
+
+    def attach_uprobes(self, obj: Any, probe: str, spec: dict, progs: dict) -> list[dict]:
+        from bcc import BPF
+        lib = spec["library"]
+        try:
+            found = BPF.get_user_functions_and_addresses(lib.encode(), b"^cu")
+        except Exception as e:
+            raise Refused(f"{probe}: cannot read the symbols of {lib}: {e}") from e
+        addr_of: dict[str, int] = {}
+        for sym_name, addr in found:
+            sym_name = sym_name.decode() if isinstance(sym_name, bytes) else sym_name
+            addr_of.setdefault(sym_name, addr)
+        seen_addr, links = set(), []
+        for sym, fn in spec["symbols"].items():
+            addr = addr_of.get(sym)
+            if addr is None or addr in seen_addr:    # absent, or an alias of one already probed
+                continue
+            progs[fn] = self.load(obj, probe, fn, "KPROBE")
+            before = set(obj.uprobe_fds)
+            try:
+                obj.attach_uprobe(name=lib.encode(), sym=sym.encode(), fn_name=fn.encode())
+            except Exception as e:
+                raise Refused(f"{probe}: could not attach a uprobe to {sym} in {lib}: {e}") from e
+            seen_addr.add(addr)
+            for ev in set(obj.uprobe_fds) - before:
+                links.append({"kind": "uprobe", "target": sym, "event": ev.decode(), "fd": obj.uprobe_fds[ev]})
+        if not links:
+            raise Refused(f"{probe}: {lib} exports none of {', '.join(list(spec['symbols'])[:4])}...: is it libcuda "
+                          f"(the driver library)? set [sources.ebpf] cuda_library")
+        return links
+
+    def maps(self) -> None:
+        """Every map of every bcc object: fd and layout (bcc's type descriptions) for the agent."""
+        from bcc.libbcc import lib
+        lib.bpf_num_tables.restype, lib.bpf_num_tables.argtypes = ctypes.c_ulonglong, [ctypes.c_void_p]
+        lib.bpf_table_name.restype, lib.bpf_table_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p, ctypes.c_ulonglong]
+        for fn in ("bpf_table_key_size_id", "bpf_table_leaf_size_id"):
+            getattr(lib, fn).restype = ctypes.c_size_t
+            getattr(lib, fn).argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
+        seen = set()
+        for obj in self._all:
+            m = obj.module
+            for i in range(lib.bpf_num_tables(m)):
+                name = lib.bpf_table_name(m, i)
+                if name in seen:
+                    continue
+                seen.add(name)
+                fd = lib.bpf_table_fd(m, name)
+                if fd < 0:
+                    continue
+                self.manifest["maps"].append({
+                    "name": name.decode(), "fd": self.fd(fd), "type": lib.bpf_table_type_id(m, i),
+                    "key_size": lib.bpf_table_key_size_id(m, i), "value_size": lib.bpf_table_leaf_size_id(m, i),
+                    "max_entries": lib.bpf_table_max_entries_id(m, i),
+                    "key_desc": _json(lib.bpf_table_key_desc(m, name)),
+                    "leaf_desc": _json(lib.bpf_table_leaf_desc(m, name))})
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            import bcc  # noqa: F401  (Debian's python3-bpfcc)
+        except Exception as e:
+            raise Refused(f"bcc's Python module is not importable from {sys.executable} ({e}): install "
+                          f"python3-bpfcc and link it into the virtualenv (scripts/setup.sh does both)") from e
+        self.manifest["import_s"] = time.perf_counter() - t0
+        self.compile_all()
+        t1 = time.perf_counter()
+        for p in self.req["probes"]:
+            name = p["name"]
+            if name not in self.objects:
+                continue
+            try:
+                self.manifest["probes"][name] = self.attach_probe(p)
+            except Refused as e:
+                self.manifest["probes"][name] = {"ok": False, "reason": str(e)}
+                self.undo_tc()
+            except Exception as e:      # a host detail we did not foresee: say it, attach the others
+                self.manifest["probes"][name] = {"ok": False,
+                                                 "reason": f"{name}: attaching failed: {type(e).__name__}: {e}"}
+                self.undo_tc()
+            self._tc_cleanup.clear()
+        self.manifest["attach_s"] = time.perf_counter() - t1
+        self.maps()
+
+    def undo_tc(self) -> None:
+        from .tc import detach_filters
+        for done in self._tc_cleanup:
+            detach_filters(done)
+
+
+def write_entries(table: Any, entries: list) -> None:
+    """[[key, {field: value or [values]}], ...] -> map entries (before the programs are attached)."""
+    for key, fields in entries:
+        v = table.Leaf()
+        for field, val in fields.items():
+            if isinstance(val, list):
+                arr = getattr(v, field)
+                for i, x in enumerate(val):
+                    arr[i] = x
+            else:
+                setattr(v, field, val)
+        table[table.Key(key)] = v
+
+
+def _json(raw: bytes | None) -> Any:
+    import json
+    return json.loads(raw.decode()) if raw else "unsigned char"
+
+
+def vm_hwm_kb() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def main(fd: int) -> None:
+    """Serve one request on socket `fd`, then leave without bcc's clean-up (os._exit)."""
+    sock = socket.socket(fileno=fd)
+    code = 0
+    try:
+        req, _ = handoff.recv(sock, None)
+        b = Builder(req)
+        try:
+            b.run()
+        except Refused as e:
+            b.manifest = {"ok": False, "reason": str(e)}
+            b.fds = []
+        except Exception as e:
+            b.manifest = {"ok": False, "reason": f"the eBPF loader failed: {type(e).__name__}: {e}",
+                          "traceback": traceback.format_exc()[-2000:]}
+            b.fds = []
+        b.manifest["pid"] = os.getpid()
+        b.manifest["vm_hwm_kb"] = vm_hwm_kb()
+        handoff.send(sock, b.manifest, b.fds)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
