@@ -74,6 +74,10 @@ AGENT_SCHEMA: dict[str, Any] = {
         "segment_bytes": Key(int, 4 * 2**20, positive),
         "fsync": Key(str, "interval", one_of("batch", "interval", "never")),
         "fsync_interval_s": Key((int, float), 1.0, positive),
+        "max_batches": Key(int, 50_000, positive,
+                           help="batches kept unacknowledged (bounds memory); over it the oldest are dropped, counted"),
+        "damaged_max_bytes": Key(int, 16 * 2**20, non_negative,
+                                 help="damaged records are copied to <spool>/damaged/ up to this (oldest go first)"),
     },
     "stream": {
         "queue_batches": Key(int, 3600, positive, help="batches kept in memory while the collector is away"),
@@ -81,6 +85,8 @@ AGENT_SCHEMA: dict[str, Any] = {
         "max_samples_per_batch": Key(int, 5000, positive),
         "backoff_initial_s": Key((int, float), 0.2, positive),
         "backoff_max_s": Key((int, float), 10.0, positive),
+        "backoff_reset_s": Key((int, float), 10.0, positive,
+                               help="a connection up this long resets the backoff to its initial delay"),
     },
     "hbm_watch": {
         "enabled": Key(bool, True),

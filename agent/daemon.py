@@ -23,7 +23,7 @@ from .sources.agent_self import AgentSelfSource
 from .sources.base import Source
 from .sources.registry import FAMILIES
 from .spool import Spool
-from .stream import StreamClient
+from .stream import StreamClient, batch_problem
 from .tiers import SourceState, TierLoop, periods_from_config, setup_source, setup_sources
 
 log = logging.getLogger("xpusense.agent")
@@ -137,7 +137,9 @@ class Agent:
         if cfg.spool.enabled:   # first: a spool that cannot open stops the agent before probes load
             sp = cfg.spool
             self.spool = Spool(Spool.for_node(sp.dir, cfg.node_id), sp.max_bytes, sp.segment_bytes, sp.fsync,
-                               sp.fsync_interval_s, on_drop=lambda keys, n: self.stream.spool_dropped(keys, n))
+                               sp.fsync_interval_s, on_drop=lambda keys, n: self.stream.spool_dropped(keys, n),
+                               max_batches=sp.max_batches, damaged_max_bytes=sp.damaged_max_bytes,
+                               validate=batch_problem(cfg.node_id))
             spooled = self.spool.open()   # SpoolError: the CLI says what to fix
         sources = build_sources(cfg)
         self._states_lock = threading.Lock()
@@ -149,6 +151,7 @@ class Agent:
             lambda: inventory_to_proto(inventory(cfg, self.states)),
             queue_batches=s.queue_batches, flush_s=s.flush_s, max_samples_per_batch=s.max_samples_per_batch,
             backoff_initial_s=s.backoff_initial_s, backoff_max_s=s.backoff_max_s, agent_version=__version__,
+            backoff_reset_s=s.backoff_reset_s,
             spool=self.spool, channel=make_channel(cfg.collector.address, cfg.collector,
                                                     options=channel_options(s.backoff_initial_s, s.backoff_max_s)))
         self.stream.resume(spooled)
@@ -168,7 +171,10 @@ class Agent:
         self.otlp = build_agent_exporter(cfg, lambda: inventory_to_proto(inventory(cfg, self.states)))
         tiers = {t for src in sources for t in src.tiers} | set(self.loop.tiers_in_use())
         self.watchdog = Watchdog(lambda: sum(self.loop.rounds.values()),   # systemd READY=1 / WATCHDOG=1
-                                 stall_s=2 * min((self.loop.periods_s[t] for t in tiers), default=60))
+                                 stall_s=2 * min((self.loop.periods_s[t] for t in tiers), default=60),
+                                 status=self.stream.health)
+        if self.otlp is None or not self.otlp.only:   # delivery stopped (batcher or sender stuck): no pings
+            self.watchdog.watch("delivery", self.stream.progress, stall_s=max(5.0, 10 * s.flush_s))
         if setup_in_background:
             self._setup_in_background(sources)
 

@@ -2,11 +2,14 @@
 only.
 
 The agent says READY=1 once its sources are set up and the tier loop runs, then WATCHDOG=1 from
-the tier loop's progress: a ping goes out only while the loop has dispatched a round within
-`stall_s` (twice the period of its fastest tier: a loop waiting for its next deadline is not
-wedged), so a wedged loop stops the pings and systemd (WatchdogSec= in the unit) restarts the
-agent. Pings are spaced at half of $WATCHDOG_USEC, as sd_watchdog_enabled(3) advises. Outside
-systemd ($NOTIFY_SOCKET unset) everything here does nothing.
+the progress of what it watches: the tier loop (a round dispatched within `stall_s`, twice the
+period of its fastest tier: a loop waiting for its next deadline is not wedged) and delivery (the
+stream's batcher completing its rounds, its sender alive). A ping goes out only while every one
+of them moves, so a wedged loop or a stopped delivery stops the pings and systemd (WatchdogSec= in
+the unit) restarts the agent. A `status()` text (the spool cannot write, the collector is away) is
+sent as STATUS= when it changes, so `systemctl status` shows it. Pings are spaced at half of
+$WATCHDOG_USEC, as sd_watchdog_enabled(3) advises. Outside systemd ($NOTIFY_SOCKET unset)
+everything here does nothing.
 """
 
 from __future__ import annotations
@@ -56,42 +59,75 @@ def watchdog_interval_s(env: Mapping[str, str] | None = None) -> float:
 
 
 class Watchdog:
-    """READY=1 at start(), then WATCHDOG=1 every interval while `progress()` keeps moving."""
+    """READY=1 at start(), then WATCHDOG=1 every interval while every watched progress keeps moving."""
 
     def __init__(self, progress: Callable[[], float], stall_s: float = 0.0, env: Mapping[str, str] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, name: str = "tier loop",
+                 status: Callable[[], str] | None = None):
         self.env = dict(os.environ if env is None else env)
-        self.progress = progress          # () -> a number that grows while the tier loop works
-        self.stall_s = stall_s            # no progress for longer than this: wedged (0: one interval)
+        # (name, () -> a number that grows while it works, no progress for longer than this: wedged)
+        self.watched: list[tuple[str, Callable[[], float], float]] = [(name, progress, stall_s)]
+        self.status = status
         self.interval_s = watchdog_interval_s(self.env)
         self.clock = clock
         self.pings = 0
         self.missed = 0
+        self._status_sent = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def watch(self, name: str, progress: Callable[[], float], stall_s: float) -> None:
+        """Ping only while `progress()` also moves (added before start())."""
+        self.watched.append((name, progress, stall_s))
 
     def start(self) -> None:
         if not self.env.get("NOTIFY_SOCKET"):
             return
         notify(f"READY=1\nSTATUS=measuring\nMAINPID={os.getpid()}", self.env)
-        if self.interval_s > 0:
+        self._status_sent = "measuring"
+        if self.interval_s > 0 or self.status is not None:
             self._thread = threading.Thread(target=self._run, name="sd-watchdog", daemon=True)
             self._thread.start()
 
+    @staticmethod
+    def _read(progress: Callable[[], float]) -> float | None:
+        try:
+            return progress()
+        except Exception:   # a progress that cannot be read is no progress
+            return None
+
     def _run(self) -> None:
-        last, moved_at = self.progress(), self.clock()
-        while not self._stop.wait(self.interval_s):
-            now, t = self.progress(), self.clock()
-            if now != last:
-                last, moved_at = now, t
-            if t - moved_at <= max(self.stall_s, self.interval_s * 1.01):
+        t0 = self.clock()
+        last = {name: (self._read(fn), t0) for name, fn, _ in self.watched}
+        while not self._stop.wait(self.interval_s or 5.0):
+            t = self.clock()
+            stalled = []
+            for name, fn, stall_s in self.watched:
+                now = self._read(fn)
+                if now is not None and now != last[name][0]:
+                    last[name] = (now, t)
+                if t - last[name][1] > max(stall_s, self.interval_s * 1.01):
+                    stalled.append(f"{name} made no progress for {t - last[name][1]:.1f} s")
+            self._send_status()
+            if self.interval_s <= 0:
+                continue
+            if not stalled:
                 if notify("WATCHDOG=1", self.env):
                     self.pings += 1
             else:
                 self.missed += 1
                 if self.missed == 1 or self.missed % 10 == 0:
-                    log.warning("tier loop made no progress for %.1f s: not pinging the systemd watchdog",
-                                t - moved_at)
+                    log.warning("%s: not pinging the systemd watchdog", "; ".join(stalled))
+
+    def _send_status(self) -> None:
+        if self.status is None:
+            return
+        try:
+            text = self.status().replace("\n", " ")
+        except Exception as e:
+            text = f"status unavailable ({e})"
+        if text != self._status_sent and notify(f"STATUS={text}", self.env):
+            self._status_sent = text
 
     def stop(self) -> None:
         self._stop.set()

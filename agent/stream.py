@@ -1,11 +1,16 @@
 """The stream to the collector: one long-lived gRPC bidirectional stream, batches, acks, resends.
 
 Samples and events handed to `put()` are cut into batches every `flush_s`; each batch gets the next
-sequence number of this boot and stays in a bounded in-memory queue until the collector
-acknowledges it. On a reconnect every unacknowledged batch is sent again, in order; the collector
-drops one it has already stored, so nothing counts twice. When the queue is full the oldest batch
-is dropped and counted (samples and batches): loss is never silent. Reconnects back off
-exponentially with jitter, and stop() interrupts the wait.
+sequence number of this boot once it is kept: written to the spool (agent/spool/) or, without one
+or while the spool cannot write, held in a bounded in-memory queue (`queue_batches`) until the
+collector acknowledges it. On a reconnect every unacknowledged batch is sent again, in order; the
+collector drops one it has already stored, so nothing counts twice. When the queue is full the
+oldest batch is dropped and counted (samples and batches): loss is never silent. A spooled batch
+that cannot be read back, does not decode, or is not this node's is set aside and counted, never
+sent. Reconnects back off exponentially with jitter; the backoff starts again from its initial
+delay only after a connection that stayed up `backoff_reset_s`, and stop() interrupts the wait.
+No thread of the client dies of an error: `progress()` moves while both keep working, and the
+agent's systemd watchdog stops being fed when it does not.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from xpusense.common.backoff import backoff_delays
 from xpusense.common.config import split_host_port
@@ -27,6 +33,7 @@ from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from .sources.base import COUNTER, GAUGE, HISTOGRAM, Event, Sample
+from .spool import RecordError
 
 log = logging.getLogger("xpusense.agent.stream")
 
@@ -46,6 +53,22 @@ def sample_to_proto(s: Sample, series_ref: int = 0) -> pb.Sample:
 def event_to_proto(e: Event) -> pb.Event:
     return pb.Event(id=e.id, type=e.type, severity=e.severity, device=e.device, message=e.message,
                     attributes=e.attributes, time_unix_nano=e.time_ns)
+
+
+def batch_problem(node_id: str) -> Callable[[str, int, bytes], str | None]:
+    """The spool's check of a stored batch: why it must not be sent (it would be refused, or stored
+    as something else), or None."""
+    def check(boot: str, seq: int, data: bytes) -> str | None:
+        try:
+            b = pb.Batch.FromString(data)
+        except DecodeError as e:
+            return f"not a Batch ({e})"
+        if b.node_id != node_id:
+            return f"a batch of node {b.node_id!r}, not {node_id!r}"
+        if (b.boot_id, b.seq) != (boot, seq):
+            return f"batch {(b.boot_id, b.seq)} filed as {(boot, seq)}"
+        return None
+    return check
 
 
 def resolve(address: str) -> None:
@@ -69,7 +92,7 @@ class StreamClient:
     def __init__(self, address: str, node_id: str, boot_id: str, inventory: Callable[[], pb.Inventory],
                  queue_batches: int = 3600, flush_s: float = 0.2, max_samples_per_batch: int = 5000,
                  backoff_initial_s: float = 0.2, backoff_max_s: float = 10.0, agent_version: str = "",
-                 channel: Callable[[], grpc.Channel] | None = None, spool=None):
+                 channel: Callable[[], grpc.Channel] | None = None, spool=None, backoff_reset_s: float = 10.0):
         self.address = address
         self.node_id = node_id
         self.boot_id = boot_id
@@ -79,6 +102,7 @@ class StreamClient:
         self.max_samples = max_samples_per_batch
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
+        self.backoff_reset_s = backoff_reset_s   # a connection must stay up this long to reset the backoff
         self.agent_version = agent_version
         # How to reach the collector (common/tls.py builds mTLS / token channels); default plaintext.
         self.make_channel = channel or (lambda: grpc.insecure_channel(
@@ -91,6 +115,8 @@ class StreamClient:
         # or where it lies in the spool (agent/spool.py) when there is one.
         self._pending: collections.OrderedDict[tuple[str, int], Any] = collections.OrderedDict()
         self._unsent: collections.deque[tuple[str, int]] = collections.deque()  # on this connection
+        # The keys of the pb.Batch values of _pending, oldest first: at most queue_batches.
+        self._mem: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self.spool = spool
         self._seq = 0
         self._refs: dict[tuple, int] = {}  # series (name, labels) -> series_ref, for this boot
@@ -106,7 +132,12 @@ class StreamClient:
         self.duplicates = 0
         self.dropped_batches = 0
         self.dropped_samples = 0
+        self.unencodable_samples = 0
+        self.set_aside = 0
         self.last_error = ""
+        self.backoff_s = 0.0       # the last wait before a reconnect
+        self.ticks = 0             # batcher rounds completed (progress(), for the watchdog)
+        self._errors: dict[str, str] = {}   # thread -> its last unexpected error, logged once per change
 
     # -- producer side -------------------------------------------------------------------------
     def put(self, samples: list[Sample], events: list[Event] | None = None) -> None:
@@ -124,45 +155,69 @@ class StreamClient:
             self._cond.notify_all()
 
     def _cut_locked(self) -> None:
-        """Turn what was put so far into batches (sequence numbers assigned here)."""
+        """Turn what was put so far into batches. A sequence number is used only by a batch that is
+        kept (spooled, or in memory while the spool cannot write): never by one that is lost."""
         while self._samples or self._events:
             chunk, self._samples = self._samples[: self.max_samples], self._samples[self.max_samples:]
             events, self._events = self._events, []
-            self._seq += 1
-            b = pb.Batch(node_id=self.node_id, boot_id=self.boot_id, seq=self._seq,
+            b = pb.Batch(node_id=self.node_id, boot_id=self.boot_id, seq=self._seq + 1,
                          sent_unix_nano=time.time_ns())
-            b.samples.extend(sample_to_proto(s, self._ref(s)) for s in chunk)
+            for s in chunk:
+                try:
+                    b.samples.append(sample_to_proto(s, self._ref(s)))
+                except (TypeError, ValueError, KeyError) as e:   # a source's bug must not take the batch
+                    self.unencodable_samples += 1
+                    self.dropped_samples += 1
+                    if self.unencodable_samples == 1 or self.unencodable_samples % 1000 == 0:
+                        log.warning("sample %r cannot be encoded (%s): dropped; %d such samples so far", s.name, e,
+                                    self.unencodable_samples)
             b.events.extend(event_to_proto(e) for e in events)
-            key = (self.boot_id, self._seq)
-            if self.spool is not None:
-                # On disk before it is sent: survives a collector outage and a killed agent.
-                self._pending[key] = self.spool.append(self.boot_id, self._seq, len(b.samples),
-                                                       b.SerializeToString())
-            else:
-                self._pending[key] = b
-                while len(self._pending) > self.queue_batches:
-                    _, old = self._pending.popitem(last=False)
-                    self._count_drop(1, len(old.samples), f"in-memory queue full ({self.queue_batches} batches)")
-            self._unsent.append(key)
+            if not b.samples and not b.events:
+                continue
+            self._seq += 1
+            self._keep_locked((self.boot_id, self._seq), b)
         self._cond.notify_all()
+
+    def _keep_locked(self, key: tuple[str, int], b: pb.Batch) -> None:
+        if self.spool is not None:
+            # On disk before it is sent: survives a collector outage and a killed agent.
+            loc = self.spool.append(key[0], key[1], len(b.samples), b.SerializeToString())
+            if loc is not None:
+                self._pending[key] = loc
+                self._unsent.append(key)
+                return
+        self._pending[key] = b            # no spool, or it cannot write now (it logs and counts that)
+        self._mem[key] = None
+        self._unsent.append(key)
+        while len(self._mem) > self.queue_batches:
+            old, _ = self._mem.popitem(last=False)
+            self._count_drop(1, len(self._pending.pop(old).samples),
+                             f"in-memory queue full ([stream] queue_batches = {self.queue_batches})"
+                             + (" while the spool cannot write" if self.spool is not None else "")
+                             + ": dropped the oldest")
 
     def _count_drop(self, batches: int, samples: int, why: str) -> None:
         before = self.dropped_batches
         self.dropped_batches += batches
         self.dropped_samples += samples
         if before == 0 or before // 100 != self.dropped_batches // 100:
-            log.warning("%s: dropped the oldest; %d batches, %d samples lost so far", why,
-                        self.dropped_batches, self.dropped_samples)
+            log.warning("%s; %d batches, %d samples lost so far", why, self.dropped_batches, self.dropped_samples)
 
     def spool_dropped(self, keys: list[tuple[str, int]], samples: int) -> None:
         """The spool deleted its oldest segment over budget: those batches are gone (called locked)."""
         for key in keys:
             self._pending.pop(key, None)
-        self._count_drop(len(keys), samples, "spool over its disk budget")
+        self._count_drop(len(keys), samples, "spool over its disk budget: dropped its oldest segment")
 
     def resume(self, spooled: list) -> None:
-        """Batches of earlier runs found in the spool: sent first, with their own boot id and seq."""
+        """Batches of earlier runs found in the spool: sent first, with their own boot id and seq.
+        What the spool dropped or found damaged at start counts as dropped here too."""
         with self._cond:
+            lost = getattr(self.spool, "lost_at_open", None) or {}
+            batches = lost.get("dropped_batches", 0) + lost.get("damaged_records", 0)
+            if batches:
+                self._count_drop(batches, lost.get("dropped_samples", 0),
+                                 "spool: batches damaged or over budget at start, skipped")
             for key, loc in spooled:
                 self._pending[key] = loc
                 self._unsent.append(key)
@@ -222,9 +277,27 @@ class StreamClient:
     # -- threads ----------------------------------------------------------------------------------
     def _batcher(self) -> None:
         while not self._stop.wait(self.flush_s):
-            with self._cond:
-                if self._samples or self._events:
-                    self._cut_locked()
+            try:
+                with self._cond:
+                    if self._samples or self._events:
+                        self._cut_locked()
+            except Exception as e:   # a bug: logged once per change; the next round tries again
+                self._unexpected("stream-batcher", e)
+                continue
+            self.ticks += 1
+
+    def _unexpected(self, where: str, e: BaseException) -> None:
+        text = f"{type(e).__name__}: {e}"
+        if self._errors.get(where) != text:
+            log.error("%s: unexpected error, carrying on: %s", where, text, exc_info=e)
+        self._errors[where] = text
+
+    def progress(self) -> int:
+        """Grows while the batcher completes its rounds and the sender is alive (the watchdog's
+        measure of delivery); stands still when either is stuck or gone."""
+        if not self._threads or not all(t.is_alive() for t in self._threads):
+            return -1
+        return self.ticks
 
     def _requests(self):
         """The agent's half of one connection: Hello, then every batch not yet sent on it."""
@@ -245,13 +318,31 @@ class StreamClient:
             if send_inventory:
                 yield pb.AgentMessage(inventory=self.inventory())
             if batch is not None:
-                if not isinstance(batch, pb.Batch):
-                    try:
-                        batch = pb.Batch.FromString(self.spool.read(batch))
-                    except (KeyError, OSError) as e:
-                        log.warning("batch %s could not be read back from the spool: %s", key, e)
+                if not isinstance(batch, pb.Batch) and key is not None:
+                    batch = self._load(key, batch)
+                    if batch is None:
                         continue
                 yield pb.AgentMessage(batch=batch)
+
+    def _load(self, key: tuple[str, int], loc) -> pb.Batch | None:
+        """A spooled batch, read back and checked; None (set aside and counted) when it cannot be sent."""
+        try:
+            data = self.spool.read(loc, key)
+            b = pb.Batch.FromString(data)
+            why = batch_problem(self.node_id)(key[0], key[1], data)
+        except KeyError:        # its segment was dropped over budget meanwhile (counted there)
+            return None
+        except (OSError, RecordError, DecodeError) as e:
+            why = f"cannot be read back: {e}"
+        if why is None:
+            return b
+        with self._cond:
+            if self._pending.pop(key, None) is not None:
+                self.set_aside += 1
+                self.spool.set_aside(key, loc, why)
+                self._count_drop(1, loc.samples, f"batch {key} in the spool {why}: set aside, not sent")
+            self._cond.notify_all()
+        return None
 
     def _handle(self, msg: pb.CollectorMessage) -> None:
         with self._cond:
@@ -259,6 +350,7 @@ class StreamClient:
                 key = (msg.ack.boot_id, msg.ack.seq)
                 val = self._pending.pop(key, None)
                 if val is not None:
+                    self._mem.pop(key, None)
                     self.acked += 1
                     self.duplicates += msg.ack.duplicate
                     if self.spool is not None:
@@ -267,16 +359,25 @@ class StreamClient:
                 done = [k for k in self._pending if k[0] == msg.welcome.boot_id and k[1] <= msg.welcome.stored_up_to]
                 for k in done:
                     val = self._pending.pop(k)
+                    self._mem.pop(k, None)
                     if self.spool is not None:
                         self.spool.ack(k[0], k[1], val if not isinstance(val, pb.Batch) else None)
             self._cond.notify_all()
 
     def _sender(self) -> None:
+        try:
+            self._send_loop()
+        except Exception as e:   # a bug; the thread is gone, progress() says so, and the watchdog stops
+            self._unexpected("stream-sender", e)
+            raise
+
+    def _send_loop(self) -> None:
         delays = backoff_delays(self.backoff_initial_s, self.backoff_max_s)
         channel = self.make_channel()
         stub = pb_grpc.IngestStub(channel)
         try:
             while not self._stop.is_set():
+                up_at = None
                 with self._cond:
                     self._conn_closed = False
                     self._unsent = collections.deque(self._pending)  # resend all not acknowledged, in order
@@ -288,7 +389,7 @@ class StreamClient:
                         if not self.connected:
                             self.connected = True
                             self.reconnects += 1
-                            delays = backoff_delays(self.backoff_initial_s, self.backoff_max_s)
+                            up_at = time.monotonic()
                             log.info("connected to collector %s (%d batches to send)", self.address,
                                      self.pending())
                         self._handle(msg)
@@ -306,14 +407,32 @@ class StreamClient:
                                 self.address, err, self.pending())
                 self.connected = False
                 self.last_error = err
-                self._stop.wait(next(delays))
+                # Only a connection that stayed up resets the backoff: a collector that accepts and
+                # then fails at once (its disk full, say) is retried ever more slowly, like a down one.
+                if up_at is not None and time.monotonic() - up_at >= self.backoff_reset_s:
+                    delays = backoff_delays(self.backoff_initial_s, self.backoff_max_s)
+                self.backoff_s = next(delays)
+                self._stop.wait(self.backoff_s)
         finally:
             self.connected = False
             channel.close()
+
+    def health(self) -> str:
+        """One line for systemd's STATUS=: what keeps delivery from being whole, if anything."""
+        parts = ["measuring"]
+        sp = self.spool
+        if sp is not None and sp.state != "ok":
+            parts.append(f"spool cannot {sp.error}, {len(self._mem)} batches held in memory")
+        if not self.connected and self.last_error:
+            parts.append(f"collector {self.address} unreachable ({self.last_error.split(':')[0]}), "
+                         f"{len(self._pending)} batches queued")
+        return "; ".join(parts)
 
     def status(self) -> dict:
         return {"address": self.address, "connected": self.connected, "pending_batches": self.pending(),
                 "last_seq": self.last_seq(), "acked": self.acked, "duplicates": self.duplicates,
                 "reconnects": self.reconnects, "dropped_batches": self.dropped_batches,
                 "dropped_samples": self.dropped_samples, "last_error": self.last_error,
-                "spool_bytes": self.spool.bytes_used() if self.spool is not None else 0}
+                "memory_batches": len(self._mem), "set_aside": self.set_aside,
+                "spool_bytes": self.spool.bytes_used() if self.spool is not None else 0,
+                "spool": self.spool.status() if self.spool is not None else None}

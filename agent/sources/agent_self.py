@@ -1,4 +1,4 @@
-"""The agent's own health: its CPU time and memory (from /proc via psutil) and its stream figures."""
+"""The agent's own health: its CPU time and memory (from /proc via psutil), its stream and spool figures."""
 
 from __future__ import annotations
 
@@ -28,4 +28,17 @@ class AgentSelfSource(Source):
             Sample("xpusense.agent.stream.dropped_batches", float(st["dropped_batches"]), "{batch}", {}, COUNTER),
             Sample("xpusense.agent.stream.reconnects", float(st["reconnects"]), "{connection}", {}, COUNTER),
             Sample("xpusense.agent.spool.usage", float(st["spool_bytes"]), "By"),
+            *self._spool(st.get("spool")),
+        ]
+
+    @staticmethod
+    def _spool(sp: dict | None) -> list[Sample]:
+        """The spool's health: whether it can write, batches it could not write (kept in memory
+        instead), damaged records it skipped and set aside (also in dropped_batches)."""
+        if sp is None:
+            return []
+        return [
+            Sample("xpusense.agent.spool.writable", 1.0 if sp["state"] == "ok" else 0.0, "1"),
+            Sample("xpusense.agent.spool.write_failures", float(sp["write_failures"]), "{batch}", {}, COUNTER),
+            Sample("xpusense.agent.spool.damaged", float(sp["damaged_records"]), "{record}", {}, COUNTER),
         ]

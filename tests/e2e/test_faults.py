@@ -10,12 +10,12 @@ import signal
 import threading
 import time
 
-import msgpack
 import pytest
 from helpers import BIN, free_port, nodes_json, series, wait_until
 from helpers import record_figure as record
 
 from xpusense.agent.sources.base import Sample
+from xpusense.agent.spool.peek import unacked
 from xpusense.agent.stream import StreamClient
 from xpusense.collector.store import stored_batches
 from xpusense.v1 import telemetry_pb2 as pb
@@ -41,20 +41,7 @@ enabled = false
 
 def spooled(spool_dir) -> list[tuple[str, int]]:
     """(boot, seq) of the batches a (killed) agent left in its spool, not acknowledged."""
-    import json
-    acked = {}
-    try:
-        acked = json.loads((spool_dir / "acked.json").read_text())
-    except (OSError, ValueError):
-        pass
-    out = []
-    for seg in sorted(spool_dir.glob("*.seg")):
-        up = msgpack.Unpacker(raw=False)
-        up.feed(seg.read_bytes())
-        for rec in up:
-            if rec[1] > acked.get(rec[0], 0):
-                out.append((rec[0], rec[1]))
-    return out
+    return unacked(str(spool_dir))
 
 
 class Rig:

@@ -1,14 +1,35 @@
-"""The agent's spool on its own: order, acks, restart, torn records, budget."""
+"""The agent's spool on its own: order, acks, restart, damaged bytes, a full disk, budgets."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import os
+import subprocess
+
+import msgpack
 import pytest
 
-from xpusense.agent.spool import Spool, SpoolError
+from xpusense.agent.spool import Spool, SpoolError, records
 
 
 def fill(sp, boot, seqs, size=100):
     return {seq: sp.append(boot, seq, 3, bytes([seq % 256]) * size) for seq in seqs}
+
+
+def killed(sp):
+    """As if the agent were killed: the kernel drops the lock, nothing else is closed or written."""
+    sp._stop.set()
+    sp._lockf.close()
+
+
+def segment_records(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return list(records.scan(fd))
+    finally:
+        os.close(fd)
 
 
 def test_unacknowledged_batches_come_back_after_a_restart_in_order(tmp_path):
@@ -25,22 +46,99 @@ def test_unacknowledged_batches_come_back_after_a_restart_in_order(tmp_path):
     assert [again.read(loc) for _, loc in found][0] == bytes([11]) * 100
     # Fully acknowledged segments were deleted: only the ones holding 11..20 (and the new one) remain.
     assert len(list(tmp_path.glob("*.seg"))) <= 3
+    assert again.damaged_records == 0
     again.close()
 
 
-def test_a_torn_last_record_is_skipped(tmp_path):
+def test_a_torn_last_record_is_skipped_counted_and_kept_aside(tmp_path):
     sp = Spool(str(tmp_path))
     sp.open()
     fill(sp, "b1", range(1, 4))
     seg = sorted(tmp_path.glob("*.seg"))[-1]
-    sp._f.flush()
+    whole = records.encode("b1", 4, 3, b"x" * 100)
     with open(seg, "ab") as f:
-        f.write(b"\x94\xa2b1\x04")  # the start of a 4th record, cut short by a crash
-    sp._stop.set()
-    sp._lockf.close()  # as if killed: the kernel drops the lock, nothing else is closed
+        f.write(whole[:30])     # the start of a 4th record, cut short by a crash
+    killed(sp)
     again = Spool(str(tmp_path))
     found = again.open()
-    assert [k for k, _ in found] == [("b1", 1), ("b1", 2), ("b1", 3)] and again.torn_records == 1
+    assert [k for k, _ in found] == [("b1", 1), ("b1", 2), ("b1", 3)]
+    assert again.damaged_records == 1 and again.lost_at_open["damaged_records"] == 1
+    kept = list((tmp_path / "damaged").iterdir())
+    assert [p.read_bytes() for p in kept] == [whole[:30]]
+    again.close()
+
+
+@pytest.mark.parametrize("where", ["magic", "length", "checksum", "payload"])
+def test_one_damaged_byte_costs_one_record_and_the_later_ones_are_found(tmp_path, where):
+    """The issue's 'bad framing byte': 13 later records were dropped with one warning. Now the
+    damaged record alone is skipped, counted, logged with its position and kept aside."""
+    sp = Spool(str(tmp_path))
+    sp.open()
+    locs = fill(sp, "b1", range(1, 21))
+    killed(sp)
+    loc = locs[7]
+    at = loc.offset + {"magic": 1, "length": 5, "checksum": 9, "payload": 40}[where]
+    seg = tmp_path / f"{loc.segment:08d}.seg"
+    data = bytearray(seg.read_bytes())
+    data[at] ^= 0x5A
+    seg.write_bytes(bytes(data))
+    again = Spool(str(tmp_path))
+    found = again.open()
+    assert [k[1] for k, _ in found] == [s for s in range(1, 21) if s != 7]
+    assert again.damaged_records == 1 and again.damaged_bytes == loc.length
+    assert [again.read(where) for _, where in found][-1] == bytes([20]) * 100
+    kept = tmp_path / "damaged" / f"{loc.segment:08d}@{loc.offset}.bin"
+    assert kept.read_bytes() == bytes(data[loc.offset:loc.offset + loc.length])
+    again.close()
+
+
+def test_a_record_the_validator_refuses_is_never_handed_out(tmp_path, caplog):
+    """A record whose framing and checksum are right but whose batch is not one (the issue's
+    undecodable protobuf record) is damaged: skipped, counted, kept aside."""
+    sp = Spool(str(tmp_path))
+    sp.open()
+    fill(sp, "b1", [1])
+    sp.append("b1", 2, 3, b"\xff\xff\xff garbage")
+    fill(sp, "b1", [3])
+    killed(sp)
+    validate = lambda boot, seq, data: "not a Batch" if data.startswith(b"\xff") else None
+    again = Spool(str(tmp_path), validate=validate)
+    with caplog.at_level(logging.WARNING, "xpusense.agent.spool"):
+        found = again.open()
+    assert [k for k, _ in found] == [("b1", 1), ("b1", 3)] and again.damaged_records == 1
+    line = next(r.getMessage() for r in caplog.records if "damaged record at byte" in r.getMessage())
+    assert "not a Batch" in line and "00000001.seg" in line
+    again.close()
+
+
+def test_a_batch_set_aside_at_run_time_stays_aside_after_a_restart(tmp_path):
+    sp = Spool(str(tmp_path))
+    sp.open()
+    locs = fill(sp, "b1", range(1, 6))
+    sp.set_aside(("b1", 3), locs[3], "refused")
+    assert sp.damaged_records == 1
+    sp.close()
+    again = Spool(str(tmp_path))
+    found = again.open()
+    assert [k[1] for k, _ in found] == [1, 2, 4, 5]
+    assert again.damaged_records == 0, "counted once, when it was set aside"
+    assert len(list((tmp_path / "damaged").iterdir())) == 1
+    again.close()
+
+
+def test_a_record_read_back_is_checked(tmp_path):
+    sp = Spool(str(tmp_path))
+    sp.open()
+    locs = fill(sp, "b1", range(1, 4))
+    seg = tmp_path / f"{locs[2].segment:08d}.seg"
+    with open(seg, "r+b") as f:
+        f.seek(locs[2].offset + 30)
+        f.write(b"\x00\x01")
+    with pytest.raises(records.RecordError, match="checksum"):
+        sp.read(locs[2])
+    with pytest.raises(records.RecordError, match="holds batch"):
+        sp.read(locs[3], ("b1", 9))
+    sp.close()
 
 
 def test_over_budget_the_oldest_go_and_are_counted(tmp_path):
@@ -52,6 +150,68 @@ def test_over_budget_the_oldest_go_and_are_counted(tmp_path):
     lost = [k for keys, _ in dropped for k in keys]
     assert lost == [("b1", s) for s in range(1, len(lost) + 1)] and sp.dropped_batches == len(lost) > 0
     assert sp.dropped_samples == 3 * len(lost) == sum(n for _, n in dropped)
+    sp.close()
+
+
+def test_over_max_batches_the_oldest_go_and_are_counted(tmp_path):
+    """Tiny records cannot make the agent keep millions of batches in memory."""
+    sp = Spool(str(tmp_path), max_batches=64)
+    sp.open()
+    fill(sp, "b1", range(1, 301), size=1)
+    left = sp.status()["batches"]
+    assert left <= 64 and sp.dropped_batches == 300 - left
+    killed(sp)
+    # A segment written by someone else, holding many more than max_batches records.
+    with open(tmp_path / "00000900.seg", "wb") as f:
+        for seq in range(1, 5001):
+            f.write(records.encode("other", seq, 1, b"x"))
+    again = Spool(str(tmp_path), max_batches=64)
+    found = again.open()
+    assert len(found) <= 64 and found[-1][0] == ("other", 5000)
+    assert again.lost_at_open["dropped_batches"] == 5000 + left - len(found)
+    again.close()
+
+
+def test_files_that_are_not_the_agents_are_left_alone(tmp_path, caplog):
+    (tmp_path / "notes.seg").write_text("hello")
+    (tmp_path / "acked.json").write_text("{not json")
+    sp = Spool(str(tmp_path))
+    with caplog.at_level(logging.WARNING, "xpusense.agent.spool"):
+        assert sp.open() == []
+    assert (tmp_path / "notes.seg").exists()
+    assert any("acked.json unreadable" in r.getMessage() for r in caplog.records)
+    sp.close()
+
+
+def test_segments_of_the_format_before_framing_are_replayed(tmp_path):
+    with open(tmp_path / "00000003.seg", "wb") as f:
+        for seq in range(1, 6):
+            f.write(msgpack.packb(["old", seq, 2, bytes([seq]) * 10], use_bin_type=True))
+    (tmp_path / "acked.json").write_text(json.dumps({"old": 2}))
+    sp = Spool(str(tmp_path))
+    found = sp.open()
+    assert [k for k, _ in found] == [("old", 3), ("old", 4), ("old", 5)]
+    assert sp.read(found[0][1]) == bytes([3]) * 10
+    assert not (tmp_path / "00000003.seg").exists()
+    sp.close()
+
+
+def test_damaged_copies_stay_within_their_budget(tmp_path):
+    sp = Spool(str(tmp_path), damaged_max_bytes=300)
+    sp.open()
+    locs = fill(sp, "b1", range(1, 11))
+    killed(sp)
+    seg = tmp_path / f"{locs[1].segment:08d}.seg"
+    data = bytearray(seg.read_bytes())
+    for seq in (2, 4, 6, 8):
+        data[locs[seq].offset + 40] ^= 1
+    seg.write_bytes(bytes(data))
+    again = Spool(str(tmp_path), damaged_max_bytes=300)
+    again.open()
+    kept = list((tmp_path / "damaged").iterdir())
+    assert again.damaged_records == 4
+    assert sum(p.stat().st_size for p in kept) <= 300 and again.aside.removed >= 1
+    again.close()
 
 
 def test_one_agent_per_spool_directory(tmp_path):
@@ -66,3 +226,64 @@ def test_unwritable_directory_says_what_to_do(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(SpoolError, match=r"\[spool\] dir"):
         Spool(str(tmp_path / "file" / "spool")).open()
+
+
+# -- a full disk, for real: a small tmpfs ------------------------------------------------------------
+
+@contextlib.contextmanager
+def small_tmpfs(path, size="2m"):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs (mount -t tmpfs -o size=2m)")
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill_up(path, keep_free=0):
+    """Fill the filesystem at `path`, but for `keep_free` bytes freed at the end; the filler's path."""
+    spare = path / "spare"
+    if keep_free:
+        spare.write_bytes(b"\0" * keep_free)
+    filler = path / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    if keep_free:
+        spare.unlink()
+    return filler
+
+
+def test_full_disk_is_a_state_and_writing_resumes_when_space_returns(tmp_path, caplog):
+    with small_tmpfs(tmp_path / "mnt") as mnt:
+        sp = Spool(str(mnt / "spool"), segment_bytes=64 * 1024)
+        sp.open()
+        written = {k: loc for k, loc in ((s, sp.append("b1", s, 1, os.urandom(9000))) for s in range(1, 6))}
+        assert all(written.values()) and sp.state == "ok"
+        seg = mnt / "spool" / f"{written[5].segment:08d}.seg"
+        size = seg.stat().st_size
+        filler = fill_up(mnt, keep_free=4096)   # room for part of one record: a partial write, cut back
+        with caplog.at_level(logging.WARNING, "xpusense.agent.spool"):
+            failed = [sp.append("b1", s, 1, os.urandom(9000)) for s in range(6, 26)]
+            assert failed == [None] * 20 and sp.state == "failing" and "No space left" in sp.error
+            assert sp.write_failures == 20 and seg.stat().st_size == size
+            assert sum("cannot write" in r.getMessage() for r in caplog.records) == 1, "logged once per state change"
+            filler.unlink()
+            loc = sp.append("b1", 26, 1, b"after")
+            assert loc is not None and sp.state == "ok"
+            assert sum("writable again" in r.getMessage() for r in caplog.records) == 1
+        assert sp.read(loc) == b"after" and sp.read(written[5])[:1] is not None
+        sp.close()
+        again = Spool(str(mnt / "spool"))
+        found = again.open()
+        assert [k[1] for k, _ in found] == [1, 2, 3, 4, 5, 26]
+        assert again.damaged_records == 0, "the partial writes were cut back, not left as damage"
+        again.close()

@@ -1,0 +1,30 @@
+"""A read-only look into a spool directory (no lock taken, nothing changed): which batches an
+agent left there unacknowledged. For tests and for a person inspecting a node."""
+
+from __future__ import annotations
+
+import os
+
+from . import marks, records
+
+
+def unacked(directory: str) -> list[tuple[str, int]]:
+    """(boot, seq) of the whole records in the spool that are above their boot's acknowledged mark."""
+    try:
+        acked, _ = marks.load(directory)
+    except (OSError, ValueError):
+        acked = {}
+    out: list[tuple[str, int]] = []
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".seg"):
+            continue
+        try:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        except FileNotFoundError:   # acknowledged and deleted meanwhile
+            continue
+        try:
+            out.extend((r.boot, r.seq) for r in records.scan(fd)
+                       if isinstance(r, records.Good) and r.seq > acked.get(r.boot, 0))
+        finally:
+            os.close(fd)
+    return out
