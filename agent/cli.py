@@ -10,6 +10,7 @@ import sys
 
 import yaml
 
+from xpusense.common.journal import configure_logging
 from xpusense.common.tls import make_channel
 
 from .config import ConfigError, load_agent
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"xpusense-agent: {e}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(cfg.log_level, "xpusense-agent")   # journal fields under systemd
     try:
         return {"run": _run, "inventory": _inventory, "sources": _sources}[args.cmd](cfg, args)
     except KeyboardInterrupt:
@@ -74,7 +75,12 @@ def _run(cfg, args) -> int:
         print(f"xpusense-agent: {e}", file=sys.stderr)
         return EXIT_FAIL
     agent.install_signal_handlers()
-    return agent.run(once=args.once)
+    rc = agent.run(once=args.once)
+    st = agent.stream   # an operator's (and tests/privileged/test_systemd_units.py's) count at every clean stop
+    logging.getLogger("xpusense.agent").info(
+        "stopped: boot %s made %d batches, %d acknowledged in this run, %d not acknowledged (kept in the spool, "
+        "when on, for the next start)", agent.boot_id, st.last_seq(), st.acked, st.pending())
+    return rc
 
 
 def _with_sources(cfg):
