@@ -11,7 +11,15 @@ import time
 from collections import deque
 
 from xpusense.common.backoff import backoff_delays
-from xpusense.common.otlp import OtlpSender, StartTimes, device_attributes, metrics_data, resource_attributes
+from xpusense.common.otlp import (
+    OtlpSender,
+    Resources,
+    StartTimes,
+    device_attributes,
+    local_host_attributes,
+    metrics_data,
+    resource_attributes,
+)
 from xpusense.v1 import telemetry_pb2 as pb
 
 from .stream import sample_to_proto
@@ -36,6 +44,8 @@ class AgentOtlpExporter:
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
         self.starts = StartTimes()
+        self.resources = Resources()
+        self._host: dict[str, str] | None = None   # the SDK's host detector, asked once
         self.dropped = 0
         self.exported = 0
         self.failures = 0
@@ -68,6 +78,16 @@ class AgentOtlpExporter:
             self._inv = (time.monotonic(), inv)
         return inv
 
+    def resource_attributes(self, inv: pb.Inventory | None) -> dict[str, str]:
+        """The node's resource as the collector would make it, plus what the SDK's host detector
+        finds here where the inventory has no HOST resource (host source off)."""
+        attrs = resource_attributes(self.node_id, inv)
+        if "host.id" not in attrs:
+            if self._host is None:
+                self._host = local_host_attributes()
+            attrs = {**self._host, **attrs}
+        return attrs
+
     def flush(self) -> bool:
         """Send what is queued, one request per `max_request_points`; False on the first failure."""
         while True:
@@ -76,8 +96,8 @@ class AgentOtlpExporter:
             if not chunk:
                 return True
             inv = self._inventory()
-            data = metrics_data([(resource_attributes(self.node_id, inv), device_attributes(inv), chunk)],
-                                self.starts)
+            data = metrics_data([(self.resource_attributes(inv), device_attributes(inv), chunk)], self.starts,
+                                legacy_names=self.cfg.legacy_names, resources=self.resources)
             if not self.sender.send(data):
                 self.failures += 1
                 return False

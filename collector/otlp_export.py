@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from xpusense.common.backoff import backoff_delays
 from xpusense.common.otlp import (
     OtlpSender,
+    Resources,
     StartTimes,
     device_attributes,
     metrics_data,
@@ -135,6 +136,7 @@ class OtlpExport:
         self.queue = queue
         self.sender = sender or OtlpSender(cfg.endpoint, cfg.insecure, cfg.headers, cfg.timeout_s)
         self.starts = StartTimes()
+        self.resources = Resources()
         self.stop_event = threading.Event()
         self.exported_points = 0
         self.exported_batches = 0
@@ -150,7 +152,7 @@ class OtlpExport:
         for node_id, samples in by_node.items():
             inv = self.book.get(node_id)
             groups.append((resource_attributes(node_id, inv), device_attributes(inv), samples))
-        return metrics_data(groups, self.starts)
+        return metrics_data(groups, self.starts, legacy_names=self.cfg.legacy_names, resources=self.resources)
 
     def export_once(self) -> bool | None:
         """Send one request's worth from the queue: None when nothing was queued, else whether the

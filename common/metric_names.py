@@ -2,19 +2,24 @@
 
 Every name that one side writes and the other reads stands here once; docs/metrics.md documents
 each (a unit test checks that every name here is in it). Names follow OpenTelemetry semantic
-conventions where one exists and `xpusense.*` where none does.
+conventions where one exists and `xpusense.*` where none does. What each is called at the OTLP edge
+(where some `xpusense.*` names become semconv ones) is common/semconv.py's table.
 """
 
 from __future__ import annotations
 
 # Accelerators: the same name for NVIDIA (NVML) and Ascend (npu-smi), with a `vendor` label.
 GPU_UTILIZATION = "hw.gpu.utilization"
+# Exported over OTLP as hw.gpu.utilization with hw.gpu.task encoder / decoder (common/semconv.py).
+ENCODER_UTILIZATION = "xpusense.accelerator.encoder.utilization"
+DECODER_UTILIZATION = "xpusense.accelerator.decoder.utilization"
 GPU_MEMORY_USAGE = "hw.gpu.memory.usage"
 GPU_MEMORY_LIMIT = "hw.gpu.memory.limit"
 GPU_MEMORY_UTILIZATION = "hw.gpu.memory.utilization"
 POWER = "hw.power"
 ENERGY = "hw.energy"
 TEMPERATURE = "hw.temperature"                      # label sensor = chip / hbm
+TEMPERATURE_LIMIT = "hw.temperature.limit"          # labels sensor, limit = shutdown / slowdown / max
 HBM_BANDWIDTH_UTILIZATION = "xpusense.accelerator.hbm.bandwidth.utilization"
 MEMORY_CONTROLLER_UTILIZATION = "xpusense.accelerator.memory_controller.utilization"
 SM_UTILIZATION = "xpusense.accelerator.sm.utilization"
@@ -24,7 +29,9 @@ MEMORY_FREE = "xpusense.accelerator.memory.free"
 CLOCK_FREQUENCY = "xpusense.accelerator.clock.frequency"   # label clock = sm / memory
 REMAPPED_ROWS = "xpusense.accelerator.memory.remapped_rows"
 REMAP_FAILED = "xpusense.accelerator.memory.remap_failed"
-HEALTH = "xpusense.accelerator.health"
+HEALTH = "xpusense.accelerator.health"              # OTLP: hw.status (common/semconv.py)
+ECC_ERRORS = "xpusense.accelerator.ecc.errors"      # OTLP: hw.errors
+INTERCONNECT_IO = "xpusense.accelerator.interconnect.io"   # OTLP: hw.gpu.io
 
 # Host.
 CPU_UTILIZATION = "system.cpu.utilization"

@@ -1,43 +1,55 @@
 """OTLP metrics from xpusense samples: the conversion and the sender that the agent's direct export
 and the collector's exporter share, and their `[export.otlp]` config table.
-direct export (opentelemetry-sdk's OTLP gRPC metric exporter) for operators who want only
-observability.
 
-Conversion:
-- one OTLP Resource per node: `service.name` xpusense, `host.name`, `xpusense.node.id`, and from the
-  inventory labels the agent sends (`[labels]` in its config): `cloud` -> `cloud.provider`, `region`
-  -> `cloud.region`, `zone` -> `cloud.availability_zone`, `k8s_node` (or `k8s.node.name`) ->
-  `k8s.node.name`;
-- a series with a `device` label that names an inventory resource gets that device's attributes:
-  `hw.id`, `hw.type` (gpu / npu), `hw.vendor`, `hw.model` (and `hw.uuid` when NVML gave one);
-- names and units are those of docs/metrics.md, unchanged; gauges become Gauges, counters
-  cumulative monotonic Sums, histograms cumulative explicit-bucket Histograms (our cumulative
-  `counts` become OTLP's per-bucket counts).
+Conversion (names, instruments and attributes from common/semconv.py, the one table of them):
+- one OTLP Resource per node, made with the SDK's `Resource.create()` (its detectors: `telemetry.sdk.*`,
+  `OTEL_RESOURCE_ATTRIBUTES` / `OTEL_SERVICE_NAME` under ours) and `schema_url` the targeted semantic
+  conventions: `service.name` xpusense, `service.version`, `service.instance.id` (a UUID v5 of the node
+  id, so the same node is the same instance whichever path its points take), `xpusense.node.id`,
+  `host.name`, `host.id` / `host.arch` / `os.type` (the agent's HOST inventory resource; in the
+  agent's direct mode the SDK's host detector fills what is missing), and from the inventory labels
+  the agent sends (`[labels]`): `cloud` -> `cloud.provider`, `region` -> `cloud.region`, `zone` ->
+  `cloud.availability_zone`, `k8s_node` -> `k8s.node.name`. Points of process.* metrics (the agent
+  itself) get a resource of their own: the node's plus `process.pid`, `process.executable.name`,
+  `process.creation.time`;
+- accelerator points get the inventory's hw.* attributes the model lists for the metric (semconv.py);
+- gauges become Gauges, counters cumulative monotonic Sums, UpDownCounters cumulative non-monotonic
+  Sums, histograms cumulative explicit-bucket Histograms (our cumulative `counts` become OTLP's
+  per-bucket counts).
 
 A cumulative point needs a start time. The wire says counters run "since an unspecified start", so
 the start is the first time this exporter saw the series, moved to the previous point's time when
-the value falls (a counter reset: an agent or device restart). After an exporter restart the start
-moves on; backends treat that as a new cumulative stream, not as a reset to zero.
+the value falls (a counter reset: an agent or device restart); an UpDownCounter's start stays the
+first time seen (its value may fall). After an exporter restart the start moves on; backends treat
+that as a new cumulative stream, not as a reset to zero.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
+import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
 from xpusense import __version__
 from xpusense.v1 import telemetry_pb2 as pb
 
+from . import semconv as sc
 from .config import Key, complaint_from, positive
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import Gauge, Histogram, HistogramDataPoint, MetricsData, NumberDataPoint, Sum
+    from opentelemetry.sdk.resources import Resource
 
 log = logging.getLogger("xpusense.otlp")
 
 SCOPE_NAME = "xpusense"
+SERVICE_NAME = "xpusense"
+# semconv service.instance.id: "the ID SHOULD be used as source of a UUID Version 5 and SHOULD use
+# the following UUID as the namespace".
+SERVICE_INSTANCE_NAMESPACE = uuid.UUID("4d63009a-8d0f-11ee-aad7-4c796ed8e320")
 
 INVENTORY_LABEL_ATTRIBUTES = {
     "cloud": "cloud.provider",
@@ -49,31 +61,90 @@ INVENTORY_LABEL_ATTRIBUTES = {
     "k8s_node": "k8s.node.name",
     "k8s.node.name": "k8s.node.name",
 }
+# The agent's HOST inventory resource (agent/sources/host.py) -> resource attributes.
+HOST_ATTRIBUTES = {"host_id": "host.id", "arch": "host.arch", "os_type": "os.type"}
+# platform.machine() -> semconv host.arch
+ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64", "armv7l": "arm32",
+        "i386": "x86", "i686": "x86", "ppc64le": "ppc64", "ppc64": "ppc64", "s390x": "s390x", "ia64": "ia64"}
+ACCELERATOR_TYPES = ("GPU", "NPU")
+
+
+def host_arch(machine: str) -> str:
+    return ARCH.get(machine.lower(), machine.lower())
+
+
+def service_instance_id(node_id: str) -> str:
+    return str(uuid.uuid5(SERVICE_INSTANCE_NAMESPACE, node_id))
 
 
 def resource_attributes(node_id: str, inv: pb.Inventory | None) -> dict[str, str]:
-    attrs = {"service.name": "xpusense", "xpusense.node.id": node_id}
+    attrs = {"service.name": SERVICE_NAME, "service.version": __version__,
+             "service.instance.id": service_instance_id(node_id), "xpusense.node.id": node_id}
     if inv is not None:
         if inv.hostname:
             attrs["host.name"] = inv.hostname
         for k, v in inv.labels.items():
             if k in INVENTORY_LABEL_ATTRIBUTES and v:
                 attrs[INVENTORY_LABEL_ATTRIBUTES[k]] = v
+        for r in inv.resources:
+            if r.type.upper() == "HOST":
+                for k, a in HOST_ATTRIBUTES.items():
+                    if r.attributes.get(k):
+                        attrs[a] = host_arch(r.attributes[k]) if a == "host.arch" else r.attributes[k]
     return attrs
 
 
+def local_host_attributes() -> dict[str, str]:
+    """host.id and host.arch from the SDK's host detector (the agent's direct mode, as a fallback for
+    an inventory without a HOST resource); {} when it cannot tell."""
+    try:
+        from opentelemetry.sdk.resources import get_aggregated_resources
+        from opentelemetry.util._importlib_metadata import entry_points
+        detector = next(iter(entry_points(group="opentelemetry_resource_detector", name="host"))).load()()
+        got = dict(get_aggregated_resources([detector]).attributes)
+    except Exception as e:   # a detector that fails costs only its attributes
+        log.debug("host resource detector: %s", e)
+        return {}
+    out = {k: str(got[k]) for k in ("host.id", "host.arch") if got.get(k)}
+    if "host.arch" in out:
+        out["host.arch"] = host_arch(out["host.arch"])
+    return out
+
+
+class Resources:
+    """Resource per attribute set, made once with the SDK's Resource.create() (its detectors run once)."""
+
+    def __init__(self, max_size: int = 100_000):
+        self.max_size = max_size
+        self._made: dict[tuple, Resource] = {}
+
+    def get(self, attrs: dict) -> Resource:
+        key = tuple(sorted(attrs.items()))
+        got = self._made.get(key)
+        if got is None:
+            from opentelemetry.sdk.resources import Resource
+            if len(self._made) >= self.max_size:
+                self._made.clear()
+            got = self._made[key] = Resource.create(attrs, schema_url=sc.SCHEMA_URL)
+        return got
+
+
 def device_attributes(inv: pb.Inventory | None) -> dict[str, dict[str, str]]:
-    """Inventory resource id -> the attributes a series about that device gets."""
+    """Inventory resource id -> every hw.* attribute a point about that device may get (semconv.py
+    picks those the metric's model lists). Ascend NPUs are `hw.type` gpu: they report the hw.gpu.*
+    metrics, the model has no npu type, and `hw.vendor` / `hw.model` tell them apart."""
     out: dict[str, dict[str, str]] = {}
     if inv is None:
         return out
     for r in inv.resources:
-        if not r.id:
+        if not r.id or r.type.upper() == "HOST":
             continue
-        a = {"hw.id": r.id, "hw.type": r.type.lower(), "hw.vendor": r.vendor, "hw.model": r.model}
-        uuid = r.attributes.get("uuid")
-        if uuid:
-            a["hw.uuid"] = uuid
+        at = r.attributes
+        a = {"hw.id": r.id, "hw.type": "gpu" if r.type.upper() in ACCELERATOR_TYPES else r.type.lower(),
+             "hw.vendor": r.vendor, "hw.model": r.model,
+             "hw.driver_version": at.get("driver") or at.get("driver_version", ""),
+             "hw.firmware_version": at.get("firmware_version") or at.get("vbios_version", ""),
+             "hw.serial_number": at.get("serial", ""), sc.UUID: at.get("uuid", "")}
         out[r.id] = {k: v for k, v in a.items() if v}
     return out
 
@@ -85,7 +156,8 @@ class StartTimes:
         self.max_series = max_series
         self._seen: dict[tuple, tuple[int, int, float]] = {}   # key -> (start_ns, last_ns, last_value)
 
-    def start(self, key: tuple, t_ns: int, value: float) -> int:
+    def start(self, key: tuple, t_ns: int, value: float, resets: bool = True) -> int:
+        """resets=False (UpDownCounters): a value that falls is no reset, the start stays."""
         got = self._seen.get(key)
         if got is None:
             if len(self._seen) >= self.max_series:
@@ -93,12 +165,90 @@ class StartTimes:
             start = t_ns
         else:
             start, last_ns, last_value = got
-            if value < last_value and t_ns >= last_ns:   # a reset: the new run began after the last point
+            if resets and value < last_value and t_ns >= last_ns:   # a reset: the new run began after the last point
                 start = last_ns + 1 if last_ns < t_ns else t_ns
         if start > t_ns:
             start = t_ns
         self._seen[key] = (start, max(t_ns, got[1] if got else 0), value)
         return start
+
+
+@dataclasses.dataclass
+class Point:
+    """One OTLP point of a wire sample, after the semconv mapping."""
+    name: str
+    instrument: str
+    attributes: dict
+    resource: tuple          # (key, value) pairs added to the node's resource
+    value: float
+
+
+def _device(spec: sc.Metric | None, labels: dict, devices: dict) -> dict:
+    """The hw.* attributes of the device (or sensor, or MIG instance) a point is about."""
+    dev = labels.get("device")
+    if not dev:
+        return {}
+    info = devices.get(dev) or {"hw.id": dev, "hw.type": "gpu", **({"hw.vendor": labels["vendor"]}
+                                                                   if labels.get("vendor") else {})}
+    mig = labels.get("mig_instance")
+    if spec is not None and spec.device == sc.SENSOR:
+        parent = f"{dev}/gi{mig}" if mig else dev
+        sensor = labels.get("sensor", "")
+        out = {"hw.id": f"{parent}/temperature" + (f"/{sensor}" if sensor else ""), "hw.parent": parent}
+        if sensor:
+            out["hw.sensor_location"] = sensor
+        return out
+    wanted = spec.hw if spec is not None else sc.DEFAULT_HW
+    if mig:   # a MIG instance: its own hw.id; of the GPU's attributes only those true of it too
+        return {"hw.id": f"{dev}/gi{mig}", "hw.parent": dev,
+                **{k: info[k] for k in ("hw.type", "hw.vendor", "hw.driver_version") if k in wanted and k in info}}
+    return {"hw.id": info["hw.id"], **{k: info[k] for k in wanted if k in info}}
+
+
+def map_sample(s: pb.Sample, devices: dict, legacy_names: bool = False) -> list[Point]:
+    """A wire sample -> its OTLP points (none, one, or one per state of a state set)."""
+    spec = sc.lookup(s.name)
+    labels = dict(s.labels)
+    kind = {pb.COUNTER: sc.COUNTER, pb.HISTOGRAM: sc.HISTOGRAM}.get(s.kind, sc.GAUGE)
+    if spec is None or (legacy_names and spec.legacy):
+        attrs = {k: v for k, v in labels.items() if k not in ("device", "vendor", "mig_instance")}
+        return [Point(s.name, kind, {**attrs, **_device(spec, labels, devices)}, (), float(s.value))]
+    attrs, res = {}, []
+    for k, v in labels.items():
+        if (spec.device and k in sc.DEVICE_LABELS) or (spec.states is not None and k == spec.states.label):
+            continue
+        lab = spec.labels.get(k)
+        if lab is None:
+            attrs[k] = v
+            continue
+        if not lab.to:
+            continue
+        value = lab.values.get(v, v)
+        if value is None:
+            return []
+        out: str | int = value
+        if lab.integer:
+            try:
+                out = int(value)
+            except ValueError:
+                continue   # not a number: the attribute is left out rather than sent with the wrong type
+        if lab.resource:
+            res.append((lab.to, out))
+        else:
+            attrs[lab.to] = out
+            if lab.detail and value != v:
+                attrs[lab.detail] = v
+    attrs.update(spec.const)
+    if spec.device:
+        attrs.update(_device(spec, labels, devices))
+    instrument = spec.otlp_instrument
+    if spec.states is None:
+        return [Point(spec.name, instrument, attrs, tuple(sorted(res)), float(s.value))]
+    st = spec.states
+    wire = labels.get(st.label, "")
+    state = st.values[wire] if wire in st.values else ("ok" if s.value >= 1 else "degraded")
+    return [Point(spec.name, instrument, {**attrs, st.attribute: x}, tuple(sorted(res)), 1.0 if x == state else 0.0)
+            for x in st.states]
 
 
 def _histogram_point(s: pb.Sample, attrs: dict, start_ns: int) -> HistogramDataPoint:
@@ -117,8 +267,33 @@ def _histogram_point(s: pb.Sample, attrs: dict, start_ns: int) -> HistogramDataP
                               exemplars=[])
 
 
+# One OTLP metric being built: (unit, instrument, (attributes key, time) -> [value, attributes, sample]).
+_Building = tuple[str, str, dict[tuple, list]]
+
+
+def _collect(groups, legacy_names: bool) -> dict[tuple, tuple[dict, dict[str, _Building]]]:
+    """Map every sample; of two points of one series at one time (a batch sent twice) the later counts."""
+    by_resource: dict[tuple, tuple[dict, dict[str, _Building]]] = {}
+    for res_attrs, devices, samples in groups:
+        base = tuple(sorted(res_attrs.items()))
+        for s in samples:
+            for p in map_sample(s, devices, legacy_names):
+                rkey = base + p.resource
+                if rkey not in by_resource:
+                    by_resource[rkey] = ({**res_attrs, **dict(p.resource)}, {})
+                metrics = by_resource[rkey][1]
+                entry = metrics.get(p.name)
+                if entry is None:
+                    entry = metrics[p.name] = (s.unit, p.instrument, {})
+                elif entry[1] != p.instrument:
+                    continue   # one name, one instrument: a point that disagrees is dropped
+                entry[2][(tuple(sorted(p.attributes.items())), s.time_unix_nano)] = [p.value, p.attributes, s]
+    return by_resource
+
+
 def metrics_data(groups: Iterable[tuple[dict, dict, Iterable[pb.Sample]]], starts: StartTimes,
-                 series_key_prefix: tuple = ()) -> MetricsData:
+                 series_key_prefix: tuple = (), legacy_names: bool = False,
+                 resources: Resources | None = None) -> MetricsData:
     """groups: (resource attributes, device attributes by id, samples) -> the SDK's MetricsData.
 
     Points of the same metric name within a resource go into one Metric (several points of one
@@ -135,61 +310,44 @@ def metrics_data(groups: Iterable[tuple[dict, dict, Iterable[pb.Sample]]], start
         ScopeMetrics,
         Sum,
     )
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-    scope = InstrumentationScope(SCOPE_NAME, __version__)
-    # resource key -> (resource attributes, metric name -> (unit, kind, points)); the points of one
-    # metric are all NumberDataPoints (gauge, counter) or all HistogramDataPoints (histogram).
-    by_resource: dict[tuple, tuple[dict, dict[str, tuple[str, int, list[NumberDataPoint | HistogramDataPoint]]]]] = {}
-    for res_attrs, devices, samples in groups:
-        rkey = tuple(sorted(res_attrs.items()))
-        _, metrics = by_resource.setdefault(rkey, (res_attrs, {}))
-        node = res_attrs.get("xpusense.node.id", "")
-        for s in samples:
-            labels = dict(s.labels)
-            dev = labels.get("device")
-            attrs = {**devices[dev], **labels} if dev in devices else labels
-            kind = s.kind
-            entry = metrics.get(s.name)
-            if entry is None:
-                entry = metrics[s.name] = (s.unit, kind, [])
-            elif entry[1] != kind:
-                continue   # one name, one kind: a sample that disagrees is dropped (never seen from our sources)
-            if kind == pb.GAUGE or kind == pb.METRIC_KIND_UNSPECIFIED:
-                entry[2].append(NumberDataPoint(attributes=attrs, start_time_unix_nano=0,
-                                                time_unix_nano=s.time_unix_nano, value=float(s.value),
-                                                exemplars=[]))
-                continue
-            key = (*series_key_prefix, node, s.name, tuple(sorted(labels.items())))
-            if kind == pb.COUNTER:
-                start = starts.start(key, s.time_unix_nano, s.value)
-                entry[2].append(NumberDataPoint(attributes=attrs, start_time_unix_nano=start,
-                                                time_unix_nano=s.time_unix_nano, value=float(s.value),
-                                                exemplars=[]))
-            elif kind == pb.HISTOGRAM:
-                total = float(s.histogram.count or (s.histogram.counts[-1] if s.histogram.counts else 0))
-                start = starts.start(key, s.time_unix_nano, total)
-                entry[2].append(_histogram_point(s, attrs, start))
+    resources = resources or Resources()
+    scope = InstrumentationScope(SCOPE_NAME, __version__, schema_url=sc.SCHEMA_URL)
     out = []
-    for res_attrs, metrics in by_resource.values():
+    for rkey, (res_attrs, metrics) in _collect(groups, legacy_names).items():
         ms = []
-        for name, (unit, kind, points) in metrics.items():
-            if not points:
+        for name, (unit, instrument, points) in metrics.items():
+            dps: list = []
+            for (akey, t_ns), (value, attrs, s) in points.items():
+                if instrument == sc.GAUGE:
+                    dps.append(NumberDataPoint(attributes=attrs, start_time_unix_nano=0, time_unix_nano=t_ns,
+                                               value=value, exemplars=[]))
+                    continue
+                key = (*series_key_prefix, rkey, name, akey)
+                if instrument == sc.HISTOGRAM:
+                    total = float(s.histogram.count or (s.histogram.counts[-1] if s.histogram.counts else 0))
+                    dps.append(_histogram_point(s, attrs, starts.start(key, t_ns, total)))
+                else:
+                    start = starts.start(key, t_ns, value, resets=instrument == sc.COUNTER)
+                    dps.append(NumberDataPoint(attributes=attrs, start_time_unix_nano=start, time_unix_nano=t_ns,
+                                               value=value, exemplars=[]))
+            if not dps:
                 continue
             data: Sum | Histogram | Gauge
-            if kind == pb.COUNTER:
-                data = Sum(data_points=cast("list[NumberDataPoint]", points),
-                           aggregation_temporality=AggregationTemporality.CUMULATIVE, is_monotonic=True)
-            elif kind == pb.HISTOGRAM:
-                data = Histogram(data_points=cast("list[HistogramDataPoint]", points),
+            if instrument in (sc.COUNTER, sc.UPDOWNCOUNTER):
+                data = Sum(data_points=cast("list[NumberDataPoint]", dps),
+                           aggregation_temporality=AggregationTemporality.CUMULATIVE,
+                           is_monotonic=instrument == sc.COUNTER)
+            elif instrument == sc.HISTOGRAM:
+                data = Histogram(data_points=cast("list[HistogramDataPoint]", dps),
                                  aggregation_temporality=AggregationTemporality.CUMULATIVE)
             else:
-                data = Gauge(data_points=cast("list[NumberDataPoint]", points))
+                data = Gauge(data_points=cast("list[NumberDataPoint]", dps))
             ms.append(Metric(name=name, description="", unit=unit, data=data))
         if ms:
-            out.append(ResourceMetrics(resource=Resource(res_attrs), scope_metrics=[
-                ScopeMetrics(scope=scope, metrics=ms, schema_url="")], schema_url=""))
+            out.append(ResourceMetrics(resource=resources.get(res_attrs), scope_metrics=[
+                ScopeMetrics(scope=scope, metrics=ms, schema_url=sc.SCHEMA_URL)], schema_url=sc.SCHEMA_URL))
     return MetricsData(resource_metrics=out)
 
 
@@ -262,6 +420,8 @@ def otlp_schema(collector: bool) -> dict:
         "timeout_s": Key((int, float), 10.0, positive, help="one export call, the SDK's own retries included"),
         "backoff_max_s": Key((int, float), 30.0, positive, help="longest wait between two tries while the backend fails"),
         "max_request_points": Key(int, 5000, positive, help="points per export request (gRPC's 4 MiB default limit)"),
+        "legacy_names": Key(bool, False, help="export hw.errors, hw.status, hw.gpu.io and the load averages under "
+                                              "their xpusense 0.1 names and labels (kept for one release)"),
     }
     if collector:
         schema["queue_batches"] = Key(int, 10_000, positive,

@@ -1,4 +1,5 @@
-"""Host CPU, memory, load and disks from psutil (/proc), and per-interface counters over netlink.
+"""Host CPU, memory, load, disks, filesystems and paging from psutil and /proc, and per-interface
+counters over netlink.
 
 Network counters (bytes, packets, errors, drops per interface and direction) are read with
 pyroute2's rtnetlink `get_links()` (IFLA_STATS64), not by parsing /proc/net/dev. Everything here
@@ -9,8 +10,10 @@ feed them recorded readings.
 from __future__ import annotations
 
 import os
+import platform
 import re
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -120,6 +123,102 @@ def link_samples(links: Iterable[Mapping[str, Any]], include: str = "", exclude:
     return out
 
 
+def cpu_frequency_samples(freqs: Iterable[Any]) -> list[Sample]:
+    """psutil.cpu_freq(percpu=True) (MHz) -> system.cpu.frequency (Hz) per logical CPU; none where the
+    kernel has no cpufreq (many VMs)."""
+    return [Sample("system.cpu.frequency", f.current * 1e6, "Hz", {"cpu": str(i)})
+            for i, f in enumerate(freqs) if f is not None and f.current and f.current > 0]
+
+
+def uptime_samples(now_s: float, boot_time_s: float) -> list[Sample]:
+    up = now_s - boot_time_s
+    return [Sample("system.uptime", up, "s")] if boot_time_s > 0 and up >= 0 else []
+
+
+# Pseudo and container mounts left out (node_exporter's default mount-points-exclude).
+FILESYSTEM_EXCLUDE = r"^/(dev|proc|run/credentials/.+|sys|var/lib/docker/.+|var/lib/containers/storage/.+)($|/)"
+
+
+def filesystem_samples(partitions: Iterable[Any], usage: Callable[[str], Any],
+                       exclude: str = FILESYSTEM_EXCLUDE) -> list[Sample]:
+    """psutil.disk_partitions() and disk_usage(mountpoint) -> system.filesystem.usage by state (used,
+    free, reserved: root's blocks, total - used - free), .limit and .utilization (used / total). A
+    device mounted several times (bind mounts) is reported once, at its shortest mountpoint; a mount
+    whose usage cannot be read is left out."""
+    skip = re.compile(exclude) if exclude else None
+    first: dict[str, Any] = {}
+    for p in sorted(partitions, key=lambda p: (len(p.mountpoint), p.mountpoint)):
+        if (skip and skip.match(p.mountpoint)) or p.device in first:
+            continue
+        first[p.device] = p
+    out = []
+    for dev, p in first.items():
+        try:
+            u = usage(p.mountpoint)
+        except OSError:
+            continue
+        opts = p.opts.split(",") if p.opts else []
+        labels = {"device": dev, "type": p.fstype, "mode": "ro" if "ro" in opts else "rw", "mountpoint": p.mountpoint}
+        reserved = max(u.total - u.used - u.free, 0)
+        for state, v in (("used", u.used), ("free", u.free), ("reserved", reserved)):
+            out.append(Sample("system.filesystem.usage", float(v), "By", {**labels, "state": state}))
+        out.append(Sample("system.filesystem.limit", float(u.total), "By", dict(labels)))
+        if u.total:
+            out.append(Sample("system.filesystem.utilization", u.used / u.total, "1", dict(labels)))
+    return out
+
+
+def parse_vmstat(text: str) -> dict[str, int]:
+    out = {}
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        if v.strip().isdigit():
+            out[k] = int(v)
+    return out
+
+
+def paging_samples(swap: Any, vmstat: Mapping[str, int]) -> list[Sample]:
+    """psutil.swap_memory() -> system.paging.usage / .utilization by state; /proc/vmstat -> page
+    faults (major = pgmajfault, minor = pgfault - pgmajfault) and pages swapped in / out (pswpin,
+    pswpout) as system.paging.operations."""
+    out = []
+    if swap is not None:
+        for state, v in (("used", swap.used), ("free", swap.free)):
+            out.append(Sample("system.paging.usage", float(v), "By", {"state": state}))
+            if swap.total:
+                out.append(Sample("system.paging.utilization", v / swap.total, "1", {"state": state}))
+    if "pgfault" in vmstat and "pgmajfault" in vmstat:
+        major = vmstat["pgmajfault"]
+        out.append(Sample("system.paging.faults", float(major), "{fault}", {"type": "major"}, COUNTER))
+        out.append(Sample("system.paging.faults", float(max(vmstat["pgfault"] - major, 0)), "{fault}",
+                          {"type": "minor"}, COUNTER))
+    for key, direction in (("pswpin", "in"), ("pswpout", "out")):
+        if key in vmstat:
+            out.append(Sample("system.paging.operations", float(vmstat[key]), "{operation}",
+                              {"direction": direction}, COUNTER))
+    return out
+
+
+def read_machine_id(paths: Iterable[str] = ("/etc/machine-id", "/var/lib/dbus/machine-id")) -> str:
+    for p in paths:
+        try:
+            with open(p, encoding="ascii") as f:
+                got = f.read().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if got:
+            return got
+    return ""
+
+
+def host_inventory(machine_id: str, machine: str, os_type: str = "linux") -> dict:
+    """The HOST inventory resource: what OTLP export puts in the node's resource (host.id, host.arch,
+    os.type: common/otlp.py)."""
+    attrs = {"host_id": machine_id, "arch": machine, "os_type": os_type}
+    return {"type": "HOST", "vendor": "", "model": "", "id": "host",
+            "attributes": {k: v for k, v in attrs.items() if v}, "interconnects": []}
+
+
 def netlink_links(msgs: Iterable[Any]) -> list[dict]:
     """pyroute2 ifinfmsg objects -> plain dicts for link_samples()."""
     out = []
@@ -151,6 +250,7 @@ class HostSource(Source):
         self.interface_exclude = interface_exclude
         self._prev_cpu: dict[str, float] | None = None
         self._ipr: IPRoute | None = None
+        self._machine_id = ""
 
     def setup(self) -> None:
         if not os.path.isdir(self.procfs):
@@ -169,6 +269,30 @@ class HostSource(Source):
             where = f"network namespace {self.netns!r}" if self.netns else "this host"
             raise Unavailable(f"cannot open rtnetlink in {where}: {e}") from e
         self._prev_cpu = psutil.cpu_times()._asdict()
+        self._machine_id = read_machine_id()
+
+    def inventory(self) -> list[dict]:
+        return [host_inventory(self._machine_id, platform.machine(), platform.system().lower())]
+
+    def _vmstat(self) -> dict[str, int]:
+        try:
+            with open(os.path.join(self.procfs, "vmstat"), encoding="ascii") as f:
+                return parse_vmstat(f.read())
+        except OSError:
+            return {}
+
+    def _more(self) -> list[Sample]:
+        """CPU frequency, uptime, filesystems and paging: each reading on its own (a failing one costs itself)."""
+        out: list[Sample] = []
+        for read in (lambda: cpu_frequency_samples(psutil.cpu_freq(percpu=True) or []),
+                     lambda: uptime_samples(time.time(), psutil.boot_time()),
+                     lambda: filesystem_samples(psutil.disk_partitions(all=False), psutil.disk_usage),
+                     lambda: paging_samples(psutil.swap_memory(), self._vmstat())):
+            try:
+                out += read()
+            except (OSError, RuntimeError, ValueError, AttributeError):
+                continue
+        return out
 
     def collect(self, tier: str) -> list[Sample]:
         cur = psutil.cpu_times()._asdict()
@@ -177,6 +301,7 @@ class HostSource(Source):
         out += memory_samples(psutil.virtual_memory()._asdict())
         out += load_samples(psutil.getloadavg())
         out += disk_samples(psutil.disk_io_counters(perdisk=True) or {}, self.disk_exclude)
+        out += self._more()
         try:
             assert self._ipr is not None, "collect() before setup() or after close()"
             msgs = self._ipr.get_links()

@@ -1,8 +1,9 @@
 """OTLP export end to end: a real agent (fake NVML: 8 H100s) and a real collector with a durable
 store export to a real OTLP gRPC receiver (opentelemetry-proto's MetricsService, served by grpc in
-this test). Names, units, kinds, values and attributes arrive as docs/metrics.md says; then the
-receiver is down while the collector stores 30 s of batches, comes back, and every point the
-collector stored arrives (the store is the export queue: nothing missing)."""
+this test). Names, units, kinds, values and attributes arrive as docs/metrics.md says (renamed at the
+OTLP edge by common/semconv.py; test_semconv_otlp.py checks every metric against the semantic
+conventions' model); then the receiver is down while the collector stores 30 s of batches, comes
+back, and every point the collector stored arrives (the store is the export queue: nothing missing)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from helpers import BIN, ROOT, free_port, nodes_json, wait_until
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 
 from xpusense.collector.store import stored_batches
+from xpusense.common.otlp import map_sample
+from xpusense.v1 import telemetry_pb2 as pb
 
 sys.path.insert(0, str(ROOT / "tests"))
 from fakes.nvml import fakenvml  # noqa: E402
@@ -62,31 +65,44 @@ class Receiver(metrics_service_pb2_grpc.MetricsServiceServicer):
         return server
 
     def points(self) -> dict[tuple, tuple]:
-        """(node, name, labels without the hw.* device attributes, time) -> (value, unit, kind, attrs, resource)."""
+        """(node, name, attributes without the inventory's, time) -> (value, unit, kind, attrs, resource)."""
         with self.lock:
             reqs = list(self.requests)
         out = {}
         for req in reqs:
             for rm in req.resource_metrics:
-                res = {a.key: a.value.string_value for a in rm.resource.attributes}
+                res = {a.key: any_value(a.value) for a in rm.resource.attributes}
                 node = res.get("xpusense.node.id", "")
                 for sm in rm.scope_metrics:
                     for m in sm.metrics:
                         kind = m.WhichOneof("data")
                         dps = getattr(m, kind).data_points
                         for dp in dps:
-                            attrs = {a.key: a.value.string_value for a in dp.attributes}
-                            labels = tuple(sorted((k, v) for k, v in attrs.items() if not k.startswith("hw.")))
+                            attrs = {a.key: any_value(a.value) for a in dp.attributes}
+                            labels = tuple(sorted((k, v) for k, v in attrs.items() if k not in FROM_INVENTORY))
                             value = dp.sum if kind == "histogram" else dp.as_double
                             out[(node, m.name, labels, dp.time_unix_nano)] = (value, m.unit, kind, attrs, res, m, dp)
         return out
 
 
+# Point attributes that come from the node's inventory rather than from the sample.
+FROM_INVENTORY = {"hw.model", "hw.vendor", "hw.type", "hw.driver_version", "hw.firmware_version", "hw.serial_number",
+                  "xpusense.accelerator.uuid"}
+
+
+def any_value(v):
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else None
+
+
 def stored_points(data_dir) -> dict[tuple, float]:
+    """What the collector stored, as the OTLP points it must become (the same semconv mapping)."""
     out = {}
     for b in stored_batches(str(data_dir)):
         for s in b.samples:
-            out[(b.node_id, s.name, tuple(sorted(s.labels.items())), s.time_unix_nano)] = s.value
+            for p in map_sample(s, {}):
+                attrs = tuple(sorted((k, v) for k, v in p.attributes.items() if k not in FROM_INVENTORY))
+                out[(b.node_id, p.name, attrs, s.time_unix_nano)] = p.value if s.kind != pb.HISTOGRAM else s.value
     return out
 
 
@@ -114,20 +130,23 @@ def test_otlp_export_from_the_durable_store_survives_a_receiver_outage(procs, tm
     got = wait_until(lambda: have("hw.gpu.utilization", "hw.gpu.memory.usage", "system.cpu.time", "hw.energy",
                                   "hw.temperature"), timeout_s=60, what="GPU and host series at the receiver")
 
-    # Resource: one per node, with the inventory's host name and the agent's cloud/k8s labels.
-    util = [v for k, v in got.items() if k[1] == "hw.gpu.utilization" and ("device", "gpu0") in k[2]]
+    # Resource: one per node, made by the SDK, with the inventory's host name and the agent's cloud/k8s labels.
+    util = [v for k, v in got.items() if k[1] == "hw.gpu.utilization" and ("hw.id", "gpu0") in k[2]]
     value, unit, kind, attrs, res, metric, dp = util[0]
-    assert res == {"service.name": "xpusense", "xpusense.node.id": NODE, "host.name": socket.gethostname(),
-                   "cloud.provider": "aws", "cloud.region": "eu-west-1", "k8s.node.name": "gpu-node-7"}
-    # Names and units of docs/metrics.md; device attributes from the inventory.
+    assert {k: res[k] for k in ("service.name", "xpusense.node.id", "host.name", "cloud.provider", "cloud.region",
+                                "k8s.node.name")} == {
+        "service.name": "xpusense", "xpusense.node.id": NODE, "host.name": socket.gethostname(),
+        "cloud.provider": "aws", "cloud.region": "eu-west-1", "k8s.node.name": "gpu-node-7"}
+    assert res["telemetry.sdk.language"] == "python" and res["service.instance.id"] and res["service.version"]
+    # Names and units of docs/metrics.md; device attributes from the inventory, not the wire's labels.
     assert (unit, kind) == ("1", "gauge") and 0.0 <= value <= 1.0
-    assert attrs["device"] == "gpu0" and attrs["vendor"] == "nvidia"
-    assert attrs["hw.id"] == "gpu0" and attrs["hw.type"] == "gpu" and attrs["hw.vendor"] == "nvidia"
-    assert attrs["hw.model"] == "H100-80GB-HBM3" and attrs["hw.uuid"].startswith("GPU-")
+    assert "device" not in attrs and "vendor" not in attrs and attrs["hw.gpu.task"] == "general"
+    assert attrs["hw.id"] == "gpu0" and attrs["hw.vendor"] == "nvidia" and attrs["hw.driver_version"] == "550.54.15"
+    assert attrs["hw.model"] == "H100-80GB-HBM3" and attrs["xpusense.accelerator.uuid"].startswith("GPU-")
     mem = next(v for k, v in got.items() if k[1] == "hw.gpu.memory.usage")
-    assert mem[1:3] == ("By", "gauge") and mem[0] > 2**30
+    assert mem[1:3] == ("By", "sum") and mem[0] > 2**30 and not mem[5].sum.is_monotonic   # an UpDownCounter
     temp = next(v for k, v in got.items() if k[1] == "hw.temperature")
-    assert temp[1] == "Cel" and temp[3]["sensor"] in ("chip", "hbm")
+    assert temp[1] == "Cel" and temp[3]["hw.sensor_location"] in ("chip", "hbm")
     # Counters: cumulative monotonic sums with a start time.
     cpu = next(v for k, v in got.items() if k[1] == "system.cpu.time")
     _, unit, kind, _, _, metric, dp = cpu

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from xpusense import __version__
 from xpusense.agent.config import load_agent
 from xpusense.agent.otlp_export import AgentOtlpExporter
 from xpusense.agent.sources.base import COUNTER, GAUGE, HISTOGRAM, Sample
@@ -59,14 +60,18 @@ def points(data):
 
 
 def test_resource_and_device_attributes():
-    assert resource_attributes("n-1", INV) == {
-        "service.name": "xpusense", "xpusense.node.id": "n-1", "host.name": "host-a",
-        "cloud.provider": "huawei_cloud", "cloud.region": "cn-north-4", "k8s.node.name": "n1"}
-    assert resource_attributes("n-2", None) == {"service.name": "xpusense", "xpusense.node.id": "n-2"}
+    got = resource_attributes("n-1", INV)
+    assert got.pop("service.instance.id") != resource_attributes("n-2", INV)["service.instance.id"]
+    assert got == {"service.name": "xpusense", "service.version": __version__, "xpusense.node.id": "n-1",
+                   "host.name": "host-a", "cloud.provider": "huawei_cloud", "cloud.region": "cn-north-4",
+                   "k8s.node.name": "n1"}
+    assert set(resource_attributes("n-2", None)) == {"service.name", "service.version", "service.instance.id",
+                                                      "xpusense.node.id"}
     d = device_attributes(INV)
     assert d["gpu0"] == {"hw.id": "gpu0", "hw.type": "gpu", "hw.vendor": "nvidia", "hw.model": "H100-80GB-HBM3",
-                         "hw.uuid": "GPU-abc"}
-    assert d["npu0-0"]["hw.type"] == "npu"
+                         "xpusense.accelerator.uuid": "GPU-abc"}
+    # semconv has no npu hw.type: an Ascend chip reports hw.gpu.* as a gpu, told apart by vendor and model
+    assert d["npu0-0"]["hw.type"] == "gpu" and d["npu0-0"]["hw.vendor"] == "huawei"
 
 
 def test_gauges_sums_and_histograms():
@@ -81,7 +86,7 @@ def test_gauges_sums_and_histograms():
     assert res["host.name"] == "host-a" and g.unit == "1"
     dp = g.data.data_points[0]
     assert dp.value == 0.5 and dict(dp.attributes)["hw.model"] == "H100-80GB-HBM3"
-    assert dict(dp.attributes)["device"] == "gpu0"
+    assert dict(dp.attributes)["hw.id"] == "gpu0" and "device" not in dp.attributes and "vendor" not in dp.attributes
     e, _ = got["hw.energy"]
     assert e.unit == "J" and e.data.is_monotonic and e.data.aggregation_temporality.name == "CUMULATIVE"
     assert [(p.start_time_unix_nano, p.time_unix_nano, p.value) for p in e.data.data_points] == [
