@@ -47,7 +47,7 @@ OTHER_RESOURCE = {"cloud.provider", "cloud.region", "cloud.availability_zone", "
 OPEN = {lab.to for m in semconv.METRICS for lab in m.labels.values() if lab.open}
 
 GPU_METRICS = {"hw.gpu.utilization", "hw.gpu.memory.usage", "hw.gpu.memory.limit", "hw.gpu.memory.utilization",
-               "hw.power", "hw.energy", "hw.temperature", "hw.errors", "hw.status", "hw.gpu.io"}
+               "hw.power", "hw.energy", "hw.temperature", "hw.temperature.limit", "hw.errors", "hw.status", "hw.gpu.io"}
 NPU_METRICS = {"hw.gpu.utilization", "hw.gpu.memory.usage", "hw.gpu.memory.limit", "hw.gpu.memory.utilization",
                "hw.power", "hw.temperature", "hw.status"}
 
@@ -222,7 +222,8 @@ def test_collector_export_of_gpu_and_npu_fleet_conforms(procs, tmp_path, libdir)
 
         want = GPU_METRICS | NPU_METRICS | host_metrics()
         wait_for(receiver, want, "every metric of both nodes at the receiver",
-                 lambda seen: {"npu0-0", "gpu0"} <= ids(seen, "hw.power") and "npu7-0" in ids(seen, "hw.status"))
+                 lambda seen: {"npu0-0", "gpu0"} <= ids(seen, "hw.power") and "npu7-0" in ids(seen, "hw.status")
+                 and len({k[1] for k in seen if k[0] == "hw.gpu.utilization" and ("hw.id", "gpu3") in k[1]}) == 3)
         got, seen = verdicts(receiver)
         # Both vendors under the same names, told apart by hw.vendor; sensors and their parents.
         vendors = {dict(k[1]).get("hw.vendor") for k in seen if k[0] == "hw.gpu.utilization"}
@@ -230,6 +231,11 @@ def test_collector_export_of_gpu_and_npu_fleet_conforms(procs, tmp_path, libdir)
         temps = {dict(k[1])["hw.id"]: dict(k[1]) for k in seen if k[0] == "hw.temperature"}
         assert temps["gpu0/temperature/hbm"]["hw.parent"] == "gpu0"
         assert temps["npu0-0/temperature/chip"]["hw.sensor_location"] == "chip"
+        # A sensor's limits are points of the same hw.id; NVENC/NVDEC are hw.gpu.utilization tasks.
+        limits = {(dict(k[1])["hw.id"], dict(k[1])["hw.limit_type"]) for k in seen if k[0] == "hw.temperature.limit"}
+        assert {("gpu0/temperature/chip", "high.critical"), ("gpu0/temperature/hbm", "max")} <= limits
+        tasks = {dict(k[1])["hw.gpu.task"] for k in seen if k[0] == "hw.gpu.utilization" and ("hw.id", "gpu3") in k[1]}
+        assert tasks == {"general", "encoder", "decoder"}
         res = next(r for (name, _), (r, _) in seen.items() if name == "hw.power")
         assert res["cloud.provider"] == "aws" and res["service.name"] == "xpusense"
         report("collector", got)

@@ -11,6 +11,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from xpusense.common import metric_names as m
+
 from ..base import COUNTER, GAUGE, NEARLINE, OFFLINE, REALTIME
 from .library import FUNCTION_NOT_FOUND, Unreadable, code
 
@@ -122,15 +124,34 @@ def calls(nv: Any, memory: MemoryReader, fallbacks: dict[str, Fallback]) -> dict
         "remapped_rows": nv.nvmlDeviceGetRemappedRows,
         "throttle": fallbacks["throttle"],
         "hbm_temperature": lambda h: field(nv, h, nv.NVML_FI_DEV_MEMORY_TEMP),
+        "encoder": nv.nvmlDeviceGetEncoderUtilization,           # [percent, sampling period us]
+        "decoder": nv.nvmlDeviceGetDecoderUtilization,
+        **{f"thermal_{name}": threshold(nv, const) for name, const in THRESHOLDS.items()},
         "nvlink": lambda h: fields(nv, h, [(nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
                                            (nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS)]),
     }
 
 
-def used_share(m: Memory) -> float | None:
+def used_share(mem: Memory) -> float | None:
     """used / (total - reserved), as DCGM's FB_USED_PERCENT; used / total from the v1 call."""
-    usable = m.total - (m.reserved or 0)
-    return m.used / usable if usable > 0 else None
+    usable = mem.total - (mem.reserved or 0)
+    return mem.used / usable if usable > 0 else None
+
+
+# nvmlTemperatureThresholds_t read per GPU -> the pynvml constant. Named `thermal_*` (not
+# temperature) so a GPU without them shows `thermal_*` in `sources`, apart from the temperatures.
+THRESHOLDS = {"shutdown": "NVML_TEMPERATURE_THRESHOLD_SHUTDOWN", "slowdown": "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN",
+              "gpu_max": "NVML_TEMPERATURE_THRESHOLD_GPU_MAX", "mem_max": "NVML_TEMPERATURE_THRESHOLD_MEM_MAX"}
+
+
+def threshold(nv: Any, const: str) -> Call:
+    kind = getattr(nv, const, None)
+    return lambda h: nv.nvmlDeviceGetTemperatureThreshold(h, kind)
+
+
+def codec_share(answer: Any) -> float | None:
+    """nvmlDeviceGet{En,De}coderUtilization -> [percent, sampling period us]: the busy share."""
+    return answer[0] / 100.0
 
 
 READINGS = [
@@ -159,6 +180,14 @@ READINGS = [
     Reading("hw.energy", "J", OFFLINE, "energy", lambda mj: mj / 1000.0, COUNTER),
     Reading("hw.temperature", "Cel", OFFLINE, "temperature", float, labels=(("sensor", "chip"),)),
     Reading("hw.temperature", "Cel", OFFLINE, "hbm_temperature", float, labels=(("sensor", "hbm"),)),
+    # The limits of the same sensors (nvmlDeviceGetTemperatureThreshold): OTLP hw.temperature.limit
+    # with hw.limit_type high.critical / throttled / max (common/semconv.py).
+    *(Reading(m.TEMPERATURE_LIMIT, "Cel", OFFLINE, f"thermal_{kind}", float, labels=(("sensor", sensor), ("limit", limit)))
+      for kind, sensor, limit in (("shutdown", "chip", "shutdown"), ("slowdown", "chip", "slowdown"),
+                                  ("gpu_max", "chip", "max"), ("mem_max", "hbm", "max"))),
+    # NVENC / NVDEC: OTLP hw.gpu.utilization with hw.gpu.task encoder / decoder.
+    Reading(m.ENCODER_UTILIZATION, "1", NEARLINE, "encoder", codec_share),
+    Reading(m.DECODER_UTILIZATION, "1", NEARLINE, "decoder", codec_share),
     Reading("xpusense.accelerator.ecc.errors", "{error}", OFFLINE, "ecc_corrected", float, COUNTER,
             (("type", "corrected"),)),
     Reading("xpusense.accelerator.ecc.errors", "{error}", OFFLINE, "ecc_uncorrected", float, COUNTER,

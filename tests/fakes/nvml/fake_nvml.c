@@ -130,6 +130,7 @@ _Static_assert(sizeof(nvmlGpmMetric_t) == 40, "c_nvmlGpmMetric_t");
     X(S_GR_CLK, "graphics_clock_mhz", 0) X(S_VID_CLK, "video_clock_mhz", 0) \
     X(S_POWER, "power_mw", 0) X(S_GPU_TEMP, "gpu_temp_c", 0) X(S_MEM_TEMP, "mem_temp_c", 0) \
     X(S_FAN, "fan_pct", 0) X(S_REASONS, "clocks_event_reasons", 1) \
+    X(S_ENC_UTIL, "enc_util", 0) X(S_DEC_UTIL, "dec_util", 0) \
     X(S_ECC_SBE_VOL, "ecc_corrected_volatile", 1) X(S_ECC_DBE_VOL, "ecc_uncorrected_volatile", 1) \
     X(S_ECC_SBE_AGG, "ecc_corrected_aggregate", 1) X(S_ECC_DBE_AGG, "ecc_uncorrected_aggregate", 1) \
     X(S_REMAP_COR, "remapped_cor", 1) X(S_REMAP_UNC, "remapped_unc", 1) \
@@ -160,6 +161,7 @@ typedef struct {
     unsigned mig_max; int n_mig; mig_t mig[MAX_MIG];
     unsigned nvlink_links, nvlink_max_links, nvlink_speed_mbps, nvlink_version;
     unsigned power_limit_mw, max_sm_clk, max_mem_clk, max_gr_clk, max_vid_clk;
+    unsigned temp_threshold[4];   /* shutdown, slowdown, mem_max, gpu_max (nvmlTemperatureThresholds_t); 0: NOT_SUPPORTED */
     unsigned pcie_gen, pcie_max_gen, pcie_width, pcie_max_width;
     int gpm, ecc_mode, mig_monitor;
     unsigned long long event_types;
@@ -494,6 +496,8 @@ static int set_gpu_key(gpu_t *g, int idx, const char *key, char *val)
     UINT("nvlink_links", nvlink_links) UINT("nvlink_max_links", nvlink_max_links)
     UINT("nvlink_speed_mbps", nvlink_speed_mbps) UINT("nvlink_version", nvlink_version)
     UINT("power_limit_mw", power_limit_mw)
+    UINT("temp_shutdown_c", temp_threshold[0]) UINT("temp_slowdown_c", temp_threshold[1])
+    UINT("temp_mem_max_c", temp_threshold[2]) UINT("temp_gpu_max_c", temp_threshold[3])
     UINT("max_sm_clock_mhz", max_sm_clk) UINT("max_mem_clock_mhz", max_mem_clk)
     UINT("max_graphics_clock_mhz", max_gr_clk) UINT("max_video_clock_mhz", max_vid_clk)
     UINT("pcie_gen", pcie_gen) UINT("pcie_max_gen", pcie_max_gen)
@@ -708,6 +712,7 @@ static void defaults(void)
         g->mem_total = 80ull << 30;
         g->mig_max = 7;
         g->power_limit_mw = 700000;
+        g->temp_threshold[0] = 92; g->temp_threshold[1] = 89; g->temp_threshold[2] = 95; g->temp_threshold[3] = 87;
         g->max_sm_clk = 1980; g->max_mem_clk = 2619; g->max_gr_clk = 1980; g->max_vid_clk = 1545;
         g->pcie_gen = 5; g->pcie_max_gen = 5; g->pcie_width = 16; g->pcie_max_width = 16;
         g->ecc_mode = 1;
@@ -1303,6 +1308,26 @@ API nvmlReturn_t nvmlDeviceGetFanSpeed(nvmlDevice_t h, unsigned int *pct)
     *pct = u32(gv(g, S_FAN, t));
     LEAVE(NVML_SUCCESS);
 }
+
+API nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t h, unsigned int type, unsigned int *temp)
+{
+    ENTER("nvmlDeviceGetTemperatureThreshold"); DEV(h, 0); OUT(temp);
+    if (type > 7) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    if (type > 3 || !g->temp_threshold[type]) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+    *temp = g->temp_threshold[type];
+    LEAVE(NVML_SUCCESS);
+}
+
+static nvmlReturn_t codec(const char *fn, nvmlDevice_t h, int series, unsigned int *util, unsigned int *period_us)
+{
+    ENTER(fn); DEV(h, 0); OUT(util); OUT(period_us);
+    *util = u32(gv(g, series, t));      /* unset: an idle NVENC/NVDEC, 0 % */
+    *period_us = 167000;                /* what R550 drivers report for a busy GPU (about 1/6 s) */
+    LEAVE(NVML_SUCCESS);
+}
+
+API nvmlReturn_t nvmlDeviceGetEncoderUtilization(nvmlDevice_t h, unsigned int *u, unsigned int *p) { return codec("nvmlDeviceGetEncoderUtilization", h, S_ENC_UTIL, u, p); }
+API nvmlReturn_t nvmlDeviceGetDecoderUtilization(nvmlDevice_t h, unsigned int *u, unsigned int *p) { return codec("nvmlDeviceGetDecoderUtilization", h, S_DEC_UTIL, u, p); }
 
 static nvmlReturn_t reasons(const char *fn, nvmlDevice_t h, unsigned long long *r)
 {
