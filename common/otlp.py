@@ -27,6 +27,7 @@ that as a new cumulative stream, not as a reset to zero.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 import uuid
@@ -182,6 +183,10 @@ class Point:
     resource: tuple          # (key, value) pairs added to the node's resource
     value: float
 
+    @functools.cached_property
+    def key(self) -> tuple:
+        return tuple(sorted(self.attributes.items()))
+
 
 def _device(spec: sc.Metric | None, labels: dict, devices: dict) -> dict:
     """The hw.* attributes of the device (or sensor, or MIG instance) a point is about."""
@@ -276,8 +281,19 @@ def _collect(groups, legacy_names: bool) -> dict[tuple, tuple[dict, dict[str, _B
     by_resource: dict[tuple, tuple[dict, dict[str, _Building]]] = {}
     for res_attrs, devices, samples in groups:
         base = tuple(sorted(res_attrs.items()))
+        # A series comes once per round: map its labels once per request (the value is the sample's,
+        # except in a state set, where it is part of the key).
+        memo: dict[tuple, list[Point]] = {}
         for s in samples:
-            for p in map_sample(s, devices, legacy_names):
+            spec = sc.lookup(s.name)
+            key = (s.name, s.kind, tuple(sorted(s.labels.items())),
+                   s.value if spec is not None and spec.states is not None else None)
+            mapped = memo.get(key)
+            if mapped is None:
+                mapped = memo[key] = map_sample(s, devices, legacy_names)
+            states = key[3] is not None
+            for p in mapped:
+                value = p.value if states else float(s.value)
                 rkey = base + p.resource
                 if rkey not in by_resource:
                     by_resource[rkey] = ({**res_attrs, **dict(p.resource)}, {})
@@ -287,7 +303,7 @@ def _collect(groups, legacy_names: bool) -> dict[tuple, tuple[dict, dict[str, _B
                     entry = metrics[p.name] = (s.unit, p.instrument, {})
                 elif entry[1] != p.instrument:
                     continue   # one name, one instrument: a point that disagrees is dropped
-                entry[2][(tuple(sorted(p.attributes.items())), s.time_unix_nano)] = [p.value, p.attributes, s]
+                entry[2][(p.key, s.time_unix_nano)] = [value, p.attributes, s]
     return by_resource
 
 
