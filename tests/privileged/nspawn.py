@@ -28,6 +28,7 @@ VARIANT = "minbase"
 PACKAGES = ("systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "ca-certificates")
 CACHE = Path(os.environ.get("XPUSENSE_NSPAWN_CACHE", "/var/cache/xpusense-test"))
 MIRROR = os.environ.get("XPUSENSE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+STALE_RUN_S = 12 * 3600
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -57,6 +58,9 @@ def cached_tree(log=print) -> tuple[Path, float]:
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)   # one builder at a time; the others wait and reuse it
+        for old in CACHE.glob("run-*"):   # copies left by a run that was killed (SIGKILL, power loss)
+            if time.time() - old.stat().st_mtime > STALE_RUN_S:
+                shutil.rmtree(old, ignore_errors=True)
         if (tree / ".complete").exists():
             return tree, 0.0
         t0 = time.monotonic()
@@ -84,9 +88,17 @@ class Container:
         self.capabilities = capabilities
         self.proc: subprocess.Popen | None = None
         self.pid1 = 0
+        try:
+            self._prepare(tree)
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+
+    def _prepare(self, tree: Path) -> None:
         subprocess.run(["cp", "-a", "--reflink=auto", str(tree), str(self.dir)], check=True)
         (self.dir / ".complete").unlink(missing_ok=True)
-        (self.dir / "etc/hostname").write_text(name + "\n")
+        os.utime(self.dir)   # cp -a kept the tree's time: this copy's age counts from now (STALE_RUN_S)
+        (self.dir / "etc/hostname").write_text(self.name + "\n")
         # The host's resolver and trust anchors: pip inside reaches PyPI the way the host does
         # (through the same DNS and, where the network intercepts TLS, the same CA bundle).
         (self.dir / "etc/resolv.conf").unlink(missing_ok=True)

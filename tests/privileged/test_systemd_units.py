@@ -50,6 +50,7 @@ SPOOL = "/var/lib/xpusense/spool"
 # The agent's production defaults but for the nearline tier: the host source every second instead
 # of every 15 s, so batches come often enough to count in a few minutes.
 AGENT_SET = ["tiers.nearline_s=1.0"]
+SPOOLED_AT_HANG = 5                # batches waiting in the spool when the agent hangs, resent by the next one
 WATCHDOG_MARGIN_S = 60.0           # on top of WatchdogSec: kill, RestartSec=2s, start-up, a busy 2-core host
 CAPS = ["CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN"]   # not in nspawn's default set; the units ask for them
 STOP_LINE = re.compile(r"stopped: boot (\w+) made (\d+) batches, (\d+) acknowledged in this run, (\d+) not acknowledged")
@@ -131,6 +132,15 @@ class Deployment:
 
     def boots(self) -> list[str]:
         return [m[1] for line in self.messages() if (m := START_LINE.search(line))]
+
+    def current_boot(self) -> str:
+        """The boot id of the running agent: its own start line (READY=1 comes just before it)."""
+        pid = str(self.main_pid())
+
+        def logged():
+            lines = [e["MESSAGE"] for e in self.journal("-u", AGENT, f"_PID={pid}") if isinstance(e.get("MESSAGE"), str)]
+            return next((m[1] for line in lines if (m := START_LINE.search(line))), "")
+        return wait_until(logged, 60, 0.2, f"the start line of agent pid {pid}")
 
     def stop_lines(self) -> dict[str, tuple[int, int, int]]:
         return {m[1]: (int(m[2]), int(m[3]), int(m[4])) for line in self.messages() if (m := STOP_LINE.search(line))}
@@ -229,10 +239,10 @@ def test_watchdog_restarts_a_hung_agent_and_its_spool_is_replayed(deployed):
     d = deployed
     watchdog_s = watchdog_sec(d)
     old_pid = d.main_pid()
-    hung = d.boots()[-1]
+    hung = d.current_boot()
     d.box.run(["systemctl", "stop", COLLECTOR])     # batches now wait in the agent's spool
-    wait_until(lambda: any(b == hung for b, _ in d.spool_keys("/root/spool-waiting")), 60, 0.5,
-               "the agent to spool a batch the stopped collector cannot take")
+    wait_until(lambda: sum(b == hung for b, _ in d.spool_keys("/root/spool-waiting")) >= SPOOLED_AT_HANG, 90, 0.5,
+               f"the agent to spool {SPOOLED_AT_HANG} batches the stopped collector cannot take")
     d.box.run(["systemctl", "kill", "--kill-who=main", "--signal=SIGSTOP", AGENT])
     t0 = time.monotonic()
     state = d.box.run(["cat", f"/proc/{old_pid}/status"]).stdout
@@ -266,7 +276,7 @@ def watchdog_sec(d: Deployment) -> int:
 
 def test_stop_drains_every_batch_made(deployed):
     d = deployed
-    boot = d.boots()[-1]
+    boot = d.current_boot()
     d.wait_delivering(d.stored() + 3)
     t0 = time.monotonic()
     d.box.run(["systemctl", "stop", AGENT], timeout=120)
@@ -287,7 +297,7 @@ def test_stop_drains_every_batch_made(deployed):
 def test_upgrade_keeps_spool_and_store(deployed):
     d = deployed
     old, newer = d.wheels
-    boot = d.boots()[-1]
+    boot = d.current_boot()
     d.wait_delivering(d.stored() + 3)
     spool_inode = d.box.run(["stat", "-c", "%i", SPOOL]).stdout.strip()
     store_files = d.box.run(["find", "/var/lib/private/xpusense/collector", "-type", "f"]).stdout.split()
@@ -305,7 +315,7 @@ def test_upgrade_keeps_spool_and_store(deployed):
     d.made[boot] = made
     # The collector read its store back: the node's count carried on from before the restart.
     after = d.wait_delivering(stored_before + 1)
-    assert d.boots()[-1] != boot
+    assert d.current_boot() != boot
     record_figure("systemd_units: upgrade", from_version=old.name.split("-")[1], to_version=version.strip(),
                   boot_made=made, unacknowledged_at_restart=unacked, stored_before=stored_before, stored_after=after)
 
@@ -330,7 +340,7 @@ def dropin_properties() -> list[str]:
 
 def test_least_privilege_dropin(deployed):
     d = deployed
-    boot = d.boots()[-1]
+    boot = d.current_boot()
     caps = documented_caps()
     dropin = (ROOT / "systemd/xpusense-agent-least-privilege.conf").read_text()
     assert f"AmbientCapabilities={' '.join(caps)}" in dropin and f"CapabilityBoundingSet={' '.join(caps)}" in dropin
@@ -361,7 +371,7 @@ def test_least_privilege_dropin(deployed):
 
 def test_every_batch_made_is_stored_once(deployed):
     d = deployed
-    boot = d.boots()[-1]
+    boot = d.current_boot()
     d.wait_delivering(d.stored() + 2)
     d.box.run(["systemctl", "stop", AGENT], timeout=120)
     made, _, unacked = d.stop_lines()[boot]
