@@ -122,7 +122,10 @@ def _serve(args) -> int:
     exporters = Exporters.from_config(cfg, state)   # OTLP / Prometheus (docs/export.md)
     store = None
     if cfg.data_dir:
-        store = Store(cfg.data_dir, history_s=cfg.history_s, fsync=cfg.fsync)
+        sc = cfg.store
+        store = Store(cfg.data_dir, history_s=cfg.history_s, fsync=cfg.fsync, segment_s=sc.segment_s,
+                      segment_bytes=sc.segment_bytes, max_pending_bytes=sc.max_pending_bytes,
+                      retry_s=sc.retry_s, damaged_keep_bytes=sc.damaged_keep_bytes)
         exporters.use_store(store)   # before the replay: it keeps the segments not yet exported
         try:
             store.open(state)

@@ -19,6 +19,17 @@ COLLECTOR_SCHEMA = {
     "data_dir": Key(str, "", help="durable store: every batch is written (and fsync'ed) here before it is "
                                   "acknowledged, and replayed at start (empty: memory only)"),
     "fsync": Key(bool, True, help="fsync each group of batches before acknowledging them"),
+    # The durable store (collector/store/): segments, a failing disk, damage found at start.
+    "store": {
+        "segment_bytes": Key(int, 64 * 2**20, positive, help="a new segment past this size"),
+        "segment_s": Key((int, float), 60.0, positive, help="a new segment past this age"),
+        "max_pending_bytes": Key(int, 64 * 2**20, positive,
+                                 help="records held in memory, not yet on disk (a slow or failing disk); past "
+                                      "it new batches are refused (UNAVAILABLE, counted) and resent by agents"),
+        "retry_s": Key((int, float), 1.0, positive, help="while the disk cannot be written, how often to try again"),
+        "damaged_keep_bytes": Key(int, 256 * 2**20, positive,
+                                  help="damaged bytes found at start are copied into data_dir/damaged/ up to this"),
+    },
     "scheduler": SCHEDULER_SCHEMA,
     # Security (collector/auth.py, docs/security.md).
     "tls": {

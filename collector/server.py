@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import socket
 from typing import NamedTuple
@@ -35,8 +36,10 @@ class _Refusal(NamedTuple):
 class IngestServicer(pb_grpc.IngestServicer):
     def __init__(self, state: FleetState, security=None, limits=None, store=None):
         self.state = state
-        # collector/store.py: batches are durable there before they are acknowledged (None: memory only).
+        # collector/store/: batches are durable there before they are acknowledged (None: memory only).
         self.store = store
+        # Batches submitted to the store, not yet durable, per (node, boot): a Welcome waits for them.
+        self.undurable: dict[tuple[str, str], int] = {}
         # collector/auth.py: who may report as which node (mTLS identity or per-node token).
         self.security = security
         # collector/limits.py: per-node limits on batches (size, series, labels, rate).
@@ -65,6 +68,10 @@ class IngestServicer(pb_grpc.IngestServicer):
         pending: asyncio.Queue = asyncio.Queue()
         reader = asyncio.create_task(self._read(request_iterator, context, node_id, boot_id, pending))
         try:
+            if self.store is not None and self.undurable.get((node_id, boot_id)):
+                # The Welcome's stored_up_to acknowledges what it covers: not before that is durable
+                # (a boot with nothing in flight is welcomed at once, even while the disk fails).
+                await asyncio.shield(self.store.barrier())
             yield pb.CollectorMessage(welcome=welcome)
             while True:
                 item = await pending.get()
@@ -74,20 +81,31 @@ class IngestServicer(pb_grpc.IngestServicer):
                     await context.abort(item.code, item.message)
                 b, previous, durable = item
                 if durable is not None:
-                    try:
-                        await durable
+                    try:   # shielded: a batch is applied (_stored) once durable, even if its stream ended
+                        await asyncio.shield(durable)
                     except StoreError as e:
-                        # Not stored: this batch and every later one on the stream are resent.
-                        self.state.unaccept(b, previous)
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}; retry later")
-                if previous is not None:
-                    self.state.apply(b)
+                        # Refused by the store (it holds too much not yet on disk): this batch and the
+                        # later ones of the stream (not read, _read stopped) are resent by the agent.
+                        if previous is not None:
+                            self.state.unaccept(b, previous)
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                elif previous is not None:
+                    self.state.apply(b)   # no store: from memory
                 yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=previous is None))
             await reader   # re-raises the reader's abort, if any
         finally:
             reader.cancel()
             self.state.disconnected(node_id)
             log.info("node %s disconnected", node_id)
+
+    def _stored(self, b: pb.Batch, durable: asyncio.Future) -> None:
+        key = (b.node_id, b.boot_id)
+        if self.undurable.get(key, 0) > 1:
+            self.undurable[key] -= 1
+        else:
+            self.undurable.pop(key, None)
+        if not durable.cancelled() and durable.exception() is None:
+            self.state.apply(b)
 
     async def _read(self, request_iterator, context, node_id: str, boot_id: str, pending: asyncio.Queue) -> None:
         try:
@@ -104,11 +122,21 @@ class IngestServicer(pb_grpc.IngestServicer):
                     if self.limits is not None and (why := self.limits.check(node_id, b)):
                         pending.put_nowait(_Refusal(why.code, why.message))
                         return
+                    if self.store is not None:   # a slow or failing disk: this stream waits, unread
+                        await self.store.wait_room(b.ByteSize())
                     previous = self.state.accept(b)
                     durable = None
-                    if previous is not None and self.store is not None:
-                        durable = self.store.submit(["b", b.SerializeToString()])
+                    if self.store is not None:
+                        if previous is None:   # a resend: acknowledged once what it resends is durable
+                            durable = self.store.barrier()
+                        else:
+                            durable = self.store.submit(["b", b.SerializeToString()])
+                            key = (node_id, b.boot_id)
+                            self.undurable[key] = self.undurable.get(key, 0) + 1
+                            durable.add_done_callback(functools.partial(self._stored, b))
                     pending.put_nowait((b, previous, durable))
+                    if durable is not None and durable.done() and durable.exception() is not None:
+                        return   # refused: nothing after it may be stored before it (the handler ends the stream)
                 elif kind == "inventory":
                     self.state.set_inventory(node_id, msg.inventory)
                     if self.store is not None:
@@ -189,7 +217,23 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
     await server.start()
     for svc in ("", INGEST_SERVICE, QUERY_SERVICE, SCHEDULER_SERVICE):
         await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    if store is not None:   # overall and Ingest health: NOT_SERVING while the store cannot write
+        server.store_health = set()   # the tasks that set it, held until done
+        store.on_change.append(functools.partial(_follow_store, hs, store, server.store_health))
+        await _store_health(hs, store)
     return server
+
+
+def _follow_store(hs, store, tasks: set, _writable: bool) -> None:
+    task = asyncio.get_running_loop().create_task(_store_health(hs, store))
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+
+
+async def _store_health(hs, store) -> None:
+    status = health_pb2.HealthCheckResponse.NOT_SERVING if store.failing else health_pb2.HealthCheckResponse.SERVING
+    for svc in ("", INGEST_SERVICE):
+        await hs.set(svc, status)
 
 
 async def serve(listen: str, state: FleetState, max_message_bytes: int, stop: asyncio.Event, config=None,

@@ -1,0 +1,47 @@
+"""The store's counters as Prometheus metrics (`xpusense_collector_store_*`), for a registry to
+take: `registry.register(StoreMetrics(store))`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+# stats() key -> (kind, help)
+METRICS = {
+    "writable": ("gauge", "1 while the store can write, 0 while its disk fails (full, read-only, I/O errors)"),
+    "unwritable_episodes": ("counter", "times the store went from writable to failing"),
+    "write_errors": ("counter", "failed write or fsync attempts (each retried; nothing acknowledged meanwhile)"),
+    "held_bytes": ("gauge", "bytes of records queued in memory, not yet durable"),
+    "max_held_bytes": ("gauge", "the most bytes held in memory at once since start"),
+    "max_pending_bytes": ("gauge", "the bound on held_bytes ([store] max_pending_bytes)"),
+    "refused_records": ("counter", "records refused because held_bytes was at its bound (their batches are resent)"),
+    "refused_bytes": ("counter", "bytes of those records"),
+    "room_waits": ("counter", "times a stream waited for held_bytes to fall under its bound before being read further"),
+    "commits": ("counter", "group commits (one write + fsync each)"),
+    "records": ("counter", "records queued for writing"),
+    "reader_skipped_ranges": ("counter", "damaged ranges or invalid records exporters' readers skipped"),
+    "replay_batches": ("gauge", "batches replayed at start"),
+    "replay_damaged_ranges": ("gauge", "damaged ranges found at start (skipped, logged, kept aside)"),
+    "replay_damaged_bytes": ("gauge", "bytes in those ranges"),
+    "replay_damaged_records": ("gauge", "records in those ranges, at least"),
+    "replay_invalid_records": ("gauge", "records with a good checksum that could not be applied at start"),
+    "replay_kept_aside_bytes": ("gauge", "damaged bytes copied into data_dir/damaged/ at start"),
+    "replay_not_kept_bytes": ("gauge", "damaged bytes not copied aside (over [store] damaged_keep_bytes)"),
+}
+
+
+class StoreMetrics:
+    """prometheus-client custom collector over a Store's stats()."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def describe(self):
+        return []
+
+    def collect(self) -> Iterator:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        stats = self.store.stats()
+        for key, (kind, help_) in METRICS.items():
+            name = f"xpusense_collector_store_{key}"
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield cls(name, help_, value=float(stats.get(key, 0)))

@@ -1,0 +1,175 @@
+"""Start of the collector's store: every segment read back into the fleet state; damage skipped.
+
+Every valid record is applied: batches (latest values, history, events), inventories and
+(node, boot) marks. A damaged range (bytes that are not a whole frame with a good checksum) or an
+invalid record (a good checksum around something this store does not write) is skipped, counted,
+logged with its file and byte position, and its bytes are copied into `data_dir/damaged/` for
+inspection (up to a byte budget; beyond it counted as not kept). Replay never refuses to start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from xpusense.v1 import telemetry_pb2 as pb
+
+from .frames import Segment, Span, parse, record_count, segments
+
+log = logging.getLogger("xpusense.collector.store")
+
+LOGGED_RANGES = 20   # per start, one line each; then a summary (the counters stay exact)
+FIGURES = ("segments", "batches", "duplicates", "inventories", "marks", "damaged_ranges", "damaged_bytes",
+           "damaged_records", "invalid_records", "legacy_segments", "kept_aside_bytes", "not_kept_bytes")
+
+
+class Quarantine:
+    """data_dir/damaged/: one file per damaged range, `<segment>.<start>-<end>`, within a budget."""
+
+    def __init__(self, data_dir: str, budget_bytes: int):
+        self.dir = os.path.join(data_dir, "damaged")
+        self.budget = budget_bytes
+        self._used: int | None = None
+
+    def used(self) -> int:
+        if self._used is None:
+            try:
+                self._used = sum(e.stat().st_size for e in os.scandir(self.dir) if e.is_file())
+            except OSError:
+                self._used = 0
+        return self._used
+
+    def keep(self, seg_path: str, start: int, data: bytes) -> tuple[str, int]:
+        """Copy `data` aside: (what to say in the log, bytes newly kept; -1 when not kept)."""
+        name = f"{os.path.basename(seg_path)}.{start}-{start + len(data)}"
+        zeros = data.count(0) == len(data)
+        path = os.path.join(self.dir, name + (".zeros" if zeros else ""))
+        if os.path.exists(path):
+            return f"kept in {path} (an earlier start)", 0
+        size = 0 if zeros else len(data)   # all zeros: the name says it all
+        if self.used() + size > self.budget:
+            return (f"NOT kept: {self.dir} holds {self.used()} bytes of its {self.budget} budget "
+                    f"([store] damaged_keep_bytes); inspect and remove it", -1)
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+        except OSError as e:
+            return f"NOT kept: cannot write {path} ({e.strerror})", -1
+        self._used = self.used() + size
+        return f"kept in {path}", size
+
+
+class Replay:
+    def __init__(self, directory: str, state, keep_bytes: int):
+        self.dir = directory
+        self.state = state
+        self.quarantine = Quarantine(directory, keep_bytes)
+        self.figures: dict[str, float] = dict.fromkeys(FIGURES, 0)
+        # Checkpoint marks are merged at the end: a checkpoint is written with the marks of batches
+        # accepted at that moment, which may follow it in the same segment (they are not resends).
+        self.marks: dict[tuple[str, str], int] = {}
+        self._path = ""
+        self.seals: list[tuple[str, int, int]] = []   # (segment saying it, previous segment id, its size)
+        self._logged = 0
+
+    def run(self) -> dict[str, float]:
+        t0 = time.monotonic()
+        for _, path in segments(self.dir):
+            self.figures["segments"] += 1
+            try:
+                self._segment(path)
+            except OSError as e:   # unreadable file: its records are lost, said and counted
+                self._damaged(path, Span(0, 0, None), f"cannot read the file ({e.strerror})", 1, b"")
+        # Marks of batches replayed count as known too (a node that reconnects after a restart).
+        st = self.state
+        self._check_seals()
+        for key, seq in self.marks.items():
+            st.known_marks[key] = max(st.known_marks.get(key, 0), seq)
+        for nid, n in st.nodes.items():
+            n.streams = 0
+            for boot, seq in n.stored_up_to.items():
+                st.known_marks[(nid, boot)] = max(st.known_marks.get((nid, boot), 0), seq)
+        if self._logged > LOGGED_RANGES:
+            log.warning("store %s: %d more damaged ranges or invalid records not logged one by one",
+                        self.dir, self._logged - LOGGED_RANGES)
+        self.figures["replay_s"] = round(time.monotonic() - t0, 3)
+        return self.figures
+
+    def _segment(self, path: str) -> None:
+        self._path = path
+        with Segment(path) as seg:
+            fmt = seg.format()
+            if fmt == "legacy":
+                self.figures["legacy_segments"] += 1
+                log.warning("store %s: written by an older xpusense without checksums: read as it is", path)
+            spans = seg.legacy_spans() if fmt == "legacy" else seg.spans()
+            for span in spans:
+                if span.payload is None:
+                    data = bytes(seg.buf[span.start:span.end])
+                    what = "all zeros" if data.count(0) == len(data) else "not a whole record with a good checksum"
+                    if span.end == seg.size:
+                        what += ", to the end of the file"
+                    self._damaged(path, span, what, record_count(seg.buf, span.start, span.end), data)
+                    continue
+                try:
+                    self._apply(parse(span.payload))
+                except Exception as e:   # a good checksum around a record that cannot be applied
+                    self.figures["invalid_records"] += 1
+                    self._damaged(path, span, f"invalid record: {e}", 0, bytes(seg.buf[span.start:span.end]))
+
+    def _apply(self, rec: list) -> None:
+        kind, st, fig = rec[0], self.state, self.figures
+        if kind == "b":
+            b = pb.Batch.FromString(rec[1])
+            if not b.node_id or not b.boot_id or b.seq <= 0:
+                raise ValueError(f"batch without node, boot or seq ({b.node_id!r}, {b.boot_id!r}, {b.seq})")
+            if st.ingest(b, now_ns=b.sent_unix_nano or None):
+                fig["batches"] += 1
+            else:
+                fig["duplicates"] += 1
+        elif kind == "i":
+            st.restore_inventory(rec[1], rec[2], pb.Inventory.FromString(rec[3]))
+            fig["inventories"] += 1
+        elif kind == "m":
+            key = (rec[1], rec[2])
+            self.marks[key] = max(self.marks.get(key, 0), rec[3])
+            fig["marks"] += 1
+        else:
+            self.seals.append((self._path, rec[1], rec[2]))
+
+    def _check_seals(self) -> None:
+        """A segment shorter than the next one says it was (cut at a record boundary), or missing
+        between two that are there (deleted): what was in it is lost, and said so."""
+        present = dict(segments(self.dir))
+        first = min(present, default=0)
+        for said_by, sid, size in self.seals:
+            path = present.get(sid)
+            try:
+                actual = os.path.getsize(path) if path else -1
+            except OSError:
+                actual = -1
+            if actual < 0 and sid > first:
+                self._damaged(f"{self.dir}/{sid:08d}.log", Span(0, size, None),
+                              f"the segment is missing, {said_by} says it held {size} bytes", 1, b"")
+            elif path is not None and 0 <= actual < size:
+                self._damaged(path, Span(actual, size, None),
+                              f"the file ends early: {said_by} says it ended at byte {size}", 1, b"")
+
+    def _damaged(self, path: str, span: Span, what: str, records: int, data: bytes) -> None:
+        fig = self.figures
+        if records:
+            fig["damaged_ranges"] += 1
+            fig["damaged_records"] += records
+            fig["damaged_bytes"] += span.end - span.start
+        kept, size = self.quarantine.keep(path, span.start, data) if data else ("nothing to keep", 0)
+        if size < 0:
+            fig["not_kept_bytes"] += len(data)
+        else:
+            fig["kept_aside_bytes"] += size
+        self._logged += 1
+        if self._logged <= LOGGED_RANGES:
+            log.warning("store %s bytes %d-%d (%d bytes%s) damaged (%s): skipped and counted; %s", path,
+                        span.start, span.end, span.end - span.start,
+                        f", at least {records} records" if records else "", what, kept)

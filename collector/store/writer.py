@@ -1,0 +1,413 @@
+"""The collector's durable store, writing side: group commit, a failing disk as a state, retention.
+
+A record is framed (frames.py) and queued on the event loop; one I/O thread writes every queued
+record in one pwrite and fsyncs it (group commit: batches that arrive during an fsync share the
+next one), then the records' futures complete and the batches are acknowledged.
+
+A disk that cannot be written (full, read-only, failing) is a state, not a crash: the segment is
+cut back to what was durable, the records stay queued in memory, one log line says so, health
+goes NOT_SERVING (`on_change`), and the same records are written again every `retry_s` until it
+works; then acks resume in order and one line says so. What is held is bounded by
+`max_pending_bytes`: the server waits for room (`wait_room`) before it takes a batch, so a stream
+is held back (gRPC flow control reaches the agent, which keeps its batches) rather than ended; a
+record submitted past the bound anyway is refused at once (StoreError, counted). No segment is
+created per failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from .frames import SEGMENT_MAGIC, StoreError, frame, segment_name, segments
+from .replay import Replay
+
+log = logging.getLogger("xpusense.collector.store")
+
+
+def _pwrite_all(fd: int, data: bytes, off: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, off)
+        view, off = view[n:], off + n
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno:
+        return f"{exc.strerror} ({errno.errorcode.get(exc.errno, exc.errno)})"
+    return repr(exc)
+
+
+class _Segments:
+    """The segment being written. Only the store's I/O thread touches it (close(): after it)."""
+
+    def __init__(self, directory: str, fsync: bool):
+        self.dir = directory
+        self.fsync = fsync
+        self.fd = -1
+        self.seg_id = 0
+        self.off = 0              # everything before it is written (and fsync'ed)
+        self.broken = False       # a failed write could not be cut back: the next write starts a segment
+        self.opened_at = 0.0
+
+    def write(self, data: bytes, roll: bytes | None) -> tuple[int, int]:
+        """Write `data` at the end of the segment (of a new one, beginning with `roll`, when given)
+        and make it durable; on failure nothing of it stays and OSError is raised."""
+        if roll is not None:
+            return self._roll(roll + data)
+        try:
+            _pwrite_all(self.fd, data, self.off)
+            if self.fsync and data:
+                os.fsync(self.fd)
+        except OSError:
+            try:
+                os.ftruncate(self.fd, self.off)   # no partial record left behind
+            except OSError:
+                self.broken = True
+            raise
+        self.off += len(data)
+        return self.seg_id, self.off
+
+    def _roll(self, body: bytes) -> tuple[int, int]:
+        new_id = self.seg_id + 1
+        while os.path.exists(os.path.join(self.dir, segment_name(new_id))):
+            new_id += 1
+        path = os.path.join(self.dir, segment_name(new_id))
+        data = SEGMENT_MAGIC + body
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+        try:
+            _pwrite_all(fd, data, 0)
+            if self.fsync:
+                os.fsync(fd)
+                dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+        except OSError:
+            os.close(fd)
+            try:
+                os.unlink(path)   # a failed roll leaves no segment behind
+            except OSError:
+                pass
+            raise
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd, self.seg_id, self.off, self.broken = fd, new_id, len(data), False
+        self.opened_at = time.monotonic()
+        return self.seg_id, self.off
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Store:
+    """Written from the collector's event loop thread; I/O runs in one worker thread."""
+
+    def __init__(self, directory: str, history_s: float = 900.0, segment_s: float = 60.0,
+                 segment_bytes: int = 64 * 2**20, fsync: bool = True, max_pending_bytes: int = 64 * 2**20,
+                 retry_s: float = 1.0, damaged_keep_bytes: int = 256 * 2**20):
+        self.dir = directory
+        self.history_s = history_s
+        self.segment_s = segment_s
+        self.segment_bytes = segment_bytes
+        self.fsync = fsync
+        self.max_pending_bytes = max_pending_bytes
+        self.retry_s = retry_s
+        self.damaged_keep_bytes = damaged_keep_bytes
+        self._io = _Segments(directory, fsync)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-io")
+        self._checkpoint: Callable[[], list[tuple]] = lambda: []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: list[tuple[bytes, asyncio.Future | None]] = []   # queued, not yet handed to I/O
+        self._pending_bytes = 0
+        self._inflight: list[tuple[bytes, asyncio.Future | None]] = []  # being written now
+        self._inflight_bytes = 0
+        self._busy = False
+        self._io_task: concurrent.futures.Future | None = None
+        self._retry: asyncio.TimerHandle | None = None
+        self._refusing = False
+        self._closed = False
+        self._room: list[asyncio.Future] = []   # streams waiting for room under max_pending_bytes
+        self._waiting_logged = False
+        # (segment id, offset) up to which everything is durable: readers never go past it.
+        self.durable: tuple[int, int] = (0, 0)
+        self.readers: dict = {}            # name -> StoreReader (reader.py)
+        self.on_change: list[Callable[[bool], None]] = []   # fn(writable), on the loop, per state change
+        self.failing = ""                  # why the disk cannot be written now; "" while it can
+        self.failing_since = 0.0
+        self.replay: dict[str, float] = {}
+        # Counters (stats(), metrics.py).
+        self.commits = 0
+        self.records = 0
+        self.write_errors = 0
+        self.unwritable_episodes = 0
+        self.refused_records = 0
+        self.refused_bytes = 0
+        self.room_waits = 0
+        self.max_held_bytes = 0
+
+    # -- start ---------------------------------------------------------------------------------
+    def open(self, state) -> dict[str, float]:
+        """Replay the store into `state` (a FleetState); returns the replay's figures. Raises
+        StoreError only when the directory cannot be used at all (it does not exist and cannot be
+        made, or files cannot be created in it)."""
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            probe = os.path.join(self.dir, ".write-test")
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))   # no data: a full disk passes
+            os.unlink(probe)
+        except OSError as e:
+            raise StoreError(f"data_dir {self.dir!r} is not writable ({e.strerror}); set --data-dir / "
+                             f"data_dir to a writable directory") from None
+        self.replay = Replay(self.dir, state, self.damaged_keep_bytes).run()
+        self._checkpoint = state.checkpoint
+        existing = segments(self.dir)
+        if existing:
+            self._io.seg_id = existing[-1][0]
+            self._io.off = os.path.getsize(existing[-1][1])   # where it ends: the next segment says so
+            self.durable = (existing[-1][0], os.path.getsize(existing[-1][1]))
+        f = self.replay
+        damage = f["damaged_ranges"] + f["invalid_records"]
+        if f["segments"] or damage:
+            (log.warning if damage else log.info)(
+                "store %s replayed: %d batches, %d inventories, %d marks from %d segments in %.2f s%s",
+                self.dir, f["batches"], f["inventories"], f["marks"], f["segments"], f["replay_s"],
+                f"; SKIPPED {f['damaged_ranges']:.0f} damaged ranges ({f['damaged_bytes']:.0f} bytes, at least "
+                f"{f['damaged_records']:.0f} records) and {f['invalid_records']:.0f} invalid records" if damage else "")
+        return self.replay
+
+    # -- writing -------------------------------------------------------------------------------
+    async def append(self, record: list) -> None:
+        """Write one record; returns once it is durable (raises StoreError when it is refused)."""
+        await self.submit(record)
+
+    def submit(self, record: list) -> asyncio.Future:
+        """Queue one record; the future completes once it is durable, or fails at once with
+        StoreError when the store already holds max_pending_bytes not yet written."""
+        fut = self._loop_now().create_future()
+        self._enqueue(frame(record), fut)
+        return fut
+
+    def append_nowait(self, record: list) -> None:
+        """For records nothing waits on (inventories): durable with the next group (outside the
+        event loop: queued for the next group that runs on it)."""
+        try:
+            self._loop_now()
+        except RuntimeError:
+            self._loop = None
+        self._enqueue(frame(record), None)
+
+    def barrier(self) -> asyncio.Future:
+        """A future that completes once everything queued before it is durable."""
+        fut = self._loop_now().create_future()
+        if not self._pending and not self._busy:
+            fut.set_result(None)
+        else:
+            self._pending.append((b"", fut))
+        return fut
+
+    def _loop_now(self) -> asyncio.AbstractEventLoop:
+        self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    def held_bytes(self) -> int:
+        return self._pending_bytes + self._inflight_bytes
+
+    def has_room(self, nbytes: int) -> bool:
+        held = self.held_bytes()
+        return held == 0 or held + nbytes <= self.max_pending_bytes
+
+    async def wait_room(self, nbytes: int) -> None:
+        """Return once a record of about `nbytes` fits under max_pending_bytes (at once, usually).
+        The server waits here before it takes a batch, so a slow or failing disk holds streams
+        back (gRPC flow control reaches the agents, which keep their batches) instead of ending them."""
+        if self.has_room(nbytes):
+            return
+        self.room_waits += 1
+        if not self._waiting_logged:
+            self._waiting_logged = True
+            log.warning("store %s holds %d bytes not yet on disk ([store] max_pending_bytes %d%s): streams are "
+                        "not read until there is room; agents keep their batches (counted: room_waits)",
+                        self.dir, self.held_bytes(), self.max_pending_bytes,
+                        f"; the disk: {self.failing}" if self.failing else "; the disk is slower than ingest")
+        while not self.has_room(nbytes):
+            fut = self._loop_now().create_future()
+            self._room.append(fut)
+            await fut
+
+    def _enqueue(self, data: bytes, fut: asyncio.Future | None) -> None:
+        held = self.held_bytes()
+        if self._closed or (held and held + len(data) > self.max_pending_bytes):
+            self._refuse(data, fut, held)
+            return
+        self._pending.append((data, fut))
+        self._pending_bytes += len(data)
+        self.records += 1
+        self.max_held_bytes = max(self.max_held_bytes, held + len(data))
+        if not self._busy and not self.failing and self._loop is not None:
+            self._kick()
+
+    def _refuse(self, data: bytes, fut: asyncio.Future | None, held: int) -> None:
+        self.refused_records += 1
+        self.refused_bytes += len(data)
+        why = "it is closed" if self._closed else (
+            f"it holds {held} bytes not yet on disk ([store] max_pending_bytes {self.max_pending_bytes}; "
+            + (f"the disk: {self.failing})" if self.failing else "the disk is slower than ingest)"))
+        if not self._refusing:
+            self._refusing = True
+            log.warning("store %s refuses new records, %s: their streams end with UNAVAILABLE and agents "
+                        "resend them later (counted: refused_records)", self.dir, why)
+        if fut is not None:
+            fut.set_exception(StoreError(f"the collector's store cannot take more now: {why}; retry later"))
+
+    def _kick(self) -> None:
+        assert self._loop is not None
+        group, self._pending = self._pending, []
+        self._inflight, self._inflight_bytes, self._pending_bytes = group, self._pending_bytes, 0
+        io = self._io
+        roll = None
+        if io.fd < 0 or io.broken or (not self.failing and (
+                io.off > self.segment_bytes or time.monotonic() - io.opened_at > self.segment_s)):
+            roll = self._roll_records()
+        self._busy = True
+        self._io_task = self._pool.submit(io.write, b"".join(d for d, _ in group), roll)
+        asyncio.wrap_future(self._io_task, loop=self._loop).add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Future) -> None:
+        self._busy = False
+        group, self._inflight = self._inflight, []
+        held, self._inflight_bytes = self._inflight_bytes, 0
+        exc = StoreError("write cancelled") if task.cancelled() else task.exception()
+        if exc is None:
+            rolled = task.result()[0] != self.durable[0]
+            self.durable = task.result()
+            self.commits += 1
+            if self.failing:
+                log.warning("store %s is writable again after %.1f s: %d records held were written; "
+                            "acknowledging again", self.dir, time.monotonic() - self.failing_since, len(group))
+                self.failing = ""
+                self._notify()
+            if self._refusing and self.held_bytes() < self.max_pending_bytes // 2:
+                self._refusing = False
+                log.info("store %s takes new records again (%d refused so far)", self.dir, self.refused_records)
+            for _, fut in group:
+                _settle(fut, None)
+            waiting, self._room = self._room, []
+            for fut in waiting:
+                _settle(fut, None)   # each checks again for room
+            if self._waiting_logged and self.held_bytes() < self.max_pending_bytes // 2:
+                self._waiting_logged = False
+            if rolled:
+                self._retire()
+            if self._pending and not self._closed:
+                self._kick()
+            return
+        # Nothing of the group is on disk: it goes back to the front of the queue, tried again later.
+        self.write_errors += 1
+        self._pending[:0] = group
+        self._pending_bytes += held
+        why = _why(exc)
+        if not self.failing:
+            self.unwritable_episodes += 1
+            self.failing_since = time.monotonic()
+            log.error("store %s cannot be written: %s. Holding %d bytes in memory (at most %d, [store] "
+                      "max_pending_bytes); nothing is acknowledged until it is on disk; trying again every "
+                      "%.1f s", self.dir, why, self.held_bytes(), self.max_pending_bytes, self.retry_s)
+            self.failing = why
+            self._notify()
+        elif why != self.failing:
+            log.error("store %s still cannot be written, now: %s", self.dir, why)
+            self.failing = why
+        if not self._closed:
+            assert self._loop is not None
+            self._retry = self._loop.call_later(self.retry_s, self._try_again)
+
+    def _roll_records(self) -> bytes:
+        """What a new segment begins with: where the previous one ended, and a checkpoint."""
+        io = self._io
+        seal = [frame(["s", io.seg_id, io.off])] if io.seg_id else []
+        return b"".join(seal + [frame(list(r)) for r in self._checkpoint()])
+
+    def _try_again(self) -> None:
+        self._retry = None
+        if self._closed or self._busy:
+            return
+        self._retire()   # an outage may outlast the history kept: deleting old segments frees space
+        self._kick()
+
+    def _notify(self) -> None:
+        for fn in self.on_change:
+            try:
+                fn(not self.failing)
+            except Exception:
+                log.exception("store state watcher failed")
+
+    def _retire(self) -> None:
+        """Delete segments wholly older than the history kept (a newer segment's checkpoint
+        carries their inventories and marks), unless a reader (an exporter) has not read them."""
+        cutoff = time.time() - self.history_s - self.segment_s
+        keep_from = min((r.cursor[0] for r in self.readers.values()), default=self.durable[0])
+        try:
+            listed = segments(self.dir)
+        except OSError as e:
+            log.warning("store %s: cannot list the segments (%s): none deleted", self.dir, e.strerror)
+            return
+        for sid, path in listed:
+            if sid >= min(keep_from, self.durable[0]):
+                break
+            try:
+                if os.path.getmtime(path) < cutoff:
+                    os.unlink(path)
+            except OSError:
+                pass
+
+    def stats(self) -> dict[str, float]:
+        """Counters and states, for metrics (metrics.py) and status."""
+        readers = list(self.readers.values())
+        return {"writable": 0 if self.failing else 1, "unwritable_episodes": self.unwritable_episodes,
+                "write_errors": self.write_errors, "held_bytes": self.held_bytes(),
+                "max_held_bytes": self.max_held_bytes, "max_pending_bytes": self.max_pending_bytes,
+                "refused_records": self.refused_records, "refused_bytes": self.refused_bytes,
+                "room_waits": self.room_waits,
+                "commits": self.commits, "records": self.records,
+                "reader_skipped_ranges": sum(r.skipped_ranges for r in readers),
+                **{f"replay_{k}": v for k, v in self.replay.items()}}
+
+    def close(self) -> None:
+        """Called once the event loop has stopped: what is still queued is written if it can be
+        (it was never acknowledged; agents resend it and the resend counts as a duplicate)."""
+        self._closed = True
+        if self._retry is not None:
+            self._retry.cancel()
+        self._pool.shutdown(wait=True)
+        left = self._pending
+        t = self._io_task
+        if self._busy and not (t is not None and t.done() and not t.cancelled() and t.exception() is None):
+            left = self._inflight + left   # the loop stopped before it heard how that write went: it failed
+        data = b"".join(d for d, _ in left)
+        if data:
+            io = self._io
+            try:
+                roll = self._roll_records() if io.fd < 0 or io.broken else None
+                io.write(data, roll)
+            except OSError as e:
+                log.error("store %s closed with %d records (%d bytes) not on disk (%s): they were never "
+                          "acknowledged; agents resend them", self.dir, len(left), len(data), _why(e))
+        self._io.close()
+
+
+def _settle(fut: asyncio.Future | None, err: Exception | None) -> None:
+    if fut is None or fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)
