@@ -29,7 +29,7 @@ from .scheduler.service import add_place_parser, place_command
 from .server import BindError, check_bind, serve
 from .state import FleetState
 from .store import Store, StoreError
-from .views import node_to_dict, render_table
+from .views import PagingError, fetch_all, node_to_dict, render_table
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 log = logging.getLogger("xpusense.collector")
@@ -85,7 +85,12 @@ def _query_channel(args):
                            token_file=args.token_file, insecure=args.insecure)
     names = {"address": "--collector", "tls_ca": "--tls-ca", "tls_cert": "--tls-cert", "tls_key": "--tls-key",
              "token_file": "--token-file", "insecure": "--insecure"}
-    return make_channel(args.collector, keys, options=[], names=names)
+    # Pages are at most the collector's limits.max_reply_bytes (4 MB by default); room for a larger one.
+    return make_channel(args.collector, keys, options=[("grpc.max_receive_message_length", MAX_REPLY_BYTES)],
+                        names=names)
+
+
+MAX_REPLY_BYTES = 64 * 2**20
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +126,7 @@ def _serve(args) -> int:
     state = FleetState(history_s=cfg.history_s, events_kept=cfg.events_kept)
     exporters = Exporters.from_config(cfg, state)   # OTLP / Prometheus (docs/export.md)
     store = None
+    last_written = last_written_ns(cfg.data_dir) if cfg.data_dir else 0   # before the store writes anything
     if cfg.data_dir:
         sc = cfg.store
         store = Store(cfg.data_dir, history_s=cfg.history_s, fsync=cfg.fsync, segment_s=sc.segment_s,
@@ -129,6 +135,8 @@ def _serve(args) -> int:
         exporters.use_store(store)   # before the replay: it keeps the segments not yet exported
         try:
             store.open(state)
+            # The restored marks were stored by then at the latest (limits.max_seq_jump counts from it).
+            state.restored_at_ns = min(state.restored_at_ns, last_written or state.restored_at_ns)
         except StoreError as e:
             print(f"xpusense-collector: {e}", file=sys.stderr)
             return EXIT_FAIL
@@ -158,6 +166,21 @@ def _serve(args) -> int:
     return EXIT_OK
 
 
+def last_written_ns(directory: str, max_files: int = 100_000) -> int:
+    """When anything under `directory` was last modified (ns since the epoch; 0: nothing there)."""
+    newest, seen = 0, 0
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            seen += 1
+            if seen > max_files:
+                return newest
+            try:
+                newest = max(newest, os.stat(os.path.join(root, name)).st_mtime_ns)
+            except OSError:
+                continue
+    return newest
+
+
 async def freeze_long_lived(stop: asyncio.Event, every_s: float = 5.0) -> None:
     """Keep the cyclic garbage collector's pauses out of ingest latency.
 
@@ -168,6 +191,9 @@ async def freeze_long_lived(stop: asyncio.Event, every_s: float = 5.0) -> None:
     refcounting frees everything that is not a cycle; a cycle that outlives `every_s` is kept.
     """
     while True:
+        # Garbage first: a cycle frozen would never be freed (the messages an aborted stream held).
+        # Only what is not frozen yet is looked at, so this costs little.
+        gc.collect()
         gc.freeze()
         try:
             await asyncio.wait_for(stop.wait(), every_s)
@@ -177,9 +203,12 @@ async def freeze_long_lived(stop: asyncio.Event, every_s: float = 5.0) -> None:
 
 
 def fetch(address: str, timeout_s: float, node_id: str = "", prefix: str = "", channel=None) -> pb.ListNodesReply:
-    with (channel() if channel is not None else grpc.insecure_channel(address)) as ch:
-        return pb_grpc.QueryStub(ch).ListNodes(pb.ListNodesRequest(node_id=node_id, name_prefix=prefix),
-                                               timeout=timeout_s, wait_for_ready=False)
+    """The whole fleet state, page by page (each call within `timeout_s`)."""
+    opts = [("grpc.max_receive_message_length", MAX_REPLY_BYTES)]
+    with (channel() if channel is not None else grpc.insecure_channel(address, options=opts)) as ch:
+        stub = pb_grpc.QueryStub(ch)
+        return fetch_all(lambda req: stub.ListNodes(req, timeout=timeout_s, wait_for_ready=False),
+                         pb.ListNodesRequest(node_id=node_id, name_prefix=prefix))
 
 
 def _unreachable(address: str, e: grpc.RpcError) -> int:
@@ -194,6 +223,9 @@ def _nodes(args) -> int:
         reply = fetch(args.collector, args.timeout_s, args.node, args.prefix, channel=args.channel)
     except grpc.RpcError as e:
         return _unreachable(args.collector, e)
+    except PagingError as e:
+        print(f"xpusense-collector: {args.collector}: {e}", file=sys.stderr)
+        return EXIT_FAIL
     nodes = [node_to_dict(n, reply.time_unix_nano, args.stale_s) for n in reply.nodes]
     if args.format == "json":
         json.dump({"collector": args.collector, "nodes": nodes}, sys.stdout, indent=2)
@@ -214,6 +246,8 @@ def _top(args) -> int:
                 body = render_table(nodes, shutil.get_terminal_size().columns)
             except grpc.RpcError as e:
                 body = f"collector {args.collector} unreachable: {e.code().name}; retrying"
+            except PagingError as e:
+                body = f"collector {args.collector}: {e}; retrying"
             stamp = time.strftime("%H:%M:%S")
             out.write(f"\x1b[H\x1b[2Jxpusense top  {args.collector}  {stamp}  (Ctrl-C to quit)\n\n{body}\n")
             out.flush()

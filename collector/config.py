@@ -52,6 +52,17 @@ COLLECTOR_SCHEMA = {
         "max_series_per_boot": Key(int, 200_000, positive, help="distinct series references of one agent boot"),
         "batches_per_s": Key((int, float), 100.0, positive, help="per node, sustained"),
         "burst_batches": Key(int, 5000, positive, help="per node, at once (a resend after a reconnect)"),
+        "max_seq_jump": Key(int, 100_000, positive, help="a batch's seq at most this far above the last stored of its "
+                                                         "boot, plus batches_per_s per second since then"),
+        "max_series_per_node": Key(int, 200_000, positive, help="distinct series (name + labels) of one node, "
+                                                                "whatever the series_ref"),
+        "max_nodes": Key(int, 10_000, positive, help="node ids held in the fleet state; a new one past it is refused"),
+        "max_streams": Key(int, 10_000, positive, help="Ingest streams open at once"),
+        "max_stream_pending_batches": Key(int, 64, positive, help="read on one stream, not yet acknowledged; past "
+                                                                  "it (or the bytes) the stream is not read"),
+        "max_stream_pending_bytes": Key(int, 8 * 2**20, positive, help="their size on the wire"),
+        "max_inventory_bytes": Key(int, 2**20, positive, help="one node's inventory"),
+        "max_reply_bytes": Key(int, 4_000_000, positive, help="one ListNodes page (nodes/top read every page)"),
     },
     # Exporters (collector/otlp_export.py, collector/prometheus.py; docs/export.md).
     "export": {

@@ -12,7 +12,21 @@ for a known reference: a later sample with the same reference is not read again,
 References enter the checked set only when their whole batch passed.
 
 Codes: INVALID_ARGUMENT for a batch that would never pass (too many samples, a label too long: fix
-the agent or raise the limit), RESOURCE_EXHAUSTED for the rate (the agent backs off and resends).
+the agent or raise the limit), RESOURCE_EXHAUSTED for the rate and the series of a node (the agent
+backs off and resends), FAILED_PRECONDITION for a sequence number too far ahead (see below).
+
+With the fleet state at hand (`check(node_id, batch, state)`), two more bounds:
+- Series per node (`max_series_per_node`), counted by name and labels whatever the `series_ref`
+  (0 included): a batch that would add more is refused, after the node's series with no point for
+  `history_s` are let go (`FleetState.evict_expired`).
+- Sequence numbers (`max_seq_jump`): a batch may be at most `max_seq_jump` above the highest one
+  stored for its boot, plus `batches_per_s` for every second since that one was stored. An agent
+  cannot make batches faster than that, so even after an outage whose oldest batches its spool
+  dropped, its next batch is within reach (or is once enough time has passed: it is refused and
+  resent with backoff); a forged seq of 2**64-1 is refused instead of making every later batch of
+  the boot look like a resend. A boot with nothing stored yet has no bound (nothing to count from).
+
+Every refusal is counted by the key of its limit (`hits`, shown by the Query API's counters).
 
 `Limits.interceptors()` adds one more guard for every method on the port: a message that does not
 parse (bad wire format, bad UTF-8) ends its call with INVALID_ARGUMENT, instead of escaping the
@@ -69,6 +83,13 @@ class RateLimitedLog:
 class Violation:
     code: grpc.StatusCode
     message: str
+    key: str = ""      # the limit's config key (counted in Limits.hits)
+
+
+def short_boot(boot_id: str) -> str:
+    """A boot id as logs and refusals show it: its first 8 characters. A whole boot id is what a
+    process needs to speak for that boot, so it is not written where other users may read it."""
+    return boot_id[:8] + ("..." if len(boot_id) > 8 else "")
 
 
 DEFAULTS = {
@@ -83,6 +104,14 @@ DEFAULTS = {
     "max_series_per_boot": 200_000,     # distinct series references of one agent boot
     "batches_per_s": 100.0,             # an agent sends ~5/s; a resend after a reconnect comes in bursts
     "burst_batches": 5000,
+    "max_seq_jump": 100_000,            # + batches_per_s per second since the boot's last stored batch
+    "max_series_per_node": 200_000,     # distinct (name, labels) of one node, whatever the series_ref
+    "max_nodes": 10_000,                # node ids in the fleet state (a new one past it is refused)
+    "max_streams": 10_000,              # Ingest streams open at once
+    "max_stream_pending_batches": 64,   # read from one stream, not yet acknowledged...
+    "max_stream_pending_bytes": 8 * 2**20,  # ...and their size on the wire: past either, reading waits
+    "max_inventory_bytes": 2**20,       # one node's inventory (Hello or Inventory message)
+    "max_reply_bytes": 4_000_000,       # one ListNodes page (gRPC clients take 4 MiB by default)
 }
 
 
@@ -102,6 +131,14 @@ class Limits:
     max_series_per_boot: int
     batches_per_s: float
     burst_batches: int
+    max_seq_jump: int
+    max_series_per_node: int
+    max_nodes: int
+    max_streams: int
+    max_stream_pending_batches: int
+    max_stream_pending_bytes: int
+    max_inventory_bytes: int
+    max_reply_bytes: int
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, **limits):
         unknown = set(limits) - set(DEFAULTS)
@@ -113,6 +150,7 @@ class Limits:
         self._buckets: dict[str, list[float]] = {}        # node -> [tokens, last refill time]
         self._checked: collections.OrderedDict[tuple[str, str], set[int]] = collections.OrderedDict()
         self.violations: collections.Counter[str] = collections.Counter()
+        self.hits: collections.Counter[str] = collections.Counter()   # "limits.KEY" -> times hit
         self.log = RateLimitedLog(log)
 
     @classmethod
@@ -120,21 +158,40 @@ class Limits:
         return cls(**{k: getattr(limits_cfg, k) for k in DEFAULTS}, **kw)
 
     # -- the check
-    def check(self, node_id: str, batch: pb.Batch) -> Violation | None:
-        v = self._check(node_id, batch)
+    def check(self, node_id: str, batch: pb.Batch, state=None) -> Violation | None:
+        """None, or why the batch is refused. With `state` (the FleetState) also the bounds on
+        sequence numbers and on series per node."""
+        v = self._check(node_id, batch, state)
         if v is not None:
-            self.violations[v.code.name] += 1
+            self.count(v)
             self.log.warning("node %r: %s", node_id[:128], v.message)
         return v
+
+    def count(self, v: Violation) -> None:
+        self.violations[v.code.name] += 1
+        if v.key:
+            self.hits[f"limits.{v.key}"] += 1
+
+    def hit(self, key: str) -> None:
+        """A bound that is not a refusal (a stream made to wait, a reply cut into pages) was reached."""
+        self.hits[f"limits.{key}"] += 1
+
+    def check_inventory(self, inv: pb.Inventory) -> Violation | None:
+        """Why an inventory is refused, or None (not counted here: the caller counts what it refuses)."""
+        size = inv.ByteSize()
+        if size <= self.max_inventory_bytes:
+            return None
+        return Violation(grpc.StatusCode.INVALID_ARGUMENT, f"inventory rejected: {size} bytes, more than the "
+                         f"collector's limits.max_inventory_bytes = {self.max_inventory_bytes}", "max_inventory_bytes")
 
     def interceptors(self) -> list:
         return [_MalformedInput(self.log)]
 
     def _bad(self, what: str, key: str, limit) -> Violation:
         return Violation(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"batch rejected: {what}, more than the collector's limits.{key} = {limit}")
+                         f"batch rejected: {what}, more than the collector's limits.{key} = {limit}", key)
 
-    def _check(self, node_id: str, batch: pb.Batch) -> Violation | None:
+    def _check(self, node_id: str, batch: pb.Batch, state) -> Violation | None:
         n = len(batch.samples)
         if n > self.max_samples_per_batch:
             return self._bad(f"{n} samples", "max_samples_per_batch", self.max_samples_per_batch)
@@ -142,14 +199,27 @@ class Limits:
             return self._bad(f"{len(batch.events)} events", "max_events_per_batch", self.max_events_per_batch)
         if (v := self._rate(node_id)) is not None:
             return v
+        if state is not None and (v := self._check_seq(node_id, batch, state)) is not None:
+            return v
         for e in batch.events:
             if (v := self._check_event(e)) is not None:
                 return v
-        return self._check_samples(node_id, batch)
+        return self._check_samples(node_id, batch, state)
 
-    def _check_samples(self, node_id: str, batch: pb.Batch) -> Violation | None:
+    def _check_seq(self, node_id: str, batch: pb.Batch, state) -> Violation | None:
+        ceiling = state.seq_ceiling(node_id, batch.boot_id, self.max_seq_jump, self.batches_per_s)
+        if ceiling is None or batch.seq <= ceiling:
+            return None
+        return Violation(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"batch rejected: seq {batch.seq} of boot {short_boot(batch.boot_id)!r} is beyond {ceiling}, "
+                         f"the most the collector's limits.max_seq_jump = {self.max_seq_jump} and "
+                         f"limits.batches_per_s = {self.batches_per_s:g} allow after what it stored of that boot; "
+                         f"resend later (the bound grows with time)", "max_seq_jump")
+
+    def _check_samples(self, node_id: str, batch: pb.Batch, state=None) -> Violation | None:
         """Each series of this boot is checked once (by its series_ref); a new one counts against
-        max_series_per_boot."""
+        max_series_per_boot. With the state: the series the batch would add to its node (by name
+        and labels, references or not) count against max_series_per_node."""
         key = (node_id, batch.boot_id)
         checked = self._checked.get(key)
         if checked is None:
@@ -161,6 +231,7 @@ class Limits:
         if checked and checked.issuperset(refs):   # the usual batch: every series known (0 never is)
             return None
         new: list[int] = []
+        unknown: list[pb.Sample] = []     # samples whose series the node may not have yet
         max_buckets = self.max_histogram_buckets
         for s, ref in zip(samples, refs):
             if ref and ref in checked:
@@ -172,20 +243,45 @@ class Limits:
                                  "max_histogram_buckets", max_buckets)
             if ref:
                 new.append(ref)
+            unknown.append(s)
+        if state is not None and unknown and (v := self._room(node_id, unknown, state)) is not None:
+            return v
         if new:
             if len(checked) + len(new) > self.max_series_per_boot:
                 checked.update(new)
                 if len(checked) > self.max_series_per_boot:
                     checked.difference_update(new)
                     return Violation(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"batch rejected: boot {batch.boot_id[:64]!r} of node {node_id[:128]!r} would have "
-                                     f"more than limits.max_series_per_boot = {self.max_series_per_boot} series")
+                                     f"batch rejected: boot {short_boot(batch.boot_id)!r} of node {node_id[:128]!r} would "
+                                     f"have more than limits.max_series_per_boot = {self.max_series_per_boot} series",
+                                     "max_series_per_boot")
             checked.update(new)
             if key not in self._checked:
                 self._checked[key] = checked
                 while len(self._checked) > self.MAX_TRACKED_BOOTS:
                     self._checked.popitem(last=False)
         return None
+
+    def _room(self, node_id: str, samples: list[pb.Sample], state) -> Violation | None:
+        """Refuse the batch if the series it adds would take its node past max_series_per_node."""
+        have = state.series_count(node_id)
+        limit = self.max_series_per_node
+        if have + len(samples) <= limit:
+            return None   # room even if every one is new: not worth reading the labels
+        added = len(state.new_series(node_id, samples))
+        newest = max(s.time_unix_nano for s in samples)
+        if added and have + added > limit and state.evict_expired(node_id, newest):
+            self.forget_node(node_id)   # references of let-go series are counted again when they return
+            have = state.series_count(node_id)
+        if not added or have + added <= limit:
+            return None
+        return Violation(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"batch rejected: node {node_id[:128]!r} has {have} series and this batch adds {added}, "
+                         f"more than limits.max_series_per_node = {limit}", "max_series_per_node")
+
+    def forget_node(self, node_id: str) -> None:
+        for key in [k for k in self._checked if k[0] == node_id]:
+            del self._checked[key]
 
     def _check_series(self, s: pb.Sample) -> Violation | None:
         if len(s.name) > self.max_name_len:
@@ -227,7 +323,8 @@ class Limits:
         if b[0] < 1.0:
             return Violation(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"node {node_id[:128]!r} sends more than limits.batches_per_s = {self.batches_per_s:g} "
-                             f"batches/s (burst limits.burst_batches = {self.burst_batches}); back off and resend")
+                             f"batches/s (burst limits.burst_batches = {self.burst_batches}); back off and resend",
+                             "batches_per_s")
         b[0] -= 1.0
         return None
 
@@ -250,13 +347,40 @@ class _Malformed:
         self.why = why
 
 
-def _lenient(deserializer):
+class _WireSize:
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last = 0
+
+
+def _lenient(deserializer, size: _WireSize):
     def parse(raw: bytes):
+        size.last = len(raw)
         try:
             return deserializer(raw)
         except (DecodeError, ValueError, UnicodeDecodeError) as e:
             return _Malformed(f"{type(e).__name__}: {e}")
     return parse
+
+
+class GuardedRequests:
+    """A streaming call's requests, read through the guard. `wire_bytes` is the size on the wire of
+    the message last returned (grpc reads and parses one message at a time, when it is asked for
+    it), so the servicer can bound what it holds in bytes without serializing anything again."""
+
+    def __init__(self, gen, size: _WireSize):
+        self._gen, self._size = gen, size
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self._gen.__anext__()
+
+    @property
+    def wire_bytes(self) -> int:
+        return self._size.last
 
 
 class _MalformedInput(grpc.aio.ServerInterceptor):
@@ -293,10 +417,17 @@ def _guarded_handler(h, requests, guard: _MalformedInput):
     """The same kind of handler as `h`, reading its requests through `requests` (which aborts the
     call on a malformed message)."""
     behavior: Callable[..., Any]   # an async generator function (streamed replies) or a coroutine function
+    size = _WireSize()   # this handler serves one call
     if h.stream_stream:
         async def stream_stream(it, context):
-            async for out in h.stream_stream(requests(it, context), context):
-                yield out
+            reqs = GuardedRequests(requests(it, context), size)
+            try:
+                async for out in h.stream_stream(reqs, context):
+                    yield out
+            finally:
+                # An aborted call's exception keeps this frame alive through its traceback, in a
+                # cycle only the garbage collector breaks: let go of the last message now.
+                it = reqs = None
         behavior, make = stream_stream, grpc.stream_stream_rpc_method_handler
     elif h.stream_unary:
         async def stream_unary(it, context):
@@ -315,5 +446,5 @@ def _guarded_handler(h, requests, guard: _MalformedInput):
                 await guard._abort(context, req.why)
             return await h.unary_unary(req, context)
         behavior, make = unary_unary, grpc.unary_unary_rpc_method_handler
-    return make(behavior, request_deserializer=_lenient(h.request_deserializer),
+    return make(behavior, request_deserializer=_lenient(h.request_deserializer, size),
                 response_serializer=h.response_serializer)

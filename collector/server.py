@@ -1,13 +1,28 @@
 """The collector's gRPC server: the Ingest stream from agents, the Query API and gRPC health,
-all on one port, on one asyncio event loop that owns the fleet state."""
+all on one port, on one asyncio event loop that owns the fleet state.
+
+Bounds (collector/limits.py, `[limits]`): Ingest streams open at once (`max_streams`), node ids
+(`max_nodes`), and per stream what was read and not yet acknowledged (`max_stream_pending_batches`,
+`max_stream_pending_bytes`: past either the stream is not read until acks go out, so gRPC's flow
+control holds back a client that does not read its acks). A stream's messages are let go when it
+ends, and the garbage collector runs soon after (the exception of an aborted call holds them in a
+reference cycle). ListNodes replies are pages of at most `max_reply_bytes`; boot ids go only to
+callers the collector trusts (`QueryServicer.trusted`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import functools
+import gc
+import ipaddress
 import logging
+import os
+import re
 import socket
+import sys
 from typing import NamedTuple
 
 import grpc
@@ -17,6 +32,8 @@ from xpusense.common.config import split_host_port
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
+from .limits import DEFAULTS as LIMITS
+from .limits import Violation, short_boot
 from .scheduler.service import SCHEDULER_SERVICE
 from .scheduler.service import add_to_server as add_scheduler
 from .state import FleetState
@@ -33,6 +50,58 @@ class _Refusal(NamedTuple):
     message: str
 
 
+class _Window:
+    """What one stream holds between reading a batch and acknowledging it: at most `max_batches`
+    batches and `max_bytes` bytes (as they came on the wire); past either, the reader waits."""
+
+    def __init__(self, max_batches: int, max_bytes: int):
+        self.max_batches, self.max_bytes = max_batches, max_bytes
+        self.sizes: collections.deque[int] = collections.deque()
+        self.bytes = 0
+        self._room = asyncio.Event()
+        self._room.set()
+
+    def full(self) -> bool:
+        return len(self.sizes) >= self.max_batches or self.bytes >= self.max_bytes
+
+    def add(self, size: int) -> None:
+        self.sizes.append(size)
+        self.bytes += size
+        if self.full():
+            self._room.clear()
+
+    def done(self) -> None:
+        if self.sizes:
+            self.bytes -= self.sizes.popleft()
+        if not self.full():
+            self._room.set()
+
+    async def wait(self) -> None:
+        await self._room.wait()
+
+
+class _Reclaim:
+    """Collect garbage cycles soon after a stream ended (at most one run pending): an aborted
+    call's exception and traceback keep its frames, and the last message read, in a cycle that
+    reference counting does not free. Cheap in `serve`, where the long-lived state is frozen
+    (cli.freeze_long_lived): only what is young is looked at."""
+
+    def __init__(self, delay_s: float = 0.05):
+        self.delay_s = delay_s
+        self.pending = False
+        self.runs = 0
+
+    def soon(self) -> None:
+        if not self.pending:
+            self.pending = True
+            asyncio.get_running_loop().call_later(self.delay_s, self._run)
+
+    def _run(self) -> None:
+        self.pending = False
+        self.runs += 1
+        gc.collect()
+
+
 class IngestServicer(pb_grpc.IngestServicer):
     def __init__(self, state: FleetState, security=None, limits=None, store=None):
         self.state = state
@@ -44,8 +113,42 @@ class IngestServicer(pb_grpc.IngestServicer):
         self.security = security
         # collector/limits.py: per-node limits on batches (size, series, labels, rate).
         self.limits = limits
+        self.open_streams = 0
+        self.reclaim = _Reclaim()
+
+    def _refuse(self, v: Violation, peer: str) -> None:
+        if self.limits is not None:
+            self.limits.count(v)
+            self.limits.log.warning("refused stream from %s: %s", peer, v.message)
 
     async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
+        max_streams = self.limits.max_streams if self.limits is not None else LIMITS["max_streams"]
+        if self.open_streams >= max_streams:
+            v = Violation(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the collector has limits.max_streams = {max_streams} "
+                          f"streams open; retry later", "max_streams")
+            self._refuse(v, context.peer())
+            await context.abort(v.code, v.message)
+        self.open_streams += 1
+        try:
+            async for out in self._stream(request_iterator, context):
+                yield out
+        finally:
+            self.open_streams -= 1
+            request_iterator = None
+            self.reclaim.soon()
+
+    def _admit(self, node_id: str, inventory: pb.Inventory) -> Violation | None:
+        if self.limits is None:
+            return None
+        if (v := self.limits.check_inventory(inventory)) is not None:
+            return v
+        max_nodes = self.limits.max_nodes
+        if node_id not in self.state.nodes and len(self.state.nodes) >= max_nodes:
+            return Violation(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the collector holds limits.max_nodes = {max_nodes} "
+                             f"nodes; node {node_id[:128]!r} is not taken", "max_nodes")
+        return None
+
+    async def _stream(self, request_iterator, context: grpc.aio.ServicerContext):
         peer = context.peer()
         first = await anext(aiter(request_iterator), None)
         if first is None:
@@ -57,16 +160,22 @@ class IngestServicer(pb_grpc.IngestServicer):
         node_id, boot_id = hello.node_id, hello.boot_id
         if self.security is not None:
             await self.security.authorize(context, node_id)   # aborts the stream when not allowed
+        if (v := self._admit(node_id, hello.inventory)) is not None:
+            self._refuse(v, peer)
+            await context.abort(v.code, v.message)
         welcome = self.state.hello(hello, peer)
         if self.store is not None:
             self.store.append_nowait(["i", node_id, boot_id, hello.inventory.SerializeToString()])
-        log.info("node %s connected from %s (boot %s, stored up to %d)", node_id, peer, boot_id,
+        log.info("node %s connected from %s (boot %s, stored up to %d)", node_id, peer, short_boot(boot_id),
                  welcome.stored_up_to)
         # Reading and acknowledging are pipelined: batches are written to the store as they come,
         # and acknowledged in order once fsync'ed, so batches that arrive together share a group
         # commit (a spool draining after an outage is not held to one fsync per batch).
         pending: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.create_task(self._read(request_iterator, context, node_id, boot_id, pending))
+        lim = self.limits
+        window = _Window(int(lim.max_stream_pending_batches if lim else LIMITS["max_stream_pending_batches"]),
+                         int(lim.max_stream_pending_bytes if lim else LIMITS["max_stream_pending_bytes"]))
+        reader = asyncio.create_task(self._read(request_iterator, context, node_id, boot_id, pending, window))
         try:
             if self.store is not None and self.undurable.get((node_id, boot_id)):
                 # The Welcome's stored_up_to acknowledges what it covers: not before that is durable
@@ -92,11 +201,14 @@ class IngestServicer(pb_grpc.IngestServicer):
                 elif previous is not None:
                     self.state.apply(b)   # no store: from memory
                 yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=previous is None))
+                window.done()
             await reader   # re-raises the reader's abort, if any
         finally:
             reader.cancel()
-            self.state.disconnected(node_id)
+            self.state.disconnected(node_id, boot_id)
             log.info("node %s disconnected", node_id)
+            # An abort's traceback keeps this frame alive (a cycle): let go of the messages now.
+            request_iterator = first = hello = item = b = None
 
     def _stored(self, b: pb.Batch, durable: asyncio.Future) -> None:
         key = (b.node_id, b.boot_id)
@@ -107,7 +219,8 @@ class IngestServicer(pb_grpc.IngestServicer):
         if not durable.cancelled() and durable.exception() is None:
             self.state.apply(b)
 
-    async def _read(self, request_iterator, context, node_id: str, boot_id: str, pending: asyncio.Queue) -> None:
+    async def _read(self, request_iterator, context, node_id: str, boot_id: str, pending: asyncio.Queue,
+                    window: _Window | None = None) -> None:
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("msg")
@@ -119,7 +232,7 @@ class IngestServicer(pb_grpc.IngestServicer):
                         pending.put_nowait(_Refusal(grpc.StatusCode.PERMISSION_DENIED,
                                                     f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}"))
                         return
-                    if self.limits is not None and (why := self.limits.check(node_id, b)):
+                    if self.limits is not None and (why := self.limits.check(node_id, b, self.state)):
                         pending.put_nowait(_Refusal(why.code, why.message))
                         return
                     if self.store is not None:   # a slow or failing disk: this stream waits, unread
@@ -137,7 +250,18 @@ class IngestServicer(pb_grpc.IngestServicer):
                     pending.put_nowait((b, previous, durable))
                     if durable is not None and durable.done() and durable.exception() is not None:
                         return   # refused: nothing after it may be stored before it (the handler ends the stream)
+                    if window is not None:
+                        window.add(getattr(request_iterator, "wire_bytes", 0))   # limits.GuardedRequests
+                        if window.full():   # not read further until acks go out (a client not reading them)
+                            if self.limits is not None:
+                                self.limits.hit("max_stream_pending_bytes" if window.bytes >= window.max_bytes
+                                                else "max_stream_pending_batches")
+                            await window.wait()
                 elif kind == "inventory":
+                    if self.limits is not None and (v := self.limits.check_inventory(msg.inventory)):
+                        self._refuse(v, context.peer())
+                        pending.put_nowait(_Refusal(v.code, v.message))
+                        return
                     self.state.set_inventory(node_id, msg.inventory)
                     if self.store is not None:
                         self.store.append_nowait(["i", node_id, boot_id, msg.inventory.SerializeToString()])
@@ -150,11 +274,36 @@ class IngestServicer(pb_grpc.IngestServicer):
 
 
 class QueryServicer(pb_grpc.QueryServicer):
-    def __init__(self, state: FleetState):
+    def __init__(self, state: FleetState, security=None, limits=None, counters=None, proc_net: str = "/proc/net"):
         self.state = state
+        self.security = security
+        self.limits = limits
+        self.counters = counters   # () -> {name: count}: the Ingest side's, shown with every reply
+        self.proc_net = proc_net
 
     async def ListNodes(self, request, context):
-        return self.state.view(request.node_id, request.name_prefix)
+        max_bytes = self.limits.max_reply_bytes if self.limits is not None else LIMITS["max_reply_bytes"]
+        try:
+            reply = self.state.view(request.node_id, request.name_prefix, request.page_token, request.page_size,
+                                    max_bytes, boot_ids=self.trusted(context.peer()))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self.counters is not None:
+            reply.counters.update(self.counters())
+        return reply
+
+    def trusted(self, peer: str) -> bool:
+        """Whether this caller may see boot ids. A boot id is what a process needs to send batches
+        as that boot (a forged sequence number far ahead would make the boot's real batches look
+        like resends, up to limits.max_seq_jump), so where the port authenticates nobody they go
+        only to a loopback caller running as the collector's own user or root (the owner of the
+        peer's socket, from /proc/net/tcp). With tokens or mTLS every caller holds a credential of
+        the fleet and sees them."""
+        sec = self.security
+        if sec is not None and (sec.mtls or sec.tokens is not None):
+            return True
+        uid = loopback_peer_uid(peer, self.proc_net)
+        return uid is not None and uid in (0, os.geteuid())
 
     async def GetHistory(self, request, context):
         reply = self.state.history(request.node_id, request.name, dict(request.labels))
@@ -162,6 +311,62 @@ class QueryServicer(pb_grpc.QueryServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no series {request.name!r} {dict(request.labels)} on node {request.node_id!r}")
         return reply
+
+
+_PEER = re.compile(r"ipv4:([0-9.]+):(\d+)|ipv6:\[([0-9a-fA-F:.]+)\]:(\d+)")
+
+
+def loopback_peer_uid(peer: str, proc_net: str = "/proc/net") -> int | None:
+    """The uid that owns the client end of a loopback TCP connection, from gRPC's peer string
+    ("ipv4:127.0.0.1:54321", "ipv6:[::1]:54321"); None when not loopback or not found."""
+    m = _PEER.fullmatch(peer)
+    if m is None:
+        return None
+    ip = ipaddress.ip_address(m.group(1) or m.group(3))
+    port = int(m.group(2) or m.group(4))
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if not ip.is_loopback:
+        return None
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(os.path.join(proc_net, name)) as f:
+                uid = socket_owner(f, ip, port)
+        except OSError:
+            continue
+        if uid is not None:
+            return uid
+    return None
+
+
+def socket_owner(lines, ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> int | None:
+    """The uid column of the /proc/net/tcp or tcp6 line whose local address is ip:port (an
+    IPv4-mapped IPv6 address matches its IPv4 address)."""
+    want_port = f":{port:04X}"
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 8 or not fields[1].endswith(want_port):
+            continue
+        raw = bytes.fromhex(fields[1][: -len(want_port)])
+        # The kernel prints each 32-bit word of the address as a number in host byte order.
+        addr = raw if sys.byteorder == "big" else b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        local = ipaddress.ip_address(addr)
+        if isinstance(local, ipaddress.IPv6Address) and local.ipv4_mapped is not None:
+            local = local.ipv4_mapped
+        if local == ip:
+            return int(fields[7])
+    return None
+
+
+def counters(ingest: IngestServicer) -> dict[str, int]:
+    """The collector's counters: each bound hit (by its config key), refusals, collections."""
+    out: dict[str, int] = dict(ingest.state.counters)
+    if ingest.limits is not None:
+        out.update(ingest.limits.hits)
+    if ingest.security is not None:
+        out["auth.refusals"] = ingest.security.refusals
+    out["streams.gc_runs"] = ingest.reclaim.runs
+    return out
 
 
 class BindError(Exception):
@@ -199,8 +404,12 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_ping_strikes", 0),
     ])
-    pb_grpc.add_IngestServicer_to_server(IngestServicer(state, security, limits, store), server)
-    pb_grpc.add_QueryServicer_to_server(QueryServicer(state), server)
+    ingest = IngestServicer(state, security, limits, store)
+    if limits is not None:
+        state.max_series_per_node = limits.max_series_per_node
+    pb_grpc.add_IngestServicer_to_server(ingest, server)
+    pb_grpc.add_QueryServicer_to_server(
+        QueryServicer(state, security, limits, counters=functools.partial(counters, ingest)), server)
     server.scheduler = add_scheduler(server, state, config)   # config None: the defaults
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

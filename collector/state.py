@@ -5,11 +5,19 @@ Exactly once: a batch is stored only if its sequence number is above the highest
 stored for that node and agent boot; agents send in order on one stream, so anything at or below
 that mark is a resend of something stored (acknowledged again, never stored twice).
 All methods run on the collector's event loop thread; no locks.
+
+Bounds (collector/limits.py decides; the state counts and keeps to them): the boots remembered per
+node (the boots with an open stream are never forgotten), the series of a node (`max_series_per_node`,
+held even against batches admitted together; series with no point for `history_s` are let go first),
+how far a boot's sequence number may jump (`seq_ceiling`), and the bytes of one ListNodes page.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
+import hashlib
+import itertools
 import math
 import time
 
@@ -51,6 +59,9 @@ class NodeState:
         self.peer = ""
         self.inventory = pb.Inventory()
         self.stored_up_to: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.mark_at: dict[str, int] = {}              # boot -> when (state clock, ns) its mark last rose
+        self.live: collections.Counter[str] = collections.Counter()   # boot -> streams open for it
+        self.expired_tried_ns = 0                      # last look for series to let go (evict_expired)
         self.series: dict[tuple, Series] = {}
         self.refs: dict[str, dict[int, Series]] = {}   # boot -> the agent's series_ref -> series
         self.events: collections.deque = collections.deque(maxlen=events_kept)
@@ -72,6 +83,11 @@ class FleetState:
         # Called as fn(node, batch) after a Hello or an inventory (batch None) and after each stored
         # batch, on the loop thread (the scheduler core keeps its per-node summaries this way).
         self.watchers: list = []
+        # Marks restored from the durable store count as stored at this time (the state clock, ns);
+        # the collector sets it to when the store was last written, for seq_ceiling.
+        self.restored_at_ns = clock()
+        self.max_series_per_node: int | None = None   # set by the server from limits.max_series_per_node
+        self.counters: collections.Counter[str] = collections.Counter()
 
     def _node(self, node_id: str) -> NodeState:
         n = self.nodes.get(node_id)
@@ -81,16 +97,15 @@ class FleetState:
 
     def hello(self, hello: pb.Hello, peer: str = "") -> pb.Welcome:
         n = self._node(hello.node_id)
-        n.boot_id = hello.boot_id
+        if n.boot_id not in n.live:   # a second stream (another boot) does not take over a live one's place
+            n.boot_id, n.peer = hello.boot_id, peer
         n.streams += 1
-        n.peer = peer
         n.last_seen_ns = self.clock()
         n.inventory.CopyFrom(hello.inventory)
+        n.live[hello.boot_id] += 1
         n.stored_up_to.setdefault(hello.boot_id, self.known_marks.get((hello.node_id, hello.boot_id), 0))
         n.stored_up_to.move_to_end(hello.boot_id)
-        while len(n.stored_up_to) > MAX_BOOTS_REMEMBERED:
-            old, _ = n.stored_up_to.popitem(last=False)
-            n.refs.pop(old, None)
+        self._forget_boots(n, hello.boot_id)
         for w in self.watchers:
             w(n, None)
         return pb.Welcome(boot_id=hello.boot_id, stored_up_to=n.stored_up_to[hello.boot_id])
@@ -101,10 +116,26 @@ class FleetState:
         for w in self.watchers:
             w(n, None)
 
-    def disconnected(self, node_id: str) -> None:
+    def disconnected(self, node_id: str, boot_id: str = "") -> None:
         n = self.nodes.get(node_id)
         if n is not None:
             n.streams = max(0, n.streams - 1)
+            if n.live.get(boot_id, 0) > 1:
+                n.live[boot_id] -= 1
+            else:
+                n.live.pop(boot_id, None)
+
+    def _forget_boots(self, n: NodeState, keep: str) -> None:
+        """Bounded, whatever boot ids a client makes up: the oldest boots are forgotten first, never
+        one with an open stream (a made-up boot must not push a live one's mark out), nor `keep`."""
+        if len(n.stored_up_to) <= MAX_BOOTS_REMEMBERED:
+            return
+        for old in [b for b in n.stored_up_to if b not in (n.boot_id, keep) and b not in n.live]:
+            if len(n.stored_up_to) <= MAX_BOOTS_REMEMBERED:
+                break
+            del n.stored_up_to[old]
+            n.mark_at.pop(old, None)
+            n.refs.pop(old, None)
 
     def restore_inventory(self, node_id: str, boot_id: str, inv: pb.Inventory) -> None:
         """Replay of the durable store: the node's last inventory, without a live stream."""
@@ -139,17 +170,58 @@ class FleetState:
         mark = n.stored_up_to.get(batch.boot_id)
         if mark is None:  # no Hello for this boot on this stream (a replay of an earlier boot)
             mark = n.stored_up_to[batch.boot_id] = self.known_marks.get((batch.node_id, batch.boot_id), 0)
-            # Bounded, whatever boot ids a client makes up: the oldest boots are forgotten first.
-            for old in [b for b in n.stored_up_to if b not in (n.boot_id, batch.boot_id)]:
-                if len(n.stored_up_to) <= MAX_BOOTS_REMEMBERED:
-                    break
-                del n.stored_up_to[old]
-                n.refs.pop(old, None)
+            self._forget_boots(n, batch.boot_id)
         if batch.seq <= mark:
             n.batches_duplicate += 1
             return None
         n.stored_up_to[batch.boot_id] = batch.seq
+        n.mark_at[batch.boot_id] = self.clock()
         return mark
+
+    def seq_ceiling(self, node_id: str, boot_id: str, max_jump: int, per_s: float) -> int | None:
+        """The highest sequence number a batch of this boot may carry now: `max_jump` above the
+        boot's mark, plus `per_s` for every second since the mark rose (an agent makes batches no
+        faster). None when nothing of the boot is stored (no mark to count from)."""
+        n = self.nodes.get(node_id)
+        mark = n.stored_up_to.get(boot_id) if n is not None else None
+        at = self.restored_at_ns
+        if mark is None:
+            mark = self.known_marks.get((node_id, boot_id), 0)
+        elif n is not None:
+            at = n.mark_at.get(boot_id, at)
+        if not mark:
+            return None
+        return mark + max_jump + int(max(0, self.clock() - at) / 1e9 * per_s)
+
+    # -- series per node -----------------------------------------------------------------------------
+    def series_count(self, node_id: str) -> int:
+        n = self.nodes.get(node_id)
+        return len(n.series) if n is not None else 0
+
+    def new_series(self, node_id: str, samples) -> set[tuple]:
+        """The series (name, labels) among `samples` that the node does not have."""
+        n = self.nodes.get(node_id)
+        have = n.series if n is not None else {}
+        return {k for s in samples if (k := (s.name, tuple(sorted(s.labels.items())))) not in have}
+
+    def evict_expired(self, node_id: str, newest_ns: int = 0, every_s: float = 10.0) -> int:
+        """Let go of the node's series with no point for history_s: older by that much than its
+        newest point (or `newest_ns`, the newest of a batch coming in; the agent's clock, as for the
+        history). At most once every `every_s` per node, as it reads every series. Their references
+        are forgotten too (a series that comes back is found again by name and labels)."""
+        n = self.nodes.get(node_id)
+        now = self.clock()
+        if n is None or now - n.expired_tried_ns < every_s * 1e9:
+            return 0
+        n.expired_tried_ns = now
+        cutoff = max(newest_ns, max((s.time_ns for s in n.series.values()), default=0)) - self.history_ns
+        old = [k for k, s in n.series.items() if s.time_ns < cutoff]
+        for k in old:
+            del n.series[k]
+        if old:
+            n.refs.clear()
+            self.counters["series_expired"] += len(old)
+        return len(old)
 
     def unaccept(self, batch: pb.Batch, previous: int) -> None:
         """The batch could not be made durable: its boot's mark goes back to before it (the stream
@@ -162,10 +234,13 @@ class FleetState:
         """The batch's samples and events into the fleet state (after accept)."""
         n = self._node(batch.node_id)
         n.batches_stored += 1
+        if batch.boot_id != n.boot_id and batch.boot_id in n.live:   # a boot that streams and is stored now
+            n.boot_id = batch.boot_id
         series = n.series
         refs = n.refs.get(batch.boot_id)
         if refs is None:
             refs = n.refs[batch.boot_id] = {}
+        room = self.max_series_per_node
         for s in batch.samples:
             # Reading a protobuf map from Python is the costly part of ingest: do it once per series.
             ref = s.series_ref
@@ -174,6 +249,11 @@ class FleetState:
                 key = (s.name, tuple(sorted(s.labels.items())))
                 ser = series.get(key)
                 if ser is None:
+                    if room is not None and len(series) >= room:
+                        # Batches admitted together (limits.py counts each against the series already
+                        # there) may add more than the room left: the excess is dropped, and counted.
+                        self.counters["limits.max_series_per_node.samples_dropped"] += 1
+                        continue
                     ser = series[key] = Series(s, self.history_points)
                 if ref:
                     refs[ref] = ser
@@ -196,27 +276,64 @@ class FleetState:
             w(n, batch)
 
     # -- read side ---------------------------------------------------------------------------------
-    def view(self, node_id: str = "", name_prefix: str = "") -> pb.ListNodesReply:
+    def view(self, node_id: str = "", name_prefix: str = "", page_token: str = "", page_size: int = 0,
+             max_bytes: int = 0, boot_ids: bool = True) -> pb.ListNodesReply:
+        """Nodes in id order, each with its latest values and recent events. A page holds at most
+        `page_size` nodes and `max_bytes` bytes (0: no bound), and always something; where it stops,
+        `next_page_token` says where to resume, possibly within one node's series. Without
+        `boot_ids` every boot id is left out (boot_tag still tells boots apart).
+        ValueError for a page token this method did not make."""
         reply = pb.ListNodesReply(time_unix_nano=self.clock())
-        for nid in sorted(self.nodes):
-            if node_id and nid != node_id:
-                continue
-            n = self.nodes[nid]
-            nv = reply.nodes.add(node_id=nid, boot_id=n.boot_id, connected=n.streams > 0,
-                                 last_seen_unix_nano=n.last_seen_ns,
-                                 stored_up_to=n.stored_up_to.get(n.boot_id, 0),
-                                 batches_stored=n.batches_stored, batches_duplicate=n.batches_duplicate,
-                                 peer=n.peer)
-            nv.inventory.CopyFrom(n.inventory)
-            for ser in n.series.values():
-                if name_prefix and not ser.name.startswith(name_prefix):
-                    continue
-                sv = nv.series.add(name=ser.name, unit=ser.unit, kind=ser.kind, labels=ser.labels,
-                                   value=ser.value, time_unix_nano=ser.time_ns, rate=ser.rate())
-                if ser.histogram is not None:
-                    sv.histogram.CopyFrom(ser.histogram)
-            nv.events.extend(n.events)
+        first, at = "", 0
+        if page_token:
+            first, at = parse_page_token(page_token)
+        ids = ([node_id] if node_id in self.nodes else []) if node_id else sorted(self.nodes)
+        page = _Page(reply, max_bytes)
+        for nid in itertools.islice(ids, bisect.bisect_left(ids, first) if first else 0, None):
+            if page_size and len(reply.nodes) >= page_size:
+                reply.next_page_token = page_token_for(nid, 0)
+                break
+            start = at if nid == first else 0
+            if not self._view_node(page, self.nodes[nid], name_prefix, start, boot_ids):
+                self.counters["limits.max_reply_bytes"] += 1   # a page cut by its size
+                break
         return reply
+
+    def _view_node(self, page: _Page, n: NodeState, name_prefix: str, start: int, boot_ids: bool) -> bool:
+        """Add node `n` to the page from position `start` (0: the whole node, k: series k-1 on);
+        False when the page is full (its next_page_token set)."""
+        nv = page.reply.nodes.add(node_id=n.node_id, boot_id=n.boot_id if boot_ids else "",
+                                  boot_tag=boot_tag(n.boot_id), connected=n.streams > 0,
+                                  last_seen_unix_nano=n.last_seen_ns, stored_up_to=n.stored_up_to.get(n.boot_id, 0),
+                                  batches_stored=n.batches_stored, batches_duplicate=n.batches_duplicate,
+                                  peer=n.peer, continued=start > 0)
+        nv.series_total = (len(n.series) if not name_prefix
+                           else sum(1 for ser in n.series.values() if ser.name.startswith(name_prefix)))
+        if start == 0:
+            nv.inventory.CopyFrom(n.inventory)
+        fresh = page.items == 0
+        if not page.fits(nv.ByteSize()):
+            return page.full_before(n.node_id, start)
+        if start == 0:
+            for i, e in enumerate(n.events):
+                if not page.fits(e.ByteSize() + 4):
+                    if not fresh:   # on a page of their own they may fit
+                        return page.full_before(n.node_id, 0)
+                    nv.events_omitted = len(n.events) - i
+                    break
+                nv.events.append(e)
+        for i, ser in enumerate(itertools.islice(n.series.values(), max(0, start - 1), None), max(0, start - 1)):
+            if name_prefix and not ser.name.startswith(name_prefix):
+                continue
+            sv = nv.series.add(name=ser.name, unit=ser.unit, kind=ser.kind, labels=ser.labels,
+                               value=ser.value, time_unix_nano=ser.time_ns, rate=ser.rate())
+            if ser.histogram is not None:
+                sv.histogram.CopyFrom(ser.histogram)
+            if not page.fits(sv.ByteSize() + 4):
+                del nv.series[-1]
+                page.reply.next_page_token = page_token_for(n.node_id, i + 1)
+                return False
+        return True
 
     def history(self, node_id: str, name: str, labels: dict[str, str]) -> pb.HistoryReply | None:
         n = self.nodes.get(node_id)
@@ -226,3 +343,44 @@ class FleetState:
         reply = pb.HistoryReply(unit=ser.unit)
         reply.points.extend(pb.Point(time_unix_nano=t, value=v) for t, v in ser.history)
         return reply
+
+
+class _Page:
+    """The bytes of one ListNodes page so far. An item fits if the page stays within `max_bytes`
+    (0: no bound), or if the page has nothing yet (a page always moves the reader on)."""
+
+    __slots__ = ("reply", "max_bytes", "size", "items")
+
+    def __init__(self, reply: pb.ListNodesReply, max_bytes: int):
+        self.reply, self.max_bytes = reply, max_bytes
+        self.size, self.items = 32, 0     # the reply's own fields, and the page token
+
+    def fits(self, size: int) -> bool:
+        if self.max_bytes and self.items and self.size + size > self.max_bytes:
+            return False
+        self.size += size
+        self.items += 1
+        return True
+
+    def full_before(self, node_id: str, at: int) -> bool:
+        """The page ends before the node view last added, which the next page starts at `at`."""
+        del self.reply.nodes[-1]
+        self.reply.next_page_token = page_token_for(node_id, at)
+        self.max_bytes = -1   # nothing more fits
+        return False
+
+
+def boot_tag(boot_id: str) -> str:
+    """A boot id's stand-in where the id itself is not shown: the same boot, the same tag."""
+    return hashlib.sha256(boot_id.encode()).hexdigest()[:16] if boot_id else ""
+
+
+def page_token_for(node_id: str, at: int) -> str:
+    return f"{at} {node_id}"   # node ids have no spaces (common/ids.py)
+
+
+def parse_page_token(token: str) -> tuple[str, int]:
+    at, _, node_id = token.partition(" ")
+    if not at.isdigit() or not node_id:
+        raise ValueError(f"page_token {token[:64]!r} was not made by this collector")
+    return node_id, int(at)

@@ -1,4 +1,5 @@
-"""What `nodes` and `top` show: the Query API's reply turned into plain dicts and a terminal table."""
+"""What `nodes` and `top` show: the Query API's reply pages merged, turned into plain dicts and a
+terminal table."""
 
 from __future__ import annotations
 
@@ -21,6 +22,36 @@ def _num(x: float) -> float | None:
     return None if math.isnan(x) else x
 
 
+class PagingError(Exception):
+    pass
+
+
+def fetch_all(call, request: pb.ListNodesRequest, max_pages: int = 100_000) -> pb.ListNodesReply:
+    """Every page of ListNodes (`call(request) -> reply`) as one reply: a node whose series went on
+    over a page boundary (`continued`) is put back together. A collector without paging answers
+    in one page; one that hands back a token it was given (no progress) is an error, not a loop."""
+    merged = pb.ListNodesReply()
+    req = pb.ListNodesRequest()
+    req.CopyFrom(request)
+    for _ in range(max_pages):
+        reply = call(req)
+        merged.time_unix_nano = merged.time_unix_nano or reply.time_unix_nano
+        merged.counters.clear()
+        merged.counters.update(reply.counters)   # the last page's are the newest
+        for nv in reply.nodes:
+            last = merged.nodes[-1] if merged.nodes else None
+            if nv.continued and last is not None and last.node_id == nv.node_id:
+                last.series.extend(nv.series)
+            else:
+                merged.nodes.append(nv)
+        if not reply.next_page_token:
+            return merged
+        if reply.next_page_token == req.page_token:
+            raise PagingError(f"the collector gave page token {req.page_token[:64]!r} again: no progress")
+        req.page_token = reply.next_page_token
+    raise PagingError(f"more than {max_pages} pages")
+
+
 def node_to_dict(nv: pb.NodeView, now_ns: int, stale_s: float) -> dict:
     age_s = (now_ns - nv.last_seen_unix_nano) / 1e9 if nv.last_seen_unix_nano else None
     series = []
@@ -36,7 +67,8 @@ def node_to_dict(nv: pb.NodeView, now_ns: int, stale_s: float) -> dict:
     inv = nv.inventory
     return {
         "node_id": nv.node_id,
-        "boot_id": nv.boot_id,
+        "boot_id": nv.boot_id or None,   # None: not shown to this caller (docs/security.md)
+        "boot_tag": nv.boot_tag,
         "connected": nv.connected,
         "stale": age_s is None or age_s > stale_s,
         "last_seen": _iso(nv.last_seen_unix_nano),
@@ -54,6 +86,8 @@ def node_to_dict(nv: pb.NodeView, now_ns: int, stale_s: float) -> dict:
                           for r in inv.resources],
         },
         "series": series,
+        "series_total": max(nv.series_total, len(series)),
+        "events_omitted": nv.events_omitted,
         "events": [{"id": e.id, "type": e.type, "severity": e.severity, "device": e.device, "message": e.message,
                     "attributes": dict(e.attributes), "time": _iso(e.time_unix_nano)} for e in nv.events],
     }

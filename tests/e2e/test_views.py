@@ -86,3 +86,57 @@ def test_inventory_yaml_follows_the_schema():
     cpu = inv["resources"][0]
     assert set(cpu) >= {"type", "vendor", "model", "attributes", "interconnects"}
     assert cpu["type"] == "CPU" and int(cpu["attributes"]["logical_cpus"]) == os.cpu_count()
+
+
+def test_nodes_and_top_read_a_fleet_larger_than_one_reply(tmp_path):
+    """ListNodes answers in pages of at most limits.max_reply_bytes; `nodes` and `top` read them all
+    (a fleet state over gRPC's 4 MiB once made both fail for the whole fleet)."""
+    from helpers import InProcessCollector
+
+    from xpusense.collector.limits import Limits
+    from xpusense.v1 import telemetry_pb2 as pb
+    coll = InProcessCollector(limits=Limits(max_reply_bytes=100_000))
+    try:
+        def fill():
+            for k in range(3):
+                nid = f"big-{k}"
+                coll.state.hello(pb.Hello(node_id=nid, boot_id=f"boot-{k}"))
+                coll.state.ingest(pb.Batch(node_id=nid, boot_id=f"boot-{k}", seq=1, samples=[
+                    pb.Sample(name="m", labels={"i": str(i), "pad": "p" * 200}, value=i, series_ref=i + 1)
+                    for i in range(2000)]))
+            return coll.state.view().ByteSize()
+        whole = coll.on_loop(fill)
+        assert whole > 1_000_000
+        out = subprocess.run([str(BIN / "xpusense-collector"), "nodes", "--collector", coll.addr, "--format", "json"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        nodes = json.loads(out.stdout)["nodes"]
+        assert [n["node_id"] for n in nodes] == ["big-0", "big-1", "big-2"]
+        assert all(len(n["series"]) == n["series_total"] == 2000 for n in nodes)
+        assert sorted(int(s["labels"]["i"]) for s in nodes[1]["series"]) == list(range(2000))
+        counters = json.loads(out.stdout).get("counters", {})
+        assert counters.get("limits.max_reply_bytes", 0) >= whole // 100_000
+
+        master, slave = pty.openpty()
+        p = subprocess.Popen([str(BIN / "xpusense-collector"), "top", "--collector", coll.addr, "--interval-s", "0.1"],
+                             stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+        os.close(slave)
+        screen = b""
+
+        def read():
+            nonlocal screen
+            while select.select([master], [], [], 0)[0]:
+                try:
+                    screen += os.read(master, 65536)
+                except OSError:
+                    break
+            return screen
+        try:
+            wait_until(lambda: b"big-2" in read() and read().count(b"\x1b[H\x1b[2J") >= 2, what="top showing every node")
+            assert b"unreachable" not in screen
+        finally:
+            p.send_signal(signal.SIGINT)
+            p.wait(timeout=10)
+            os.close(master)
+    finally:
+        coll.stop()

@@ -279,3 +279,235 @@ def test_localhost_is_loopback_by_name_even_without_a_resolver(monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", no_resolver)
     assert is_loopback_host("localhost") and is_loopback_host("LOCALHOST.") and is_loopback_host("agent.localhost")
     assert not is_loopback_host("localhost.example.com") and not is_loopback_host("notlocalhost")
+
+
+# ------------------------------------------------------------------------------------------ bounds against hostile clients (issue 13)
+
+def _state_and_limits(now_ns, **limits):
+    from xpusense.collector.state import FleetState
+    st = FleetState(history_s=60, clock=lambda: now_ns[0])
+    lim = Limits(**({"batches_per_s": 10.0, "burst_batches": 10**6} | limits))
+    st.max_series_per_node = lim.max_series_per_node
+    return st, lim
+
+
+def test_a_forged_sequence_number_far_ahead_is_refused_and_the_bound_grows_with_time():
+    now = [10**18]
+    st, lim = _state_and_limits(now, max_seq_jump=100)
+    st.hello(pb.Hello(node_id="n", boot_id="b"))
+    assert lim.check("n", batch(seq=2**64 - 1), st) is None      # nothing stored yet: nothing to count from
+    assert st.ingest(batch(seq=5))
+    v = lim.check("n", batch(seq=2**64 - 1), st)
+    assert v.code == grpc.StatusCode.FAILED_PRECONDITION and "limits.max_seq_jump" in v.message
+    assert lim.check("n", batch(seq=106), st).code == grpc.StatusCode.FAILED_PRECONDITION
+    assert lim.check("n", batch(seq=105), st) is None             # mark 5 + max_seq_jump 100
+    now[0] += 30 * 10**9                                          # 30 s later: + 30 s x 10 batches/s
+    assert lim.check("n", batch(seq=405), st) is None
+    assert lim.check("n", batch(seq=406), st) is not None
+    assert lim.hits["limits.max_seq_jump"] == 3
+    # A gap the agent really made (its spool dropped the oldest batches during an outage) passes.
+    assert st.ingest(batch(seq=400)) and lim.check("n", batch(seq=401), st) is None
+    # Marks restored from the durable store count from when the store was last written.
+    from xpusense.collector.state import FleetState
+    again = FleetState(clock=lambda: now[0])
+    again.known_marks[("n", "b")] = 400
+    again.restored_at_ns = now[0] - 100 * 10**9
+    assert again.seq_ceiling("n", "b", 100, 10.0) == 400 + 100 + 1000
+    assert again.seq_ceiling("n", "unknown-boot", 100, 10.0) is None
+
+
+def test_series_per_node_are_counted_whatever_the_series_ref():
+    now = [10**18]
+    st, lim = _state_and_limits(now, max_series_per_node=10)
+    st.hello(pb.Hello(node_id="n", boot_id="b"))
+    seq = iter(range(1, 100))
+
+    def send(samples):
+        b = batch(seq=next(seq), samples=samples)
+        v = lim.check("n", b, st)
+        if v is None:
+            st.ingest(b)
+        return v
+
+    # series_ref 0 ("no reference") with new labels each time: counted all the same.
+    assert send([{"name": "x", "labels": {"i": str(i)}, "time_unix_nano": now[0]} for i in range(8)]) is None
+    v = send([{"name": "x", "labels": {"i": str(i)}, "time_unix_nano": now[0]} for i in range(8, 11)])
+    assert v.code == EXHAUSTED and "limits.max_series_per_node = 10" in v.message and "adds 3" in v.message
+    assert send([{"name": "x", "labels": {"i": str(i)}, "time_unix_nano": now[0]} for i in range(8, 10)]) is None
+    assert st.series_count("n") == 10
+    # Samples of series the node has pass, by reference or not; references of a new boot too.
+    assert send([{"name": "x", "labels": {"i": "3"}, "time_unix_nano": now[0]}]) is None
+    assert lim.check("n", batch(seq=50, boot="b2", samples=[{"name": "x", "labels": {"i": "1"}, "series_ref": 7}]),
+                     st) is None
+    # Series with no point for history_s are let go when room is needed.
+    now[0] += 120 * 10**9
+    assert send([{"name": "y", "labels": {"i": str(i)}, "time_unix_nano": now[0]} for i in range(5)]) is None
+    assert st.series_count("n") == 5 and st.counters["series_expired"] == 10
+    assert lim.hits["limits.max_series_per_node"] == 1
+
+
+def test_the_state_holds_its_series_bound_even_for_batches_admitted_together():
+    from xpusense.collector.state import FleetState
+    st = FleetState()
+    st.max_series_per_node = 4
+    for seq in (1, 2):   # each admitted against the series there before either was applied
+        st.ingest(batch(seq=seq, samples=[{"name": "x", "labels": {"s": str(seq), "i": str(i)}} for i in range(3)]))
+    assert st.series_count("n") == 4
+    assert st.counters["limits.max_series_per_node.samples_dropped"] == 2
+
+
+def test_boots_with_an_open_stream_are_never_forgotten():
+    from xpusense.collector.state import MAX_BOOTS_REMEMBERED, FleetState
+    st = FleetState()
+    st.hello(pb.Hello(node_id="n", boot_id="real"))
+    assert st.ingest(batch(seq=7, boot="real"))
+    for i in range(3 * MAX_BOOTS_REMEMBERED):   # made-up boots, by Hello and by batches of other boots
+        st.hello(pb.Hello(node_id="n", boot_id=f"made-up-{i}"))
+        st.disconnected("n", f"made-up-{i}")
+        st.ingest(batch(seq=1, boot=f"replayed-{i}"))
+    n = st.nodes["n"]
+    assert n.stored_up_to["real"] == 7 and len(n.stored_up_to) <= MAX_BOOTS_REMEMBERED + 1
+    assert not st.ingest(batch(seq=7, boot="real"))   # still a resend, never stored twice
+    st.disconnected("n", "real")
+    st.hello(pb.Hello(node_id="n", boot_id="another"))
+    st.ingest(batch(seq=1, boot="one-more"))
+    assert "real" not in n.stored_up_to               # no stream open for it: forgotten like any other
+
+
+def _fleet(nodes=3, series=400, label_len=300):
+    from xpusense.collector.state import FleetState
+    st = FleetState()
+    for k in range(nodes):
+        nid = f"node-{k}"
+        st.hello(pb.Hello(node_id=nid, boot_id=f"boot-{k}", inventory=pb.Inventory(hostname=nid)))
+        st.ingest(pb.Batch(node_id=nid, boot_id=f"boot-{k}", seq=1, samples=[
+            pb.Sample(name=f"m.{i % 7}", labels={"i": str(i), "pad": "p" * label_len}, value=i, series_ref=i + 1)
+            for i in range(series)], events=[pb.Event(id=str(e), type="t", message="e" * 500) for e in range(20)]))
+    return st
+
+
+def test_list_nodes_pages_stay_under_the_byte_bound_and_merge_back_to_the_whole_fleet():
+    from xpusense.collector.views import fetch_all
+    st = _fleet()
+    whole = st.view()
+    assert whole.ByteSize() > 300_000
+    pages = []
+
+    def call(req):
+        reply = st.view(req.node_id, req.name_prefix, req.page_token, req.page_size, max_bytes=50_000)
+        pages.append(reply)
+        return reply
+
+    merged = fetch_all(call, pb.ListNodesRequest())
+    assert len(pages) > 6 and all(p.ByteSize() <= 50_000 for p in pages)
+    assert any(nv.continued for p in pages for nv in p.nodes)   # a node's series went on over a page
+    assert [nv.node_id for nv in merged.nodes] == [nv.node_id for nv in whole.nodes]
+    for got, want in zip(merged.nodes, whole.nodes):
+        assert [(s.name, dict(s.labels)) for s in got.series] == [(s.name, dict(s.labels)) for s in want.series]
+        assert list(got.events) == list(want.events) and got.series_total == 400
+    # By node count, with a name prefix, for one node.
+    assert [nv.node_id for nv in st.view(page_size=2).nodes] == ["node-0", "node-1"]
+    assert st.view(page_size=2).next_page_token
+    one = fetch_all(lambda r: st.view(r.node_id, r.name_prefix, r.page_token, max_bytes=20_000),
+                    pb.ListNodesRequest(node_id="node-1", name_prefix="m.3"))
+    assert [nv.node_id for nv in one.nodes] == ["node-1"]
+    assert {s.name for s in one.nodes[0].series} == {"m.3"} and len(one.nodes[0].series) == 57
+    assert one.nodes[0].series_total == 57
+    # Events over the bound are left out and counted, never cut into a page on their own.
+    few = st.view(node_id="node-0", max_bytes=3_000)
+    assert few.nodes[0].events_omitted > 0 and len(few.nodes[0].events) + few.nodes[0].events_omitted == 20
+    with pytest.raises(ValueError, match="page_token"):
+        st.view(page_token="not a token of ours")
+
+
+def test_boot_ids_are_left_out_for_callers_not_trusted():
+    st = _fleet(nodes=2, series=1)
+    shown, hidden = st.view(), st.view(boot_ids=False)
+    assert [nv.boot_id for nv in shown.nodes] == ["boot-0", "boot-1"]
+    assert [nv.boot_id for nv in hidden.nodes] == ["", ""]
+    assert [nv.boot_tag for nv in hidden.nodes] == [nv.boot_tag for nv in shown.nodes]
+    assert hidden.nodes[0].boot_tag != hidden.nodes[1].boot_tag and "boot-0" not in str(hidden)
+
+
+# /proc/net/tcp and tcp6 as Linux prints them (x86-64): 127.0.0.1:39018 owned by uid 1000, [::1]:41234
+# by uid 0, 127.0.0.1:7470 (the listener) by uid 998, and [::ffff:127.0.0.1]:50000 by uid 65534.
+PROC_TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1D2E 00000000:0000 0A 00000000:00000000 00:00000000 00000000   998        0 41234 1 0 100 0 0 10 0
+   1: 0100007F:986A 0100007F:1D2E 01 00000000:00000000 00:00000000 00000000  1000        0 51234 1 0 20 4 30 10 -1
+"""
+PROC_TCP6 = """\
+  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000001000000:A112 00000000000000000000000001000000:1D2E 01 00000000:00000000 00:00000000 00000000     0        0 61234 1 0 20 4 30 10 -1
+   1: 0000000000000000FFFF00000100007F:C350 0000000000000000FFFF00000100007F:1D2E 01 00000000:00000000 00:00000000 00000000 65534        0 71234 1 0 20 4 30 10 -1
+"""
+
+
+def test_the_owner_of_a_loopback_peer_is_read_from_proc_net(tmp_path):
+    from xpusense.collector.server import loopback_peer_uid
+    (tmp_path / "tcp").write_text(PROC_TCP)
+    (tmp_path / "tcp6").write_text(PROC_TCP6)
+    uid = lambda peer: loopback_peer_uid(peer, str(tmp_path))  # noqa: E731
+    assert uid("ipv4:127.0.0.1:39018") == 1000
+    assert uid("ipv6:[::1]:41234") == 0
+    assert uid("ipv4:127.0.0.1:50000") == 65534 and uid("ipv6:[::ffff:127.0.0.1]:50000") == 65534
+    assert uid("ipv4:127.0.0.1:1") is None                   # no such socket
+    assert uid("ipv4:192.0.2.7:39018") is None              # not loopback: never looked up
+    assert uid("unix:/run/x.sock") is None and uid("") is None
+
+
+def test_the_owner_of_a_real_loopback_connection(tmp_path):
+    import os
+    import socket
+
+    from xpusense.collector.server import loopback_peer_uid
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        c = socket.create_connection(srv.getsockname())
+        try:
+            port = c.getsockname()[1]
+            assert loopback_peer_uid(f"ipv4:127.0.0.1:{port}") == os.geteuid()
+        finally:
+            c.close()
+
+
+def test_streams_nodes_and_inventories_are_bounded_on_a_real_server():
+    import threading
+    lim = Limits(max_streams=2, max_nodes=3, max_inventory_bytes=1000)
+    s = InProcessCollector(limits=lim)
+    release = threading.Event()
+
+    def held(node):   # a stream kept open until the test lets go
+        yield pb.AgentMessage(hello=pb.Hello(node_id=node, boot_id="b"))
+        release.wait(30)
+
+    try:
+        with grpc.insecure_channel(s.addr) as ch:
+            stub = pb_grpc.IngestStub(ch)
+            calls = [stub.Stream(held(f"n{i}")) for i in range(2)]
+            for c in calls:
+                assert next(c).HasField("welcome")
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Stream(iter([pb.AgentMessage(hello=pb.Hello(node_id="n2", boot_id="b"))]), timeout=10))
+            assert e.value.code() == EXHAUSTED and "limits.max_streams = 2" in e.value.details()
+            release.set()
+            for c in calls:
+                list(c)
+            hello = lambda node, inv=None: pb.AgentMessage(hello=pb.Hello(node_id=node, boot_id="b", inventory=inv))  # noqa: E731
+            assert list(stub.Stream(iter([hello("n2")]), timeout=10))[0].HasField("welcome")
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Stream(iter([hello("n3")]), timeout=10))
+            assert e.value.code() == EXHAUSTED and "limits.max_nodes = 3" in e.value.details()
+            big = pb.Inventory(hostname="h" * 2000)
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Stream(iter([hello("n0", big)]), timeout=10))
+            assert e.value.code() == INVALID and "limits.max_inventory_bytes" in e.value.details()
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Stream(iter([hello("n0"), pb.AgentMessage(inventory=big)]), timeout=10))
+            assert e.value.code() == INVALID and "limits.max_inventory_bytes" in e.value.details()
+            counters = pb_grpc.QueryStub(ch).ListNodes(pb.ListNodesRequest(), timeout=5).counters
+            assert counters["limits.max_streams"] == 1 and counters["limits.max_nodes"] == 1
+            assert counters["limits.max_inventory_bytes"] == 2
+            assert sorted(s.on_loop(lambda: list(s.state.nodes))) == ["n0", "n1", "n2"]
+    finally:
+        release.set()
+        s.stop()

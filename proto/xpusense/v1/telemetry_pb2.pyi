@@ -197,12 +197,16 @@ class Inventory(_message.Message):
     def __init__(self, hostname: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., resources: _Optional[_Iterable[_Union[Resource, _Mapping]]] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
-    __slots__ = ("node_id", "name_prefix")
+    __slots__ = ("node_id", "name_prefix", "page_size", "page_token")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name_prefix: str
-    def __init__(self, node_id: _Optional[str] = ..., name_prefix: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, node_id: _Optional[str] = ..., name_prefix: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class SeriesView(_message.Message):
     __slots__ = ("name", "unit", "kind", "labels", "value", "time_unix_nano", "rate", "histogram")
@@ -232,7 +236,7 @@ class SeriesView(_message.Message):
     def __init__(self, name: _Optional[str] = ..., unit: _Optional[str] = ..., kind: _Optional[_Union[MetricKind, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ..., time_unix_nano: _Optional[int] = ..., rate: _Optional[float] = ..., histogram: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...
 
 class NodeView(_message.Message):
-    __slots__ = ("node_id", "boot_id", "connected", "last_seen_unix_nano", "stored_up_to", "batches_stored", "batches_duplicate", "inventory", "series", "events", "peer")
+    __slots__ = ("node_id", "boot_id", "connected", "last_seen_unix_nano", "stored_up_to", "batches_stored", "batches_duplicate", "inventory", "series", "events", "peer", "boot_tag", "series_total", "continued", "events_omitted")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +248,10 @@ class NodeView(_message.Message):
     SERIES_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
+    BOOT_TAG_FIELD_NUMBER: _ClassVar[int]
+    SERIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CONTINUED_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     boot_id: str
     connected: bool
@@ -255,15 +263,30 @@ class NodeView(_message.Message):
     series: _containers.RepeatedCompositeFieldContainer[SeriesView]
     events: _containers.RepeatedCompositeFieldContainer[Event]
     peer: str
-    def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen_unix_nano: _Optional[int] = ..., stored_up_to: _Optional[int] = ..., batches_stored: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., series: _Optional[_Iterable[_Union[SeriesView, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., peer: _Optional[str] = ...) -> None: ...
+    boot_tag: str
+    series_total: int
+    continued: bool
+    events_omitted: int
+    def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen_unix_nano: _Optional[int] = ..., stored_up_to: _Optional[int] = ..., batches_stored: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., series: _Optional[_Iterable[_Union[SeriesView, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., peer: _Optional[str] = ..., boot_tag: _Optional[str] = ..., series_total: _Optional[int] = ..., continued: _Optional[bool] = ..., events_omitted: _Optional[int] = ...) -> None: ...
 
 class ListNodesReply(_message.Message):
-    __slots__ = ("nodes", "time_unix_nano")
+    __slots__ = ("nodes", "time_unix_nano", "next_page_token", "counters")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NODES_FIELD_NUMBER: _ClassVar[int]
     TIME_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeView]
     time_unix_nano: int
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeView, _Mapping]]] = ..., time_unix_nano: _Optional[int] = ...) -> None: ...
+    next_page_token: str
+    counters: _containers.ScalarMap[str, int]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeView, _Mapping]]] = ..., time_unix_nano: _Optional[int] = ..., next_page_token: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class HistoryRequest(_message.Message):
     __slots__ = ("node_id", "name", "labels")
