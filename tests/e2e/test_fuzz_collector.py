@@ -210,6 +210,7 @@ def test_fuzzed_streams_get_errors_while_the_real_agent_keeps_being_stored(colle
         ([hello, batch(1, name="x" * 100, labels={"k": "v" * 100}, n_samples=0) + b"\x12" + b"\xff" * 10],
          None, ""),   # garbage after a valid message: any error but UNKNOWN
         ([hello, batch(1, labels={"k": "v" * MAX_MESSAGE})], grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+        ([hello, batch(1), batch(2**64 - 1)], grpc.StatusCode.FAILED_PRECONDITION, "max_seq_jump"),
         ([hello] + [batch(i) for i in range(1, 1000)], grpc.StatusCode.RESOURCE_EXHAUSTED, "batches_per_s"),
     ]
     for msgs, code, words in checks:
