@@ -216,13 +216,17 @@ def test_collector_export_of_gpu_and_npu_fleet_conforms(procs, tmp_path, libdir)
         scenario = tmp_path / "npu-scenario"
         shutil.copytree(NPU_SCENARIO, scenario)
         ncfg = tmp_path / "npu.toml"
-        ncfg.write_text(TIERS + "[sources.nvml]\nenabled = false\n")
+        # npu-smi answers in tens of ms per call: the tiers of tests/e2e/test_npu_smi_e2e.py
+        ncfg.write_text(TIERS.replace("realtime_s = 0.25\nnearline_s = 0.5\noffline_s = 1.0",
+                                      "realtime_s = 1.0\nnearline_s = 2.0\noffline_s = 2.0")
+                        + "[sources.nvml]\nenabled = false\n")
         procs([str(BIN / "xpusense-agent"), "run", "--config", str(ncfg), "--collector", addr, "--node-id", "npu-node",
                "--npu-smi", str(NPU_SMI)], "npu-agent", env={"FAKE_NPU_SMI_DIR": str(scenario)})
 
         want = GPU_METRICS | NPU_METRICS | host_metrics()
         wait_for(receiver, want, "every metric of both nodes at the receiver",
                  lambda seen: {"npu0-0", "gpu0"} <= ids(seen, "hw.power") and "npu7-0" in ids(seen, "hw.status")
+                 and {"npu0-0", "gpu0"} <= ids(seen, "hw.gpu.utilization")
                  and len({k[1] for k in seen if k[0] == "hw.gpu.utilization" and ("hw.id", "gpu3") in k[1]}) == 3)
         got, seen = verdicts(receiver)
         # Both vendors under the same names, told apart by hw.vendor; sensors and their parents.
@@ -260,5 +264,33 @@ def test_agent_direct_export_conforms(procs, tmp_path, libdir):
         res = next(r for (name, _), (r, _) in seen.items() if name == "process.cpu.time")
         assert isinstance(res["process.pid"], int) and res["xpusense.node.id"] == "solo"
         report("agent direct", got)
+    finally:
+        server.stop(grace=None)
+
+
+def test_mig_instances_are_their_own_hw_id_in_the_agents_direct_export(procs, tmp_path, libdir):
+    """A MIG GPU: each instance's points are its own hw.id (gpu0/gi1) with hw.parent gpu0, and conform."""
+    import sys
+    sys.path.insert(0, str(ROOT / "tests/fakes/nvml"))
+    from driving import h100s, write_scenario
+    from fakes.nvml import fakenvml
+    scn = write_scenario(tmp_path, h100s(2) + "[gpu 0]\nmig_mode = 1\nmig = 1 40GiB 10GiB 3g.40gb\n"
+                                               "mig = 2 20GiB 2GiB 2g.20gb\n")
+    otlp_port = free_port()
+    receiver = Receiver()
+    server = receiver.serve(otlp_port)
+    try:
+        cfg = tmp_path / "agent.toml"
+        cfg.write_text(TIERS + f'[sources.npu_smi]\nenabled = false\n[spool]\nenabled = false\n'
+                       f'[export.otlp]\nenabled = true\nonly = true\nendpoint = "127.0.0.1:{otlp_port}"\ninterval_s = 0.2\n')
+        procs([str(BIN / "xpusense-agent"), "run", "--config", str(cfg), "--node-id", "mig",
+               "--collector", f"127.0.0.1:{free_port()}"], "agent", env=fakenvml.env(libdir, scn, t0=fakenvml.t0_at(5.0)))
+        got = wait_for(receiver, {"hw.gpu.memory.usage", "hw.power"}, "MIG instances at the receiver",
+                       lambda seen: {"gpu0/gi1", "gpu0/gi2", "gpu1"} <= ids(seen, "hw.gpu.memory.usage"))
+        _, seen = verdicts(receiver)
+        mem = {dict(k[1])["hw.id"]: dict(k[1]) for k in seen if k[0] == "hw.gpu.memory.usage"}
+        assert mem["gpu0/gi1"]["hw.parent"] == "gpu0" and "hw.parent" not in mem["gpu1"]
+        assert mem["gpu0/gi2"]["hw.vendor"] == "nvidia" and "hw.model" not in mem["gpu0/gi2"]
+        report("agent direct, MIG", got)
     finally:
         server.stop(grace=None)
