@@ -24,13 +24,21 @@ TRACEPOINT, UPROBE, SCHED_CLS = "tracepoint", "uprobe", "sched_cls"
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One way to build a probe: the tracepoints it needs, the -D defines that select its C."""
+    """One way to build a probe: the tracepoints it needs, the -D defines that select its C, and what
+    else the kernel must offer (read from its BTF and /proc at plan time: features, not versions)."""
     name: str
     tracepoints: tuple[str, ...]                    # "category:event", all required
     defines: tuple[tuple[str, str], ...] = ()
     # tracepoints used when present; when absent, define[1] is set to 0 instead of 1
     optional: tuple[tuple[str, str], ...] = ()      # (tracepoint, define)
     note: str = ""
+    # of `tracepoints`, those attached as raw tracepoints (function raw_tracepoint__<event>); the
+    # kernel's BTF must have their prototype btf_trace_<event>
+    raw_tracepoints: tuple[str, ...] = ()
+    # -D DEFINE=<byte offset of struct.member.path in the running kernel, from its BTF>
+    btf_offsets: tuple[tuple[str, str, str], ...] = ()     # (define, struct, member path)
+    btf_functions: tuple[str, ...] = ()             # kernel functions BTF must have (BPF helpers the C calls)
+    needs: tuple[str, ...] = ()                     # host checks by name (loader.HOST_CHECKS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,15 +81,38 @@ def log2_bounds_s(slots: int) -> tuple[float, ...]:
     return tuple(((1 << i) - 1) * 1e-9 for i in range(slots - 1))
 
 
+RUNQLAT_MAX_CGROUPS = 1024     # RUNQLAT_MAX_CGROUPS in runqlat.bpf.c: cgroups with a histogram (slot 0: the rest)
+
 RUNQLAT = Probe(
     name="runqlat",
     summary="run-queue latency per cgroup (wake-up or preemption to on-CPU)",
-    variants=(Variant("tracepoint", ("sched:sched_wakeup", "sched:sched_wakeup_new", "sched:sched_switch")),),
+    variants=(
+        Variant("sched_info", ("sched:sched_switch",),
+                (("RUNQLAT_SCHED_INFO", "1"), ("RUNQLAT_MAX_CGROUPS", str(RUNQLAT_MAX_CGROUPS))),
+                note="raw tracepoint sched_switch reading the scheduler's own sched_info.run_delay and pcount "
+                     "(CONFIG_SCHED_INFO) at offsets from the kernel's BTF, state in task storage (Linux 5.11+)",
+                raw_tracepoints=("sched:sched_switch",),
+                btf_offsets=(("RUNQLAT_PID_OFF", "task_struct", "pid"),
+                             ("RUNQLAT_PCOUNT_OFF", "task_struct", "sched_info.pcount"),
+                             ("RUNQLAT_RUN_DELAY_OFF", "task_struct", "sched_info.run_delay"),
+                             ("RUNQLAT_CGROUPS_OFF", "task_struct", "cgroups"),
+                             ("RUNQLAT_DFL_CGRP_OFF", "css_set", "dfl_cgrp"),
+                             ("RUNQLAT_CGRP_KN_OFF", "cgroup", "kn"),
+                             ("RUNQLAT_KN_ID_OFF", "kernfs_node", "id")),
+                btf_functions=("bpf_get_current_task_btf", "bpf_task_storage_get"),
+                needs=("sched_info",)),
+        Variant("tracepoint", ("sched:sched_wakeup", "sched:sched_wakeup_new", "sched:sched_switch"),
+                (("RUNQLAT_SCHED_INFO", "0"), ("RUNQLAT_MAX_CGROUPS", str(RUNQLAT_MAX_CGROUPS))),
+                note="tracepoints sched_wakeup/_new and sched_switch, timestamps in a map keyed by pid"),
+    ),
     attach_kind=TRACEPOINT,
-    maps=(("runqlat_hist", "cgroup"),),
+    # cgroup_slot: an array of per-cgroup slots; runqlat_cgidx says which cgroup id has which slot
+    maps=(("runqlat_hist", "cgroup"), ("runqlat_slots", "cgroup_slot")),
     metrics=(
         Metric("runqlat_hist", "slots", "xpusense.sched.runqueue.latency", "s", HISTOGRAM, NEARLINE,
-               scale=1e-9, sum_field="sum_ns"),
+               scale=1e-9, sum_field="sum_ns", variants=("tracepoint",)),
+        Metric("runqlat_slots", "slots", "xpusense.sched.runqueue.latency", "s", HISTOGRAM, NEARLINE,
+               scale=1e-9, sum_field="sum_ns", variants=("sched_info",)),
     ),
 )
 

@@ -11,6 +11,7 @@ tests/unit/test_ebpf_helpers.py.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -154,8 +155,10 @@ for _ in range(int(sys.argv[2])):
 """
 
 
-def test_runqlat_counts_every_wakeup_of_a_sleeping_process_in_its_cgroup(probe, cgroup):
-    src = probe("runqlat")
+@pytest.mark.parametrize("variant", [v.name for v in specs.RUNQLAT.variants])
+def test_runqlat_counts_every_wakeup_of_a_sleeping_process_in_its_cgroup(probe, cgroup, variant):
+    src = probe("runqlat", variants={"runqlat": variant})
+    assert src.plan_.variant.name == variant
     procs, label = cgroup("runqlat")
     n = 200
     subprocess.run(ns_python("", SLEEPER, procs, n), check=True, timeout=60)
@@ -179,6 +182,33 @@ def test_runqlat_counts_every_wakeup_of_a_sleeping_process_in_its_cgroup(probe, 
                      what="a second bpf_stats reading")
     assert rt2[0].value > 0
     assert value(rt, "xpusense.ebpf.probe.run_time", probe="runqlat") > 0
+
+
+def test_runqlat_hands_a_removed_cgroups_slot_back_after_reporting_it_once_more(probe):
+    src = probe("runqlat")
+    if src.plan_.variant.name != "sched_info":
+        pytest.skip("the slots are the sched_info variant's")
+    root = cgroup2_root("/proc")
+    if not root:
+        pytest.skip("no cgroup2 mount")
+    path = Path(root) / f"xps-test-slot-{uuid.uuid4().hex[:6]}"
+    path.mkdir()
+    try:
+        label, cgid = "/" + path.name, path.stat().st_ino
+        subprocess.run(ns_python("", SLEEPER, str(path / "cgroup.procs"), 50), check=True, timeout=60)
+        wait_until(lambda: find(src.collect(NEARLINE), "xpusense.sched.runqueue.latency", cgroup=label), 10,
+                   what=f"a histogram for {label}")
+        index = src.table("runqlat_cgidx")
+        slot = int(index[ctypes.c_uint64(cgid)].value)
+        assert slot > 0
+        wait_until(lambda: not (path / "cgroup.procs").read_text().strip(), 10, what=f"{path} to empty")
+    finally:
+        path.rmdir()
+    assert find(src.collect(NEARLINE), "xpusense.sched.runqueue.latency", cgroup=label), "reported once more"
+    with pytest.raises(KeyError):
+        index[ctypes.c_uint64(cgid)]
+    assert not any(src.table("runqlat_slots")[ctypes.c_uint32(slot)][0].slots), "the slot is emptied"
+    assert not find(src.collect(NEARLINE), "xpusense.sched.runqueue.latency", cgroup=label)
 
 
 # ------------------------------------------------------------------------------------------ blkio

@@ -15,9 +15,9 @@ import tempfile
 import pytest
 
 from xpusense.agent.sources.base import Unavailable
-from xpusense.agent.sources.ebpf import bpfmap, family, handoff, handover, loader, procfs
+from xpusense.agent.sources.ebpf import bpfmap, btf, family, handoff, handover, loader, procfs
 from xpusense.agent.sources.ebpf.loader import render_c
-from xpusense.agent.sources.ebpf.source import _sum_percpu, hist_sample
+from xpusense.agent.sources.ebpf.source import hist_sample, sum_percpu
 from xpusense.common.config import ConfigError, load
 
 SCHEMA_WRAPPER = {"sources": {"ebpf": family.SCHEMA}}
@@ -177,6 +177,75 @@ def test_map_types_decode_from_bccs_descriptions():
 
 def test_per_cpu_values_are_summed_field_by_field_arrays_too():
     hist = bpfmap.ctype_of(["h", [["sum_ns", "unsigned long long"], ["slots", "unsigned long long", [3]]], "struct"])
-    summed = _sum_percpu([hist(10, (1, 2, 3)), hist(5, (0, 1, 0))])
+    summed = sum_percpu([hist(10, (1, 2, 3)), hist(5, (0, 1, 0))])
     assert summed.sum_ns == 15 and summed.slots == [1, 3, 3]
-    assert _sum_percpu([ctypes.c_ulonglong(4), ctypes.c_ulonglong(6)]).value == 10
+    assert sum_percpu([ctypes.c_ulonglong(4), ctypes.c_ulonglong(6)]).value == 10
+
+
+def synthetic_btf(path):
+    """A small BTF blob laid out as the kernel's: struct outer {u64 x; union {u64 y;}; struct inner
+    {u64 a; u64 b;} inner_m;}, typedef void (*btf_trace_x)(void *, u64), function bpf_helper."""
+    names = b"\0u64\0inner\0a\0b\0outer\0x\0inner_m\0y\0btf_trace_x\0bpf_helper\0ctx\0"
+    off = {n: names.index(b"\0" + n.encode() + b"\0") + 1 for n in
+           ("u64", "inner", "a", "b", "outer", "x", "inner_m", "y", "btf_trace_x", "bpf_helper")}
+
+    def rec(name, kind, vlen, size_type, extra=b""):
+        return struct.pack("<III", name, (kind << 24) | vlen, size_type) + extra
+
+    types = b"".join([
+        rec(off["u64"], btf.INT, 0, 8, struct.pack("<I", 64)),                                    # 1
+        rec(off["inner"], btf.STRUCT, 2, 16, struct.pack("<6I", off["a"], 1, 0, off["b"], 1, 64)),  # 2
+        rec(off["outer"], btf.STRUCT, 3, 40, struct.pack("<9I", off["x"], 1, 0, 0, 4, 64,           # 3
+                                                         off["inner_m"], 2, 128)),
+        rec(0, btf.UNION, 1, 8, struct.pack("<3I", off["y"], 1, 0)),                              # 4
+        rec(0, btf.FUNC_PROTO, 2, 0, struct.pack("<4I", 0, 0, 0, 1)),                             # 5
+        rec(0, btf.PTR, 0, 5),                                                                    # 6
+        rec(off["btf_trace_x"], btf.TYPEDEF, 0, 6),                                               # 7
+        rec(off["bpf_helper"], btf.FUNC, 0, 5),                                                   # 8
+    ])
+    hdr = struct.pack("<HBBIIIII", btf.MAGIC, 1, 0, 24, 0, len(types), len(types), len(names))
+    path.write_bytes(hdr + types + names)
+    return str(path)
+
+
+def test_struct_offsets_and_functions_come_from_btf(tmp_path):
+    with btf.Btf(synthetic_btf(tmp_path / "vmlinux")) as b:
+        assert b.member_offset("outer", "x") == 0
+        assert b.member_offset("outer", "y") == 8                 # inside an anonymous union
+        assert b.member_offset("outer", "inner_m.b") == 16 + 8
+        assert b.func_params("btf_trace_x") == 2
+        assert b.has(btf.FUNC, "bpf_helper") and not b.has(btf.FUNC, "outer")
+        with pytest.raises(btf.BtfError, match="struct outer.inner_m has no member c"):
+            b.member_offset("outer", "inner_m.c")
+        with pytest.raises(btf.BtfError, match="no struct task_struct"):
+            b.member_offset("task_struct", "pid")
+    with pytest.raises(btf.BtfError, match="CONFIG_DEBUG_INFO_BTF"):
+        btf.Btf(str(tmp_path / "none"))
+
+
+def test_runqlat_falls_back_to_tracepoints_without_the_schedulers_accounting(tmp_path):
+    tfs = fake_tracefs(tmp_path / "tracing", "sched:sched_wakeup", "sched:sched_wakeup_new", "sched:sched_switch")
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "self" / "schedstat").write_text("0 0 0\n")    # CONFIG_SCHED_INFO without accounting
+    sysfs = tmp_path / "sys"
+    (sysfs / "kernel" / "btf").mkdir(parents=True)
+    synthetic_btf(sysfs / "kernel" / "btf" / "vmlinux")                 # a BTF without task_struct
+    ldr = sources(probes=["runqlat"], tracefs=tfs, procfs=str(tmp_path / "proc"), sysfs=str(sysfs))[0].loader
+    plan = ldr.plan("runqlat")
+    assert plan.variant.name == "tracepoint" and "-DRUNQLAT_SCHED_INFO=0" in plan.cflags()
+    assert "does not account run-queue time" in plan.notes[0] and "no struct task_struct" in plan.notes[0]
+    assert plan.attach == {"tracepoints": ["sched:sched_wakeup", "sched:sched_wakeup_new", "sched:sched_switch"]}
+    assert procfs.parse_schedstat("1200 340 7\n") == (1200, 340, 7)
+
+
+def test_runqlat_plans_its_raw_tracepoint_variant_with_offsets_from_btf(tmp_path):
+    if not os.path.exists("/sys/kernel/btf/vmlinux") or procfs.sched_info_off("/proc"):
+        pytest.skip("this kernel has no BTF or no sched_info accounting")
+    tfs = fake_tracefs(tmp_path, "sched:sched_switch")
+    ldr = sources(probes=["runqlat"], tracefs=tfs)[0].loader
+    plan = ldr.plan("runqlat")
+    assert plan.variant.name == "sched_info"
+    offsets = dict(plan.defines)
+    assert int(offsets["RUNQLAT_RUN_DELAY_OFF"]) > int(offsets["RUNQLAT_PCOUNT_OFF"]) > 0
+    assert plan.attach == {"raw_tracepoints": {"sched_switch": "raw_tracepoint__sched_switch"},
+                           "map_init": {"runqlat_free": {"push": list(range(1, 1024))}}}

@@ -262,6 +262,23 @@ class BpfMap:
         _ELEM.pack_into(attr, 0, self.fd, 0, ctypes.addressof(kbuf), ctypes.addressof(vbuf), BPF_ANY)
         bpf(BPF_MAP_UPDATE_ELEM, attr)
 
+    def zero(self, key: Any) -> None:
+        """Set the value of `key` to zeros (on every CPU, for per-CPU maps)."""
+        kb = bytes(key)
+        kbuf = ctypes.create_string_buffer(kb, len(kb))
+        vbuf = ctypes.create_string_buffer(self.stride * self.ncpus)
+        attr = ctypes.create_string_buffer(_ELEM.size)
+        _ELEM.pack_into(attr, 0, self.fd, 0, ctypes.addressof(kbuf), ctypes.addressof(vbuf), BPF_ANY)
+        bpf(BPF_MAP_UPDATE_ELEM, attr)
+
+    def push(self, value: Any) -> None:
+        """Add `value` to a queue or stack map."""
+        vb = bytes(value)
+        vbuf = ctypes.create_string_buffer(vb, len(vb))
+        attr = ctypes.create_string_buffer(_ELEM.size)
+        _ELEM.pack_into(attr, 0, self.fd, 0, 0, ctypes.addressof(vbuf), BPF_ANY)
+        bpf(BPF_MAP_UPDATE_ELEM, attr)
+
     def __delitem__(self, key: Any) -> None:
         kb = bytes(key)
         kbuf = ctypes.create_string_buffer(kb, len(kb))

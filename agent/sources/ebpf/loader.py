@@ -33,12 +33,17 @@ from xpusense.probes import specs
 from ..base import Unavailable
 from .bpf_stats import BpfStats
 from .bpfmap import BpfMap, possible_cpus
+from .btf import FUNC, TYPEDEF, Btf, BtfError
 from .handover import ProbeHandle, close_fd, run_loader
-from .procfs import headers_release, read_cap_eff
+from .procfs import headers_release, read_cap_eff, sched_info_off
 
 log = logging.getLogger("xpusense.agent.sources.ebpf")
 
 CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 12, 21, 38, 39
+# Host checks a variant can name in specs.Variant.needs: cfg -> why not ("" when fine).
+HOST_CHECKS: dict[str, Callable[[SimpleNamespace], str]] = {
+    "sched_info": lambda cfg: sched_info_off(cfg.procfs),
+}
 LOADER_TIMEOUT_S = 120.0     # compile + load + attach; a loader taking longer is killed
 # How the loader process starts: the agent's own interpreter, every import path the agent has that a
 # fresh interpreter lacks (a site directory added at run time, with its .pth files: an editable
@@ -82,6 +87,17 @@ def render_c(plans: Iterable[Plan]) -> str:
     return "\n".join(parts)
 
 
+def attach_points(v: specs.Variant, tps: list[str]) -> dict[str, Any]:
+    """What the loader process attaches for these tracepoints: classic ones, and raw ones by event."""
+    attach: dict[str, Any] = {}
+    if classic := [tp for tp in tps if tp not in v.raw_tracepoints]:
+        attach["tracepoints"] = classic
+    if v.raw_tracepoints:
+        events = [tp.partition(":")[2] for tp in v.raw_tracepoints]
+        attach["raw_tracepoints"] = {ev: f"raw_tracepoint__{ev}" for ev in events}
+    return attach
+
+
 class EbpfLoader:
     """Shared by all eBPF sources of one agent: environment checks, plans, one compilation, bpf_stats.
 
@@ -107,6 +123,7 @@ class EbpfLoader:
         self._env_error: Unavailable | None = None
         self._env_checked = False
         self.t_created = time.monotonic()
+        self._btf: Btf | None = None
 
     @property
     def stats_state(self) -> str:
@@ -147,23 +164,19 @@ class EbpfLoader:
         forced = getattr(self.cfg.variants, probe, "")
         candidates = [v for v in spec.variants if not forced or v.name == forced]
         missing_by_variant = []
+        tracepoints_missing = False
         for v in candidates:
             missing = [tp for tp in v.tracepoints if not self.tracepoint_exists(tp)]
             if missing:
+                tracepoints_missing = True
                 missing_by_variant.append(f"{v.name}: no {', '.join(missing)}")
                 continue
-            defines = list(v.defines)
-            tps = list(v.tracepoints)
-            for tp, define in v.optional:
-                have = self.tracepoint_exists(tp)
-                if define not in dict(defines):
-                    defines.append((define, "1" if have else "0"))
-                elif not have:
-                    defines = [(k, "0" if k == define else val) for k, val in defines]
-            for tp, define in v.optional:
-                if dict(defines)[define] == "1":
-                    tps.append(tp)
-            plan = Plan(spec, v, defines, tps, attach={"tracepoints": list(tps)} if tps else {})
+            kernel_defines, lacks = self._kernel_features(v)
+            if lacks:
+                missing_by_variant.append(f"{v.name}: {'; '.join(lacks)}")
+                continue
+            defines, tps = self._optional(v, list(v.defines) + kernel_defines)
+            plan = Plan(spec, v, defines, tps, attach=attach_points(v, tps))
             if v is not spec.variants[0] and not forced:
                 plan.notes.append(f"fallback variant {v.name} ({v.note}); preferred one unavailable: "
                                   + "; ".join(missing_by_variant))
@@ -176,10 +189,57 @@ class EbpfLoader:
                 except Exception as e:   # a host detail we did not foresee: say it, run the others
                     raise Unavailable(f"{probe}: feature test failed: {type(e).__name__}: {e}") from e
             return plan
+        if not tracepoints_missing:
+            raise Unavailable(f"{probe}: this kernel offers none of its variants ({'; '.join(missing_by_variant)})")
         where = self.tracefs()
         raise Unavailable(f"{probe}: the kernel lacks the tracepoints it needs ({'; '.join(missing_by_variant)}) "
                           f"under {where}/events; if tracefs is not mounted there, run "
                           f"`mount -t tracefs nodev /sys/kernel/tracing` (scripts/setup-ebpf.sh does it)")
+
+    def _optional(self, v: specs.Variant, defines: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[str]]:
+        """The variant's optional tracepoints: their defines 1 (and attached) when present, else 0."""
+        tps = list(v.tracepoints)
+        for tp, define in v.optional:
+            have = self.tracepoint_exists(tp)
+            if define not in dict(defines):
+                defines.append((define, "1" if have else "0"))
+            elif not have:
+                defines = [(k, "0" if k == define else val) for k, val in defines]
+        for tp, define in v.optional:
+            if dict(defines)[define] == "1":
+                tps.append(tp)
+        return defines, tps
+
+    def _kernel_features(self, v: specs.Variant) -> tuple[list[tuple[str, str]], list[str]]:
+        """What a variant needs beyond tracepoints, asked of the kernel's BTF and of /proc:
+        (-D defines with struct offsets, what is missing)."""
+        lacks = [why for name in v.needs if (why := HOST_CHECKS[name](self.cfg))]
+        if not (v.raw_tracepoints or v.btf_offsets or v.btf_functions):
+            return [], lacks
+        try:
+            b = self.btf()
+        except BtfError as e:
+            return [], [*lacks, str(e)]
+        defines = []
+        for tp in v.raw_tracepoints:
+            event = tp.partition(":")[2]
+            if not b.has(TYPEDEF, f"btf_trace_{event}"):
+                lacks.append(f"no raw tracepoint {event} (no btf_trace_{event} in the kernel's BTF)")
+        for fn in v.btf_functions:
+            if not b.has(FUNC, fn):
+                lacks.append(f"no BPF helper {fn} (not in the kernel's BTF)")
+        for define, struct_name, path in v.btf_offsets:
+            try:
+                defines.append((define, str(b.member_offset(struct_name, path))))
+            except BtfError as e:
+                lacks.append(str(e))
+        return defines, lacks
+
+    def btf(self) -> Btf:
+        """The kernel's BTF (<sysfs>/kernel/btf/vmlinux), read once while planning, let go after loading."""
+        if self._btf is None:
+            self._btf = Btf(os.path.join(self.cfg.sysfs, "kernel/btf/vmlinux"))
+        return self._btf
 
     def describe_plan(self, probe: str) -> dict:
         got = self._plans.get(probe)
@@ -230,7 +290,7 @@ class EbpfLoader:
             if hrel and hrel != release:
                 self.headers = f"generic headers {hrel} for kernel {release} (fallback)"
                 log.warning("NO KERNEL HEADERS FOR RUNNING KERNEL %s: bcc compiles against %s (%s). Tracepoint, "
-                            "uprobe and tc programs are fine; nothing here reads kernel structs.",
+                            "uprobe and tc programs are fine; struct offsets come from the kernel's BTF, not headers.",
                             release, hrel, os.path.realpath(build))
             else:
                 self.headers = f"{hrel or release} ({os.path.realpath(build)})"
@@ -288,6 +348,9 @@ class EbpfLoader:
     def _load_all(self) -> None:
         plans = self._planned()
         self._loaded = True
+        if self._btf is not None:      # planning is over: a few MB the agent does not keep
+            self._btf.close()
+            self._btf = None
         if not plans:
             return
         t0 = time.perf_counter()

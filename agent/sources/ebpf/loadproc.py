@@ -63,7 +63,7 @@ class Refused(Exception):
 class Builder:
     """What one run of the loader built: bcc objects, fds to send, the manifest that names them."""
 
-    def __init__(self, req: dict):
+    def __init__(self, req: dict) -> None:
         self.req = req
         self.fds: list[int] = []
         self.manifest: dict[str, Any] = {"ok": True, "probes": {}, "maps": [], "compile_errors": {}}
@@ -263,8 +263,13 @@ class Builder:
             detach_filters(done)
 
 
-def write_entries(table: Any, entries: list) -> None:
-    """[[key, {field: value or [values]}], ...] -> map entries (before the programs are attached)."""
+def write_entries(table: Any, entries: list | dict) -> None:
+    """[[key, {field: value or [values]}], ...] -> map entries, or {"push": [values]} onto a queue
+    (before the programs are attached)."""
+    if isinstance(entries, dict):
+        for x in entries.get("push", []):
+            table.push(table.Leaf(x))
+        return
     for key, fields in entries:
         v = table.Leaf()
         for field, val in fields.items():

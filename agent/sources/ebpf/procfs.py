@@ -27,6 +27,28 @@ def parse_fdinfo(text: str) -> dict[str, int]:
     return out
 
 
+def parse_schedstat(text: str) -> tuple[int, int, int]:
+    """/proc/<pid>/schedstat -> (ns on CPU, ns waited on a run queue, times run)."""
+    a, b, c = (int(x) for x in text.split()[:3])
+    return a, b, c
+
+
+def sched_info_off(procfs: str = "/proc") -> str:
+    """Why the scheduler's per-task run-queue accounting (CONFIG_SCHED_INFO: sched_info.run_delay and
+    pcount, which /proc/<pid>/schedstat shows) is not there to read; "" when it is."""
+    path = f"{procfs}/self/schedstat"
+    try:
+        with open(path) as f:
+            _on_cpu, _waited, runs = parse_schedstat(f.read())
+    except OSError:
+        return f"no {path}: the kernel has no CONFIG_SCHED_INFO"
+    except ValueError:
+        return f"{path} is not in the format of Linux's schedstat"
+    if runs == 0:       # compiled in but not accounting (before Linux 5.14: schedstats and delayacct off)
+        return f"the scheduler does not account run-queue time here ({path} shows 0 runs)"
+    return ""
+
+
 def device_prefixes(globs: Iterable[str]) -> list[str]:
     """Device globs -> the literal prefixes matched in the kernel (the part before the first wildcard)."""
     out: list[str] = []
@@ -139,9 +161,16 @@ class CgroupNames:
         return self._names.get(cgid)
 
     def gone(self, cgid: int) -> bool:
-        """True when the cgroup no longer exists (checked against a fresh scan)."""
-        if cgid in self._names:
-            return False
+        """True when the cgroup no longer exists (its directory is gone, or a fresh scan lacks it)."""
+        name = self._names.get(cgid)
+        if name is not None:
+            try:
+                if os.stat(os.path.join(self.root, name.lstrip("/"))).st_ino == cgid:
+                    return False
+            except OSError:
+                pass
+            del self._names[cgid]
+            return True
         if time.monotonic() - self._last_scan >= self.min_rescan_s:
             self.scan()
         return cgid not in self._names

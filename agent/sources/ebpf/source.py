@@ -53,7 +53,7 @@ class _Summed:
         self.__dict__.update(fields)
 
 
-def _sum_percpu(value: Any) -> Any:
+def sum_percpu(value: Any) -> Any:
     """A per-CPU map value (a list of one value per CPU) summed; any other value as it is."""
     if not isinstance(value, list) or not value:
         return value
@@ -202,10 +202,7 @@ class EbpfSource(Source):
     def key_labels(self, decoder: str, key: Any, value: Any) -> dict[str, str] | None:
         """Map key (and value, for comm) -> labels; None to skip the entry."""
         if decoder == "cgroup":
-            if self._cgroups is None:
-                root = self.cfg.cgroupfs or cgroup2_root(self.cfg.procfs)
-                self._cgroups = CgroupNames(root)
-            return {"cgroup": self._cgroups.label(int(key.value))}
+            return {"cgroup": self.cgroup_label(int(key.value))}
         if decoder == "process":
             comm = bytes(value.comm).split(b"\0", 1)[0].decode(errors="replace") if hasattr(value, "comm") else ""
             return {"pid": str(int(key.value)), "process": comm}
@@ -216,6 +213,16 @@ class EbpfSource(Source):
             return {"device": bytes(key.name).split(b"\0", 1)[0].decode(errors="replace")}
         raise ValueError(f"unknown key decoder {decoder!r}")
 
+    def entries(self, decoder: str, table: Any) -> list[tuple[Any, Any, dict]]:
+        """(key, value with per-CPU values summed, labels) of every entry of a map worth reporting."""
+        out = []
+        for key, raw in table.items():
+            value = sum_percpu(raw)
+            labels = self.key_labels(decoder, key, value)
+            if labels is not None:
+                out.append((key, value, labels))
+        return out
+
     def read_maps(self, tier: str) -> list[Sample]:
         metrics = self.planned.metrics(tier)
         decoders = dict(self.spec.maps)
@@ -223,13 +230,8 @@ class EbpfSource(Source):
         for map_name in dict.fromkeys(m.map for m in metrics):
             mine = [m for m in metrics if m.map == map_name]
             table = self.table(map_name)
-            entries = []
-            for key, raw in table.items():
-                value = _sum_percpu(raw)
-                labels = self.key_labels(decoders[map_name], key, value)
-                if labels is None:
-                    continue
-                entries.append((key, value, labels))
+            entries = self.entries(decoders[map_name], table)
+            for _key, value, labels in entries:
                 for m in mine:
                     lab = {**labels, **dict(m.labels)}
                     if m.kind == HISTOGRAM:
@@ -240,6 +242,12 @@ class EbpfSource(Source):
             if tier == NEARLINE:
                 self.forget_dead(decoders[map_name], table, entries)
         return out
+
+    def cgroup_label(self, cgid: int) -> str:
+        if self._cgroups is None:
+            root = self.cfg.cgroupfs or cgroup2_root(self.cfg.procfs)
+            self._cgroups = CgroupNames(root)
+        return self._cgroups.label(cgid)
 
     def forget_dead(self, decoder: str, table: Any, entries: list[tuple[Any, Any, dict]]) -> None:
         """After reporting them once more, drop entries of exited processes and removed cgroups."""
