@@ -22,8 +22,10 @@ How a wire sample becomes OTLP points (common/otlp.py applies it):
   `hw.parent` the device, `hw.sensor_location` the wire's `sensor`). `vendor` goes (`hw.vendor`).
 - `states`: a state set (hw.status): one point per state, 1 for the one the wire value names.
 - `resource`: labels that describe a process (process.* metrics) go to the resource, not the point.
-- `legacy`: the name was `xpusense.*` before v0.2 and semconv now has one; `[export.otlp]
-  legacy_names = true` exports it as before (wire name, wire labels) for one more release.
+- `legacy`: the OTLP name changed in this release (hw.errors, hw.status, hw.gpu.io were their
+  `xpusense.accelerator.*` wire names; the load averages were `system.cpu.load_average.*`, which is
+  not semconv); `[export.otlp] legacy_names = true` exports them as in 0.1 (wire name, wire labels,
+  the new device attributes) for one more release.
 """
 
 from __future__ import annotations
