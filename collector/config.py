@@ -50,8 +50,8 @@ COLLECTOR_SCHEMA = {
         "max_text_len": Key(int, 16_384, positive, help="event messages"),
         "max_histogram_buckets": Key(int, 1024, positive),
         "max_series_per_boot": Key(int, 200_000, positive, help="distinct series references of one agent boot"),
-        "batches_per_s": Key((int, float), 100.0, positive, help="per node, sustained"),
-        "burst_batches": Key(int, 5000, positive, help="per node, at once (a resend after a reconnect)"),
+        "batches_per_s": Key((int, float), 100.0, positive, help="per node and boot, sustained"),
+        "burst_batches": Key(int, 5000, positive, help="per node and boot, at once (a resend after a reconnect)"),
         "max_seq_jump": Key(int, 100_000, positive, help="a batch's seq at most this far above the last stored of its "
                                                          "boot, plus batches_per_s per second since then"),
         "max_series_per_node": Key(int, 200_000, positive, help="distinct series (name + labels) of one node, "

@@ -1,5 +1,6 @@
 """Limits on what one agent may send: samples and events per batch, labels per sample, name and label
-lengths, histogram buckets, and batches per second per node (a token bucket with a burst).
+lengths, histogram buckets, and batches per second per node and boot (a token bucket with a burst;
+per boot, so that another process claiming the node id cannot spend the real agent's batches).
 
 `Limits.check(node_id, batch)` runs on the collector's event loop for every batch before it is stored
 and returns a `Violation` (a gRPC status code and a message naming the limit) or None; the Ingest
@@ -147,7 +148,7 @@ class Limits:
         for k, v in {**DEFAULTS, **limits}.items():
             setattr(self, k, v)
         self.clock = clock
-        self._buckets: dict[str, list[float]] = {}        # node -> [tokens, last refill time]
+        self._buckets: dict[tuple[str, str], list[float]] = {}   # (node, boot) -> [tokens, last refill]
         self._checked: collections.OrderedDict[tuple[str, str], set[int]] = collections.OrderedDict()
         self.violations: collections.Counter[str] = collections.Counter()
         self.hits: collections.Counter[str] = collections.Counter()   # "limits.KEY" -> times hit
@@ -197,7 +198,7 @@ class Limits:
             return self._bad(f"{n} samples", "max_samples_per_batch", self.max_samples_per_batch)
         if len(batch.events) > self.max_events_per_batch:
             return self._bad(f"{len(batch.events)} events", "max_events_per_batch", self.max_events_per_batch)
-        if (v := self._rate(node_id)) is not None:
+        if (v := self._rate(node_id, batch.boot_id)) is not None:
             return v
         if state is not None and (v := self._check_seq(node_id, batch, state)) is not None:
             return v
@@ -310,19 +311,21 @@ class Limits:
             return self._bad(f"an event message of {len(e.message)} characters", "max_text_len", self.max_text_len)
         return self._check_map(e.attributes, f"event {e.type[:64]!r}")
 
-    def _rate(self, node_id: str) -> Violation | None:
+    def _rate(self, node_id: str, boot_id: str = "") -> Violation | None:
         now = self.clock()
-        b = self._buckets.get(node_id)
+        key = (node_id, boot_id)
+        b = self._buckets.get(key)
         if b is None:
             if len(self._buckets) >= self.MAX_BUCKETS:
                 self._forget_full(now)
-            b = self._buckets[node_id] = [float(self.burst_batches), now]
+            b = self._buckets[key] = [float(self.burst_batches), now]
         else:
             b[0] = min(float(self.burst_batches), b[0] + (now - b[1]) * self.batches_per_s)
             b[1] = now
         if b[0] < 1.0:
             return Violation(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"node {node_id[:128]!r} sends more than limits.batches_per_s = {self.batches_per_s:g} "
+                             f"node {node_id[:128]!r} (boot {short_boot(boot_id)!r}) sends more than "
+                             f"limits.batches_per_s = {self.batches_per_s:g} "
                              f"batches/s (burst limits.burst_batches = {self.burst_batches}); back off and resend",
                              "batches_per_s")
         b[0] -= 1.0

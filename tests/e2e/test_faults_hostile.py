@@ -160,6 +160,30 @@ def test_a_local_process_cannot_silence_a_node_with_a_forged_sequence_number(pro
            boot_id_shown_to_other_user=seen_by_other_user["boot_id"] is not None)
 
 
+def test_a_local_process_cannot_spend_a_nodes_rate_budget(procs, tmp_path):
+    """Without the boot id: batches as the node, under a boot of its own, as fast as it can. They
+    once came out of the node's one token bucket, and the real agent's next batch was refused."""
+    coll = Collector(procs, tmp_path, "[limits]\nbatches_per_s = 30.0\nburst_batches = 60\n")
+    agent = start_agent(procs, tmp_path, coll.addr, "victim")
+    first = wait_until(lambda: (n := coll.node("victim")) and n.stored_up_to >= 3 and n, what="the victim stored")
+    def stored(boot: str) -> int:   # what the collector holds of that boot: its Welcome says
+        return coll.stream([hello("victim", boot)])[0][0].welcome.stored_up_to
+
+    # Kept up while the victim sends 10 batches: each stream is refused once the junk boot's budget is spent.
+    floods, seq, codes = 0, 0, set()
+    while stored(first.boot_id) < first.stored_up_to + 10:
+        _, err = coll.stream([hello("victim", "junk")] + [batch("victim", "junk", seq + i) for i in range(1, 200)])
+        floods, seq = floods + 1, seq + 200
+        codes.add(err.code().name if err is not None else "OK")
+    after = wait_until(lambda: (n := coll.node("victim")) and n.boot_id == first.boot_id and n,
+                       what="the victim shown with its boot again")
+    assert codes == {"RESOURCE_EXHAUSTED"}
+    assert "unreachable" not in agent.output(), "the victim's stream was refused"
+    assert after.batches_duplicate == first.batches_duplicate
+    record("rate budget flood as the node", flood_streams=floods,
+           flood_refused=sorted(codes), victim_stored_before=first.stored_up_to, victim_stored_after=after.stored_up_to)
+
+
 def test_a_forger_inside_the_window_costs_at_most_max_seq_jump_batches(procs, tmp_path):
     """What is left to a forger who has the boot id (on a port that authenticates nobody): a seq
     within the bound is taken, and the real batches up to it are acknowledged as resends; then the

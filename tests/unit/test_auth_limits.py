@@ -61,6 +61,7 @@ def test_rate_is_a_token_bucket_per_node():
     v = lim.check("a", batch())
     assert v.code == EXHAUSTED and "limits.batches_per_s" in v.message
     assert lim.check("b", batch()) is None          # another node has its own bucket
+    assert lim.check("a", batch(boot="other")) is None   # so has another boot (another process claiming the node)
     now[0] += 0.5                                   # refills one batch at 2/s
     assert lim.check("a", batch()) is None
     assert lim.check("a", batch()).code == EXHAUSTED
