@@ -1,0 +1,14 @@
+"""Cluster mode: the fleet tier on a NATS JetStream cluster (docs/scale.md).
+
+    subjects   ids -> subject tokens and KV keys, partitions, streams, message ids
+    config     the [nats] table
+    engine     the connection, and the streams and buckets cluster mode keeps
+    marks      per-(node, boot) marks in the `marks` bucket; SeqWindow, exactly once downstream
+    gateway    the agent protocol, batches published with ack-after-publish-ack
+    summary    the per-node summary in the `fleet` bucket (worker side and reader side)
+    worker     partitions by lease, durable consumers, summaries
+    query      ListNodes from the fleet bucket; history  GetHistory from the stream
+    scheduler  the scheduler core over the watched fleet bucket (replicas)
+    serve      gateway / scheduler processes; cli  their commands
+    localnats  a real nats-server cluster on loopback (tests, bench, demo)
+"""

