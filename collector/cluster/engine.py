@@ -1,0 +1,159 @@
+"""The connection to the NATS JetStream cluster and what cluster mode keeps in it: S streams of
+batches (the history, retention_s), and the KV buckets of marks, fleet summaries and partition
+leases. `ensure()` creates what is missing and updates what differs (every gateway, worker and
+scheduler calls it at start: whichever comes first makes them; the same config gives the same
+streams).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+import nats.js.errors
+from nats.js import api
+
+from .subjects import stream_name, stream_subjects
+
+log = logging.getLogger("xpusense.collector.cluster")
+
+
+async def connect(ncfg: Any, name: str, on_state=None, timeout_s: float = 10.0):
+    """A client connection to the cluster that keeps reconnecting (to any of `urls`) for ever;
+    `on_state(connected: bool)` is called when it goes and comes back."""
+    opts: dict[str, Any] = dict(servers=list(ncfg.urls), name=name, connect_timeout=2, reconnect_time_wait=0.25,
+                                max_reconnect_attempts=-1, allow_reconnect=True, ping_interval=5, max_outstanding_pings=2,
+                                pending_size=64 * 2**20)
+    if ncfg.creds_file:
+        opts["user_credentials"] = ncfg.creds_file
+    if ncfg.tls_ca:
+        import ssl
+        opts["tls"] = ssl.create_default_context(cafile=ncfg.tls_ca)
+
+    async def error_cb(e: Exception) -> None:
+        log.debug("nats: %s", e)
+
+    async def disconnected_cb() -> None:
+        log.warning("nats: disconnected from the cluster; reconnecting")
+        if on_state is not None:
+            on_state(False)
+
+    async def reconnected_cb() -> None:
+        log.info("nats: reconnected")
+        if on_state is not None:
+            on_state(True)
+
+    opts.update(error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            return await nats.connect(**opts)
+        except Exception as e:
+            if asyncio.get_running_loop().time() > deadline:
+                raise ClusterUnavailable(f"cannot reach the NATS cluster at {','.join(ncfg.urls)}: {e}; "
+                                         f"is it running? set [nats] urls / --nats") from None
+            await asyncio.sleep(0.5)
+
+
+class ClusterUnavailable(Exception):
+    pass
+
+
+@dataclass
+class Buckets:
+    marks: Any
+    fleet: Any
+    leases: Any
+
+
+async def ensure(js, ncfg: Any, timeout_s: float = 60.0) -> Buckets:
+    """Streams and buckets as `ncfg` says (retried while the cluster elects leaders)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            return await _ensure(js, ncfg)
+        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError, nats.js.errors.APIError,
+                nats.errors.NoRespondersError) as e:
+            if asyncio.get_running_loop().time() > deadline:
+                raise ClusterUnavailable(f"cannot set up streams and buckets in the NATS cluster: {e}") from None
+            log.info("nats: setting up streams and buckets: %s; trying again", e)
+            await asyncio.sleep(0.5)
+
+
+def stream_config(ncfg: Any, index: int) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=stream_name(ncfg.prefix, index),
+        description="xpusense batches (cluster mode): the fleet's history",
+        subjects=stream_subjects(ncfg.prefix, index, ncfg.partitions, ncfg.streams),
+        retention=api.RetentionPolicy.LIMITS, discard=api.DiscardPolicy.OLD,
+        max_age=float(ncfg.retention_s), max_bytes=ncfg.max_bytes or -1,
+        storage=api.StorageType.FILE if ncfg.storage == "file" else api.StorageType.MEMORY,
+        num_replicas=ncfg.replicas, duplicate_window=float(ncfg.duplicate_window_s),
+        allow_direct=True,
+    )
+
+
+async def _ensure(js, ncfg: Any) -> Buckets:
+    for i in range(ncfg.streams):
+        want = stream_config(ncfg, i)
+        try:
+            have = await js.stream_info(want.name)
+        except nats.js.errors.NotFoundError:
+            await js.add_stream(want)
+            continue
+        c = have.config
+        if (sorted(c.subjects or []) != sorted(want.subjects or []) or c.max_age != want.max_age
+                or c.duplicate_window != want.duplicate_window or (c.max_bytes or -1) != want.max_bytes
+                or c.num_replicas != want.num_replicas):
+            log.info("nats: updating stream %s to the configuration", want.name)
+            await js.update_stream(want)
+    storage = api.StorageType.FILE if ncfg.storage == "file" else api.StorageType.MEMORY
+    kvs = []
+    for bucket, ttl, marker in ((ncfg.marks_bucket, ncfg.marks_ttl_s, None),
+                                (ncfg.fleet_bucket, ncfg.node_ttl_s, max(1.0, ncfg.summary_s)),
+                                (ncfg.leases_bucket, ncfg.lease_s, 1.0)):
+        try:
+            kv = await js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            kv = await js.create_key_value(bucket=bucket, history=1, ttl=float(ttl), replicas=ncfg.replicas,
+                                           storage=storage, direct=True, limit_marker_ttl=marker)
+        kvs.append(kv)
+    return Buckets(*kvs)
+
+
+async def list_bucket(js, bucket: str, keys: str = ">", timeout_s: float = 30.0) -> list[tuple[str, bytes, int]]:
+    """Every live key of a KV bucket (matching `keys`) with its value and revision: a one-off
+    consumer of the bucket's stream, last message per subject, read until nothing is pending. (The
+    client's KV watcher may say 'no more' before it handed over what it already received.)"""
+    stream, pre = f"KV_{bucket}", f"$KV.{bucket}."
+    sub = await js.pull_subscribe(f"{pre}{keys}", durable=None, stream=stream, config=api.ConsumerConfig(
+        deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT, ack_policy=api.AckPolicy.NONE, mem_storage=True,
+        num_replicas=1, inactive_threshold=30.0))
+    out: list[tuple[str, bytes, int]] = []
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    try:
+        pending = (await sub.consumer_info()).num_pending
+        while pending > 0:
+            if asyncio.get_running_loop().time() > deadline:
+                raise nats.errors.TimeoutError
+            try:
+                msgs = await sub.fetch(batch=min(pending, 1000), timeout=2.0)
+            except nats.js.errors.ServiceUnavailableError:
+                await asyncio.sleep(0.1)
+                continue
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            for m in msgs:
+                pending = m.metadata.num_pending
+                op = (m.headers or {}).get("KV-Operation") or (m.headers or {}).get("Nats-Marker-Reason")
+                if not op and m.data:
+                    out.append((m.subject[len(pre):], m.data, m.metadata.sequence.stream))
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception:
+            pass
+    return out

@@ -1,0 +1,207 @@
+"""The cluster-mode gateway (`xpusense-collector serve --nats URLS`): the agent protocol of
+collector/server.py, with JetStream as the store. Stateless: any number behind one Service, an
+agent may move between them at any time.
+
+Per agent stream: Hello -> the boot's mark from the `marks` bucket (marks.py) -> a `hello` message
+on the node's subject (inventory, for the workers) -> Welcome(stored_up_to = mark). Each batch above
+what this stream has seen is published to `<prefix>.<region>.p<k>.<node>` with `Nats-Msg-Id` =
+node:boot:seq, and acknowledged to the agent, in order, only after JetStream's publish ack (a
+duplicate by msg id is acknowledged as one). A publish that times out (no stream leader during an
+election) is sent again with the same id until `publish_give_up_s`; then the stream ends with
+UNAVAILABLE and the agent resends from its spool. A batch at or below the mark is acknowledged as a
+duplicate without publishing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import grpc
+import nats.errors
+import nats.js.errors
+
+from xpusense.v1 import telemetry_pb2 as pb
+from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
+
+from .marks import Marks
+from .subjects import KIND, MSG_ID, msg_id, node_subject, partition
+
+log = logging.getLogger("xpusense.collector.cluster")
+
+_RETRY = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
+          nats.js.errors.ServiceUnavailableError, nats.errors.ConnectionReconnectingError,
+          nats.errors.OutboundBufferLimitError, TimeoutError)
+
+
+class PublishFailed(Exception):
+    pass
+
+
+class Gateway:
+    """The JetStream side of a gateway: connection, marks, and publishing with retries."""
+
+    def __init__(self, nc, js, buckets, ncfg: Any, max_inflight: int = 512):
+        self.nc, self.js, self.buckets, self.ncfg = nc, js, buckets, ncfg
+        self.marks = Marks(buckets.marks, flush_s=min(ncfg.marks_flush_s, ncfg.duplicate_window_s / 4))
+        self.max_inflight = max_inflight
+        self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.sessions = 0
+        self.published = 0
+        self.duplicates = 0
+        self.retries = 0
+
+    def subject(self, node_id: str, inventory: pb.Inventory) -> str:
+        n = self.ncfg
+        return node_subject(n.prefix, inventory.labels.get("region", ""), partition(node_id, n.partitions), node_id)
+
+    async def publish(self, subject: str, payload: bytes, headers: dict[str, str]):
+        """Publish until JetStream acknowledges (retrying with the same headers, so the same msg id),
+        or raise PublishFailed after publish_give_up_s."""
+        n = self.ncfg
+        give_up = time.monotonic() + n.publish_give_up_s
+        while True:
+            try:
+                return await self.js.publish(subject, payload, timeout=n.publish_timeout_s, headers=headers)
+            except _RETRY as e:
+                err: Exception = e
+            except nats.js.errors.APIError as e:   # 503 no leader, and the like: the cluster is electing
+                if e.code is not None and e.code < 500:
+                    raise PublishFailed(f"JetStream refused {subject}: {e}") from None
+                err = e
+            except nats.errors.ConnectionClosedError as e:
+                raise PublishFailed(f"the NATS connection is closed: {e}") from None
+            self.retries += 1
+            if time.monotonic() > give_up:
+                raise PublishFailed(f"no JetStream ack for {subject} in {n.publish_give_up_s:g} s "
+                                    f"({type(err).__name__}: {err})")
+            await asyncio.sleep(0.1)
+
+
+class _End:
+    def __init__(self, code: grpc.StatusCode, message: str):
+        self.code, self.message = code, message
+
+
+class ClusterIngestServicer(pb_grpc.IngestServicer):
+    def __init__(self, gw: Gateway, security=None, limits=None):
+        self.gw, self.security, self.limits = gw, security, limits
+
+    async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
+        gw = self.gw
+        peer = context.peer()
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return
+        if not first.HasField("hello") or not first.hello.node_id or not first.hello.boot_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the first message of a stream must be a Hello with node_id and boot_id")
+        hello = first.hello
+        node_id, boot_id = hello.node_id, hello.boot_id
+        if self.security is not None:
+            await self.security.authorize(context, node_id)
+        gw.sessions += 1
+        session = f"{gw.id}/{gw.sessions}"
+        subject = gw.subject(node_id, hello.inventory)
+        try:
+            mark = await gw.marks.get(node_id, boot_id)
+            await gw.publish(subject, hello.SerializeToString(),
+                             {KIND: "hello", "Xps-Session": session, "Xps-Peer": peer[:200]})
+        except (PublishFailed, nats.errors.Error) as e:
+            log.warning("node %s: cannot reach JetStream for the Hello: %s", node_id, e)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the cluster is not answering: {e}")
+        log.info("node %s connected from %s (boot %s, stored up to %d)", node_id, peer, boot_id, mark)
+        pending: asyncio.Queue = asyncio.Queue()
+        room = asyncio.Semaphore(gw.max_inflight)
+        state = {"subject": subject}
+        reader = asyncio.create_task(self._read(request_iterator, node_id, boot_id, mark, session, state, pending, room))
+        try:
+            yield pb.CollectorMessage(welcome=pb.Welcome(boot_id=boot_id, stored_up_to=mark))
+            while True:
+                item = await pending.get()
+                if item is None:
+                    break
+                if isinstance(item, _End):
+                    await context.abort(item.code, item.message)
+                b, fut = item
+                if fut is None:   # at or below the mark: stored before
+                    gw.duplicates += 1
+                    yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=True))
+                    continue
+                try:
+                    ack = await fut
+                except PublishFailed as e:
+                    log.warning("node %s: %s; ending its stream (the agent resends)", node_id, e)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                finally:
+                    room.release()
+                if b is None:     # an inventory message: nothing to acknowledge
+                    continue
+                gw.marks.raised(node_id, b.boot_id, b.seq)
+                if ack.duplicate:
+                    gw.duplicates += 1
+                else:
+                    gw.published += 1
+                yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=bool(ack.duplicate)))
+            await reader
+        finally:
+            reader.cancel()
+            asyncio.get_running_loop().create_task(self._bye(node_id, boot_id, state["subject"], session))
+            log.info("node %s disconnected", node_id)
+            request_iterator = first = hello = None
+
+    async def _bye(self, node_id: str, boot_id: str, subject: str, session: str) -> None:
+        try:
+            await self.gw.marks.flush(node_id, boot_id)
+            await self.gw.js.publish(subject, b"", timeout=self.gw.ncfg.publish_timeout_s,
+                                     headers={KIND: "bye", "Xps-Session": session})
+        except Exception as e:   # best effort: workers also age sessions out
+            log.debug("node %s: bye not published: %s", node_id, e)
+
+    async def _read(self, request_iterator, node_id: str, boot_id: str, mark: int, session: str, state: dict,
+                    pending: asyncio.Queue, room: asyncio.Semaphore) -> None:
+        gw = self.gw
+        seen: dict[str, int] = {boot_id: mark}   # per boot on this stream: the highest seq taken
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("msg")
+                if kind == "batch":
+                    b = msg.batch
+                    if b.node_id != node_id:
+                        pending.put_nowait(_End(grpc.StatusCode.PERMISSION_DENIED,
+                                                f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}"))
+                        return
+                    if self.limits is not None and (why := self.limits.check(node_id, b)):
+                        pending.put_nowait(_End(why.code, why.message))
+                        return
+                    high = seen.get(b.boot_id)
+                    if high is None:   # an earlier boot's batches, resent from the spool
+                        high = seen[b.boot_id] = await gw.marks.get(node_id, b.boot_id)
+                    if b.seq <= high:
+                        pending.put_nowait((b, None))
+                        continue
+                    seen[b.boot_id] = b.seq
+                    await room.acquire()
+                    fut = asyncio.ensure_future(gw.publish(state["subject"], b.SerializeToString(),
+                                                           {MSG_ID: msg_id(node_id, b.boot_id, b.seq)}))
+                    pending.put_nowait((b, fut))
+                elif kind == "inventory":
+                    check = getattr(self.limits, "check_inventory", None)
+                    if check is not None and (why := check(node_id, msg.inventory)):
+                        pending.put_nowait(_End(why.code, why.message))
+                        return
+                    state["subject"] = gw.subject(node_id, msg.inventory)
+                    await room.acquire()
+                    fut = asyncio.ensure_future(gw.publish(state["subject"], msg.inventory.SerializeToString(),
+                                                           {KIND: "inventory", "Xps-Session": session}))
+                    pending.put_nowait((None, fut))
+                else:
+                    pending.put_nowait(_End(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected message {kind!r} after Hello"))
+                    return
+        finally:
+            pending.put_nowait(None)

@@ -1,0 +1,147 @@
+"""Marks: what the cluster has stored per node and agent boot, the `stored_up_to` of the Welcome.
+
+A gateway reads a boot's mark from the `marks` KV bucket when the agent says Hello, raises it in
+memory as JetStream acknowledges each batch, and writes it back every `flush_s` and when the stream
+ends, with compare-and-set on the key's revision so a slower gateway never lowers what a faster
+one wrote. A mark may lag behind the stream (a gateway killed between writes): the agent then
+resends a little, JetStream's duplicate window (`Nats-Msg-Id` = node:boot:seq) drops it, and past
+that window a reader drops it by `SeqWindow` below. A mark is never ahead of the stream: it is raised
+only after the publish ack.
+
+`SeqWindow` is the downstream side of exactly once: per (node, boot) the highest sequence number
+seen and which of the `span` below it were seen, so batches that arrive out of order (a publish
+retried after a leader change lands after its successors) are still taken once each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import nats.js.errors
+
+from .subjects import mark_key
+
+log = logging.getLogger("xpusense.collector.cluster")
+
+
+class _Mark:
+    __slots__ = ("seq", "written", "revision", "task")
+
+    def __init__(self, seq: int, revision: int):
+        self.seq, self.written, self.revision = seq, seq, revision
+        self.task: asyncio.Task | None = None
+
+
+class Marks:
+    def __init__(self, kv, flush_s: float = 5.0):
+        self.kv = kv
+        self.flush_s = flush_s
+        self.marks: dict[tuple[str, str], _Mark] = {}
+        self.writes = 0
+
+    async def get(self, node_id: str, boot_id: str) -> int:
+        """The boot's mark as the bucket has it now (0: nothing stored), remembered from here on."""
+        seq, rev = await self._read(node_id, boot_id)
+        m = self.marks.get((node_id, boot_id))
+        if m is None:
+            m = self.marks[(node_id, boot_id)] = _Mark(seq, rev)
+        elif seq > m.seq or rev > m.revision:
+            m.seq, m.written, m.revision = max(m.seq, seq), max(m.written, seq), rev
+        return m.seq
+
+    async def _read(self, node_id: str, boot_id: str) -> tuple[int, int]:
+        try:
+            entry = await self.kv.get(mark_key(node_id, boot_id))
+        except nats.js.errors.KeyDeletedError as gone:   # expired: written again over its tombstone
+            return 0, (gone.entry.revision or 0) if gone.entry is not None else 0
+        except nats.js.errors.KeyNotFoundError:
+            return 0, 0
+        try:
+            return int(entry.value or b"0"), entry.revision or 0
+        except ValueError:
+            return 0, entry.revision or 0
+
+    def raised(self, node_id: str, boot_id: str, seq: int) -> None:
+        """JetStream acknowledged batch `seq`: the mark is at least that; written within flush_s."""
+        m = self.marks.get((node_id, boot_id))
+        if m is None:
+            m = self.marks[(node_id, boot_id)] = _Mark(0, 0)
+        if seq > m.seq:
+            m.seq = seq
+            if m.task is None:
+                m.task = asyncio.get_running_loop().create_task(self._write_later(node_id, boot_id, m))
+
+    async def _write_later(self, node_id: str, boot_id: str, m: _Mark) -> None:
+        try:
+            await asyncio.sleep(self.flush_s)
+            await self._write(node_id, boot_id, m)
+        except asyncio.CancelledError:
+            m.task = None
+            raise
+        m.task = None
+        if m.seq > m.written:   # raised while writing, or the cluster did not answer: once more
+            m.task = asyncio.get_running_loop().create_task(self._write_later(node_id, boot_id, m))
+
+    async def flush_all(self) -> None:
+        """Write every raised mark now (the gateway is stopping)."""
+        await asyncio.gather(*(self.flush(n, b) for (n, b), m in list(self.marks.items()) if m.seq > m.written),
+                             return_exceptions=True)
+
+    async def flush(self, node_id: str, boot_id: str) -> None:
+        """Write the boot's mark now (the stream ended); then forget it here."""
+        m = self.marks.get((node_id, boot_id))
+        if m is None:
+            return
+        if m.task is not None:
+            m.task.cancel()
+            m.task = None
+        try:
+            await self._write(node_id, boot_id, m)
+        finally:
+            if self.marks.get((node_id, boot_id)) is m and m.task is None:
+                del self.marks[(node_id, boot_id)]
+
+    async def _write(self, node_id: str, boot_id: str, m: _Mark) -> None:
+        key = mark_key(node_id, boot_id)
+        for _ in range(5):
+            seq = m.seq
+            if seq <= m.written:
+                return
+            try:
+                m.revision = await self.kv.update(key, str(seq).encode(), last=m.revision)
+                m.written = seq
+                self.writes += 1
+                return
+            except nats.js.errors.KeyWrongLastSequenceError:
+                have, rev = await self._read(node_id, boot_id)   # another gateway wrote it: only ever up
+                m.revision = rev
+                if have >= seq:
+                    m.written = m.seq = max(m.seq, have)
+                    return
+            except (nats.errors.TimeoutError, nats.js.errors.APIError, nats.js.errors.ServiceUnavailableError) as e:
+                log.debug("marks: writing %s: %s", key, e)
+                await asyncio.sleep(0.5)
+
+
+class SeqWindow:
+    """Which sequence numbers of one (node, boot) were taken: `take(seq)` is True the first time."""
+
+    __slots__ = ("high", "seen", "span")
+
+    def __init__(self, high: int = 0, span: int = 1024):
+        # bit i of seen: high - i was taken; a window restored at `high` took everything up to it
+        self.high, self.span = high, span
+        self.seen = (1 << span) - 1 if high else 0
+
+    def take(self, seq: int) -> bool:
+        if seq > self.high:
+            shift = seq - self.high
+            self.seen = ((self.seen << shift) | 1) & ((1 << self.span) - 1) if shift < self.span else 1
+            self.high = seq
+            return True
+        back = self.high - seq
+        if back >= self.span or self.seen >> back & 1:
+            return False
+        self.seen |= 1 << back
+        return True

@@ -1,0 +1,84 @@
+"""Running cluster mode's processes: the gateway (`serve --nats`), the worker (`worker`) and the
+scheduler replica (`scheduler`), each on its own asyncio loop until SIGTERM/SIGINT.
+
+The gateway's port serves what a single collector's does: Ingest (gateway.py), Query (ListNodes
+from the `fleet` bucket, GetHistory from the stream: query.py), Scheduler.Place (from its own
+watched index, scheduler.py) and gRPC health (Ingest NOT_SERVING while the NATS connection is down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+
+from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
+from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
+
+from ..server import INGEST_SERVICE, QUERY_SERVICE
+from .engine import connect, ensure
+from .gateway import ClusterIngestServicer, Gateway
+from .rpc import NOT_SERVING, SERVING, bind, grpc_server
+
+log = logging.getLogger("xpusense.collector.cluster")
+
+class _PlaceElsewhere(spb_grpc.SchedulerServicer):
+    async def Place(self, request, context):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "this is a cluster-mode gateway: Place is answered by the "
+                            "scheduler replicas (`xpusense-collector scheduler --nats ...`; or set [nats] gateway_place)")
+
+
+async def start_gateway(cfg: Any, security=None, limits=None, credentials=None, with_scheduler: bool | None = None):
+    """Connect, make sure streams and buckets exist, serve on cfg.listen. Returns (server, gateway, closers)."""
+    from .query import ClusterQueryServicer, FleetSnapshot
+    ncfg = cfg.nats
+    hs = health.aio.HealthServicer()
+    loop = asyncio.get_running_loop()
+
+    def follow(ok: bool) -> None:
+        for svc in ("", INGEST_SERVICE):
+            loop.create_task(hs.set(svc, SERVING if ok else NOT_SERVING))
+
+    nc = await connect(ncfg, "xpusense-gateway", on_state=follow)
+    js = nc.jetstream(timeout=ncfg.publish_timeout_s)
+    buckets = await ensure(js, ncfg)
+    gw = Gateway(nc, js, buckets, ncfg)
+    server = grpc_server(security, limits, cfg.max_message_bytes)
+    pb_grpc.add_IngestServicer_to_server(ClusterIngestServicer(gw, security, limits), server)
+    snapshot = FleetSnapshot(js, buckets.fleet, ncfg.fleet_bucket, ncfg.snapshot_s, ncfg.partitions)
+    pb_grpc.add_QueryServicer_to_server(ClusterQueryServicer(snapshot, js, ncfg, cfg.stale_s, security), server)
+    closers: list = []
+    services = ["", INGEST_SERVICE, QUERY_SERVICE]
+    if with_scheduler is None:
+        with_scheduler = ncfg.gateway_place
+    if not with_scheduler:
+        spb_grpc.add_SchedulerServicer_to_server(_PlaceElsewhere(), server)
+    else:
+        from .scheduler import add_scheduler
+        sched = await add_scheduler(server, js, buckets.fleet, cfg)
+        closers.append(sched.close)
+        services.append(sched.service)
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    bind(server, cfg.listen, credentials)
+    await server.start()
+    for svc in services:
+        await hs.set(svc, SERVING)
+    return server, gw, closers + [nc.drain]
+
+
+async def run_gateway(cfg: Any, stop: asyncio.Event, security=None, limits=None, credentials=None) -> None:
+    server, gw, closers = await start_gateway(cfg, security, limits, credentials)
+    log.info("gateway %s listening on %s, publishing to the NATS cluster at %s", gw.id, cfg.listen,
+             ",".join(cfg.nats.urls))
+    await stop.wait()
+    await server.stop(grace=2.0)
+    await gw.marks.flush_all()
+    for close in closers:
+        try:
+            await close()
+        except Exception as e:
+            log.debug("closing: %s", e)
+

@@ -1,0 +1,285 @@
+"""The per-node summary a worker writes to the `fleet` bucket, like a node lease: what the readers
+of the fleet (nodes, top, the Query API, Prometheus, the scheduler) need, and nothing else.
+
+A summary is one msgpack map, keyed `p<k>.<node>` (k the node's partition, so a worker taking a
+partition over loads just its nodes):
+    v  1                       format
+    n  node id                 b  current boot id          t  last seen (stream time, ns)
+    c  open agent streams      p  peer of the last one     ss {session: ns} open streams
+    i  inventory (pb.Inventory bytes: hostname, labels, accelerators and their interconnects)
+    m  {boot: highest seq}     bs batches stored           bd duplicates dropped
+    s  [[name, unit, kind, labels, value, time ns, rate/s or None], ...]   the kept series
+    sk which series `s` holds, in that order (a checksum): a reader that has the same updates its
+       series in place by position, without reading names and labels
+    e  [[id, type, severity, device, message, attributes, time ns], ...]  recent events, newest first
+    w  worker id               at written (ns)
+Kept series: the host's CPU, memory and network, and per accelerator utilisation, HBM used / limit /
+utilisation / bandwidth utilisation, power, temperature and health (no per-process or per-MIG-
+instance series): about 10 + 9 per accelerator, a few KB per node.
+
+`NodeLatest` is the worker's side (built from batches, written as a summary); `MirrorNode` and
+`MirrorSeries` the readers' (decoded from a summary) with the attributes collector/scheduler and the
+views read on FleetState's NodeState and Series.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import zlib
+from typing import Any
+
+import msgpack
+
+from xpusense.common import metric_names as m
+from xpusense.v1 import telemetry_pb2 as pb
+
+from .marks import SeqWindow
+
+FORMAT = 1
+KEPT = frozenset({m.CPU_UTILIZATION, m.MEMORY_UTILIZATION, m.NETWORK_IO, m.GPU_UTILIZATION, m.GPU_MEMORY_USAGE,
+                  m.GPU_MEMORY_LIMIT, m.GPU_MEMORY_UTILIZATION, m.HBM_BANDWIDTH_UTILIZATION, m.POWER, m.TEMPERATURE,
+                  m.HEALTH, m.MEMORY_FREE})
+SKIPPED_LABELS = ("pid", "mig_instance")
+MAX_SERIES = 512          # kept series per node in a summary
+EVENTS_KEPT = 16
+BOOTS_KEPT = 4
+_IGNORED = object()
+
+
+def fleet_key(part: int, node_token: str) -> str:
+    return f"p{part}.{node_token}"
+
+
+class _Entry:
+    """One kept series: the latest point and the one before (for counter rates)."""
+    __slots__ = ("name", "unit", "kind", "labels", "value", "time_ns", "prev_value", "prev_time_ns")
+
+    def __init__(self, name: str, unit: str, kind: int, labels: dict):
+        self.name, self.unit, self.kind, self.labels = name, unit, kind, labels
+        self.value, self.time_ns, self.prev_value, self.prev_time_ns = math.nan, 0, math.nan, 0
+
+    def rate(self) -> float | None:
+        if self.kind != pb.COUNTER or not self.prev_time_ns or self.time_ns <= self.prev_time_ns:
+            return None
+        if self.value < self.prev_value:
+            return None
+        return (self.value - self.prev_value) / ((self.time_ns - self.prev_time_ns) / 1e9)
+
+
+class NodeLatest:
+    """What a worker keeps of one node: latest values of the kept series, inventory, recent events."""
+    __slots__ = ("node_id", "part", "boot_id", "last_seen_ns", "sessions", "peer", "inventory", "windows",
+                 "batches_stored", "batches_duplicate", "series", "refs", "events", "event_ids", "dirty", "_layout")
+
+    def __init__(self, node_id: str, part: int):
+        self.node_id, self.part = node_id, part
+        self.boot_id, self.last_seen_ns, self.peer = "", 0, ""
+        self.sessions: dict[str, int] = {}
+        self.inventory = b""
+        self.windows: collections.OrderedDict[str, SeqWindow] = collections.OrderedDict()
+        self.batches_stored = self.batches_duplicate = 0
+        self.series: dict[tuple, _Entry] = {}
+        self.refs: dict[str, dict[int, Any]] = {}
+        self.events: collections.deque = collections.deque(maxlen=EVENTS_KEPT)
+        self.event_ids: set[str] = set()
+        self.dirty = True
+        self._layout: int | None = None
+
+    # -- from the stream --------------------------------------------------------------------------
+    def hello(self, hello: pb.Hello, session: str, peer: str, t_ns: int) -> None:
+        self.boot_id = hello.boot_id
+        self.inventory = hello.inventory.SerializeToString()
+        self.sessions = {session: t_ns}   # the agent opened a new stream: its earlier ones are gone
+        self.peer = peer
+        self.last_seen_ns = max(self.last_seen_ns, t_ns)
+        self._window(hello.boot_id)
+        self.dirty = True
+
+    def set_inventory(self, data: bytes) -> None:
+        self.inventory = data
+        self.dirty = True
+
+    def bye(self, session: str) -> None:
+        if self.sessions.pop(session, None) is not None:
+            self.dirty = True
+
+    def _window(self, boot: str) -> SeqWindow:
+        w = self.windows.get(boot)
+        if w is None:
+            w = self.windows[boot] = SeqWindow()
+            while len(self.windows) > BOOTS_KEPT:
+                old = next(b for b in self.windows if b != boot)
+                del self.windows[old]
+                self.refs.pop(old, None)
+        return w
+
+    def apply(self, b: pb.Batch, t_ns: int) -> bool:
+        """A batch from the stream: False when its (boot, seq) was taken before (dropped)."""
+        if t_ns > self.last_seen_ns:
+            self.last_seen_ns = t_ns
+        if not self._window(b.boot_id).take(b.seq):
+            self.batches_duplicate += 1
+            return False
+        self.batches_stored += 1
+        if not self.boot_id:
+            self.boot_id = b.boot_id
+        refs = self.refs.get(b.boot_id)
+        if refs is None:
+            refs = self.refs[b.boot_id] = {}
+        series = self.series
+        for s in b.samples:
+            ref = s.series_ref
+            e = refs.get(ref, None) if ref else None
+            if e is None:
+                e = self._entry(s, series)
+                if ref:
+                    refs[ref] = e
+            if e is _IGNORED:
+                continue
+            t = s.time_unix_nano
+            if t >= e.time_ns:
+                e.prev_value, e.prev_time_ns = e.value, e.time_ns
+                e.value, e.time_ns = s.value, t
+        for ev in b.events:
+            if ev.id and ev.id in self.event_ids:
+                continue
+            if len(self.events) == self.events.maxlen:
+                self.event_ids.discard(self.events[-1][0])
+            self.events.appendleft((ev.id, ev.type, ev.severity, ev.device, ev.message, dict(ev.attributes),
+                                    ev.time_unix_nano))
+            self.event_ids.add(ev.id)
+        self.dirty = True
+        return True
+
+    def _entry(self, s: pb.Sample, series: dict) -> Any:
+        name = s.name
+        if name not in KEPT:
+            return _IGNORED
+        labels = dict(s.labels)
+        if any(k in labels for k in SKIPPED_LABELS):
+            return _IGNORED
+        key = (name, tuple(sorted(labels.items())))
+        e = series.get(key)
+        if e is None:
+            if len(series) >= MAX_SERIES:
+                return _IGNORED
+            e = series[key] = _Entry(name, s.unit, s.kind, labels)
+            self._layout = None
+        return e
+
+    def layout(self) -> int:
+        if self._layout is None:
+            self._layout = layout_of(self.series)
+        return self._layout
+
+    # -- to and from the bucket -----------------------------------------------------------------------
+    def encode(self, worker: str, now_ns: int) -> bytes:
+        return msgpack.packb({
+            "v": FORMAT, "n": self.node_id, "b": self.boot_id, "t": self.last_seen_ns, "c": len(self.sessions),
+            "p": self.peer, "ss": self.sessions, "i": self.inventory,
+            "m": {boot: w.high for boot, w in self.windows.items()},
+            "bs": self.batches_stored, "bd": self.batches_duplicate,
+            "s": [[e.name, e.unit, e.kind, e.labels, e.value, e.time_ns, e.rate()] for e in self.series.values()],
+            "sk": self.layout(),
+            "e": list(self.events), "w": worker, "at": now_ns,
+        }, use_bin_type=True)
+
+    @classmethod
+    def restore(cls, d: dict, part: int) -> NodeLatest:
+        """A node as the previous owner of its partition last wrote it (a takeover)."""
+        n = cls(d["n"], part)
+        n.boot_id, n.last_seen_ns, n.peer = d.get("b", ""), d.get("t", 0), d.get("p", "")
+        n.sessions = dict(d.get("ss") or {})
+        n.inventory = d.get("i") or b""
+        for boot, high in (d.get("m") or {}).items():
+            n.windows[boot] = SeqWindow(high)
+        n.batches_stored, n.batches_duplicate = d.get("bs", 0), d.get("bd", 0)
+        for name, unit, kind, labels, value, t, _rate in d.get("s") or ():
+            e = n.series[(name, tuple(sorted(labels.items())))] = _Entry(name, unit, kind, labels)
+            e.value, e.time_ns = value, t
+        for ev in reversed(d.get("e") or ()):
+            n.events.appendleft(tuple(ev))
+            n.event_ids.add(ev[0])
+        n.dirty = False
+        return n
+
+
+def layout_of(series: dict) -> int:
+    """Checksum of which series (keys) a node has, in order."""
+    return zlib.crc32(repr(list(series)).encode())
+
+
+def decode(data: bytes) -> dict | None:
+    try:
+        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception:
+        return None
+    return d if isinstance(d, dict) and d.get("v") == FORMAT and isinstance(d.get("n"), str) else None
+
+
+# -- the readers' side ------------------------------------------------------------------------------
+class MirrorSeries:
+    """A kept series as FleetState's Series shows it to readers (no history: that is the stream)."""
+    __slots__ = ("name", "unit", "kind", "labels", "value", "time_ns", "_rate", "histogram")
+
+    def __init__(self, name: str, unit: str, kind: int, labels: dict, value: float, time_ns: int, rate):
+        self.name, self.unit, self.kind, self.labels = name, unit, kind, labels
+        self.value, self.time_ns = value, time_ns
+        self._rate = math.nan if rate is None else rate
+        self.histogram = None
+
+    def rate(self) -> float:
+        return self._rate
+
+
+class MirrorNode:
+    """A node of the `fleet` bucket, with the attributes readers use on FleetState's NodeState."""
+    __slots__ = ("node_id", "boot_id", "streams", "last_seen_ns", "peer", "inventory", "stored_up_to",
+                 "batches_stored", "batches_duplicate", "series", "series_list", "layout", "events", "revision",
+                 "written_ns", "worker")
+
+    def __init__(self, d: dict, revision: int = 0):
+        self.node_id: str = d["n"]
+        self.boot_id: str = d.get("b", "")
+        self.streams: int = d.get("c", 0)
+        self.last_seen_ns: int = d.get("t", 0)
+        self.peer: str = d.get("p", "")
+        self.inventory = pb.Inventory.FromString(d.get("i") or b"")
+        self.stored_up_to: dict[str, int] = dict(d.get("m") or {})
+        self.batches_stored: int = d.get("bs", 0)
+        self.batches_duplicate: int = d.get("bd", 0)
+        self.series: dict[tuple, MirrorSeries] = {}
+        self.series_list: list[MirrorSeries] = []
+        self.layout = -1
+        self.set_series(d)
+        self.events = [pb.Event(id=e[0], type=e[1], severity=e[2], device=e[3], message=e[4], attributes=e[5],
+                                time_unix_nano=e[6]) for e in d.get("e") or ()]
+        self.revision = revision
+        self.written_ns: int = d.get("at", 0)
+        self.worker: str = d.get("w", "")
+
+    def set_series(self, d: dict) -> list[MirrorSeries]:
+        """The summary's series into this node: in place when the layout is the one it has (the
+        objects keep their identity), else matched by name and labels. Returns the new ones."""
+        rows = d.get("s") or ()
+        if d.get("sk") == self.layout and len(rows) == len(self.series_list):
+            for ser, row in zip(self.series_list, rows):
+                if row[5] >= ser.time_ns:
+                    ser.value, ser.time_ns = row[4], row[5]
+                    ser._rate = math.nan if row[6] is None else row[6]
+            return []
+        new: list[MirrorSeries] = []
+        old, series = self.series, {}
+        for name, unit, kind, labels, value, t, rate in rows:
+            key = (name, tuple(sorted(labels.items())))
+            have = old.get(key)
+            if have is None:
+                have = MirrorSeries(name, unit, kind, labels, value, t, rate)
+                new.append(have)
+            elif t >= have.time_ns:
+                have.value, have.time_ns, have._rate = value, t, math.nan if rate is None else rate
+            series[key] = have
+        self.series, self.series_list = series, list(series.values())
+        self.layout = d.get("sk", -1)
+        return new

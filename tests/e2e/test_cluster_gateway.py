@@ -1,0 +1,100 @@
+"""Cluster mode, the gateway (issue 16 item 1), with real processes: a real agent streams through
+`serve --nats` into a real 3-server JetStream cluster. Each batch is in the stream once under its
+message id node:boot:seq; the agent's Ack comes only after JetStream's publish ack (what an agent
+forgot is stored, also across a lost quorum); the marks bucket carries Welcome across gateways."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+from cluster_support import (  # noqa: F401
+    check_exactly_once,
+    cluster_config,
+    nats_cluster,
+    run,
+    start_gateway,
+    stream_ids,
+)
+from helpers import BIN, FAST_HOST_ONLY, free_port, wait_until
+
+from xpusense.agent.spool.peek import unacked
+
+
+def _agent(procs, tmp_path, addr, node, name="agent"):
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(FAST_HOST_ONLY)
+    return procs([str(BIN / "xpusense-agent"), "run", "--config", str(cfg), "--collector", addr, "--node-id", node], name)
+
+
+def _highs(cluster, node):
+    ids = stream_ids(cluster)
+    return {boot: high for (n, boot), high in check_exactly_once(ids).items() if n == node}
+
+
+def _mark(cluster, node, boot):
+    import nats
+
+    from xpusense.collector.cluster.subjects import mark_key
+
+    async def get():
+        nc = await nats.connect(servers=cluster.urls)
+        try:
+            kv = await nc.jetstream(timeout=10).key_value("marks")
+            return int((await kv.get(mark_key(node, boot))).value)
+        finally:
+            await nc.close()
+    return run(get())
+
+
+def test_agent_through_gateways_exactly_once(nats_cluster, procs, tmp_path):  # noqa: F811
+    cfg = cluster_config(tmp_path, nats_cluster)
+    port = free_port()
+    gw, addr = start_gateway(procs, cfg, "gateway-a", port)
+    node = "gpu-1.dc.example"   # dots: escaped in the subject and the KV key
+    agent = _agent(procs, tmp_path, addr, node)
+    highs = wait_until(lambda: (h := _highs(nats_cluster, node)) and max(h.values()) >= 20 and h, 90,
+                       what="20 batches in the stream")
+    (boot, _), = highs.items()
+    gw.kill(signal.SIGKILL)                      # mid-stream: acks in flight are lost, the agent resends
+    before = max(_highs(nats_cluster, node).values())
+    gw2, _ = start_gateway(procs, cfg, "gateway-b", port)
+    wait_until(lambda: max(_highs(nats_cluster, node).values()) >= before + 20, 90, what="streaming again")
+    wait_until(lambda: _mark(nats_cluster, node, boot) >= before, 30, what="the mark in the marks bucket")
+    agent.kill(signal.SIGTERM)
+    gw2.kill(signal.SIGTERM)                      # flushes its marks
+    highs = _highs(nats_cluster, node)           # every seq 1..high once (check_exactly_once asserts it)
+    assert list(highs) == [boot]
+    assert _mark(nats_cluster, node, boot) == highs[boot]
+    # gateway-b knew nothing of this boot: its Welcome's stored_up_to came from the marks bucket.
+    welcomed = [int(m) for m in re.findall(rf"node {re.escape(node)} connected .* stored up to (\d+)", gw2.output())]
+    assert welcomed and 0 < welcomed[0] <= before
+
+
+def test_acks_only_after_jetstream_stored(nats_cluster, procs, tmp_path, own_spool_dir):  # noqa: F811
+    cfg = cluster_config(tmp_path, nats_cluster)
+    gw, addr = start_gateway(procs, cfg)
+    node = "quorum-node"
+    agent = _agent(procs, tmp_path, addr, node)
+    wait_until(lambda: max(_highs(nats_cluster, node).values(), default=0) >= 10, 90, what="10 batches stored")
+    nats_cluster.kill("n2")
+    nats_cluster.kill("n3")                      # no quorum: nothing can be stored, so nothing may be acked
+    time.sleep(3.0)                              # the agent keeps producing into its spool meanwhile
+    agent.kill(signal.SIGKILL)
+    left = unacked(str(own_spool_dir / node))    # what the agent was never told is stored
+    nats_cluster.start("n2")
+    nats_cluster.start("n3")
+    ids = stream_ids(nats_cluster)
+    highs = check_exactly_once(ids, contiguous=False)   # publishes retried after the outage may land out of order
+    (boot, high), = [(b, h) for (n, b), h in highs.items() if n == node]
+    made = {seq for b, seq in left if b == boot}
+    assert made, "the agent had batches in its spool"
+    # Everything the agent made up to its last seq is stored, or still in its spool (not acked).
+    last = max(max(made), high)
+    missing = [s for s in range(1, last + 1) if f"{node}:{boot}:{s}" not in ids and s not in made]
+    assert not missing, f"acknowledged but not stored: {missing[:10]}"
+    # A new agent process resends the old boot's batches from the spool: all of them, once.
+    _agent(procs, tmp_path, addr, node, "agent-2")
+    wait_until(lambda: _highs(nats_cluster, node).get(boot, 0) >= last, 120, what="the spool resent")
+    assert gw.p.poll() is None
