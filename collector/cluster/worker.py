@@ -1,0 +1,274 @@
+"""Fleet state workers (`xpusense-collector worker --nats URLS`): each owns some partitions, reads
+their batches with one durable consumer per partition, keeps every node's latest values
+(summary.NodeLatest) and writes each changed node's summary to the `fleet` bucket every `summary_s`.
+
+Ownership: a partition has one owner at a time, by lease. In the `leases` bucket (entries live
+`lease_s` unless renewed) every worker renews `w.<id>` and the `p.<k>` of the partitions it owns
+(compare-and-set on the revision). Each round a worker aims at ceil(P / workers alive): it takes
+free partitions (create: only one can), lets one go when it has more; a dead worker's leases run
+out and the others take its partitions within `lease_s` + `summary_s`.
+
+Exactly once into the summary: a new owner loads the partition's summaries from the bucket (the
+previous owner's state, marks included), resets the durable consumer to its ack floor (everything
+not yet covered by a written summary comes again) and drops by SeqWindow what was taken. Messages
+are acknowledged (AckPolicy ALL: the last acks all before it) only after the summaries that cover
+them are written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import api
+
+from xpusense.v1 import telemetry_pb2 as pb
+
+from .engine import list_bucket
+from .subjects import KIND, node_of_subject, partition, partition_filter, stream_of, token
+from .summary import NodeLatest, decode, fleet_key
+
+log = logging.getLogger("xpusense.collector.cluster.worker")
+
+_TRANSIENT = (nats.errors.TimeoutError, nats.js.errors.APIError, nats.errors.NoRespondersError,
+              nats.errors.ConnectionReconnectingError, TimeoutError)
+
+
+def _stream_time_ns(reply: str) -> int:
+    """When JetStream stored the message, from its ack subject ($JS.ACK...)."""
+    tokens = reply.split(".")
+    try:
+        return int(tokens[7] if len(tokens) == 9 else tokens[Msg.Ack.Timestamp])
+    except (IndexError, ValueError):
+        return time.time_ns()
+
+
+class _Partition:
+    def __init__(self, k: int, revision: int):
+        self.k, self.revision = k, revision
+        self.task: asyncio.Task | None = None
+        self.last: Msg | None = None          # newest message handled, not yet acknowledged
+        self.ready = asyncio.Event()          # loaded and consuming
+        self.stopping = False
+
+
+class Worker:
+    def __init__(self, js, buckets, ncfg: Any, worker_id: str = ""):
+        self.js, self.buckets, self.ncfg = js, buckets, ncfg
+        self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.nodes: dict[str, NodeLatest] = {}
+        self.parts: dict[int, _Partition] = {}
+        self.handled = 0          # batches
+        self.messages = 0         # every message (batches, hello, inventory, bye)
+        self.dropped = 0
+        self.summaries_written = 0
+        self.takeovers = 0
+
+    # -- leases -----------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    await self._round()
+                except _TRANSIENT as e:
+                    log.info("worker %s: the cluster did not answer this round: %s", self.id, e)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), max(0.05, self.ncfg.summary_s - (time.monotonic() - t0)))
+        finally:
+            for k in list(self.parts):
+                await self._release(k, delete=True)
+
+    async def _round(self) -> None:
+        await self.write_summaries()
+        leases, n = self.buckets.leases, self.ncfg
+        await leases.put(f"w.{token(self.id)}", b"")
+        try:
+            keys = await leases.keys()
+        except nats.js.errors.NoKeysError:
+            keys = []
+        alive = max(1, sum(1 for key in keys if key.startswith("w.")))
+        taken = {int(key[2:]) for key in keys if key.startswith("p.") and key[2:].isdigit()}
+        for k in list(self.parts):
+            if not await self._renew(k):
+                log.warning("worker %s: lost partition %d to another worker", self.id, k)
+                await self._release(k, delete=False)
+        target = math.ceil(n.partitions / alive)
+        if len(self.parts) > target:
+            await self._release(max(self.parts), delete=True)
+            return
+        start = partition(self.id, n.partitions)
+        for i in range(n.partitions):
+            if len(self.parts) >= target:
+                break
+            k = (start + i) % n.partitions
+            if k in self.parts or k in taken:
+                continue
+            try:
+                rev = await leases.create(f"p.{k}", self.id.encode())
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue
+            self._acquire(k, rev)
+
+    async def _renew(self, k: int) -> bool:
+        p = self.parts[k]
+        leases = self.buckets.leases
+        try:
+            p.revision = await leases.update(f"p.{k}", self.id.encode(), last=p.revision)
+            return True
+        except nats.js.errors.KeyWrongLastSequenceError:
+            try:   # our last renewal may have been stored without its ack reaching us
+                e = await leases.get(f"p.{k}")
+            except nats.js.errors.NotFoundError:
+                return False
+            if e.value == self.id.encode():
+                p.revision = e.revision
+                return True
+            return False
+
+    def _acquire(self, k: int, revision: int) -> None:
+        p = self.parts[k] = _Partition(k, revision)
+        p.task = asyncio.get_running_loop().create_task(self._consume(p))
+        log.info("worker %s: took partition %d", self.id, k)
+
+    async def _release(self, k: int, delete: bool) -> None:
+        p = self.parts.pop(k, None)
+        if p is None:
+            return
+        p.stopping = True
+        if p.task is not None:
+            p.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await p.task
+        if delete:   # hand it over cleanly: what it covers written and acknowledged first
+            with contextlib.suppress(*_TRANSIENT):
+                await self._write(k, p)
+                await self.buckets.leases.delete(f"p.{k}", last=p.revision)
+        for nid in [nid for nid, node in self.nodes.items() if node.part == k]:
+            del self.nodes[nid]
+        log.info("worker %s: let go of partition %d", self.id, k)
+
+    # -- consuming ----------------------------------------------------------------------------------
+    async def _consume(self, p: _Partition) -> None:
+        n = self.ncfg
+        stream, durable = stream_of(n.prefix, p.k, n.streams), f"w-p{p.k}"
+        while not p.stopping:
+            try:
+                sub = await self._open(p, stream, durable)
+                break
+            except _TRANSIENT as e:
+                log.info("worker %s: partition %d not open yet: %s", self.id, p.k, e)
+                await asyncio.sleep(0.5)
+        p.ready.set()
+        while not p.stopping:
+            try:
+                msgs = await sub.fetch(batch=512, timeout=1.0)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except _TRANSIENT as e:
+                log.debug("worker %s: partition %d fetch: %s", self.id, p.k, e)
+                await asyncio.sleep(0.2)
+                continue
+            for msg in msgs:
+                try:
+                    self._handle(p.k, msg)
+                except Exception:   # a message that does not parse must not stop the partition
+                    log.exception("worker %s: partition %d: cannot handle a message on %s", self.id, p.k, msg.subject)
+                p.last = msg
+
+    async def _open(self, p: _Partition, stream: str, durable: str):
+        n = self.ncfg
+        await self.js.add_consumer(stream, api.ConsumerConfig(
+            durable_name=durable, filter_subject=partition_filter(n.prefix, p.k), ack_policy=api.AckPolicy.ALL,
+            deliver_policy=api.DeliverPolicy.ALL, ack_wait=max(30.0, 10 * n.summary_s), max_ack_pending=-1,
+            max_waiting=16, num_replicas=n.replicas))
+        # Whatever the previous owner had been given and not acknowledged comes again, in order.
+        await self.js.reset_consumer(stream, durable)
+        await self._load(p.k)
+        self.takeovers += 1
+        return await self.js.pull_subscribe_bind(durable=durable, stream=stream)
+
+    async def _load(self, k: int) -> None:
+        """The partition's nodes as their summaries say (the previous owner's state)."""
+        for _key, value, _rev in await list_bucket(self.js, self.ncfg.fleet_bucket, f"p{k}.*"):
+            d = decode(value)
+            if d is not None and d["n"] not in self.nodes:
+                self.nodes[d["n"]] = NodeLatest.restore(d, k)
+
+    def _handle(self, k: int, msg: Msg) -> None:
+        self.messages += 1
+        node_id = node_of_subject(msg.subject)
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = NodeLatest(node_id, k)
+        t = _stream_time_ns(msg.reply)
+        headers = msg.headers or {}
+        kind = headers.get(KIND)
+        if kind is None:
+            if not node.apply(pb.Batch.FromString(msg.data), t):
+                self.dropped += 1
+            self.handled += 1
+        elif kind == "hello":
+            node.hello(pb.Hello.FromString(msg.data), headers.get("Xps-Session", ""), headers.get("Xps-Peer", ""), t)
+        elif kind == "inventory":
+            node.set_inventory(msg.data)
+        elif kind == "bye":
+            node.bye(headers.get("Xps-Session", ""))
+
+    # -- summaries ----------------------------------------------------------------------------------
+    async def write_summaries(self) -> None:
+        for k, p in list(self.parts.items()):
+            if p.ready.is_set():
+                await self._write(k, p)
+
+    async def _write(self, k: int, p: _Partition) -> None:
+        last = p.last
+        dirty = [node for node in self.nodes.values() if node.part == k and node.dirty]
+        now = time.time_ns()
+        for i in range(0, len(dirty), 256):
+            chunk = dirty[i:i + 256]
+            for node in chunk:
+                node.dirty = False
+            results = await asyncio.gather(*(self.buckets.fleet.put(fleet_key(k, token(node.node_id)),
+                                                                    node.encode(self.id, now)) for node in chunk),
+                                           return_exceptions=True)
+            failed = [node for node, r in zip(chunk, results) if isinstance(r, BaseException)]
+            for node in failed:
+                node.dirty = True
+            self.summaries_written += len(chunk) - len(failed)
+            if failed:
+                log.info("worker %s: %d summaries not written (%s); next round", self.id, len(failed), results[0])
+                return
+        if last is not None:
+            with contextlib.suppress(*_TRANSIENT):
+                await last.ack()
+            if p.last is last:
+                p.last = None
+
+    def memory_nodes(self) -> int:
+        return len(self.nodes)
+
+
+async def run_worker(cfg: Any, stop: asyncio.Event) -> None:
+    from .engine import connect, ensure
+    ncfg = cfg.nats
+    nc = await connect(ncfg, "xpusense-worker")
+    js = nc.jetstream(timeout=ncfg.publish_timeout_s)
+    buckets = await ensure(js, ncfg)
+    w = Worker(js, buckets, ncfg)
+    log.info("worker %s: following %d partitions of the NATS cluster at %s", w.id, ncfg.partitions, ",".join(ncfg.urls))
+    try:
+        await w.run(stop)
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.drain()
