@@ -1,0 +1,197 @@
+"""Scheduler replicas (`xpusense-collector scheduler --nats URLS`): the scheduler core of
+collector/scheduler/, fed from the `fleet` bucket instead of an in-process FleetState, the way
+Kubernetes informers list then watch: the bucket's latest summaries first (the list), then every
+change as the workers write it (the watch), into `FleetIndex`, which shows the core the same
+attributes FleetState does (nodes with inventory, series, events, last_seen_ns; watchers called
+after each change). Any number can run; each answers Place from its own index, and also serves
+the Query API from it.
+
+A node whose inventory is unchanged is updated in place (its series objects keep their identity,
+so the core's per-device references stay valid) and the core refreshes its readings; a new
+inventory rebuilds the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from xpusense.v1 import scheduler_pb2 as spb
+from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
+from xpusense.v1 import telemetry_pb2 as pb
+
+from ..scheduler.core import Scheduler
+from ..scheduler.service import SCHEDULER_SERVICE, SchedulerServicer
+from .engine import list_bucket
+from .summary import MirrorNode, decode
+
+log = logging.getLogger("xpusense.collector.cluster.scheduler")
+
+
+class _Changes:
+    """What FleetView.on_change reads of a stored batch: the events new since the last summary."""
+    __slots__ = ("events",)
+
+    def __init__(self, events: list):
+        self.events = events
+
+
+_NO_CHANGES = _Changes([])
+
+
+class FleetIndex:
+    """The `fleet` bucket as a FleetState-like object for the scheduler core and the Query API."""
+
+    def __init__(self, clock=time.time_ns):
+        self.nodes: dict[str, MirrorNode] = {}
+        self.watchers: list = []
+        self.clock = clock
+        self._inventory: dict[str, bytes] = {}
+        self._events: dict[str, dict[str, pb.Event]] = {}
+        self.ready = asyncio.Event()
+        self.updates = 0
+
+    def apply(self, data: bytes, revision: int = 0) -> None:
+        d = decode(data)
+        if d is None:
+            return
+        nid, inv = d["n"], d.get("i") or b""
+        n = self.nodes.get(nid)
+        if n is None:
+            n = self.nodes[nid] = MirrorNode(d, revision)
+            self.updates += 1
+            self._inventory[nid] = inv
+            self._events[nid] = {e.id: e for e in n.events}
+            self._notify(n, None)
+            if n.events:   # the core notes events as they come: the ones the node already has, oldest first
+                self._notify(n, _Changes(list(reversed(n.events))))
+            return
+        if n.revision and revision and revision <= n.revision:
+            return   # older than what we have (a re-list)
+        self.updates += 1
+        n.revision, n.written_ns, n.worker = revision, d.get("at", 0), d.get("w", "")
+        n.boot_id, n.streams, n.peer = d.get("b", ""), d.get("c", 0), d.get("p", "")
+        n.last_seen_ns = max(n.last_seen_ns, d.get("t", 0))
+        n.stored_up_to = dict(d.get("m") or {})
+        n.batches_stored, n.batches_duplicate = d.get("bs", 0), d.get("bd", 0)
+        n.set_series(d)
+        rows = d.get("e") or ()
+        known = self._events[nid]
+        if len(rows) == len(known) and all(e[0] in known for e in rows):   # no new event: the usual case
+            if inv == self._inventory[nid]:
+                self._notify(n, _NO_CHANGES)
+            else:
+                self._new_inventory(n, inv)
+            return
+        events, new = [], []
+        for e in rows:
+            ev = known.get(e[0])
+            if ev is None:
+                ev = pb.Event(id=e[0], type=e[1], severity=e[2], device=e[3], message=e[4], attributes=e[5],
+                              time_unix_nano=e[6])
+                new.append(ev)
+            events.append(ev)
+        n.events = events
+        self._events[nid] = {e.id: e for e in events}
+        if inv != self._inventory[nid]:
+            self._new_inventory(n, inv)
+        else:
+            self._notify(n, _Changes(list(reversed(new))))
+
+    def _new_inventory(self, n: MirrorNode, inv: bytes) -> None:
+        self._inventory[n.node_id] = inv
+        n.inventory = pb.Inventory.FromString(inv)
+        self._notify(n, None)
+
+    def _notify(self, n: MirrorNode, change: Any) -> None:
+        for w in self.watchers:
+            w(n, change)
+
+    async def follow(self, js, kv, bucket: str) -> None:
+        """List then watch the bucket until cancelled. The watch starts with every key's latest
+        value again (older than what the list gave: ignored), so nothing between the two is missed."""
+        for _key, value, revision in await list_bucket(js, bucket):
+            self.apply(value, revision)
+        log.info("fleet index: %d nodes listed; watching", len(self.nodes))
+        self.ready.set()
+        w = await kv.watchall()
+        try:
+            async for e in w:
+                if e is not None and e.operation is None and e.value:
+                    self.apply(e.value, e.revision or 0)
+        finally:
+            with contextlib.suppress(Exception):
+                await w.stop()
+
+
+class ClusterScheduler:
+    """A scheduler core over a FleetIndex that follows the `fleet` bucket."""
+
+    service = SCHEDULER_SERVICE
+
+    def __init__(self, index: FleetIndex, core: Scheduler, task: asyncio.Task):
+        self.index, self.core, self.task = index, core, task
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.task
+
+
+async def follow_fleet(js, kv, cfg: Any, timeout_s: float = 60.0) -> ClusterScheduler:
+    """List the bucket, build the core over it, then keep watching."""
+    index = FleetIndex()
+    task = asyncio.get_running_loop().create_task(index.follow(js, kv, cfg.nats.fleet_bucket))
+    try:
+        await asyncio.wait_for(index.ready.wait(), timeout_s)
+    except BaseException:
+        task.cancel()
+        raise
+    core = Scheduler(index, cfg.scheduler, cfg.stale_s)
+    return ClusterScheduler(index, core, task)
+
+
+async def add_scheduler(server, js, kv, cfg: Any) -> ClusterScheduler:
+    sched = await follow_fleet(js, kv, cfg)
+    spb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(sched.core), server)
+    return sched
+
+
+async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credentials=None) -> None:
+    """`xpusense-collector scheduler`: Place and Query from the watched index, on cfg.listen."""
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
+
+    from ..server import QUERY_SERVICE
+    from .engine import connect, ensure
+    from .query import ClusterQueryServicer
+    from .rpc import SERVING, bind, grpc_server
+    ncfg = cfg.nats
+    nc = await connect(ncfg, "xpusense-scheduler")
+    js = nc.jetstream(timeout=ncfg.publish_timeout_s)
+    buckets = await ensure(js, ncfg)
+    server = grpc_server(security, None, cfg.max_message_bytes)
+    sched = await add_scheduler(server, js, buckets.fleet, cfg)
+    pb_grpc.add_QueryServicer_to_server(ClusterQueryServicer(sched.index, js, ncfg, cfg.stale_s, security), server)
+    hs = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    bind(server, cfg.listen, credentials)
+    await server.start()
+    for svc in ("", SCHEDULER_SERVICE, QUERY_SERVICE):
+        await hs.set(svc, SERVING)
+    log.info("scheduler listening on %s, %d nodes in its index from the NATS cluster at %s", cfg.listen,
+             len(sched.index.nodes), ",".join(ncfg.urls))
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(grace=2.0)
+        await sched.close()
+        with contextlib.suppress(Exception):
+            await nc.drain()
+
+
+__all__ = ["FleetIndex", "ClusterScheduler", "follow_fleet", "add_scheduler", "run_scheduler", "spb"]

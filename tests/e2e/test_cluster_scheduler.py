@@ -1,0 +1,76 @@
+"""Cluster mode, scheduler replicas (issue 16 item 5): `xpusense-collector scheduler` lists then
+watches the `fleet` bucket into the scheduler core's index and answers Place from it; any number
+run, each answers alike, and a node's XID event reaches every replica's index."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+from cluster_support import SimAgent, cluster_config, module_cmd, nats_cluster, start_gateway  # noqa: F401
+from helpers import BIN, free_port, nodes_json, wait_until
+
+FLEET = {"bj-1": {"region": "cn-beijing", "zone": "a", "price": "4.0"},
+         "bj-2": {"region": "cn-beijing", "zone": "b", "price": "2.0"},
+         "sh-1": {"region": "cn-shanghai", "zone": "c", "price": "3.0"}}
+
+
+def place(addr, *args):
+    out = subprocess.run([str(BIN / "xpusense-collector"), "place", "--collector", addr, "--format", "json",
+                          "--accelerator", "gpu", "--memory", "40GB", "--count", "2", "--limit", "10", *args],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def start_scheduler(procs, cfg, name):
+    addr = f"127.0.0.1:{free_port()}"
+    p = procs(module_cmd("scheduler", "--config", str(cfg), "--listen", addr), name)
+    wait_until(lambda: "scheduler listening" in p.output() or p.p.poll() is not None, 60, what=name)
+    assert p.p.poll() is None, p.output()
+    return p, addr
+
+
+def test_scheduler_replicas_answer_place_from_the_fleet_bucket(nats_cluster, procs, tmp_path):  # noqa: F811
+    cfg = cluster_config(tmp_path, nats_cluster)
+    _, gw = start_gateway(procs, cfg)
+    procs(module_cmd("worker", "--config", str(cfg)), "worker")
+    s1, a1 = start_scheduler(procs, cfg, "scheduler-1")            # started before any node: the watch fills it
+    agents = {n: SimAgent(gw, n, labels) for n, labels in FLEET.items()}
+    for _ in range(3):
+        for a in agents.values():
+            a.send()
+    s2, a2 = start_scheduler(procs, cfg, "scheduler-2")            # started after: the list fills it
+    for addr in (a1, a2):
+        r = wait_until(lambda addr=addr: (r := place(addr)) and r.get("nodes_feasible") == 3 and r, 60,
+                       what=f"3 feasible nodes at {addr}")
+        assert r["nodes_total"] == 3
+    assert [c["node_id"] for c in place(a1)["candidates"]] == [c["node_id"] for c in place(a2)["candidates"]]
+    ranked = [c["node_id"] for c in place(a1, "--region", "cn-beijing")["candidates"]]
+    assert ranked[0] == "bj-2" and set(ranked) == {"bj-1", "bj-2"}   # cheaper per TFLOPS first; region filter
+    # An XID on bj-2's gpu0..gpu6 leaves it one healthy device: it cannot take 2, in every replica.
+    from xpusense.v1 import telemetry_pb2 as pb
+    xids = [pb.Event(id=f"x{i}", type="xid", severity="critical", device=f"gpu{i}", message="XID 79",
+                     attributes={"xid": "79"}, time_unix_nano=time.time_ns()) for i in range(7)]
+    agents["bj-2"].send(events=xids)
+    for addr in (a1, a2):
+        wait_until(lambda addr=addr: "bj-2" not in [c["node_id"] for c in place(addr)["candidates"]], 30,
+                   what=f"the XID in {addr}'s index")
+    # Fresh readings move the ranking: bj-1 busy and full leaves sh-1 on top.
+    for _ in range(2):
+        agents["bj-1"].send(util=0.95, used=79 * 2**30)
+    wait_until(lambda: [c["node_id"] for c in place(a2)["candidates"]] == ["sh-1"], 30, what="bj-1 full")
+    # nodes through a scheduler replica: the same fleet
+    assert {n["node_id"] for n in nodes_json(a1)["nodes"]} == set(FLEET)
+    # one replica gone, the other answers on
+    s1.kill(signal.SIGKILL)
+    assert place(a2)["nodes_total"] == 3
+    # a gateway does not answer Place by default, and says where to ask
+    out = subprocess.run([str(BIN / "xpusense-collector"), "place", "--collector", gw], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 1 and "scheduler replicas" in out.stderr
+    for a in agents.values():
+        a.close()
+    assert s2.p.poll() is None

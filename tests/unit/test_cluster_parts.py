@@ -1,0 +1,147 @@
+"""Cluster mode's pure parts: ids as subject tokens and KV keys, partitions, SeqWindow (exactly
+once downstream), the per-node summary (worker side -> bucket -> reader side), ListNodes pages
+from summaries, and the scheduler's FleetIndex updating nodes in place."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from xpusense.collector.cluster.config import split_urls
+from xpusense.collector.cluster.marks import SeqWindow
+from xpusense.collector.cluster.query import list_nodes
+from xpusense.collector.cluster.scheduler import FleetIndex
+from xpusense.collector.cluster.subjects import (
+    node_subject,
+    partition,
+    stream_of,
+    stream_subjects,
+    token,
+    untoken,
+)
+from xpusense.collector.cluster.summary import MirrorNode, NodeLatest, decode
+from xpusense.v1 import telemetry_pb2 as pb
+
+
+@given(st.text(st.characters(blacklist_categories=("Cs", "Zs", "Cc")), min_size=1, max_size=60))
+def test_token_round_trip_and_is_one_safe_token(text):
+    t = token(text)
+    assert untoken(t) == text
+    assert t and all(c.isascii() and (c.isalnum() or c in "_-=") for c in t)
+
+
+def test_token_examples():
+    assert token("gpu-1") == "gpu-1"
+    assert token("gpu-1.dc") == "gpu-1=2Edc"
+    assert token("a=b") == "a=3Db" and untoken("a=3Db") == "a=b"
+    assert token("a*>") == "a=2A=3E"
+
+
+def test_partitions_are_stable_and_streams_cover_them():
+    assert partition("node-1", 12) == partition("node-1", 12)
+    assert partition("node-1", 12) == 1   # the same in every process and release (blake2b, not hash())
+    counts = [0] * 12
+    for i in range(1200):
+        counts[partition(f"node-{i}", 12)] += 1
+    assert min(counts) > 60                # spread
+    subjects = [s for i in range(3) for s in stream_subjects("xpusense", i, 12, 3)]
+    assert len(subjects) == len(set(subjects)) == 12
+    assert stream_of("xpusense", 7, 3) == "XPUSENSE_1" and "xpusense.*.p7.*" in stream_subjects("xpusense", 1, 12, 3)
+    assert node_subject("xpusense", "", 7, "a.b") == "xpusense.none.p7.a=2Eb"
+
+
+def test_split_urls():
+    assert split_urls("127.0.0.1:4222, nats://h:1,tls://x:2") == ["nats://127.0.0.1:4222", "nats://h:1", "tls://x:2"]
+
+
+def test_seq_window_takes_each_seq_once_in_any_order():
+    w = SeqWindow()
+    assert [w.take(s) for s in (1, 2, 3, 2, 5, 4, 4, 3, 6)] == [True, True, True, False, True, True, False, False, True]
+    assert w.high == 6
+    w2 = SeqWindow(high=10)                # restored from a summary: everything up to 10 was taken
+    assert not w2.take(10) and not w2.take(3) and w2.take(11)
+    w3 = SeqWindow(span=8)
+    w3.take(100)
+    assert not w3.take(50)                 # far below: taken long ago (or dropped as a resend)
+
+
+def _batch(seq, util, t, events=(), boot="b1"):
+    b = pb.Batch(node_id="n1", boot_id=boot, seq=seq)
+    b.samples.add(name="hw.gpu.utilization", unit="1", kind=pb.GAUGE, labels={"device": "0"}, value=util,
+                  time_unix_nano=t, series_ref=1)
+    b.samples.add(name="system.network.io", unit="By", kind=pb.COUNTER, labels={"device": "eth0", "direction": "receive"},
+                  value=1000.0 * seq, time_unix_nano=t, series_ref=2)
+    b.samples.add(name="hw.gpu.clock", unit="Hz", kind=pb.GAUGE, labels={"device": "0"}, value=1.0, time_unix_nano=t,
+                  series_ref=3)                                           # not kept
+    b.samples.add(name="hw.gpu.memory.usage", unit="By", kind=pb.GAUGE, labels={"device": "0", "pid": "7"},
+                  value=5.0, time_unix_nano=t, series_ref=4)             # per process: not kept
+    for e in events:
+        b.events.add(id=e, type="checkpoint_request", severity="warning", device="0", message="m", time_unix_nano=t)
+    return b
+
+
+def test_summary_round_trip_and_takeover():
+    n = NodeLatest("n1", 3)
+    inv = pb.Inventory(hostname="h", labels={"region": "eu"})
+    inv.resources.add(type="GPU", vendor="nvidia", model="H100", id="0", attributes={"memory": "80GB"})
+    n.hello(pb.Hello(node_id="n1", boot_id="b1", inventory=inv), "gw/1", "ipv4:1.2.3.4:5", 10)
+    assert n.apply(_batch(1, 0.5, 1_000_000_000, ["e1"]), 20)
+    assert n.apply(_batch(2, 0.7, 2_000_000_000, ["e1", "e2"]), 30)
+    assert not n.apply(_batch(2, 0.7, 2_000_000_000), 31)               # the same (boot, seq): dropped
+    assert n.apply(_batch(3, 0.1, 1_500_000_000), 32)                   # older point: value stays
+    d = decode(n.encode("w1", 40))
+    assert d["n"] == "n1" and d["c"] == 1 and d["m"] == {"b1": 3} and d["bs"] == 3 and d["bd"] == 1
+    kept = {s[0]: s for s in d["s"]}
+    assert set(kept) == {"hw.gpu.utilization", "system.network.io"}
+    assert kept["hw.gpu.utilization"][4] == 0.7
+    assert kept["system.network.io"][6] == pytest.approx(1000.0)        # rate/s of the counter
+    assert [e[0] for e in d["e"]] == ["e2", "e1"]                        # newest first, each once
+    m = MirrorNode(d)
+    assert m.inventory.labels["region"] == "eu" and m.streams == 1 and m.stored_up_to == {"b1": 3}
+    # a new owner restores it, and a redelivered batch is not taken twice
+    r = NodeLatest.restore(d, 3)
+    assert not r.apply(_batch(2, 0.9, 3_000_000_000), 50)
+    assert r.apply(_batch(4, 0.9, 3_000_000_000, ["e2", "e3"]), 50)
+    d2 = decode(r.encode("w2", 60))
+    assert d2["i"] == d["i"] and [e[0] for e in d2["e"]] == ["e3", "e2", "e1"]
+    r.bye("gw/1")
+    assert decode(r.encode("w2", 61))["c"] == 0
+
+
+def test_list_nodes_pages_by_node():
+    nodes = {}
+    for i in range(5):
+        n = NodeLatest(f"n{i}", 0)
+        n.hello(pb.Hello(node_id=f"n{i}", boot_id="b", inventory=pb.Inventory(hostname=f"h{i}")), "s", "", 1)
+        nodes[f"n{i}"] = MirrorNode(decode(n.encode("w", 1)))
+    req = pb.ListNodesRequest()
+    assert [x.node_id for x in list_nodes(nodes, req).nodes] == ["n0", "n1", "n2", "n3", "n4"]
+    assert [x.node_id for x in list_nodes(nodes, pb.ListNodesRequest(node_id="n3")).nodes] == ["n3"]
+    if "page_size" in pb.ListNodesRequest.DESCRIPTOR.fields_by_name:
+        page = list_nodes(nodes, pb.ListNodesRequest(page_size=2))
+        assert [x.node_id for x in page.nodes] == ["n0", "n1"] and page.next_page_token
+        page2 = list_nodes(nodes, pb.ListNodesRequest(page_size=2, page_token=page.next_page_token))
+        assert [x.node_id for x in page2.nodes] == ["n2", "n3"]
+
+
+def test_fleet_index_updates_in_place():
+    idx = FleetIndex()
+    seen = []
+    idx.watchers.append(lambda node, change: seen.append((node.node_id, change)))
+    n = NodeLatest("n1", 0)
+    inv = pb.Inventory(hostname="h")
+    inv.resources.add(type="GPU", vendor="nvidia", model="H100", id="0")
+    n.hello(pb.Hello(node_id="n1", boot_id="b1", inventory=inv), "s", "", 1)
+    n.apply(_batch(1, 0.5, 1_000_000_000, ["e1"]), 2)
+    idx.apply(n.encode("w", 3), revision=10)
+    assert [c is None for _, c in seen] == [True, False]                # rebuilt, then its events noted
+    ser = idx.nodes["n1"].series[("hw.gpu.utilization", (("device", "0"),))]
+    n.apply(_batch(2, 0.9, 2_000_000_000, ["e2"]), 4)
+    idx.apply(n.encode("w", 5), revision=11)
+    assert idx.nodes["n1"].series[("hw.gpu.utilization", (("device", "0"),))] is ser and ser.value == 0.9
+    assert [e.id for e in seen[-1][1].events] == ["e2"]                  # only the new event
+    idx.apply(n.encode("w", 5), revision=9)                               # older revision: ignored
+    assert idx.updates == 2 and not math.isnan(ser.value)
