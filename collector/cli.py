@@ -228,7 +228,8 @@ def _nodes(args) -> int:
         return EXIT_FAIL
     nodes = [node_to_dict(n, reply.time_unix_nano, args.stale_s) for n in reply.nodes]
     if args.format == "json":
-        json.dump({"collector": args.collector, "nodes": nodes}, sys.stdout, indent=2)
+        json.dump({"collector": args.collector, "nodes": nodes, "counters": dict(sorted(reply.counters.items()))},
+                  sys.stdout, indent=2)
         print()
     else:
         print(render_table(nodes, shutil.get_terminal_size().columns))
