@@ -5,6 +5,7 @@ from __future__ import annotations
 from xpusense.common.config import DEFAULT_ADDRESS, Key, host_port, load, log_level, positive
 from xpusense.common.otlp import otlp_schema
 
+from .cluster.config import NATS_SCHEMA, check_nats
 from .scheduler.config import SCHEDULER_SCHEMA, check_config
 
 OTLP_EXPORT_SCHEMA = otlp_schema(collector=True)
@@ -31,6 +32,8 @@ COLLECTOR_SCHEMA = {
                                   help="damaged bytes found at start are copied into data_dir/damaged/ up to this"),
     },
     "scheduler": SCHEDULER_SCHEMA,
+    # Cluster mode (collector/cluster/, docs/scale.md): with urls set, serve is a gateway to NATS JetStream.
+    "nats": NATS_SCHEMA,
     # Security (collector/auth.py, docs/security.md).
     "tls": {
         "ca": Key(str, "", help="CA of the agents' client certificates; set: mTLS, node id bound to the cert"),
@@ -83,4 +86,5 @@ COLLECTOR_ENV = {"XPUSENSE_LISTEN": "listen"}
 def load_collector(path: str | None = None, flags: dict | None = None, env: dict | None = None):
     cfg = load(COLLECTOR_SCHEMA, path, env, COLLECTOR_ENV, flags)
     check_config(cfg, path or "configuration")
+    check_nats(cfg, path or "configuration")
     return cfg
