@@ -175,7 +175,8 @@ class FleetState:
             n.batches_duplicate += 1
             return None
         n.stored_up_to[batch.boot_id] = batch.seq
-        n.mark_at[batch.boot_id] = self.clock()
+        # When the mark rose: now, or for the store's replay (now_ns given) when the batch was sent.
+        n.mark_at[batch.boot_id] = self.clock() if now_ns is None else min(now_ns, self.clock())
         return mark
 
     def seq_ceiling(self, node_id: str, boot_id: str, max_jump: int, per_s: float) -> int | None:

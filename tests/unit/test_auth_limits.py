@@ -315,6 +315,9 @@ def test_a_forged_sequence_number_far_ahead_is_refused_and_the_bound_grows_with_
     again.restored_at_ns = now[0] - 100 * 10**9
     assert again.seq_ceiling("n", "b", 100, 10.0) == 400 + 100 + 1000
     assert again.seq_ceiling("n", "unknown-boot", 100, 10.0) is None
+    # A mark rebuilt by the store's replay counts from when its batch was sent, not from the replay.
+    assert again.ingest(batch(seq=450), now_ns=now[0] - 50 * 10**9)
+    assert again.seq_ceiling("n", "b", 100, 10.0) == 450 + 100 + 500
 
 
 def test_series_per_node_are_counted_whatever_the_series_ref():
