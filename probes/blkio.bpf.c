@@ -8,7 +8,10 @@
 //   block:block_rq_issue / block:block_rq_complete (all kernels): from dispatch to the device until
 //     completion (device service time); flush requests count as direction "flush".
 // Neither pair exposes the request pointer, so an in-flight request is keyed by (dev, sector) as
-// bcc's tracepoint-based tools do.
+// bcc's tracepoint-based tools do. In-flight requests are a plain (preallocated) hash, cheaper per
+// I/O than an LRU one: a request whose completion is never seen stays until the agent drops it (it
+// drops entries older than a minute at each nearline round). Histograms are per CPU: plain adds,
+// no atomics; the agent sums the CPUs.
 
 #ifndef BLKIO_MAX_INFLIGHT
 #define BLKIO_MAX_INFLIGHT 16384
@@ -49,9 +52,8 @@ struct blkio_hist {
     u64 slots[BLKIO_SLOTS];
 };
 
-// Keyed by request, not by pid; LRU so requests whose completion was missed cannot fill it.
-BPF_TABLE("lru_hash", struct blkio_start_key, struct blkio_start, blkio_start, BLKIO_MAX_INFLIGHT);
-BPF_HASH(blkio_hist, struct blkio_key, struct blkio_hist, BLKIO_MAX_DISKS);
+BPF_HASH(blkio_start, struct blkio_start_key, struct blkio_start, BLKIO_MAX_INFLIGHT);
+BPF_PERCPU_HASH(blkio_hist, struct blkio_key, struct blkio_hist, BLKIO_MAX_DISKS);
 
 // rwbs: optional 'F' (preflush), then the operation: W, R, D or E (discard/secure erase), F (flush),
 // N (none); then modifiers (F fua, A ahead, S sync, M meta).
@@ -90,19 +92,23 @@ static __always_inline void blkio_end(u32 dev, u64 sector, const char *rwbs, int
     blkio_start.delete(&k);
 
     struct blkio_key hk = {.dev = dev, .dir = blkio_dir(rwbs)};
-    struct blkio_hist zero = {};
-    struct blkio_hist *h = blkio_hist.lookup_or_try_init(&hk, &zero);
-    if (!h)
-        return;
+    struct blkio_hist *h = blkio_hist.lookup(&hk);
+    if (!h) {
+        struct blkio_hist zero = {};
+        blkio_hist.update(&hk, &zero);
+        h = blkio_hist.lookup(&hk);
+        if (!h)
+            return;
+    }
     u32 slot = bpf_log2l(delta);
     if (slot >= BLKIO_SLOTS)
         slot = BLKIO_SLOTS - 1;
-    __sync_fetch_and_add(&h->slots[slot], 1);
-    __sync_fetch_and_add(&h->count, 1);
-    __sync_fetch_and_add(&h->sum_ns, delta);
-    __sync_fetch_and_add(&h->bytes, bytes);
+    h->slots[slot] += 1;
+    h->count += 1;
+    h->sum_ns += delta;
+    h->bytes += bytes;
     if (error)
-        __sync_fetch_and_add(&h->errors, 1);
+        h->errors += 1;
 }
 
 #if BLKIO_IO_START

@@ -6,6 +6,7 @@
 // which program is in probes/specs.py (CUDA_SYMBOLS); the byte count is the third argument of the
 // cuMemcpy{HtoD,DtoH,DtoD}[Async]_v2 family and the second of cuMemAlloc_v2 / cuMemAllocManaged /
 // cuMemAllocAsync (CUDA driver API signatures, stable since CUDA 3.2's _v2 entry points).
+// Slot 0 collects processes beyond CUDA_MAX_PROCS - 1 at once (reported as pid "(other)").
 #include <uapi/linux/ptrace.h>
 
 #ifndef CUDA_MAX_PROCS
@@ -23,28 +24,60 @@ struct cuda_stats {
     u64 allocs;
     u64 alloc_bytes;
     u64 frees;
+};
+
+struct cuda_proc {
+    u32 slot;         // index into cuda_slots; 0: no slot was free ("(other)")
+    u32 pad;
     char comm[16];
 };
 
-BPF_TABLE("lru_hash", u32, struct cuda_stats, cuda_stats, CUDA_MAX_PROCS);
+struct cuda_cpu {
+    u32 tgid;         // the process that last called on this CPU
+    u32 slot;         // and its slot
+};
+
+// A process's figures live in a per-CPU array slot (plain adds, no atomics, no hashing per call);
+// cuda_procs says which process has which slot (and its name); each CPU remembers the last
+// process that called on it, so only a process's first call on a CPU looks it up. Slots come from
+// the queue cuda_free_slots, which the loader fills and the agent refills when a process has exited.
+BPF_HASH(cuda_procs, u32, struct cuda_proc, CUDA_MAX_PROCS);
+BPF_QUEUE(cuda_free_slots, u32, CUDA_MAX_PROCS);
+BPF_PERCPU_ARRAY(cuda_slots, struct cuda_stats, CUDA_MAX_PROCS);
+BPF_PERCPU_ARRAY(cuda_cpu, struct cuda_cpu, 1);
 
 static __always_inline struct cuda_stats *cuda_proc(void)
 {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    struct cuda_stats *s = cuda_stats.lookup(&tgid);
-    if (s)
-        return s;
-    struct cuda_stats zero = {};
-    bpf_get_current_comm(&zero.comm, sizeof(zero.comm));
-    cuda_stats.insert(&tgid, &zero);   // BPF_NOEXIST: another thread may have won
-    return cuda_stats.lookup(&tgid);
+    int zero = 0;
+    struct cuda_cpu *c = cuda_cpu.lookup(&zero);
+    if (!c)
+        return 0;
+    if (c->tgid != tgid || !c->slot) {
+        struct cuda_proc *p = cuda_procs.lookup(&tgid);
+        if (!p) {
+            struct cuda_proc np = {};
+            if (cuda_free_slots.pop(&np.slot))
+                np.slot = 0;
+            bpf_get_current_comm(&np.comm, sizeof(np.comm));
+            if (cuda_procs.insert(&tgid, &np) && np.slot)   // another thread was first
+                cuda_free_slots.push(&np.slot, 0);
+            p = cuda_procs.lookup(&tgid);
+            if (!p)
+                return 0;
+        }
+        c->tgid = tgid;
+        c->slot = p->slot;
+    }
+    u32 slot = c->slot;
+    return cuda_slots.lookup(&slot);
 }
 
 int cuda_launch(struct pt_regs *ctx)
 {
     struct cuda_stats *s = cuda_proc();
     if (s)
-        __sync_fetch_and_add(&s->launches, 1);
+        s->launches += 1;
     return 0;
 }
 
@@ -53,8 +86,8 @@ int cuda_memcpy_htod(struct pt_regs *ctx)
     struct cuda_stats *s = cuda_proc();
     if (!s)
         return 0;
-    __sync_fetch_and_add(&s->htod_calls, 1);
-    __sync_fetch_and_add(&s->htod_bytes, (u64)PT_REGS_PARM3(ctx));
+    s->htod_calls += 1;
+    s->htod_bytes += (u64)PT_REGS_PARM3(ctx);
     return 0;
 }
 
@@ -63,8 +96,8 @@ int cuda_memcpy_dtoh(struct pt_regs *ctx)
     struct cuda_stats *s = cuda_proc();
     if (!s)
         return 0;
-    __sync_fetch_and_add(&s->dtoh_calls, 1);
-    __sync_fetch_and_add(&s->dtoh_bytes, (u64)PT_REGS_PARM3(ctx));
+    s->dtoh_calls += 1;
+    s->dtoh_bytes += (u64)PT_REGS_PARM3(ctx);
     return 0;
 }
 
@@ -73,8 +106,8 @@ int cuda_memcpy_dtod(struct pt_regs *ctx)
     struct cuda_stats *s = cuda_proc();
     if (!s)
         return 0;
-    __sync_fetch_and_add(&s->dtod_calls, 1);
-    __sync_fetch_and_add(&s->dtod_bytes, (u64)PT_REGS_PARM3(ctx));
+    s->dtod_calls += 1;
+    s->dtod_bytes += (u64)PT_REGS_PARM3(ctx);
     return 0;
 }
 
@@ -83,8 +116,8 @@ int cuda_alloc(struct pt_regs *ctx)
     struct cuda_stats *s = cuda_proc();
     if (!s)
         return 0;
-    __sync_fetch_and_add(&s->allocs, 1);
-    __sync_fetch_and_add(&s->alloc_bytes, (u64)PT_REGS_PARM2(ctx));
+    s->allocs += 1;
+    s->alloc_bytes += (u64)PT_REGS_PARM2(ctx);
     return 0;
 }
 
@@ -92,6 +125,6 @@ int cuda_free(struct pt_regs *ctx)
 {
     struct cuda_stats *s = cuda_proc();
     if (s)
-        __sync_fetch_and_add(&s->frees, 1);
+        s->frees += 1;
     return 0;
 }

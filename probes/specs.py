@@ -57,6 +57,23 @@ class Metric:
 
 
 @dataclasses.dataclass(frozen=True)
+class Slots:
+    """Values kept in per-CPU array slots, one slot per key (a cgroup, a process): the programs find a
+    key's slot in `index` (key -> u32 slot, or a struct whose field `slot` it is) and take new slots
+    from the queue `free`, which the loader fills with 1..capacity-1 before attaching. Slot 0 is
+    shared by keys beyond capacity ("(other)"). The agent reads `array` through `index`, and when a
+    key is gone (a removed cgroup, an exited process) reports it once more, deletes it from `index`,
+    empties its slot, clears the per-CPU `caches` (a CPU's last key and slot) and pushes the slot back."""
+    array: str
+    index: str
+    free: str
+    key: str                    # decoder of the index's keys: cgroup | process
+    capacity: int
+    caches: tuple[str, ...] = ()
+    variants: tuple[str, ...] = ()      # only for these variants (empty: all)
+
+
+@dataclasses.dataclass(frozen=True)
 class Probe:
     name: str
     summary: str
@@ -64,9 +81,11 @@ class Probe:
     attach_kind: str
     # map name -> key decoder (EbpfSource.key_labels in agent/sources/ebpf/source.py, or the probe's own):
     #   cgroup (u64 cgroup v2 id), disk (dev_t + direction, probes.py), process (u32 tgid, value has comm),
-    #   family (array index 0/1 = ipv4/ipv6), netdev (interface name), iface (ifindex + direction, tc.py)
+    #   family (array index 0/1 = ipv4/ipv6), netdev (interface name), iface (ifindex + direction, tc.py),
+    #   slots (an array of per-key slots, read through its Slots index below)
     maps: tuple[tuple[str, str], ...]
     metrics: tuple[Metric, ...]
+    slots: tuple[Slots, ...] = ()       # maps read through a slot index (decoder "slots")
 
     @property
     def c_file(self) -> Path:
@@ -106,14 +125,16 @@ RUNQLAT = Probe(
                 note="tracepoints sched_wakeup/_new and sched_switch, timestamps in a map keyed by pid"),
     ),
     attach_kind=TRACEPOINT,
-    # cgroup_slot: an array of per-cgroup slots; runqlat_cgidx says which cgroup id has which slot
-    maps=(("runqlat_hist", "cgroup"), ("runqlat_slots", "cgroup_slot")),
+    maps=(("runqlat_hist", "cgroup"), ("runqlat_slots", "slots")),
     metrics=(
         Metric("runqlat_hist", "slots", "xpusense.sched.runqueue.latency", "s", HISTOGRAM, NEARLINE,
                scale=1e-9, sum_field="sum_ns", variants=("tracepoint",)),
         Metric("runqlat_slots", "slots", "xpusense.sched.runqueue.latency", "s", HISTOGRAM, NEARLINE,
                scale=1e-9, sum_field="sum_ns", variants=("sched_info",)),
     ),
+    # a task remembers its cgroup's slot in its task storage: no per-CPU cache to clear
+    slots=(Slots("runqlat_slots", "runqlat_cgidx", "runqlat_free", "cgroup", RUNQLAT_MAX_CGROUPS,
+                 variants=("sched_info",)),),
 )
 
 BLKIO = Probe(
@@ -224,30 +245,33 @@ CUDA_LIBRARY_CANDIDATES = (
     "/usr/lib64/libcuda.so.1", "/usr/local/nvidia/lib64/libcuda.so.1", "/usr/lib/wsl/lib/libcuda.so.1",
 )
 
+CUDA_MAX_PROCS = 4096      # CUDA_MAX_PROCS in cuda_uprobe.bpf.c
+
 CUDA_UPROBE = Probe(
     name="cuda_uprobe",
     summary="CUDA driver API calls per process (launches, memcpy bytes by direction, allocations)",
-    variants=(Variant("uprobe", ()),),
+    variants=(Variant("uprobe", (), (("CUDA_MAX_PROCS", str(CUDA_MAX_PROCS)),)),),
     attach_kind=UPROBE,
-    maps=(("cuda_stats", "process"),),
+    maps=(("cuda_slots", "slots"),),
     metrics=(
-        Metric("cuda_stats", "launches", "xpusense.cuda.kernel.launches", "{launch}", COUNTER, REALTIME),
-        Metric("cuda_stats", "htod_bytes", "xpusense.cuda.memcpy.io", "By", COUNTER, REALTIME,
+        Metric("cuda_slots", "launches", "xpusense.cuda.kernel.launches", "{launch}", COUNTER, REALTIME),
+        Metric("cuda_slots", "htod_bytes", "xpusense.cuda.memcpy.io", "By", COUNTER, REALTIME,
                (("direction", "host_to_device"),)),
-        Metric("cuda_stats", "dtoh_bytes", "xpusense.cuda.memcpy.io", "By", COUNTER, REALTIME,
+        Metric("cuda_slots", "dtoh_bytes", "xpusense.cuda.memcpy.io", "By", COUNTER, REALTIME,
                (("direction", "device_to_host"),)),
-        Metric("cuda_stats", "dtod_bytes", "xpusense.cuda.memcpy.io", "By", COUNTER, REALTIME,
+        Metric("cuda_slots", "dtod_bytes", "xpusense.cuda.memcpy.io", "By", COUNTER, REALTIME,
                (("direction", "device_to_device"),)),
-        Metric("cuda_stats", "htod_calls", "xpusense.cuda.memcpy.calls", "{call}", COUNTER, REALTIME,
+        Metric("cuda_slots", "htod_calls", "xpusense.cuda.memcpy.calls", "{call}", COUNTER, REALTIME,
                (("direction", "host_to_device"),)),
-        Metric("cuda_stats", "dtoh_calls", "xpusense.cuda.memcpy.calls", "{call}", COUNTER, REALTIME,
+        Metric("cuda_slots", "dtoh_calls", "xpusense.cuda.memcpy.calls", "{call}", COUNTER, REALTIME,
                (("direction", "device_to_host"),)),
-        Metric("cuda_stats", "dtod_calls", "xpusense.cuda.memcpy.calls", "{call}", COUNTER, REALTIME,
+        Metric("cuda_slots", "dtod_calls", "xpusense.cuda.memcpy.calls", "{call}", COUNTER, REALTIME,
                (("direction", "device_to_device"),)),
-        Metric("cuda_stats", "allocs", "xpusense.cuda.memory.allocations", "{allocation}", COUNTER, REALTIME),
-        Metric("cuda_stats", "alloc_bytes", "xpusense.cuda.memory.allocated", "By", COUNTER, REALTIME),
-        Metric("cuda_stats", "frees", "xpusense.cuda.memory.frees", "{free}", COUNTER, REALTIME),
+        Metric("cuda_slots", "allocs", "xpusense.cuda.memory.allocations", "{allocation}", COUNTER, REALTIME),
+        Metric("cuda_slots", "alloc_bytes", "xpusense.cuda.memory.allocated", "By", COUNTER, REALTIME),
+        Metric("cuda_slots", "frees", "xpusense.cuda.memory.frees", "{free}", COUNTER, REALTIME),
     ),
+    slots=(Slots("cuda_slots", "cuda_procs", "cuda_free_slots", "process", CUDA_MAX_PROCS, caches=("cuda_cpu",)),),
 )
 
 # tc filters we own carry this name, priority and handle, so a restarted agent can find and remove

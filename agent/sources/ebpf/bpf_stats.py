@@ -3,7 +3,7 @@
 The bpf(BPF_ENABLE_STATS) syscall (Linux 5.8+) turns it on for as long as the returned fd is open,
 so a crashed agent leaves nothing switched on. Where that fails, the kernel.bpf_stats_enabled sysctl
 is set to 1 and put back to 0 at the end (unless it was 1 already). The figures themselves are read
-per program from /proc/self/fdinfo (procfs.parse_fdinfo).
+per program with BPF_OBJ_GET_INFO_BY_FD (bpfmap.ProgStats).
 """
 
 from __future__ import annotations

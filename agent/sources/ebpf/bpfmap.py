@@ -69,6 +69,28 @@ def parse_cpu_list(text: str) -> int:
     return top + 1
 
 
+_INFO = struct.Struct("=IIQ")           # bpf_fd, info_len, info
+PROG_INFO_LEN = 208                     # struct bpf_prog_info up to run_cnt (Linux 5.1+)
+_PROG_ID_AT, _RUN_TIME_AT, _RUN_CNT_AT = 4, 192, 200
+
+
+class ProgStats:
+    """bpf_stats of programs by fd, with one BPF_OBJ_GET_INFO_BY_FD call each (no /proc file to parse):
+    (prog_id, run_cnt, run_time_ns). Buffers are reused: this runs every round."""
+
+    def __init__(self) -> None:
+        self._info = ctypes.create_string_buffer(PROG_INFO_LEN)
+        self._attr = ctypes.create_string_buffer(_INFO.size)
+
+    def read(self, fd: int) -> tuple[int, int, int]:
+        ctypes.memset(self._info, 0, PROG_INFO_LEN)
+        _INFO.pack_into(self._attr, 0, fd, PROG_INFO_LEN, ctypes.addressof(self._info))
+        bpf(BPF_OBJ_GET_INFO_BY_FD, self._attr)
+        raw = self._info.raw
+        return (struct.unpack_from("=I", raw, _PROG_ID_AT)[0], struct.unpack_from("=Q", raw, _RUN_CNT_AT)[0],
+                struct.unpack_from("=Q", raw, _RUN_TIME_AT)[0])
+
+
 # ------------------------------------------------------------------------------------------ C types
 
 SCALARS: dict[str, Any] = {
@@ -151,15 +173,16 @@ class BpfMap:
             os.close(self.fd)
 
     # -- decoding
-    def _value(self, raw: bytes | bytearray, offset: int) -> Any:
+    def _value(self, raw: bytes, offset: int) -> Any:
         if not self.percpu:
             return self.Leaf.from_buffer_copy(raw, offset)
         return [self.Leaf.from_buffer_copy(raw, offset + c * self.stride) for c in range(self.ncpus)]
 
     # -- reading
-    def raw_items(self) -> tuple[int, bytearray, bytearray]:
-        """(count, keys, values) of every entry, as the kernel laid them out; one syscall where it can."""
-        if self.batch_ok:
+    def raw_items(self, batch: bool = True) -> tuple[int, bytes, bytes]:
+        """(count, keys, values) of every entry, as the kernel laid them out; one syscall where it can
+        (batch=False: key by key, without a buffer sized for a full map)."""
+        if batch and self.batch_ok:
             try:
                 return self._batch()
             except OSError as e:
@@ -168,7 +191,7 @@ class BpfMap:
                 self.batch_ok = False       # an older kernel: key by key from now on
         return self._walk()
 
-    def _batch(self) -> tuple[int, bytearray, bytearray]:
+    def _batch(self) -> tuple[int, bytes, bytes]:
         if self._bufs is None:      # sized for a full map, allocated once: a map is read every round
             self._bufs = (ctypes.create_string_buffer(max(1, self.max_entries) * self.key_size),
                           ctypes.create_string_buffer(max(1, self.max_entries) * self.stride * self.ncpus),
@@ -197,9 +220,11 @@ class BpfMap:
             if done:
                 break
             in_batch = ctypes.addressof(token)
-        return total, bytearray(keys.raw[:total * self.key_size]), bytearray(values.raw[:total * vsize])
+        # only what was filled (.raw would copy the whole buffer, sized for a full map)
+        return (total, ctypes.string_at(ctypes.addressof(keys), total * self.key_size),
+                ctypes.string_at(ctypes.addressof(values), total * vsize))
 
-    def _walk(self) -> tuple[int, bytearray, bytearray]:
+    def _walk(self) -> tuple[int, bytes, bytes]:
         keys, values = bytearray(), bytearray()
         key = ctypes.create_string_buffer(self.key_size)
         nxt = ctypes.create_string_buffer(self.key_size)
@@ -227,10 +252,10 @@ class BpfMap:
             keys += key.raw
             values += val.raw
             count += 1
-        return count, keys, values
+        return count, bytes(keys), bytes(values)
 
-    def items(self) -> Iterator[tuple[Any, Any]]:
-        count, keys, values = self.raw_items()
+    def items(self, batch: bool = True) -> Iterator[tuple[Any, Any]]:
+        count, keys, values = self.raw_items(batch)
         vsize = self.stride * self.ncpus
         for i in range(count):
             yield self.Key.from_buffer_copy(keys, i * self.key_size), self._value(values, i * vsize)

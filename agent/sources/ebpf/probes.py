@@ -13,6 +13,7 @@ import fnmatch
 import logging
 import os
 import subprocess
+import time
 from typing import Any
 
 from xpusense.probes import specs
@@ -20,58 +21,16 @@ from xpusense.probes import specs
 from ..base import NEARLINE, Sample, Unavailable
 from .loader import EbpfLoader, Plan
 from .procfs import DiskNames, device_prefixes, prefix_words
-from .source import EbpfSource, sum_percpu
+from .source import EbpfSource
 
 log = logging.getLogger("xpusense.agent.sources.ebpf")
 
 DIRECTIONS_DISK = ("read", "write", "discard", "flush")
+STALE_INFLIGHT_S = 60.0     # blkio: an in-flight request this old lost its completion
 
 
 class RunqlatSource(EbpfSource):
-    """runqlat's sched_info variant keeps its histograms in per-CPU array slots, one per cgroup, and
-    the cgroup id -> slot map apart; the tracepoint variant is its spec and nothing more."""
-
     probe = "runqlat"
-
-    def plan_extra(self, plan: Plan) -> None:
-        if plan.variant.name == "sched_info":     # slot 0 is "(other)"; the programs take the rest
-            plan.attach["map_init"] = {"runqlat_free": {"push": list(range(1, specs.RUNQLAT_MAX_CGROUPS))}}
-
-    def entries(self, decoder: str, table: Any) -> list[tuple[Any, Any, dict]]:
-        if decoder != "cgroup_slot":
-            return super().entries(decoder, table)
-        out = []
-        slots = {int(k.value): int(v.value) for k, v in self.table("runqlat_cgidx").items()}
-        slots[-1] = 0
-        for cgid, slot in slots.items():
-            key = ctypes.c_uint32(slot)
-            try:
-                value = sum_percpu(table[key])
-            except KeyError:
-                continue
-            if cgid == -1 and not any(value.slots):
-                continue
-            out.append((cgid, value, {"cgroup": "(other)" if cgid == -1 else self.cgroup_label(cgid)}))
-        return out
-
-    def forget_dead(self, decoder: str, table: Any, entries: list[tuple[Any, Any, dict]]) -> None:
-        if decoder != "cgroup_slot":
-            return super().forget_dead(decoder, table, entries)
-        if self._cgroups is None:
-            return
-        index, free = self.table("runqlat_cgidx"), self.table("runqlat_free")
-        for cgid, _value, _labels in entries:
-            if cgid == -1 or not self._cgroups.gone(cgid):
-                continue
-            key = ctypes.c_uint64(cgid)
-            try:
-                slot = int(index[key].value)
-                del index[key]
-            except KeyError:
-                continue
-            if slot:            # reported once more: emptied and handed back to the programs
-                table.zero(ctypes.c_uint32(slot))
-                free.push(ctypes.c_uint32(slot))
 
 
 class BlkioSource(EbpfSource):
@@ -80,6 +39,29 @@ class BlkioSource(EbpfSource):
     def __init__(self, loader: EbpfLoader):
         super().__init__(loader)
         self.disks = DiskNames(self.cfg.sysfs)
+        self.stale_dropped = 0
+
+    def collect(self, tier: str) -> list[Sample]:
+        if tier == NEARLINE and self.handle is not None:
+            self.drop_stale()
+        return super().collect(tier)
+
+    def drop_stale(self, now_ns: int | None = None) -> int:
+        """In-flight requests older than STALE_INFLIGHT_S whose completion the probe never saw (a
+        plain hash keeps them otherwise): dropped, and counted in describe()."""
+        table = self.table("blkio_start")
+        cutoff = (time.monotonic_ns() if now_ns is None else now_ns) - int(STALE_INFLIGHT_S * 1e9)
+        stale = [k for k, v in table.items(batch=False) if v.ts_ns < cutoff]
+        for k in stale:
+            try:
+                del table[k]
+            except KeyError:
+                pass
+        self.stale_dropped += len(stale)
+        return len(stale)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "stale_inflight_dropped": self.stale_dropped}
 
     def key_labels(self, decoder: str, key: Any, value: Any) -> dict[str, str] | None:
         if decoder == "disk":

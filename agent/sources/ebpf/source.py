@@ -20,13 +20,15 @@ from typing import Any, ClassVar
 from xpusense.probes import specs
 
 from ..base import COUNTER, GAUGE, HISTOGRAM, NEARLINE, REALTIME, Sample, Source, SourceError, Unavailable
+from .bpfmap import ProgStats
 from .handover import ProbeHandle
 from .loader import EbpfLoader, Plan
-from .procfs import CgroupNames, cgroup2_root, parse_fdinfo
+from .procfs import CgroupNames, cgroup2_root
 
 log = logging.getLogger("xpusense.agent.sources.ebpf")
 
 FAMILIES = ("ipv4", "ipv6")
+FORGET_EVERY_S = 15.0      # realtime-only maps: how often exited processes / removed cgroups are dropped
 
 
 def hist_sample(name: str, unit: str, labels: dict, slots: Iterable[int], sum_raw: float, scale: float) -> Sample:
@@ -47,28 +49,40 @@ def _field(value: Any, name: str) -> Any:
 
 
 class _Summed:
-    """Per-CPU values summed field by field (bcc returns one struct per possible CPU)."""
+    """Per-CPU values summed field by field, each field when it is first read (a realtime round
+    reads counters, not the histogram's slots). Arrays are summed element by element, except
+    strings (char arrays: a process's name), where the first CPU's that is set is taken."""
 
-    def __init__(self, **fields: Any):
-        self.__dict__.update(fields)
+    def __init__(self, per_cpu: list):
+        self._cpus = per_cpu
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        vals = [getattr(v, name) for v in self._cpus]
+        first = vals[0]
+        if isinstance(first, bytes):
+            got: Any = next((v for v in vals if v), first)
+        elif isinstance(first, ctypes.Array):
+            got = [sum(col) for col in zip(*vals)]
+        else:
+            got = sum(vals)
+        self.__dict__[name] = got
+        return got
+
+
+class _SummedScalar:
+    def __init__(self, value: int):
+        self.value = value
 
 
 def sum_percpu(value: Any) -> Any:
     """A per-CPU map value (a list of one value per CPU) summed; any other value as it is."""
     if not isinstance(value, list) or not value:
         return value
-    first = value[0]
-    if isinstance(first, ctypes.Structure):
-        fields = {}
-        for field in first._fields_:
-            name = field[0]
-            if isinstance(getattr(first, name), ctypes.Array):
-                arrays = [getattr(v, name) for v in value]
-                fields[name] = [sum(col) for col in zip(*arrays)]
-            else:
-                fields[name] = sum(getattr(v, name) for v in value)
-        return _Summed(**fields)
-    return _Summed(value=sum(int(v.value if hasattr(v, "value") else v) for v in value))
+    if isinstance(value[0], ctypes.Structure):
+        return _Summed(value)
+    return _SummedScalar(sum(int(v.value if hasattr(v, "value") else v) for v in value))
 
 
 class EbpfSource(Source):
@@ -91,7 +105,9 @@ class EbpfSource(Source):
         self._prev_stats: tuple[int, int] | None = None
         self.setup_s: float | None = None
         self._cgroups: CgroupNames | None = None
-        loader.register(self.probe, self.plan_extra)
+        self._forgot: dict[str, float] = {}             # map -> when its dead keys were last dropped
+        self._prog_stats = ProgStats()
+        loader.register(self.probe, self._plan)
 
     @property
     def planned(self) -> Plan:
@@ -99,6 +115,15 @@ class EbpfSource(Source):
         if self.plan_ is None:
             raise SourceError(f"{self.name} is not set up")
         return self.plan_
+
+    def _plan(self, plan: Plan) -> None:
+        """The loader fills every slot queue of this variant (specs.Slots), then the probe's own tests."""
+        for sl in self.slots_of(plan):
+            plan.attach.setdefault("map_init", {})[sl.free] = {"push": list(range(1, sl.capacity))}
+        self.plan_extra(plan)
+
+    def slots_of(self, plan: Plan) -> list[specs.Slots]:
+        return [sl for sl in self.spec.slots if not sl.variants or plan.variant.name in sl.variants]
 
     # -- hooks for subclasses
     def plan_extra(self, plan: Plan) -> None:
@@ -166,16 +191,14 @@ class EbpfSource(Source):
 
     # -- helpers
     def program_stats(self) -> list[dict]:
-        """bpf_stats of this probe's programs: [{fn, prog_id, run_cnt, run_time_ns}] from fdinfo."""
+        """bpf_stats of this probe's programs: [{fn, prog_id, run_cnt, run_time_ns}], one bpf syscall each."""
         out = []
         for fn, fd in self.handle.progs if self.handle else []:
             try:
-                with open(f"{self.cfg.procfs}/self/fdinfo/{fd}") as fh:
-                    info = parse_fdinfo(fh.read())
+                prog_id, run_cnt, run_time_ns = self._prog_stats.read(fd)
             except OSError:
                 continue
-            out.append({"fn": fn, "prog_id": info.get("prog_id", 0), "run_cnt": info.get("run_cnt", 0),
-                        "run_time_ns": info.get("run_time_ns", 0)})
+            out.append({"fn": fn, "prog_id": prog_id, "run_cnt": run_cnt, "run_time_ns": run_time_ns})
         return out
 
     def cost_samples(self) -> list[Sample]:
@@ -215,6 +238,8 @@ class EbpfSource(Source):
 
     def entries(self, decoder: str, table: Any) -> list[tuple[Any, Any, dict]]:
         """(key, value with per-CPU values summed, labels) of every entry of a map worth reporting."""
+        if decoder == "slots":
+            return self.slot_entries(table)
         out = []
         for key, raw in table.items():
             value = sum_percpu(raw)
@@ -222,6 +247,55 @@ class EbpfSource(Source):
             if labels is not None:
                 out.append((key, value, labels))
         return out
+
+    def _slots_spec(self, array: str) -> specs.Slots:
+        return next(sl for sl in self.spec.slots if sl.array == array)
+
+    def slot_entries(self, table: Any) -> list[tuple[Any, Any, dict]]:
+        """A slots array read through its index: one lookup per key that has a slot, and slot 0
+        ("(other)") when keys beyond capacity used it. The entry's key is the index's key (None: 0)."""
+        sl = self._slots_spec(table.name)
+        found: list[tuple[Any, int, dict]] = []
+        for key, val in self.table(sl.index).items():
+            slot = int(val.slot if hasattr(val, "slot") else val.value)
+            labels = self.key_labels(sl.key, key, val)
+            if labels is not None and slot:
+                found.append((key, slot, labels))
+        other = {"cgroup": "(other)"} if sl.key == "cgroup" else {"pid": "(other)", "process": "(other)"}
+        found.append((None, 0, other))
+        out = []
+        for key, slot, labels in found:
+            try:
+                value = sum_percpu(table[ctypes.c_uint32(slot)])
+            except KeyError:
+                continue
+            if key is None and not any(isinstance(v := getattr(value, f[0]), int) and v or isinstance(v, list) and any(v)
+                                        for f in table.Leaf._fields_):
+                continue
+            out.append((key, value, labels))
+        return out
+
+    def forget_slots(self, table: Any, entries: list[tuple[Any, Any, dict]]) -> None:
+        """Keys that are gone (reported once more just now) give their slot back to the programs."""
+        sl = self._slots_spec(table.name)
+        index, free = self.table(sl.index), self.table(sl.free)
+        freed = []
+        for key, _value, _labels in entries:
+            if key is not None and self.gone(sl.key, key):
+                try:
+                    val = index[key]
+                    del index[key]
+                except KeyError:
+                    continue
+                slot = int(val.slot if hasattr(val, "slot") else val.value)
+                if slot:
+                    table.zero(ctypes.c_uint32(slot))
+                    freed.append(slot)
+        if freed:
+            for cache in sl.caches:          # no CPU may take a freed slot for the key it last saw
+                self.table(cache).zero(ctypes.c_uint32(0))
+            for slot in freed:
+                free.push(ctypes.c_uint32(slot))
 
     def read_maps(self, tier: str) -> list[Sample]:
         metrics = self.planned.metrics(tier)
@@ -239,9 +313,21 @@ class EbpfSource(Source):
                                                float(_field(value, m.sum_field)), m.scale))
                     else:
                         out.append(Sample(m.name, float(_field(value, m.field)) * m.scale, m.unit, lab, m.kind))
-            if tier == NEARLINE:
+            if self._forget_now(map_name, tier):
                 self.forget_dead(decoders[map_name], table, entries)
         return out
+
+    def _forget_now(self, map_name: str, tier: str) -> bool:
+        """Dead keys are dropped in a round that has just reported all of the map's metrics: its
+        nearline round when it has nearline ones, else a realtime round at most every FORGET_EVERY_S."""
+        tiers = {m.tier for m in self.planned.metrics() if m.map == map_name}
+        if NEARLINE in tiers:
+            return tier == NEARLINE
+        now = time.monotonic()
+        if now - self._forgot.get(map_name, -1e9) < FORGET_EVERY_S:
+            return False
+        self._forgot[map_name] = now
+        return True
 
     def cgroup_label(self, cgid: int) -> str:
         if self._cgroups is None:
@@ -249,16 +335,21 @@ class EbpfSource(Source):
             self._cgroups = CgroupNames(root)
         return self._cgroups.label(cgid)
 
+    def gone(self, decoder: str, key: Any) -> bool:
+        """The process exited, or the cgroup was removed."""
+        if decoder == "process":
+            return not os.path.exists(f"{self.cfg.procfs}/{int(key.value)}")
+        if decoder == "cgroup" and self._cgroups is not None:
+            return self._cgroups.gone(int(key.value))
+        return False
+
     def forget_dead(self, decoder: str, table: Any, entries: list[tuple[Any, Any, dict]]) -> None:
         """After reporting them once more, drop entries of exited processes and removed cgroups."""
-        procfs = self.cfg.procfs
+        if decoder == "slots":
+            self.forget_slots(table, entries)
+            return
         for key, _value, _labels in entries:
-            gone = False
-            if decoder == "process":
-                gone = not os.path.exists(f"{procfs}/{int(key.value)}")
-            elif decoder == "cgroup" and self._cgroups is not None:
-                gone = self._cgroups.gone(int(key.value))
-            if gone:
+            if self.gone(decoder, key):
                 try:
                     del table[key]
                 except KeyError:
