@@ -22,6 +22,8 @@ from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from .auth import Security
 from .certs import CertError, make_certs, make_tokens
+from .cluster.cli import add_nats_flag, run_cluster, wants_cluster
+from .cluster.cli import add_parsers as add_cluster_parsers
 from .config import load_collector
 from .exporters import Exporters
 from .limits import Limits
@@ -43,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", metavar="HOST:PORT", help=f"listen address (default {DEFAULT_ADDRESS})")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     s.add_argument("--data-dir", metavar="DIR", help="durable store: batches are acknowledged once written here")
+    add_nats_flag(s)   # cluster mode: a gateway to NATS JetStream (collector/cluster/, docs/scale.md)
     for name, helptext in (("nodes", "fleet state: every node and its latest values"),
                            ("top", "a live terminal view of the fleet (Ctrl-C to leave)")):
         q = sub.add_parser(name, help=helptext)
@@ -66,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tokens", help="make a bearer token per node and the collector's tokens_file")
     t.add_argument("--out", required=True, metavar="DIR", help="writes DIR/tokens and DIR/<node>.token")
     t.add_argument("--nodes", required=True, help="node ids, comma-separated")
+    add_cluster_parsers(sub)   # worker, scheduler
     return p
 
 
@@ -96,6 +100,8 @@ MAX_REPLY_BYTES = 64 * 2**20
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.cmd in ("worker", "scheduler") or (args.cmd == "serve" and wants_cluster(args)):
+            return run_cluster(args)
         if args.cmd == "serve":
             return _serve(args)
         if args.cmd in ("certs", "tokens"):

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import sys
 from pathlib import Path
 
 import nats
 import nats.js.errors
 import pytest
-from helpers import free_port, wait_until
+from helpers import BIN, free_port, wait_until
 
 from xpusense.collector.cluster.localnats import LocalCluster
 from xpusense.collector.cluster.subjects import MSG_ID, stream_name
@@ -55,7 +54,8 @@ marks_flush_s = 0.5
 
 
 def module_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "xpusense.collector.cluster", *args]
+    """`xpusense-collector serve|worker|scheduler ...`: cluster mode's commands."""
+    return [str(BIN / "xpusense-collector"), *args]
 
 
 def start_gateway(procs, cfg: Path, name: str = "gateway", port: int | None = None):

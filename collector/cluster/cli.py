@@ -74,7 +74,7 @@ def wants_cluster(args) -> bool:
     return bool(cfg.nats.urls)
 
 
-def run(args) -> int:
+def run_cluster(args) -> int:
     """serve (as a gateway), worker or scheduler; exit 0, 1 (cluster unreachable, port busy) or 2."""
     from ..server import BindError, check_bind
     from .engine import ClusterUnavailable
@@ -132,4 +132,4 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     add_nats_flag(s)
     add_parsers(sub)
-    return run(p.parse_args(argv))
+    return run_cluster(p.parse_args(argv))

@@ -47,15 +47,11 @@ async def connect(ncfg: Any, name: str, on_state=None, timeout_s: float = 10.0):
             on_state(True)
 
     opts.update(error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb)
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        try:
-            return await nats.connect(**opts)
-        except Exception as e:
-            if asyncio.get_running_loop().time() > deadline:
-                raise ClusterUnavailable(f"cannot reach the NATS cluster at {','.join(ncfg.urls)}: {e}; "
-                                         f"is it running? set [nats] urls / --nats") from None
-            await asyncio.sleep(0.5)
+    try:   # the client retries the servers itself; bounded here so a wrong address fails at start
+        return await asyncio.wait_for(nats.connect(**opts), timeout_s)
+    except Exception as e:
+        raise ClusterUnavailable(f"cannot reach the NATS cluster at {','.join(ncfg.urls)}: "
+                                 f"{type(e).__name__} {e}; is it running? set [nats] urls / --nats") from None
 
 
 class ClusterUnavailable(Exception):

@@ -98,3 +98,20 @@ def test_acks_only_after_jetstream_stored(nats_cluster, procs, tmp_path, own_spo
     _agent(procs, tmp_path, addr, node, "agent-2")
     wait_until(lambda: _highs(nats_cluster, node).get(boot, 0) >= last, 120, what="the spool resent")
     assert gw.p.poll() is None
+
+
+def test_cluster_mode_commands_say_what_is_wrong(tmp_path):
+    import subprocess
+    col = str(BIN / "xpusense-collector")
+    out = subprocess.run([col, "worker"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--nats" in out.stderr
+    out = subprocess.run([col, "serve", "--nats", "nats://127.0.0.1:1", "--data-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "data_dir" in out.stderr
+    bad = tmp_path / "c.toml"
+    bad.write_text("[nats]\nurls = [\"nats://127.0.0.1:1\"]\npartitions = 2\nstreams = 4\n")
+    out = subprocess.run([col, "serve", "--config", str(bad)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "nats.streams" in out.stderr
+    out = subprocess.run([col, "worker", "--nats", f"127.0.0.1:{free_port()}"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1 and "cannot reach the NATS cluster" in out.stderr
