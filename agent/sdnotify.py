@@ -104,7 +104,10 @@ class Watchdog:
             stalled = []
             for name, fn, stall_s in self.watched:
                 now = self._read(fn)
-                if now is not None and now != last[name][0]:
+                if now is None:
+                    stalled.append(f"{name}: progress cannot be read")
+                    continue
+                if now != last[name][0]:
                     last[name] = (now, t)
                 if t - last[name][1] > max(stall_s, self.interval_s * 1.01):
                     stalled.append(f"{name} made no progress for {t - last[name][1]:.1f} s")

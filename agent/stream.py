@@ -117,6 +117,10 @@ class StreamClient:
         self._unsent: collections.deque[tuple[str, int]] = collections.deque()  # on this connection
         # The keys of the pb.Batch values of _pending, oldest first: at most queue_batches.
         self._mem: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        # Sent on this connection, not yet acknowledged; and those of them dropped meanwhile (over a
+        # budget): counted as dropped only when the connection ends without their acknowledgement.
+        self._inflight: set[tuple[str, int]] = set()
+        self._maybe_delivered: dict[tuple[str, int], int] = {}
         self.spool = spool
         self._seq = 0
         self._refs: dict[tuple, int] = {}  # series (name, labels) -> series_ref, for this boot
@@ -185,16 +189,45 @@ class StreamClient:
             if loc is not None:
                 self._pending[key] = loc
                 self._unsent.append(key)
+                if self._mem:   # the spool takes writes again: what waited in memory goes there too
+                    self._spill_locked()
                 return
         self._pending[key] = b            # no spool, or it cannot write now (it logs and counts that)
         self._mem[key] = None
         self._unsent.append(key)
         while len(self._mem) > self.queue_batches:
             old, _ = self._mem.popitem(last=False)
-            self._count_drop(1, len(self._pending.pop(old).samples),
-                             f"in-memory queue full ([stream] queue_batches = {self.queue_batches})"
-                             + (" while the spool cannot write" if self.spool is not None else "")
-                             + ": dropped the oldest")
+            self._drop_locked([old], f"in-memory queue full ([stream] queue_batches = {self.queue_batches})"
+                              + (" while the spool cannot write" if self.spool is not None else "")
+                              + ": dropped the oldest")
+
+    def _drop_locked(self, keys: list[tuple[str, int]], why: str) -> None:
+        """Forget batches over a budget and count them, but for those in flight (see _inflight)."""
+        batches = samples = 0
+        for key in keys:
+            val = self._pending.pop(key, None)
+            self._mem.pop(key, None)
+            if val is None:
+                continue
+            n = len(val.samples) if isinstance(val, pb.Batch) else val.samples
+            if key in self._inflight:
+                self._maybe_delivered[key] = n
+            else:
+                batches, samples = batches + 1, samples + n
+        if batches:
+            self._count_drop(batches, samples, why)
+
+    def _spill_locked(self) -> None:
+        """Write the batches held in memory to the spool, oldest first, until it refuses one (the
+        spool hands them back in seq order per boot after a restart, wherever they lie)."""
+        assert self.spool is not None
+        for key in list(self._mem):
+            b = self._pending[key]
+            loc = self.spool.append(key[0], key[1], len(b.samples), b.SerializeToString())
+            if loc is None:
+                return
+            self._pending[key] = loc      # keeps its place in the sending order
+            del self._mem[key]
 
     def _count_drop(self, batches: int, samples: int, why: str) -> None:
         before = self.dropped_batches
@@ -205,9 +238,7 @@ class StreamClient:
 
     def spool_dropped(self, keys: list[tuple[str, int]], samples: int) -> None:
         """The spool deleted its oldest segment over budget: those batches are gone (called locked)."""
-        for key in keys:
-            self._pending.pop(key, None)
-        self._count_drop(len(keys), samples, "spool over its disk budget: dropped its oldest segment")
+        self._drop_locked(keys, "spool over its disk budget: dropped its oldest segment")
 
     def resume(self, spooled: list) -> None:
         """Batches of earlier runs found in the spool: sent first, with their own boot id and seq.
@@ -273,6 +304,13 @@ class StreamClient:
             call.cancel()
         for t in self._threads:
             t.join(timeout=5)
+        with self._cond:
+            self._cut_locked()
+            if self._mem and self.spool is not None:
+                self._spill_locked()
+            if self._mem:
+                log.warning("%d batches held in memory (%s) are lost with this stop", len(self._mem),
+                            "the spool could not write them" if self.spool is not None else "no spool")
 
     # -- threads ----------------------------------------------------------------------------------
     def _batcher(self) -> None:
@@ -315,6 +353,8 @@ class StreamClient:
                 while self._unsent and batch is None:
                     key = self._unsent.popleft()
                     batch = self._pending.get(key)     # None: acknowledged or dropped meanwhile
+                if batch is not None:
+                    self._inflight.add(key)
             if send_inventory:
                 yield pb.AgentMessage(inventory=self.inventory())
             if batch is not None:
@@ -337,6 +377,7 @@ class StreamClient:
         if why is None:
             return b
         with self._cond:
+            self._inflight.discard(key)
             if self._pending.pop(key, None) is not None:
                 self.set_aside += 1
                 self.spool.set_aside(key, loc, why)
@@ -349,6 +390,9 @@ class StreamClient:
             if msg.HasField("ack"):
                 key = (msg.ack.boot_id, msg.ack.seq)
                 val = self._pending.pop(key, None)
+                self._inflight.discard(key)
+                if val is None and self._maybe_delivered.pop(key, None) is not None:
+                    self.acked += 1            # dropped over a budget while in flight, and delivered after all
                 if val is not None:
                     self._mem.pop(key, None)
                     self.acked += 1
@@ -381,6 +425,7 @@ class StreamClient:
                 with self._cond:
                     self._conn_closed = False
                     self._unsent = collections.deque(self._pending)  # resend all not acknowledged, in order
+                    self._inflight.clear()
                     self._inventory_dirty = False
                 try:
                     call: _StreamCall = stub.Stream(self._requests())
@@ -399,6 +444,11 @@ class StreamClient:
                 finally:
                     with self._cond:
                         self._conn_closed = True
+                        self._inflight.clear()
+                        if self._maybe_delivered:   # their acknowledgement will not come now
+                            lost, self._maybe_delivered = self._maybe_delivered, {}
+                            self._count_drop(len(lost), sum(lost.values()),
+                                             "batches dropped over a budget while in flight were not acknowledged")
                         self._cond.notify_all()
                 if self._stop.is_set():
                     break

@@ -166,7 +166,7 @@ def is_legacy(fd: int) -> bool:
     return first == b"\x94"
 
 
-def legacy_records(fd: int) -> Iterator[tuple[str, int, int, bytes] | Damaged]:
+def legacy_records(fd: int) -> Iterator[Good | Damaged]:
     """The records of a segment written before framing; the rest of it after the first bad one is
     one damaged span (that format could not find its way past a bad byte)."""
     size = os.fstat(fd).st_size
@@ -188,7 +188,8 @@ def legacy_records(fd: int) -> Iterator[tuple[str, int, int, bytes] | Damaged]:
             return
         end = unpacker.tell()
         try:
-            yield fields(rec)
+            boot, seq, samples, batch = fields(rec)
+            yield Good(boot, seq, samples, offset, end - offset, batch)
         except RecordError as e:
             yield Damaged(offset, end - offset, 1, f"{e} (format before framing)")
         offset = end

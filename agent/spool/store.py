@@ -163,10 +163,15 @@ class Spool:
         if found:
             log.info("spool %s: %d batches from earlier runs to send (%d samples)", self.dir, len(found),
                      sum(loc.samples for loc in found.values()))
+        # Boots in the order they were first written, each in seq order (batches held in memory while
+        # the disk was full are written after later ones): the collector takes a boot's seqs ascending.
+        first: dict[str, int] = {}
+        for boot, _ in found:
+            first.setdefault(boot, len(first))
         if self.damaged_records:
             log.warning("spool %s: %d damaged records (%d bytes) skipped at start, counted as dropped; "
                         "their bytes are in %s", self.dir, self.damaged_records, self.damaged_bytes, self.aside.dir)
-        return list(found.items())
+        return sorted(found.items(), key=lambda kv: (first[kv[0][0]], kv[0][1]))
 
     def _load_acked(self) -> None:
         try:
@@ -228,33 +233,23 @@ class Spool:
     def _migrate(self, seg: Segment, found: dict) -> None:
         """Re-write a segment of the format before framing; it is deleted once all of it is re-written."""
         fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
-        done = True
         try:
             for item in records.legacy_records(fd):
+                if isinstance(item, records.Good) and self.validate and (why := self.validate(item.boot, item.seq,
+                                                                                             item.batch)):
+                    item = records.Damaged(item.offset, item.length, 1, why)
                 if isinstance(item, records.Damaged):
                     self._damaged(fd, seg, item.offset, item.length, item.records, item.reason)
-                    continue
-                boot, seq, samples, batch = item
-                if seq <= self.acked.get(boot, 0) or (boot, seq) in found:
-                    continue
-                if self.validate is not None and (why := self.validate(boot, seq, batch)):
-                    self.damaged_records += 1
-                    log.warning("spool %s: batch %s in %s (format before framing) %s: skipped, counted as dropped",
-                                self.dir, (boot, seq), seg.path, why)
-                    continue
-                loc = self.append(boot, seq, samples, batch)
-                if loc is None:
-                    done = False
-                    break
-                found[(boot, seq)] = loc
+                elif item.seq > self.acked.get(item.boot, 0) and (item.boot, item.seq) not in found:
+                    if (loc := self.append(item.boot, item.seq, item.samples, item.batch)) is None:
+                        log.warning("spool %s: %s (format before framing) not fully re-written (%s); the rest waits "
+                                    "for the next start", self.dir, os.path.basename(seg.path), self.error)
+                        return
+                    found[(item.boot, item.seq)] = loc
         finally:
             os.close(fd)
-        if done:
-            log.info("spool %s: %s re-written in the current format", self.dir, os.path.basename(seg.path))
-            os.unlink(seg.path)
-        else:
-            log.warning("spool %s: %s (format before framing) not fully re-written (%s); the rest waits for "
-                        "the next start", self.dir, os.path.basename(seg.path), self.error)
+        log.info("spool %s: %s re-written in the current format", self.dir, os.path.basename(seg.path))
+        os.unlink(seg.path)
 
     # -- writing -------------------------------------------------------------------------------
     def _roll(self, sid: int) -> None:
@@ -285,21 +280,29 @@ class Spool:
         with self._lock:
             if self._stop.is_set():
                 return None
-            try:
+            for attempt in (1, 2):
                 cur = self._cur
-                if (cur is None or self._fd is None or self._tainted
-                        or (cur.size and (cur.size + len(rec) > self.segment_bytes
-                                          or len(cur.unacked) >= max(1, self.max_batches // 16)))):
-                    self._roll(max(self.segments, default=0) + 1)
-                assert self._cur is not None and self._fd is not None
-                seg, offset = self._cur, self._write(self._fd, rec)
-            except OSError as e:
-                self._failed(e, "write")
-                return None
+                try:
+                    if (cur is None or self._fd is None or self._tainted
+                            or (cur.size and (cur.size + len(rec) > self.segment_bytes
+                                              or len(cur.unacked) >= max(1, self.max_batches // 16)))):
+                        self._roll(max(self.segments, default=0) + 1)
+                    assert self._cur is not None and self._fd is not None
+                    seg, offset = self._cur, self._write(self._fd, rec)
+                    break
+                except OSError as e:
+                    # The next record goes to a new segment, so that this one, once acknowledged, is
+                    # deleted and its room given back; at once when it is acknowledged already.
+                    if self._cur is not None and self._cur.size:
+                        self._tainted = True
+                        if attempt == 1 and not self._cur.unacked:
+                            continue
+                    self._failed(e, "write")
+                    return None
             self._dirty = self.fsync == "interval"
+            self._bytes += offset + len(rec) - seg.size
             seg.size = offset + len(rec)
             seg.unacked[(boot, seq)] = samples
-            self._bytes += len(rec)
             self._count += 1
             if self.state != "ok":
                 log.warning("spool %s writable again (%d batches could not be written meanwhile and were kept "

@@ -94,3 +94,69 @@ def test_the_agent_says_ready_and_pings_while_running(procs, tmp_path, notify_so
     ready = next(m for m in got if m.startswith("READY=1"))
     assert f"MAINPID={agent.p.pid}" in ready
     wait_until(lambda: got.count("WATCHDOG=1") >= 3, timeout_s=90, what="WATCHDOG=1 pings from the agent")
+
+
+def test_pings_stop_when_delivery_stops_while_the_tier_loop_runs(notify_socket, tmp_path):
+    """Issue 13 item 3: the batcher died on a full disk and the watchdog, fed by the tier loop alone,
+    kept saying the agent was healthy. Here the stream's batcher is stuck in a spool write that does
+    not return (a hung disk), the tier loop keeps going: no pings until the write returns."""
+    from xpusense.agent.sources.base import Sample
+    from xpusense.agent.spool import Spool
+    from xpusense.agent.stream import StreamClient
+    from xpusense.v1 import telemetry_pb2 as pb
+
+    class HungDisk(Spool):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.release = threading.Event()
+            self.entered = threading.Event()
+
+        def append(self, *a):
+            self.entered.set()
+            self.release.wait()
+            return super().append(*a)
+
+    path, got = notify_socket
+    sp = HungDisk(str(tmp_path / "spool"))
+    sp.open()
+    client = StreamClient("127.0.0.1:9", "n", "b", lambda: pb.Inventory(), flush_s=0.02, spool=sp,
+                          backoff_initial_s=0.05, backoff_max_s=0.1)
+    rounds = [0]
+
+    def tier_loop():
+        rounds[0] += 1
+        return rounds[0]
+
+    w = sdnotify.Watchdog(tier_loop, stall_s=0.3, env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "100000"},
+                          status=client.health)
+    w.watch("delivery", client.progress, stall_s=0.3)
+    client.start()
+    w.start()
+    try:
+        wait_until(lambda: w.pings >= 2, what="pings while both move")
+        client.put([Sample("x", 1.0, "1", {})])
+        wait_until(lambda: sp.entered.is_set(), what="the batcher to enter the hung write")
+        wait_until(lambda: w.missed >= 1, what="the stopped delivery to be noticed")
+        stalled = w.pings
+        wait_until(lambda: w.missed >= 5, what="more intervals with delivery stuck")
+        assert w.pings == stalled and rounds[0] > 5, "the tier loop moved, delivery did not: no pings"
+        sp.release.set()
+        wait_until(lambda: w.pings > stalled, what="pings once the write returned")
+        wait_until(lambda: any(m.startswith("STATUS=measuring; collector 127.0.0.1:9 unreachable") for m in got),
+                   what="STATUS= saying why nothing is delivered")
+    finally:
+        sp.release.set()
+        w.stop()
+        client.stop(drain_s=0)
+        sp.close()
+
+
+def test_progress_that_cannot_be_read_is_no_progress(notify_socket):
+    path, _ = notify_socket
+    w = sdnotify.Watchdog(lambda: 1 / 0, stall_s=0.2, env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "100000"})
+    w.start()
+    try:
+        wait_until(lambda: w.missed >= 3, what="intervals without readable progress")
+        assert w.pings == 0
+    finally:
+        w.stop()

@@ -250,13 +250,14 @@ def fill_up(path, keep_free=0):
     if keep_free:
         spare.write_bytes(b"\0" * keep_free)
     filler = path / "filler"
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
     if keep_free:
         spare.unlink()
     return filler
@@ -287,3 +288,22 @@ def test_full_disk_is_a_state_and_writing_resumes_when_space_returns(tmp_path, c
         assert [k[1] for k, _ in found] == [1, 2, 3, 4, 5, 26]
         assert again.damaged_records == 0, "the partial writes were cut back, not left as damage"
         again.close()
+
+
+def test_a_full_disk_taken_by_acknowledged_records_of_the_open_segment_is_given_back(tmp_path):
+    """With the collector there, the open segment (4 MiB by default, more than a small disk) can
+    fill the disk with records already acknowledged: the spool moves to a new segment and deletes
+    the old one, instead of staying failed while the disk holds nothing it needs."""
+    with small_tmpfs(tmp_path / "mnt") as mnt:
+        sp = Spool(str(mnt / "spool"))
+        sp.open()
+        locs = {}
+        while (loc := sp.append("b1", len(locs) + 1, 1, os.urandom(9000))) is not None:
+            locs[len(locs) + 1] = loc
+        assert len(locs) > 100 and sp.state == "failing"
+        for seq, loc in locs.items():           # then the collector acknowledges them all
+            sp.ack("b1", seq, loc)
+        loc = sp.append("b1", len(locs) + 1, 1, b"retried")
+        assert loc is not None and sp.state == "ok" and sp.read(loc) == b"retried"
+        assert [p.name for p in (mnt / "spool").glob("*.seg")] == [f"{loc.segment:08d}.seg"]
+        sp.close()

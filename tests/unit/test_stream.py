@@ -6,7 +6,7 @@ import random
 
 import grpc
 import pytest
-from helpers import InProcessCollector, free_port, wait_until
+from helpers import InProcessCollector, free_port, record_figure, wait_until
 
 from xpusense.agent.sources.base import Sample
 from xpusense.agent.stream import StreamClient
@@ -143,3 +143,203 @@ def test_made_up_boot_ids_do_not_grow_the_state_without_bound():
     n = st.nodes["n"]
     assert len(n.stored_up_to) <= MAX_BOOTS_REMEMBERED and "live" in n.stored_up_to
     assert len(n.refs) <= MAX_BOOTS_REMEMBERED
+
+
+# -- the spool's damaged records and a failing disk, seen from the stream (issue 13 items 2, 3) ----
+
+def spool_with(tmp_path, batches):
+    """A spool holding (boot, seq, bytes) records, as a killed agent would have left it."""
+    from xpusense.agent.spool import Spool
+    sp = Spool(str(tmp_path / "spool"))
+    sp.open()
+    for boot, seq, data in batches:
+        sp.append(boot, seq, 1, data)
+    sp._stop.set()
+    sp._lockf.close()
+    return sp
+
+
+def old_batch(seq, node="node-a", boot="old"):
+    b = pb.Batch(node_id=node, boot_id=boot, seq=seq)
+    b.samples.add(name="test.value", unit="1", kind=pb.GAUGE, labels={"k": "v"}, value=float(seq),
+                  time_unix_nano=1_000_000_000 + seq)
+    return b.SerializeToString()
+
+
+def test_a_spooled_batch_that_cannot_be_sent_is_set_aside_once_and_the_rest_delivered(tmp_path, client_factory):
+    """The issue's undecodable record was resent forever and nothing after it was delivered. Here
+    one record does not decode and one is another node's: both are set aside, counted, never sent."""
+    from xpusense.agent.spool import Spool
+    spool_with(tmp_path, [("old", 1, old_batch(1)), ("old", 2, b"\x0a\xff\xff\xff not protobuf"),
+                          ("old", 3, old_batch(3)), ("old", 4, old_batch(4, node="node-b")), ("old", 5, old_batch(5))])
+    sp = Spool(str(tmp_path / "spool"))   # no validator: the stream must catch them when it reads them back
+    found = sp.open()
+    assert len(found) == 5
+    coll = InProcessCollector()
+    client = client_factory(coll.addr, spool=sp)
+    client.resume(found)
+    client.start()
+    try:
+        wait_until(lambda: client.pending() == 0, what="the spooled batches delivered or set aside")
+        put_batch(client, 100)
+        wait_until(lambda: client.pending() == 0 and client.acked == 4, what="the new boot's batch delivered")
+        hist = coll.on_loop(lambda: coll.state.history("node-a", "test.value", {"k": "v"}))
+        assert [p.value for p in hist.points] == [1.0, 3.0, 5.0, 100.0]
+        assert client.set_aside == 2 and client.dropped_batches == 2 and sp.damaged_records == 2
+        assert client.reconnects == 1, "a bad record must not tear the stream down"
+        assert len(list((tmp_path / "spool" / "damaged").iterdir())) == 2
+    finally:
+        client.stop(drain_s=0)
+        sp.close()
+        coll.stop()
+    again = Spool(str(tmp_path / "spool"))
+    assert again.open() == [], "nothing set aside comes back after a restart"
+    again.close()
+
+
+def test_while_the_spool_cannot_write_batches_wait_in_memory_within_their_budget(tmp_path, client_factory):
+    from test_spool import fill_up, small_tmpfs
+
+    from xpusense.agent.spool import Spool
+    with small_tmpfs(tmp_path / "mnt") as mnt:
+        sp = Spool(str(mnt / "spool"))
+        sp.open()
+        client = client_factory(f"127.0.0.1:{free_port()}", spool=sp, queue_batches=5)
+
+        def put_batch(client, i):                  # a batch over a page: the disk cannot take it
+            client.put([Sample("test.value", float(i), "1", {"k": "v"}, time_ns=1_000_000_000 + i)]
+                       + [Sample("test.pad", 0.0, "1", {"d": str(d)}, time_ns=1) for d in range(200)])
+            client.flush()
+
+        put_batch(client, 1)                       # on disk
+        filler = fill_up(mnt)
+        for i in range(2, 14):                     # 12 batches the disk does not take
+            put_batch(client, i)
+        st = client.status()
+        assert st["spool"]["state"] == "failing" and st["spool"]["write_failures"] == 12
+        assert st["memory_batches"] == 5 and st["dropped_batches"] == 7 and st["last_seq"] == 13
+        filler.unlink()
+        put_batch(client, 14)                      # on disk again, and the 5 held in memory with it
+        assert sp.state == "ok" and client.status()["memory_batches"] == 0 and sp.status()["batches"] == 7
+        client.stop(drain_s=0)                     # (never started: as if killed before sending)
+        sp.close()
+        again = Spool(str(mnt / "spool"))
+        found = again.open()
+        assert [k[1] for k, _ in found] == [1, 9, 10, 11, 12, 13, 14], "in seq order, wherever they lie"
+        coll = InProcessCollector()
+        client = client_factory(coll.addr, spool=again)
+        client.resume(found)
+        client.start()
+        try:
+            wait_until(lambda: client.pending() == 0, what="everything kept delivered")
+            hist = coll.on_loop(lambda: coll.state.history("node-a", "test.value", {"k": "v"}))
+            # 2..8 were dropped (counted) while the disk was full; every other seq was kept and delivered.
+            assert [p.value for p in hist.points] == [1.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0]
+        finally:
+            client.stop(drain_s=0)
+            again.close()
+            coll.stop()
+
+
+def test_a_sample_that_cannot_be_encoded_costs_that_sample_only(client_factory):
+    coll = InProcessCollector()
+    client = client_factory(coll.addr)
+    client.start()
+    try:
+        client.put([Sample("test.value", 1.0, "1", {"k": "v"}, time_ns=1_000_000_001),
+                    Sample("test.value", "not a number", "1", {"k": "v"}, time_ns=1_000_000_002)])
+        ticks = client.progress()
+        wait_until(lambda: client.acked == 1 and client.progress() > ticks, what="the batch delivered, the batcher alive")
+        hist = coll.on_loop(lambda: coll.state.history("node-a", "test.value", {"k": "v"}))
+        assert [p.value for p in hist.points] == [1.0]
+        assert client.dropped_samples == 1 and client.dropped_batches == 0 and client.last_seq() == 1
+    finally:
+        client.stop(drain_s=0)
+        coll.stop()
+
+
+def test_a_connection_that_fails_at_once_does_not_reset_the_backoff(client_factory, monkeypatch):
+    """Item 4 saw 879 reconnects to a collector that accepted and then failed: each connect reset
+    the backoff. Only a connection that stayed up backoff_reset_s resets it now."""
+    import asyncio
+    import threading
+    import time
+    hold, done = threading.Event(), threading.Event()
+    connections = []
+
+    async def flaky(self, request_iterator, context):
+        connections.append(time.monotonic())
+        n = len(connections)
+        yield pb.CollectorMessage(welcome=pb.Welcome())
+        # The first 8 fail at once; the 9th stays up until the test lets go; later ones stay up.
+        while n > 8 and not (done if n > 9 else hold).is_set():
+            await asyncio.sleep(0.01)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "disk full (test)")
+
+    monkeypatch.setattr(server_mod.IngestServicer, "Stream", flaky)
+    coll = InProcessCollector()
+    client = client_factory(coll.addr, backoff_initial_s=0.02, backoff_max_s=0.4, backoff_reset_s=0.3)
+    client.start()
+    try:
+        wait_until(lambda: len(connections) >= 8 and client.reconnects >= 8, what="eight short connections")
+        # Eight failures in a row: the wait has grown to its cap (jittered in [cap/2, cap]).
+        assert client.backoff_s >= 0.2, client.backoff_s
+        wait_until(lambda: len(connections) >= 9 and client.connected, what="a connection that stays up")
+        up = time.monotonic()
+        wait_until(lambda: time.monotonic() - up >= 0.5, what="the connection to outlive backoff_reset_s")
+        hold.set()
+        wait_until(lambda: len(connections) >= 10 and client.backoff_s <= 0.02, what="the backoff reset after it")
+        gaps = [b - a for a, b in zip(connections, connections[1:8])]
+        record_figure("backoff: collector that accepts then fails", connections_before_cap=8,
+                      first_gap_ms=round(gaps[0] * 1000), seventh_gap_ms=round(gaps[-1] * 1000))
+    finally:
+        hold.set()
+        done.set()
+        client.stop(drain_s=0)
+        coll.stop()
+
+
+@pytest.mark.parametrize("then", ["ack", "abort"])
+def test_a_batch_dropped_over_budget_while_in_flight_counts_only_if_never_acknowledged(client_factory, monkeypatch, then):
+    """The memory queue overflows while its oldest batch is already on the wire: whether that one
+    is lost is known only when its acknowledgement comes, or the connection ends without it."""
+    import asyncio
+    import threading
+    got, release = [], threading.Event()
+
+    async def slow(self, request_iterator, context):
+        await anext(aiter(request_iterator))
+        yield pb.CollectorMessage(welcome=pb.Welcome())
+        async for msg in request_iterator:
+            got.append(msg.batch.seq)
+            if len(got) == 3:
+                break
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        if then == "abort":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "gone before acknowledging (test)")
+        for seq in got:
+            yield pb.CollectorMessage(ack=pb.Ack(boot_id="boot-1", seq=seq))
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(server_mod.IngestServicer, "Stream", slow)
+    coll = InProcessCollector()
+    client = client_factory(coll.addr, queue_batches=2)
+    client.start()
+    try:
+        wait_until(lambda: client.connected, what="connected")
+        for i in range(1, 4):
+            put_batch(client, i)
+            wait_until(lambda i=i: got == list(range(1, i + 1)), what=f"batch {i} on the wire")
+        assert client.pending() == 2 and client.dropped_batches == 0, "in flight: not counted yet"
+        release.set()
+        if then == "ack":
+            wait_until(lambda: client.acked == 3, what="all three acknowledged")
+            assert client.dropped_batches == 0
+        else:
+            wait_until(lambda: client.dropped_batches == 1, what="the one dropped counted once the stream ended")
+            assert client.dropped_samples == 1
+    finally:
+        release.set()
+        client.stop(drain_s=0)
+        coll.stop()
