@@ -23,6 +23,11 @@ Measured over --seconds after --warmup-s:
     .venv/bin/python bench/collector_ingest.py --agents 2000 --rate 1 --seconds 30   # fleet at 1 s
 
 --profile FILE runs the collector under cProfile and writes its stats to FILE (slows it down).
+
+--durable: the collector keeps a durable store (every batch fsync'ed before its ack, group commit),
+in a temporary directory or in --data-dir DIR (to measure a given disk; kept afterwards). Then also:
+the store's bytes on disk per stored batch, and a restart: a second collector replays the store
+(the batches it replays, the replay's own time from its log, and how long until it listens).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import re
 import resource
 import shlex
 import shutil
@@ -281,6 +287,30 @@ def worker(indices: list[int], address: str, rate: float, window: int, cpus: lis
 
 
 # -- the parent: collector, workers, figures ------------------------------------------------------------
+def restart_figures(prefix: list[str], data_dir: str, cfg_path: str, tmp: str) -> dict:
+    """A second collector on the store the run left: what it replays, and how long that takes."""
+    store_bytes = sum(os.path.getsize(os.path.join(data_dir, n)) for n in os.listdir(data_dir)
+                      if n.endswith(".log"))
+    address = f"127.0.0.1:{free_port()}"
+    log_path = os.path.join(tmp, "collector-restart.log")
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(prefix + ["serve", "--listen", address, "--log-level", "info", "--config", cfg_path,
+                                          "--data-dir", data_dir], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    try:
+        wait_collector(address, 300.0)
+        ready_s = time.monotonic() - t0
+    finally:
+        stop(proc)
+    with open(log_path) as f:
+        text = f.read()
+    m = re.search(r"replayed: (\d+) batches.* in ([\d.]+) s", text)
+    return {"store_bytes": store_bytes, "replayed": int(m.group(1)) if m else -1,
+            "replay_s": float(m.group(2)) if m else -1.0, "ready_s": round(ready_s, 2)}
+
+
+
 def list_bench_nodes(address: str) -> list:
     import grpc
 
@@ -303,7 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--procs", type=int, default=0, help="load-generator processes (default min(agents, 8))")
     p.add_argument("--collector-cpu", type=int, default=0, help="the one CPU the collector runs on (default 0)")
     p.add_argument("--durable", action="store_true",
-                   help="collector with a durable store (--data-dir in a temporary directory)")
+                   help="collector with a durable store (--data-dir in a temporary directory); adds store size "
+                        "and restart replay figures")
+    p.add_argument("--data-dir", metavar="DIR",
+                   help="the durable store here (implies --durable; DIR must not hold a store yet, and is kept)")
     p.add_argument("--no-series-ref", action="store_true",
                    help="send samples without series_ref (the collector then keys every sample by its labels)")
     p.add_argument("--profile", metavar="FILE", help="run the collector under cProfile, stats to FILE")
@@ -311,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="another collector build to measure (default: xpusense-collector); "
                         "'serve --listen ...' is appended")
     args = p.parse_args(argv)
+    if args.data_dir:
+        args.durable = True
+        if os.path.isdir(args.data_dir) and any(n.endswith(".log") for n in os.listdir(args.data_dir)):
+            p.error(f"--data-dir {args.data_dir} already holds a store: give an empty or new directory")
     if args.agents < 1 or args.window < 1 or args.rate < 0 or args.seconds <= 0:
         p.error("--agents and --window must be >= 1, --rate >= 0, --seconds > 0")
     raise_nofile()
@@ -328,18 +365,20 @@ def main(argv: list[str] | None = None) -> int:
     col_log = os.path.join(tmp, "collector.log")
     # Saturation sends far more than a real agent's few batches a second: lift the per-node rate limit.
     cfg_path = os.path.join(tmp, "collector.toml")
+    restart: dict = {}
     with open(cfg_path, "w") as f:
         f.write("[limits]\nbatches_per_s = 1000000\nburst_batches = 1000000\n")
     serve = ["serve", "--listen", address, "--log-level", "warning", "--config", cfg_path]
+    data_dir = os.path.abspath(args.data_dir) if args.data_dir else os.path.join(tmp, "collector-data")
     if args.durable:   # every batch fsync'ed to the store before its ack (group commit)
-        serve += ["--data-dir", os.path.join(tmp, "collector-data")]
+        serve += ["--data-dir", data_dir]
     if args.profile:
-        cmd = [sys.executable, "-m", "cProfile", "-o", os.path.abspath(args.profile), "-m",
-               "xpusense.collector.cli"] + serve
+        prefix = [sys.executable, "-m", "cProfile", "-o", os.path.abspath(args.profile), "-m", "xpusense.collector.cli"]
     elif args.collector_cmd:
-        cmd = shlex.split(args.collector_cmd) + serve
+        prefix = shlex.split(args.collector_cmd)
     else:
-        cmd = tool("xpusense-collector") + serve
+        prefix = tool("xpusense-collector")
+    cmd = prefix + serve
 
     def pin_collector():
         os.sched_setaffinity(0, {col_cpu})
@@ -409,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"collector exited {collector.returncode}:\n{tail(col_log)}", file=sys.stderr)
             return 1
         nodes = list_bench_nodes(address)
+        if args.durable:
+            stop(collector)
+            restart = restart_figures(tool("xpusense-collector") if args.profile else prefix, data_dir, cfg_path, tmp)
     finally:
         shared_times[2] = shared_times[2] or -1.0
         for w in workers:
@@ -428,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     rate_s = window_acked / wall
     p50, p90, p99, pmax = (percentile(lat, q) for q in (0.5, 0.9, 0.99, 1.0))
     col_pct = 100 * (c1 - c0) / wall
+    cpu_us = 1e6 * (c1 - c0) / max(window_acked, 1)   # steadier than batches/s on a shared machine
     gen_pct = 100 * (g1 - g0) / wall
     mode = "saturation (rate 0)" if args.rate == 0 else f"cadence {args.rate:g} batch/s per agent"
     print(f"collector ingest: {mode}, {args.agents} agents in {procs} processes, window {args.window}, "
@@ -445,11 +488,19 @@ def main(argv: list[str] | None = None) -> int:
         ("latency max, ms", f"{pmax:.1f}", "", None),
         ("samples stored/s", f"{rate_s * DEVICES * len(SERIES):.0f}", "", None),
         ("collector CPU, % of one core", f"{col_pct:.0f}", "", None),
+        ("collector CPU per stored batch, us", f"{cpu_us:.0f}", "", None),
         ("load generator CPU, % of one core (all procs)", f"{gen_pct:.0f}", "", None),
         ("offered batches/s (rate x agents)", "max" if args.rate == 0 else f"{args.rate * args.agents:.0f}", "", None),
         ("acked whole run / collector batches_stored", f"{acked}/{stored}", "equal", acked == stored),
         ("duplicates (acked / collector)", f"{sum(r['duplicates'] for r in results)}/{dup_stored}", "", None),
     ]
+    if args.durable:
+        rows += [
+            ("store on disk, bytes per stored batch", f"{restart['store_bytes'] / max(stored, 1):.0f}", "", None),
+            ("restart: batches replayed", f"{restart['replayed']}", "", restart["replayed"] == stored),
+            ("restart: replay, s (collector's log)", f"{restart['replay_s']}", "", None),
+            ("restart: listening after, s", f"{restart['ready_s']:.1f}", "", None),
+        ]
     for name, val, goal, ok in rows:
         print(f"  {name:<44} {val:>10}  {goal:>8}  {'' if ok is None else ('yes' if ok else 'NO')}")
     print("  latency is measured to the Ack's arrival at the simulated agent: an upper bound on sample-to-stored.")
@@ -464,10 +515,13 @@ def main(argv: list[str] | None = None) -> int:
                "seconds": round(wall, 1), "batches_per_s": round(rate_s, 1),
                "samples_per_s": round(rate_s * DEVICES * len(SERIES)), "p50_ms": round(p50, 2),
                "p90_ms": round(p90, 2), "p99_ms": round(p99, 2), "max_ms": round(pmax, 2),
-               "collector_cpu_pct": round(col_pct, 1), "generator_cpu_pct": round(gen_pct, 1),
+               "collector_cpu_pct": round(col_pct, 1), "collector_cpu_us_per_batch": round(cpu_us),
+               "generator_cpu_pct": round(gen_pct, 1),
                "acked": acked, "collector_batches_stored": stored, "cross_check_ok": acked == stored,
                "connect_s": round(connect_s, 1), "connect_retries": connect_retries, "errors": len(fails),
-               "goal_batches_met": rate_s >= GOAL_BATCHES_S, "goal_p99_met": p99 <= GOAL_P99_MS}
+               "goal_batches_met": rate_s >= GOAL_BATCHES_S, "goal_p99_met": p99 <= GOAL_P99_MS,
+               **({"durable": True, **restart, "bytes_per_batch": round(restart["store_bytes"] / max(stored, 1))}
+                  if args.durable else {})}
     print(json.dumps(summary))
     return 0 if not fails else 1
 

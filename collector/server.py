@@ -236,7 +236,7 @@ class IngestServicer(pb_grpc.IngestServicer):
                         pending.put_nowait(_Refusal(why.code, why.message))
                         return
                     if self.store is not None:   # a slow or failing disk: this stream waits, unread
-                        await self.store.wait_room(b.ByteSize())
+                        await self.store.wait_room(getattr(request_iterator, "wire_bytes", 0))
                     previous = self.state.accept(b)
                     durable = None
                     if self.store is not None:

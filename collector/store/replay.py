@@ -52,8 +52,9 @@ class Quarantine:
             return (f"NOT kept: {self.dir} holds {self.used()} bytes of its {self.budget} budget "
                     f"([store] damaged_keep_bytes); inspect and remove it", -1)
         try:
-            os.makedirs(self.dir, exist_ok=True)
-            with open(path, "wb") as f:
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 f.write(data)
         except OSError as e:
             return f"NOT kept: cannot write {path} ({e.strerror})", -1

@@ -79,7 +79,7 @@ class _Segments:
             new_id += 1
         path = os.path.join(self.dir, segment_name(new_id))
         data = SEGMENT_MAGIC + body
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)   # boot ids: docs/security.md
         try:
             _pwrite_all(fd, data, 0)
             if self.fsync:
@@ -160,7 +160,7 @@ class Store:
         StoreError only when the directory cannot be used at all (it does not exist and cannot be
         made, or files cannot be created in it)."""
         try:
-            os.makedirs(self.dir, exist_ok=True)
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
             probe = os.path.join(self.dir, ".write-test")
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))   # no data: a full disk passes
             os.unlink(probe)
@@ -226,7 +226,8 @@ class Store:
         return held == 0 or held + nbytes <= self.max_pending_bytes
 
     async def wait_room(self, nbytes: int) -> None:
-        """Return once a record of about `nbytes` fits under max_pending_bytes (at once, usually).
+        """Return once a record of about `nbytes` fits under max_pending_bytes (at once, usually;
+        nbytes 0, size unknown: once what is held is at most the bound, which the record may pass).
         The server waits here before it takes a batch, so a slow or failing disk holds streams
         back (gRPC flow control reaches the agents, which keep their batches) instead of ending them."""
         if self.has_room(nbytes):
