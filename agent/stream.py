@@ -7,8 +7,9 @@ collector acknowledges it. On a reconnect every unacknowledged batch is sent aga
 collector drops one it has already stored, so nothing counts twice. When the queue is full the
 oldest batch is dropped and counted (samples and batches): loss is never silent. A spooled batch
 that cannot be read back, does not decode, or is not this node's is set aside and counted, never
-sent. Reconnects back off exponentially with jitter; the backoff starts again from its initial
-delay only after a connection that stayed up `backoff_reset_s`, and stop() interrupts the wait.
+sent; so is one the collector refuses as never passing its limits (INVALID_ARGUMENT). Reconnects
+back off exponentially with jitter; the backoff starts again from its initial delay only after a
+connection that stayed up `backoff_reset_s`, and stop() interrupts the wait.
 No thread of the client dies of an error: `progress()` moves while both keep working, and the
 agent's systemd watchdog stops being fed when it does not.
 """
@@ -36,6 +37,9 @@ from .sources.base import COUNTER, GAUGE, HISTOGRAM, Event, Sample
 from .spool import RecordError
 
 log = logging.getLogger("xpusense.agent.stream")
+
+# How the collector's refusal of a batch that will never pass its limits begins (collector/limits.py).
+REFUSED = "batch rejected"
 
 KINDS = {GAUGE: pb.GAUGE, COUNTER: pb.COUNTER, HISTOGRAM: pb.HISTOGRAM}
 
@@ -385,6 +389,23 @@ class StreamClient:
             self._cond.notify_all()
         return None
 
+    def _refused(self, why: str) -> None:
+        """The collector refused a batch that can never pass its limits (INVALID_ARGUMENT, after the
+        acknowledgements of every batch before it): the oldest one in flight. It is set aside and
+        counted, not sent again: resending it would silence the node."""
+        with self._cond:
+            key = next((k for k in self._pending if k in self._inflight), None)
+            if key is None:
+                return
+            val = self._pending.pop(key)
+            self._mem.pop(key, None)
+            self._inflight.discard(key)
+            self.set_aside += 1
+            if self.spool is not None and not isinstance(val, pb.Batch):
+                self.spool.set_aside(key, val, f"refused by the collector: {why}")
+            n = len(val.samples) if isinstance(val, pb.Batch) else val.samples
+            self._count_drop(1, n, f"batch {key} refused by the collector ({why}): set aside, not sent again")
+
     def _handle(self, msg: pb.CollectorMessage) -> None:
         with self._cond:
             if msg.HasField("ack"):
@@ -441,6 +462,8 @@ class StreamClient:
                     err = "collector closed the stream"
                 except grpc.RpcError as e:
                     err = f"{e.code().name}: {e.details()}"
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT and (e.details() or "").startswith(REFUSED):
+                        self._refused(e.details() or "")
                 finally:
                     with self._cond:
                         self._conn_closed = True

@@ -343,3 +343,26 @@ def test_a_batch_dropped_over_budget_while_in_flight_counts_only_if_never_acknow
         release.set()
         client.stop(drain_s=0)
         coll.stop()
+
+
+def test_a_batch_the_collector_refuses_for_good_is_set_aside_not_resent_forever(client_factory):
+    """A batch over the collector's limits (INVALID_ARGUMENT, 'batch rejected') would be resent on
+    every reconnect and hold back every batch after it: it is set aside and counted instead."""
+    from xpusense.collector.limits import Limits
+    coll = InProcessCollector(limits=Limits(max_label_value_len=16, batches_per_s=1000))
+    client = client_factory(coll.addr)
+    client.start()
+    try:
+        put_batch(client, 1)
+        wait_until(lambda: client.acked == 1, what="batch 1 stored")
+        client.put([Sample("test.value", 2.0, "1", {"k": "v" * 100}, time_ns=1_000_000_002)])
+        client.flush()
+        put_batch(client, 3)
+        wait_until(lambda: client.pending() == 0, what="batch 2 set aside, batch 3 stored")
+        hist = coll.on_loop(lambda: coll.state.history("node-a", "test.value", {"k": "v"}))
+        assert [p.value for p in hist.points] == [1.0, 3.0]
+        assert client.set_aside == 1 and client.dropped_batches == 1 and client.reconnects == 2
+        assert "limits.max_label_value_len" in client.last_error
+    finally:
+        client.stop(drain_s=0)
+        coll.stop()
