@@ -49,6 +49,9 @@ SCHEDULER_SCHEMA = {
                               help="an accelerator whose HBM watch asked for a checkpoint this recently is penalised"),
     "hbm_watch_factor": Key((int, float), 0.5, ratio,
                             help="score factor of a node whose chosen devices include such an accelerator"),
+    "index_refresh_ms": Key((int, float), 1000.0, non_negative,
+                            help="a stored batch reaches the index within this (refreshed in bulk off the ingest "
+                                 "path, and before each decision); 0: on every batch"),
     "region_latency_ms": Key(Table, Table(), help='"node-region/data-region" = ms (symmetric unless both given)'),
     "region_transfer_cost": Key(Table, Table(), help='"node-region/data-region" = price per GB moved'),
     "latency_ref_ms": Key((int, float), 100.0, positive, help="latency at which the latency half of data affinity is 0"),

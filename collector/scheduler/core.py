@@ -25,10 +25,13 @@ class Scheduler:
     `section`: the loaded (and checked) [scheduler] table of the collector's config; `stale_s`:
     the collector's, after which a silent node is left out."""
 
-    def __init__(self, state: Any, section: Any, stale_s: float):
+    def __init__(self, state: Any, section: Any, stale_s: float, refresh_ms: float | None = None):
         self.settings = Settings.from_section(section, stale_s)
         self.weights = self.settings.weights
-        self.view = FleetView(state, self.settings)
+        # How old the index may be (fleet.py): [scheduler] index_refresh_ms unless given.
+        if refresh_ms is None:
+            refresh_ms = float(getattr(section, "index_refresh_ms", 0.0))
+        self.view = FleetView(state, self.settings, refresh_ms)
         self.state = state
 
     def place(self, req: spb.PlaceRequest, scan: bool = False) -> spb.PlaceReply:
@@ -57,6 +60,7 @@ class Scheduler:
         if type_index is None:
             raise PlaceError(f"unknown accelerator type {req.accelerator}")
         view = self.view
+        view.catch_up()   # nothing older than the index's bound is left out
         now = self.state.clock()
         if view.expiries and view.expiries[0][0] <= now:
             view.expire(now)

@@ -2,6 +2,15 @@
 FleetState (called on the event loop after every Hello, inventory and stored batch), and filed in
 the index (index.py) after every change.
 
+Off the ingest path: a stored batch only marks its node dirty (with when, on the monotonic clock);
+dirty nodes are refreshed in bulk by a timer on the loop at most `refresh_ns` after they were marked,
+in slices of at most SLICE_S so acks are not held up, and by `catch_up()` before every decision for
+the nodes the timer has not reached yet: a Place answer never uses a node's summary that misses a
+batch stored more than `refresh_ns` before it. A node that sends many batches in that time is
+refreshed once. Hello, inventory, the first batch after them and events are followed at once
+(rare, and they carry what a decision must not miss). `refresh_ns` 0, or no running loop to time it: refreshed on every batch
+(unit tests, the reference) or, without a loop, by catch_up() before each decision.
+
 Per node: its accelerators' free HBM and free score from the latest readings, their health (an XID
 or double-bit ECC event within xid_window_s, or a health state other than OK: the newer of the
 `xpusense.accelerator.health` series and the last `health` event, takes a device out; a checkpoint
@@ -12,9 +21,11 @@ interconnect domain. Staleness is read from each NodeState's last_seen_ns when a
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import logging
 import math
+import time
 from typing import Any, cast
 
 from xpusense.v1 import scheduler_pb2 as spb
@@ -29,6 +40,8 @@ log = logging.getLogger("xpusense.collector.scheduler")
 UTIL, USED, LIMIT, BANDWIDTH, HEALTH = ("hw.gpu.utilization", "hw.gpu.memory.usage", "hw.gpu.memory.limit",
                                         "xpusense.accelerator.hbm.bandwidth.utilization",
                                         "xpusense.accelerator.health")
+SLICE_S = 0.005   # a bulk refresh gives the loop back after this long (acks waiting behind it)
+PLACE_EXTRA_S = 0.0003   # a decision refreshes dirty nodes not yet due for this long at most (catch_up)
 _DEVICE_SERIES = {UTIL: "util", USED: "used", LIMIT: "limit", BANDWIDTH: "bandwidth"}   # name -> Device attribute
 
 
@@ -36,8 +49,15 @@ class FleetView:
     """The scheduler's view of the fleet. Construct it on the loop thread that owns `state`; it
     registers itself as a watcher."""
 
-    def __init__(self, state: Any, settings: Settings):
+    def __init__(self, state: Any, settings: Settings, refresh_ms: float = 0.0, mono=time.monotonic_ns):
         self.state = state
+        self.refresh_ns = int(refresh_ms * 1e6)
+        self.mono = mono
+        self.dirty: dict[str, int] = {}    # node -> when (mono ns) it was first changed since its refresh
+        self.first: set[str] = set()       # nodes whose next batch is their first since a Hello or inventory
+        self.timer: asyncio.TimerHandle | asyncio.Handle | None = None
+        self.extra_s = PLACE_EXTRA_S
+        self.refreshes = self.deferred = 0   # summaries refreshed; batches that only marked their node
         self.settings = settings
         self.stale_ns = settings.stale_ns
         self.peak_tflops = PeakTflops(settings.peak_tflops)
@@ -67,17 +87,77 @@ class FleetView:
         """FleetState's watcher: batch None after a Hello or a new inventory, else a stored batch."""
         try:
             self._seen(node)
-            s = self.summaries.get(node.node_id)
+            nid = node.node_id
+            s = self.summaries.get(nid)
             if s is None or batch is None:
                 s = self._summary(node)
+                self.dirty.pop(nid, None)
+                self.first.add(nid)
                 self._rebuild(s)
                 if batch is None:
                     return
-            if batch.events:
+            if batch.events or nid in self.first:   # events: read now (the batch is not kept)
                 self._note_events(s, batch.events)
-            self._refresh(s, self.state.clock())
+                self.first.discard(nid)
+                self.dirty.pop(nid, None)
+                self._refresh(s, self.state.clock())
+                return
+            if self.refresh_ns <= 0:
+                self._refresh(s, self.state.clock())
+            elif nid not in self.dirty:
+                self.dirty[nid] = self.mono()
+                self.deferred += 1
+                if self.timer is None:
+                    self._arm()
+            else:
+                self.deferred += 1
         except Exception:   # never let the scheduler break ingest; the node keeps its last summary
             log.exception("scheduler: cannot follow node %s", node.node_id)
+
+    # -- refreshes off the ingest path -------------------------------------------------------------------
+    def _arm(self, delay_ns: int | None = None) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:   # no loop (in-process use): catch_up() before each decision does it
+            return
+        self.timer = loop.call_later((self.refresh_ns if delay_ns is None else delay_ns) / 1e9, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        done = self.refresh_dirty(None, SLICE_S)   # all of them: the oldest came due
+        if not done and self.dirty:   # the rest once the loop has served what waits behind this slice
+            self._arm(0)
+
+    def refresh_dirty(self, upto_ns: int | None = None, budget_s: float = 0.0, every: int = 16) -> bool:
+        """Refresh the dirty nodes marked at or before `upto_ns` (None: all), oldest first, for at
+        most `budget_s` (0: no bound). True when all of those were done."""
+        dirty, summaries, now = self.dirty, self.summaries, self.state.clock()
+        t_end = time.perf_counter() + budget_s if budget_s else 0.0
+        k = 0
+        while dirty:
+            nid, t = next(iter(dirty.items()))
+            if upto_ns is not None and t > upto_ns:
+                return True
+            del dirty[nid]
+            s = summaries.get(nid)
+            if s is not None:
+                try:
+                    self._refresh(s, now)
+                except Exception:
+                    log.exception("scheduler: cannot follow node %s", nid)
+            k += 1
+            if t_end and not k % every and time.perf_counter() > t_end:
+                return False
+        return True
+
+    def catch_up(self) -> None:
+        """Before a decision: every node changed more than refresh_ns ago (all of them when no timer
+        runs) is refreshed now; then, for at most `extra_s`, the next ones, oldest first (work the
+        timer would do anyway: a small fleet's answer follows every stored batch)."""
+        if self.dirty:
+            self.refresh_dirty(None if self.timer is None else self.mono() - self.refresh_ns)
+        if self.dirty and self.extra_s > 0:
+            self.refresh_dirty(None, self.extra_s, every=1)
 
     # -- a new inventory -----------------------------------------------------------------------------
     def _rebuild(self, s: NodeSummary, initial: bool = False) -> None:
@@ -202,6 +282,7 @@ class FleetView:
 
     def _refresh(self, s: NodeSummary, now: int) -> None:
         """New readings or events: each device's free HBM, free score and health; then the groups."""
+        self.refreshes += 1
         if len(s.state.series) != s.series_seen:
             self._map_series(s)
         expires = INF

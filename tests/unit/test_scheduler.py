@@ -557,3 +557,65 @@ def test_the_core_does_not_import_the_agent():
             "print(sorted(m for m in sys.modules if m.startswith('xpusense.agent')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# -- the index off the ingest path (issue 15 item 2) -------------------------------------------------
+
+def test_the_index_is_refreshed_off_the_ingest_path_and_place_never_uses_data_older_than_its_bound():
+    """A stored batch only marks its node dirty; Place refreshes every node marked more than
+    index_refresh_ms ago (its timer may be late on a busy loop), and the loop's timer refreshes the
+    rest in bulk without any Place. Time on the index's monotonic clock is faked; the loop is real."""
+    import asyncio
+
+    async def run() -> None:
+        fleet = Fleet(cfg=None)
+        view = fleet.core.view
+        assert view.refresh_ns == 1_000_000_000   # the default [scheduler] index_refresh_ms
+        mono = [10**12]
+        view.mono = lambda: mono[0]
+        view.extra_s = 0.0   # a Place refreshes only what is due (not the next ones while it has time)
+        agent = fleet.agent("a100-1", "a100", region="r1", zone="z1", price=1.0)   # 80 GiB free each
+        ask = {"accelerator": spb.ACCELERATOR_GPU, "memory_bytes": 40 * GiB, "count": 1}
+        assert [c.node_id for c in fleet.place(**ask).candidates] == ["a100-1"]
+        refreshes = view.refreshes
+        agent.send(used_gib=60.0)   # 20 GiB free: too little from now on
+        assert view.refreshes == refreshes and "a100-1" in view.dirty   # ingest did not refresh
+        mono[0] += view.refresh_ns - 1          # within the bound: the answer may miss it...
+        assert [c.node_id for c in fleet.place(**ask).candidates] == ["a100-1"]
+        mono[0] += 1                            # ...and never past it
+        reply = fleet.place(**ask)
+        assert not reply.candidates and reply.excluded[0].reason == "memory"
+        assert not view.dirty and view.refreshes == refreshes + 1
+        # Many batches within the bound: one refresh, by the loop's timer, no Place needed.
+        for _ in range(5):
+            agent.send(used_gib=0.0)
+        assert "a100-1" in view.dirty and view.timer is not None
+        await asyncio.sleep(view.refresh_ns / 1e9 + 0.2)
+        assert not view.dirty and view.refreshes == refreshes + 2
+        assert [c.node_id for c in fleet.place(**ask).candidates] == ["a100-1"]
+
+    asyncio.run(run())
+
+
+def test_place_refreshes_what_it_has_time_for_beyond_the_bound():
+    """With its small time allowance (PLACE_EXTRA_S) a Place also refreshes nodes not yet due: in
+    a small fleet the answer follows the batch acknowledged just before."""
+    import asyncio
+
+    async def run() -> None:
+        fleet = Fleet()
+        agent = fleet.agent("a100-1", "a100")
+        agent.send(used_gib=60.0)
+        assert "a100-1" in fleet.core.view.dirty
+        reply = fleet.place(accelerator=spb.ACCELERATOR_GPU, memory_bytes=40 * GiB, count=1)
+        assert not reply.candidates and not fleet.core.view.dirty
+
+    asyncio.run(run())
+
+
+def test_index_refresh_ms_0_refreshes_on_every_batch(tmp_path):
+    fleet = Fleet(cfg=write_cfg(tmp_path, "[scheduler]\nindex_refresh_ms = 0\n"))
+    agent = fleet.agent("a100-1", "a100")
+    before = fleet.core.view.refreshes
+    agent.send(used_gib=60.0)
+    assert fleet.core.view.refreshes == before + 1 and not fleet.core.view.dirty
