@@ -52,6 +52,8 @@ class SourceState:
         self.timeouts = 0
         self.skipped = 0
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        resend = source.resend_unchanged_s
+        self.changes = ChangeFilter(resend) if resend is not None else None   # unchanged series held back
 
     def as_dict(self) -> dict:
         return {
@@ -192,7 +194,10 @@ class TierLoop:
                 Sample("xpusense.agent.source.errors", st.errors, "{error}", {"source": st.name}, COUNTER),
                 Sample("xpusense.agent.source.timeouts", st.timeouts, "{round}", {"source": st.name}, COUNTER),
             ]
-        self.sink(stamp(samples + own, now_ns), stamp_events(events))
+        out = samples + own
+        if st.changes is not None:
+            out = st.changes.keep(out, time.monotonic())
+        self.sink(stamp(out, now_ns), stamp_events(events))
 
     def run(self, stop: threading.Event) -> None:
         """Dispatch rounds at their deadlines until `stop` is set."""
@@ -232,6 +237,36 @@ class TierLoop:
                 st.source.close()
             except Exception:
                 log.exception("source %s: close failed", st.name)
+
+
+class ChangeFilter:
+    """For a source with `resend_unchanged_s` set: a series' sample is sent when it differs from the
+    last one sent (value, and buckets for histograms), once more when it has stopped changing (so a
+    rate from the last two points falls to 0), and when the last one sent is `resend_s` old (so the
+    collector keeps the series). Series not seen for 10 x resend_s are forgotten."""
+
+    def __init__(self, resend_s: float):
+        self.resend_s = resend_s
+        self._sent: dict[tuple, tuple[tuple, float, bool, float]] = {}   # key -> (what, when sent, changed, seen)
+        self._pruned = 0.0
+
+    def keep(self, samples: list[Sample], now: float) -> list[Sample]:
+        out = []
+        sent = self._sent
+        for s in samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
+            what = (s.value, s.counts)
+            prev = sent.get(key)
+            if prev is None or prev[0] != what or prev[2] or now - prev[1] >= self.resend_s:
+                sent[key] = (what, now, prev is not None and prev[0] != what, now)
+                out.append(s)
+            else:
+                sent[key] = (prev[0], prev[1], False, now)
+        if now - self._pruned >= 10 * self.resend_s:
+            self._pruned = now
+            for key in [k for k, v in sent.items() if now - v[3] >= 10 * self.resend_s]:
+                del sent[key]
+        return out
 
 
 def stamp_events(events: list[Event]) -> list[Event]:

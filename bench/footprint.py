@@ -10,12 +10,14 @@ In one run, as root:
    the moment it holds the probes' programs (the loader process attached them before handing over).
 2. Quiet window (--seconds, default 60, after --warmup-s): CPU (utime+stime) and RSS (VmRSS every
    second: median = steady, max; VmHWM = peak since exec) of both, and the ratios.
-3. Load window (--load-seconds, default 20): a fixed workload (pipe ping-pong for about 50k context
-   switches/s, fsync'ed writes, UDP over the veth, ioctls on the device node, calls into the fake
-   libcuda) while bcc's runqlat-bpfcc and one bpftrace script per other probe watch the same events.
-   bpf_stats gives each program's run_cnt and run_time_ns (via /proc/PID/fdinfo); the agent's
-   programs are told apart by the maps they use (read with the bpf syscall). Prints ns/event per
-   probe against its peer, and the agent's CPU plus its programs' kernel time as % of one core.
+3. Load windows (--load-seconds each, default 20), under one fixed workload (pipe ping-pong for about
+   50k context switches/s, fsync'ed writes, UDP over the veth, ioctls on the device node, calls into
+   the fake libcuda): first the agent alone, then (the agent stopped) the peer tools alone: bcc's
+   runqlat-bpfcc and argdist-bpfcc, one bpftrace script per other probe, on the same events. Each
+   side alone, because on a shared tracepoint the program attached first runs first and pays the
+   cache misses. bpf_stats gives each program's run_cnt and run_time_ns (via /proc/PID/fdinfo); the
+   agent's programs are told apart by the maps they use (read with the bpf syscall). Prints ns/event
+   and % of a core per probe against its peer, and the agent's CPU plus its programs' kernel time.
 
 Needs: root, Debian's prometheus-node-exporter (scripts/setup.sh installs it), bpfcc-tools and bpftrace
 for the peer rows (a missing one is reported, not fatal), gcc (fakes), iproute2. Other load on the
@@ -42,7 +44,7 @@ import uuid
 from pathlib import Path
 
 from _proc import cpu_s, free_port, stop, tail, tool, wait_collector
-from ebpf_cost import FSYNC_WRITER, PING_PONG, UDP_SENDER, ctxt, enable_bpf_stats, prog_stats, sh, wait_for
+from ebpf_cost import FSYNC_WRITER, PING_PONG, UDP_SENDER, ctxt, delta, enable_bpf_stats, prog_stats, sh, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 GOALS = {"cpu_ratio_max": 0.7, "rss_steady_mb_max": 100.0, "rss_peak_mb_max": 130.0, "load_pct_max": 2.0,
@@ -226,7 +228,8 @@ def start_peer(argv: list[str], ready: str, what: str, procs: list) -> tuple[sub
         for line in p.stdout:
             buf.append(line)
     threading.Thread(target=pump, daemon=True).start()
-    wait_for(lambda: any(ready in line for line in buf) or p.poll() is not None, 90, what)
+    if ready:
+        wait_for(lambda: any(ready in line for line in buf) or p.poll() is not None, 90, what)
     if p.poll() is None:
         wait_for(lambda: prog_stats(p.pid) or p.poll() is not None, 30, f"{what}'s programs")
     if p.poll() is not None:
@@ -291,41 +294,11 @@ def quiet_window(agent: subprocess.Popen, ne: subprocess.Popen, ne_url: str, sec
     return out
 
 
-def load_window(agent: subprocess.Popen, probes: list[str], variants: dict, net: tuple, tmp: str, lib: str,
-                seconds: float, round_trips: float, procs: list) -> dict:
-    ns_a, ns_b, addr_b = net
-    peers: dict[str, tuple[str, subprocess.Popen | None, str]] = {}
-    for probe, what, exe, argv, ready in (
-            ("runqlat", "bcc runqlat-bpfcc", "runqlat-bpfcc", ["3600", "1"], "Tracing run queue latency"),
-            ("cuda_uprobe", "bcc funccount-bpfcc on 2 uprobes", "funccount-bpfcc", ["-r", f"{lib}:{FUNCCOUNT_RE}"],
-             "Tracing")):
-        if probe not in probes:
-            continue
-        path = shutil.which(exe) or f"/usr/sbin/{exe}"
-        if os.path.exists(path):
-            peers[probe] = (what, *start_peer([path, *argv], ready, exe, procs))
-        else:
-            peers[probe] = (what, None, f"{path} not found (apt-get install bpfcc-tools)")
-    bpftrace = shutil.which("bpftrace")
-    pairs = {"io_start": ("block_io_start", "block_io_done"), "rq_issue": ("block_rq_issue", "block_rq_complete")}
-    for probe, (what, text) in PEERS.items():
-        if probe not in probes:
-            continue
-        if probe == "netio" and variants.get("netio") != "sock":
-            continue
-        if not bpftrace:
-            peers[probe] = (f"bpftrace {what}", None, "bpftrace not installed (apt-get install bpftrace)")
-            continue
-        a, b = pairs.get(variants.get("blkio", ""), pairs["rq_issue"])
-        script = os.path.join(tmp, f"{probe}.bt")
-        Path(script).write_text(text.format(a=a, b=b, lib=lib))
-        peers[probe] = (f"bpftrace {what}", *start_peer([bpftrace, script], "Attaching", f"bpftrace for {probe}",
-                                                        procs))
-    progs = prog_stats(agent.pid)
-    owner = {pid: probe_of(pid, probes) for pid in progs}
-    before = {"agent": progs, **{p: prog_stats(proc.pid) for p, (_w, proc, _m) in peers.items() if proc}}
-    c0, x0, w0 = cpu_s(agent.pid), ctxt(), time.monotonic()
+def run_workload(tmp: str, lib: str, net: tuple, seconds: float, round_trips: float, procs: list) -> dict:
+    """The fixed workload, for `seconds`: what it did and the context switches per second."""
+    ns_a, _ns_b, addr_b = net
     py = sys.executable
+    x0, w0 = ctxt(), time.monotonic()
     work = [subprocess.Popen([py, "-c", PING_PONG, str(seconds), str(round_trips)], stdout=subprocess.PIPE, text=True),
             subprocess.Popen([py, "-c", FSYNC_WRITER, str(seconds), os.path.join(tmp, "fsync.dat")],
                              stdout=subprocess.PIPE, text=True),
@@ -337,35 +310,98 @@ def load_window(agent: subprocess.Popen, probes: list[str], variants: dict, net:
     procs.extend(work)
     done = [int((p.communicate(timeout=seconds + 60)[0] or "0").strip() or 0) for p in work]
     wall = time.monotonic() - w0
-    c1, x1 = cpu_s(agent.pid), ctxt()
-    after = {"agent": prog_stats(agent.pid), **{p: prog_stats(proc.pid) for p, (_w, proc, _m) in peers.items() if proc}}
-    rows, kernel_ns = [], 0
+    return {"seconds": round(wall, 1), "context_switches_per_s": round((ctxt() - x0) / wall),
+            "work_done": dict(zip(("round_trips", "fsyncs", "udp", "ioctls", "cuda_calls"), done))}
+
+
+def agent_window(agent: subprocess.Popen, probes: list[str], variants: dict, tmp: str, lib: str, net: tuple,
+                 seconds: float, round_trips: float, procs: list) -> dict:
+    """The workload with the agent alone on the hooks: ns/event per probe, the agent's CPU and its
+    programs' kernel time (bpf_stats) as % of one core."""
+    progs = prog_stats(agent.pid)
+    owner = {pid: probe_of(pid, probes) for pid in progs}
+    c0 = cpu_s(agent.pid)
+    out = run_workload(tmp, lib, net, seconds, round_trips, procs)
+    wall = out["seconds"]
+    agent_pct = 100 * (cpu_s(agent.pid) - c0) / wall
+    after = prog_stats(agent.pid)
+    rows, kernel_ns = {}, 0
     for probe in probes:
         ids = [i for i, p in owner.items() if p == probe]
-        cnt = sum(after["agent"].get(i, (0, 0))[0] - before["agent"].get(i, (0, 0))[0] for i in ids)
-        ns = sum(after["agent"].get(i, (0, 0))[1] - before["agent"].get(i, (0, 0))[1] for i in ids)
+        cnt, ns = delta(progs, after, ids)
         kernel_ns += ns
-        row = {"probe": probe, "variant": variants.get(probe, ""), "events_per_s": round(cnt / wall),
-               "ns_per_event": round(ns / cnt, 1) if cnt else None}
-        if probe in peers:
-            what, proc, missing = peers[probe]
-            row["peer"] = what
-            if proc is None:
-                row["peer_missing"] = missing
+        rows[probe] = {"probe": probe, "variant": variants.get(probe, ""), "events_per_s": round(cnt / wall),
+                       "ns_per_event": round(ns / cnt, 1) if cnt else None, "pct": round(100 * ns / 1e9 / wall, 3)}
+    out.update({"probes": rows, "agent_cpu_pct": round(agent_pct, 2), "programs_pct": round(100 * kernel_ns / 1e9 / wall, 2),
+                "total_pct": round(agent_pct + 100 * kernel_ns / 1e9 / wall, 2)})
+    return out
+
+
+def start_peers(probes: list[str], variants: dict, tmp: str, lib: str, procs: list) -> dict:
+    """bcc's and bpftrace's tools on the same events as our probes: probe -> (what, process or None, why not)."""
+    peers: dict[str, tuple[str, subprocess.Popen | None, str]] = {}
+    for probe, what, exe, argv, ready in (
+            ("runqlat", "bcc runqlat-bpfcc", "runqlat-bpfcc", ["3600", "1"], "Tracing run queue latency"),
+            ("cuda_uprobe", "bcc argdist-bpfcc: calls per process", "argdist-bpfcc",
+             ["-i", "3600", "-C", f"p:{lib}:cuLaunchKernel():u32:$PID", "-C", f"p:{lib}:cuMemcpyHtoD_v2():u32:$PID"],
+             "")):
+        if probe not in probes:
+            continue
+        path = shutil.which(exe) or f"/usr/sbin/{exe}"
+        if os.path.exists(path):
+            peers[probe] = (what, *start_peer([path, *argv], ready, exe, procs))
+        else:
+            peers[probe] = (what, None, f"{path} not found (apt-get install bpfcc-tools)")
+    bpftrace = shutil.which("bpftrace")
+    pairs = {"io_start": ("block_io_start", "block_io_done"), "rq_issue": ("block_rq_issue", "block_rq_complete")}
+    for probe, (what, text) in PEERS.items():
+        if probe not in probes or (probe == "netio" and variants.get("netio") != "sock"):
+            continue
+        if not bpftrace:
+            peers[probe] = (f"bpftrace {what}", None, "bpftrace not installed (apt-get install bpftrace)")
+            continue
+        a, b = pairs.get(variants.get("blkio", ""), pairs["rq_issue"])
+        script = os.path.join(tmp, f"{probe}.bt")
+        Path(script).write_text(text.format(a=a, b=b, lib=lib))
+        peers[probe] = (f"bpftrace {what}", *start_peer([bpftrace, script], "Attaching", f"bpftrace for {probe}",
+                                                        procs))
+    return peers
+
+
+def peers_window(peers: dict, tmp: str, lib: str, net: tuple, seconds: float, round_trips: float,
+                 procs: list) -> dict:
+    """The same workload with the peer tools alone on the hooks (the agent stopped): ns/event each."""
+    before = {p: prog_stats(proc.pid) for p, (_w, proc, _m) in peers.items() if proc}
+    out = run_workload(tmp, lib, net, seconds, round_trips, procs)
+    wall = out["seconds"]
+    rows = {}
+    for probe, (what, proc, missing) in peers.items():
+        if proc is None:
+            rows[probe] = {"peer": what, "missing": missing}
+            continue
+        after = prog_stats(proc.pid)
+        cnt, ns = delta(before[probe], after, after.keys())
+        rows[probe] = {"peer": what, "events_per_s": round(cnt / wall), "ns_per_event": round(ns / cnt, 1) if cnt else None,
+                       "pct": round(100 * ns / 1e9 / wall, 3)}
+    out["peers"] = rows
+    return out
+
+
+def compare(agent_w: dict, peers_w: dict) -> list[dict]:
+    rows = []
+    for probe, r in agent_w["probes"].items():
+        row = dict(r)
+        p = peers_w.get("peers", {}).get(probe)
+        if p:
+            row["peer"] = p["peer"]
+            if "missing" in p:
+                row["peer_missing"] = p["missing"]
             else:
-                pc = sum(v[0] - before[probe].get(i, (0, 0))[0] for i, v in after[probe].items())
-                pn = sum(v[1] - before[probe].get(i, (0, 0))[1] for i, v in after[probe].items())
-                row["peer_events_per_s"] = round(pc / wall)
-                row["peer_ns_per_event"] = round(pn / pc, 1) if pc else None
-                if row["ns_per_event"] and row["peer_ns_per_event"]:
-                    row["ratio"] = round(row["ns_per_event"] / row["peer_ns_per_event"], 2)
+                row.update(peer_events_per_s=p["events_per_s"], peer_ns_per_event=p["ns_per_event"], peer_pct=p["pct"])
+                if row["ns_per_event"] and p["ns_per_event"]:
+                    row["ratio"] = round(row["ns_per_event"] / p["ns_per_event"], 2)
         rows.append(row)
-    agent_pct = 100 * (c1 - c0) / wall
-    return {"seconds": round(wall, 1), "context_switches_per_s": round((x1 - x0) / wall),
-            "work_done": dict(zip(("round_trips", "fsyncs", "udp", "ioctls", "cuda_calls"), done)),
-            "probes": rows, "agent_cpu_pct": round(agent_pct, 2),
-            "programs_pct": round(100 * kernel_ns / 1e9 / wall, 2),
-            "total_pct": round(agent_pct + 100 * kernel_ns / 1e9 / wall, 2)}
+    return rows
 
 
 def main() -> int:
@@ -433,8 +469,17 @@ def main() -> int:
                            "loader": loader_line(agent_log), "probes": probes, "variants": variants}
         result["quiet"] = quiet_window(agent, ne, ne_url, args.seconds)
         if args.load_seconds > 0:
-            result["load"] = load_window(agent, probes, variants, (ns_a, ns_b, "10.233.0.2"), tmp, lib,
-                                         args.load_seconds, args.round_trips, procs)
+            # Each side alone on the hooks, under the same workload: on a shared tracepoint, the program
+            # attached first runs first and takes the cache misses (+40-70% measured here).
+            net = (ns_a, ns_b, "10.233.0.2")
+            load = agent_window(agent, probes, variants, tmp, lib, net, args.load_seconds, args.round_trips, procs)
+            stop(agent)
+            peers = start_peers(probes, variants, tmp, lib, procs)
+            peer_w = peers_window(peers, tmp, lib, net, args.load_seconds, args.round_trips, procs)
+            load["peers_window"] = {k: peer_w[k] for k in ("seconds", "context_switches_per_s", "work_done")}
+            load["rows"] = compare(load, peer_w)
+            del load["probes"]
+            result["load"] = load
         result["bpf_stats"] = "BPF_ENABLE_STATS" if stats_fd is not None else "as found"
     finally:
         for p in procs:
@@ -475,7 +520,7 @@ def verdicts(r: dict) -> dict:
         out["rss peak <= 130 MB"] = q["agent"]["rss_peak_mb"] <= g["rss_peak_mb_max"]
     if "load" in r:
         out["agent + programs <= 2% at ~50k switches/s"] = r["load"]["total_pct"] <= g["load_pct_max"]
-        ratios = [p.get("ratio") for p in r["load"]["probes"] if "peer" in p]
+        ratios = [p.get("ratio") for p in r["load"]["rows"] if "peer" in p]
         out["every probe <= 1.0x its peer (ns/event)"] = bool(ratios) and all(x is not None and x <= g["ns_ratio_max"]
                                                                                for x in ratios)
     held = r.get("start", {}).get("exec_to_probes_held_s", -1)
@@ -497,18 +542,21 @@ def report(r: dict) -> None:
               f"{v['rss_peak_mb']:5.1f}MB {v['threads']:8}")
     print(f"  agent / node_exporter: CPU {q['cpu_ratio']}x, RSS {q['rss_ratio']}x")
     if "load" in r:
-        ld = r["load"]
-        print(f"load window {ld['seconds']} s: {ld['context_switches_per_s']} context switches/s, work {ld['work_done']}")
-        print(f"  {'probe':22} {'events/s':>9} {'ns/event':>9}   {'peer':44} {'events/s':>9} {'ns/event':>9} {'ratio':>6}")
-        for p in ld["probes"]:
-            peer = p.get("peer", "(no peer tool)")
+        ld, pw = r["load"], r["load"]["peers_window"]
+        print(f"load windows {ld['seconds']} s each, the same workload: agent alone {ld['context_switches_per_s']} "
+              f"context switches/s, then peers alone {pw['context_switches_per_s']}/s; work {ld['work_done']}")
+        print(f"  {'probe':22} {'events/s':>9} {'ns/event':>9} {'core %':>7}   {'peer':40} {'events/s':>9} "
+              f"{'ns/event':>9} {'core %':>7} {'ratio':>6}")
+        for p in ld["rows"]:
+            ours = (f"  {p['probe'] + ' ' + p['variant']:22} {p['events_per_s']:9} {p['ns_per_event'] or '-':>9} "
+                    f"{p['pct']:7.3f}")
             if "peer_missing" in p:
-                print(f"  {p['probe'] + ' ' + p['variant']:22} {p['events_per_s']:9} {p['ns_per_event'] or '-':>9}   "
-                      f"{peer}: {p['peer_missing']}")
-                continue
-            print(f"  {p['probe'] + ' ' + p['variant']:22} {p['events_per_s']:9} {p['ns_per_event'] or '-':>9}   "
-                  f"{peer:44} {p.get('peer_events_per_s', ''):>9} {p.get('peer_ns_per_event') or '':>9} "
-                  f"{p.get('ratio', ''):>6}")
+                print(f"{ours}   {p['peer']}: {p['peer_missing']}")
+            elif "peer" in p:
+                print(f"{ours}   {p['peer']:40} {p['peer_events_per_s']:9} {p['peer_ns_per_event'] or '-':>9} "
+                      f"{p['peer_pct']:7.3f} {p.get('ratio', ''):>6}")
+            else:
+                print(f"{ours}   (no peer tool)")
         print(f"  agent CPU {ld['agent_cpu_pct']}% + its programs {ld['programs_pct']}% = {ld['total_pct']}% of one core")
     for goal, ok in r["goals"].items():
         print(f"  goal {goal}: {'met' if ok else 'MISSED'}")

@@ -63,6 +63,10 @@ class Source:
     name: ClassVar[str] = ""
     # Tiers this source has something for; the tier loop calls collect() only for these.
     tiers: ClassVar[tuple[str, ...]] = ()
+    # None: every sample of every round is sent. A number: the tier loop sends a series' sample only
+    # when it differs from the last one sent (then once more when it stops changing, so a rate read
+    # from the last two points falls to 0), or when that one is this many seconds old (tiers.py).
+    resend_unchanged_s: ClassVar[float | None] = None
 
     def setup(self) -> None:
         """Raise Unavailable(reason) when this source cannot run here."""

@@ -14,10 +14,11 @@ import tempfile
 
 import pytest
 
-from xpusense.agent.sources.base import Unavailable
+from xpusense.agent.sources.base import COUNTER, HISTOGRAM, Sample, Unavailable
 from xpusense.agent.sources.ebpf import bpfmap, btf, family, handoff, handover, loader, procfs
 from xpusense.agent.sources.ebpf.loader import render_c
-from xpusense.agent.sources.ebpf.source import hist_sample, sum_percpu
+from xpusense.agent.sources.ebpf.source import EbpfSource, hist_sample, sum_percpu
+from xpusense.agent.tiers import ChangeFilter
 from xpusense.common.config import ConfigError, load
 
 SCHEMA_WRAPPER = {"sources": {"ebpf": family.SCHEMA}}
@@ -249,3 +250,25 @@ def test_runqlat_plans_its_raw_tracepoint_variant_with_offsets_from_btf(tmp_path
     assert int(offsets["RUNQLAT_RUN_DELAY_OFF"]) > int(offsets["RUNQLAT_PCOUNT_OFF"]) > 0
     assert plan.attach == {"raw_tracepoints": {"sched_switch": "raw_tracepoint__sched_switch"},
                            "map_init": {"runqlat_free": {"push": list(range(1, 1024))}}}
+
+
+def test_a_probes_unchanged_series_are_sent_again_only_after_a_while():
+    """The tier loop's ChangeFilter, as the eBPF sources use it (resend_unchanged_s): a change, the
+    first flat point after it (a rate from the last two points falls to 0), then silence until the
+    last point sent is resend_s old."""
+    f = ChangeFilter(15.0)
+
+    def round_(t, **values):
+        return {(s.name, s.labels.get("d")): s.value
+                for s in f.keep([Sample("c", v, "1", {"d": k}, COUNTER) for k, v in values.items()], t)}
+
+    assert round_(0, a=1, b=5) == {("c", "a"): 1, ("c", "b"): 5}         # new series: sent
+    assert round_(1, a=2, b=5) == {("c", "a"): 2}                        # b stands still
+    assert round_(2, a=2, b=5) == {("c", "a"): 2}                        # a stopped: one flat point
+    assert round_(3, a=2, b=5) == {}
+    assert round_(15.5, a=2, b=5) == {("c", "b"): 5}                     # b's last point is 15.5 s old
+    assert round_(17.5, a=2, b=5) == {("c", "a"): 2}                     # a's (sent at 2) now too
+    h1 = Sample("h", 1.0, "s", {}, HISTOGRAM, bounds=(1.0,), counts=(1, 1))
+    h2 = Sample("h", 1.0, "s", {}, HISTOGRAM, bounds=(1.0,), counts=(0, 1))
+    assert f.keep([h1], 20) == [h1] and f.keep([h2], 21) == [h2], "a histogram changes with its buckets"
+    assert EbpfSource.resend_unchanged_s == 15.0

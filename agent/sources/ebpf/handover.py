@@ -78,42 +78,56 @@ def close_fd(fd: int) -> None:
         pass
 
 
-def run_loader(argv: Callable[[int], list[str]], request: dict, timeout_s: float) -> tuple[dict, list[int]]:
-    """Start the loader process, send `request`, return its manifest and fds; raise Unavailable with the
-    reason when it exits, is killed or does not answer within `timeout_s` (then it is killed)."""
-    ours, theirs = handoff.pair()
-    err = tempfile.TemporaryFile()
-    try:
+class LoaderProcess:
+    """The loader process, started before the request is ready (it imports bcc and pyroute2 while the
+    agent plans the probes); `ask` sends the request and waits for the hand-over. Raises Unavailable
+    with the reason when it cannot start, exits, is killed or does not answer within the deadline
+    (then it is killed); `close` makes an unused one go away (EOF on its socket)."""
+
+    def __init__(self, argv: Callable[[int], list[str]]):
+        self._sock, theirs = handoff.pair()
+        self._err = tempfile.TemporaryFile()
         try:
-            proc = subprocess.Popen(argv(theirs.fileno()), pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                    stdout=err, stderr=err)
+            self.proc = subprocess.Popen(argv(theirs.fileno()), pass_fds=[theirs.fileno()],
+                                         stdin=subprocess.DEVNULL, stdout=self._err, stderr=self._err)
         except OSError as e:
+            self.close()
             raise Unavailable(f"cannot start the eBPF loader process ({e})") from e
         finally:
             theirs.close()
+
+    def ask(self, request: dict, timeout_s: float) -> tuple[dict, list[int]]:
+        proc = self.proc
         try:
-            handoff.send(ours, request)
-            return handoff.recv(ours, timeout_s)
+            handoff.send(self._sock, request)
+            return handoff.recv(self._sock, timeout_s)
         except (handoff.HandoffError, OSError) as e:
             timed_out = "timed out" in str(e)
             if timed_out:
                 proc.kill()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            raise Unavailable(loader_failure(proc.pid, proc.returncode, timed_out, timeout_s, _tail(err))) from None
+            self._reap()
+            raise Unavailable(loader_failure(proc.pid, proc.returncode, timed_out, timeout_s, _tail(self._err))) from None
         finally:
-            if proc.poll() is None:
-                try:
-                    proc.wait(10)       # it exits as soon as the fds are sent
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-    finally:
-        ours.close()
-        err.close()
+            self.close()
+
+    def _reap(self) -> None:
+        try:
+            self.proc.wait(10)      # it exits as soon as the fds are sent, or on EOF
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        if self._sock.fileno() >= 0:
+            self._sock.close()
+        if getattr(self, "proc", None) is not None:
+            self._reap()
+        self._err.close()
+
+
+def run_loader(argv: Callable[[int], list[str]], request: dict, timeout_s: float) -> tuple[dict, list[int]]:
+    """Start the loader process, send `request`, return its manifest and fds (see LoaderProcess)."""
+    return LoaderProcess(argv).ask(request, timeout_s)
 
 
 def loader_failure(pid: int, returncode: int | None, timed_out: bool, timeout_s: float, stderr_tail: str) -> str:

@@ -34,7 +34,7 @@ from ..base import Unavailable
 from .bpf_stats import BpfStats
 from .bpfmap import BpfMap, possible_cpus
 from .btf import FUNC, TYPEDEF, Btf, BtfError
-from .handover import ProbeHandle, close_fd, run_loader
+from .handover import LoaderProcess, ProbeHandle, close_fd
 from .procfs import headers_release, read_cap_eff, sched_info_off
 
 log = logging.getLogger("xpusense.agent.sources.ebpf")
@@ -124,6 +124,7 @@ class EbpfLoader:
         self._env_checked = False
         self.t_created = time.monotonic()
         self._btf: Btf | None = None
+        self._proc: LoaderProcess | None = None        # started early, asked once planning is done
 
     @property
     def stats_state(self) -> str:
@@ -345,17 +346,32 @@ class EbpfLoader:
     def loader_argv(self, fd: int) -> list[str]:
         return [sys.executable, "-c", LOADER_BOOT, json.dumps(sys.path), str(fd)]
 
+    def prestart(self) -> None:
+        """Start the loader process now, so that it imports bcc while the probes are planned here."""
+        with self._lock:
+            if self._proc is None and not self._loaded:
+                try:
+                    self._proc = LoaderProcess(self.loader_argv)
+                except Unavailable as e:
+                    self._load_error = e
+
     def _load_all(self) -> None:
+        t0 = time.perf_counter()
+        self.prestart()
         plans = self._planned()
         self._loaded = True
+        proc, self._proc = self._proc, None
         if self._btf is not None:      # planning is over: a few MB the agent does not keep
             self._btf.close()
             self._btf = None
-        if not plans:
+        if self._load_error is not None:
             return
-        t0 = time.perf_counter()
+        assert proc is not None
+        if not plans:
+            proc.close()
+            return
         try:
-            manifest, fds = run_loader(self.loader_argv, self.request(plans), LOADER_TIMEOUT_S)
+            manifest, fds = proc.ask(self.request(plans), LOADER_TIMEOUT_S)
         except Unavailable as e:
             self._load_error = e
             log.warning("eBPF probes unavailable: %s", e)

@@ -22,12 +22,15 @@ import resource
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Iterator
 from typing import Any
 
 from . import handoff
+
+REQUEST_WAIT_S = 120.0     # started early by the agent: how long to wait for what to load
 
 
 @contextlib.contextmanager
@@ -298,12 +301,28 @@ def vm_hwm_kb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+def preload() -> None:
+    """What every request needs, imported while the agent is still planning (bcc maps LLVM: ~50 ms)."""
+    try:
+        import bcc  # noqa: F401
+        import pyroute2  # noqa: F401   (tc_traffic's filters)
+    except Exception:       # said again, with the reason, when the request needs it
+        pass
+
+
 def main(fd: int) -> None:
-    """Serve one request on socket `fd`, then leave without bcc's clean-up (os._exit)."""
+    """Serve one request on socket `fd`, then leave without bcc's clean-up (os._exit). Started before
+    the agent has planned the probes: it imports bcc meanwhile, and gives up if no request comes."""
     sock = socket.socket(fileno=fd)
     code = 0
+    importing = threading.Thread(target=preload, daemon=True)
+    importing.start()
     try:
-        req, _ = handoff.recv(sock, None)
+        try:
+            req, _ = handoff.recv(sock, REQUEST_WAIT_S)
+        except handoff.HandoffError:       # the agent closed (nothing to load) or never asked
+            os._exit(0)
+        importing.join()
         b = Builder(req)
         try:
             b.run()

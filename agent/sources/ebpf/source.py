@@ -29,6 +29,7 @@ log = logging.getLogger("xpusense.agent.sources.ebpf")
 
 FAMILIES = ("ipv4", "ipv6")
 FORGET_EVERY_S = 15.0      # realtime-only maps: how often exited processes / removed cgroups are dropped
+RESEND_UNCHANGED_S = 15.0  # an unchanged series is sent again after this long (tiers.ChangeFilter)
 
 
 def hist_sample(name: str, unit: str, labels: dict, slots: Iterable[int], sum_raw: float, scale: float) -> Sample:
@@ -90,6 +91,9 @@ class EbpfSource(Source):
 
     probe: ClassVar[str] = ""
     tiers = (REALTIME, NEARLINE)
+    # Most of a probe's series stand still between rounds (an idle disk, a process between
+    # launches, the probe's own up/errors): the tier loop sends those again only every 15 s.
+    resend_unchanged_s = RESEND_UNCHANGED_S
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
@@ -140,6 +144,7 @@ class EbpfSource(Source):
     def setup(self) -> None:
         t0 = time.perf_counter()
         self.loader.check_environment()
+        self.loader.prestart()          # it imports bcc while the probes are planned
         self.plan_ = self.loader.plan(self.probe)
         self.handle = self.loader.acquire(self.probe)
         self._attached = list(self.handle.attached)
