@@ -17,6 +17,12 @@ need=()
 for p in python3-venv python3-dev gcc libc6-dev iproute2 procps prometheus systemd systemd-container debootstrap; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || need+=("$p")
 done
+# prometheus-node-exporter and bpftrace: the peers bench/footprint.py measures the agent against (it
+# starts its own node_exporter on a loopback port; on a host booted with systemd the package's own
+# service starts too, on :9100).
+for p in prometheus-node-exporter bpftrace; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || need+=("$p")
+done
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" != 0 ]; then
         echo "setup: missing Debian packages ${need[*]}; run this script as root" >&2; exit 1
