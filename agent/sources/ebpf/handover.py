@@ -28,8 +28,9 @@ class ProbeHandle:
     maps (shared by all probes of the loader). Closing the attachment fds detaches the probe."""
 
     def __init__(self, probe: str, maps: dict[str, BpfMap], progs: list[tuple[str, int]], links: list[dict],
-                 extra: dict, tracefs: str):
+                 extra: dict, tracefs: str, attach_s: float = 0.0):
         self.probe, self.maps, self.progs, self.links, self.extra = probe, maps, progs, links, extra
+        self.attach_s = attach_s         # loading (verifier) and attaching its programs, in the loader
         self.tracefs = tracefs
         self.closed = False
 

@@ -425,7 +425,8 @@ class EbpfLoader:
             links = [{**link, "fd": None if link["fd"] is None else fds[link["fd"]]} for link in got["links"]]
             used.update(p["fd"] for p in got["progs"])
             used.update(link["fd"] for link in got["links"] if link["fd"] is not None)
-            self._handles[probe] = ProbeHandle(probe, self._maps, progs, links, got.get("extra", {}), self.tracefs())
+            self._handles[probe] = ProbeHandle(probe, self._maps, progs, links, got.get("extra", {}), self.tracefs(),
+                                               float(got.get("attach_s", 0.0)))
         for i, fd in enumerate(fds):
             if i not in used:
                 close_fd(fd)

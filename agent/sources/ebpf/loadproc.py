@@ -247,8 +247,10 @@ class Builder:
             name = p["name"]
             if name not in self.objects:
                 continue
+            t = time.perf_counter()
             try:
                 self.manifest["probes"][name] = self.attach_probe(p)
+                self.manifest["probes"][name]["attach_s"] = round(time.perf_counter() - t, 4)
             except Refused as e:
                 self.manifest["probes"][name] = {"ok": False, "reason": str(e)}
                 self.undo_tc()

@@ -192,6 +192,8 @@ class EbpfSource(Source):
         d["bpf_stats"] = self.loader.stats_state
         if self.setup_s is not None:
             d["setup_s"] = round(self.setup_s, 3)
+        if self.handle is not None:
+            d["load_attach_s"] = round(self.handle.attach_s, 3)
         return d
 
     # -- helpers
