@@ -73,6 +73,7 @@ class Builder:
         self.objects: dict[str, Any] = {}       # probe -> bcc BPF object
         self._all: list[Any] = []
         self._tc_cleanup: list[Any] = []
+        self.early: dict[str, Any] = {}         # probe -> groundwork done while compiling
 
     def fd(self, fd: int) -> int:
         """Index of fd in the list sent to the agent."""
@@ -163,12 +164,15 @@ class Builder:
         if "uprobes" in spec:
             links += self.attach_uprobes(obj, name, spec["uprobes"], progs)
         if "tc" in spec:
-            from .tc import attach_filters
+            from .tc import add_filters, prepare_filters
             t = spec["tc"]
             for fn in (t["ingress_fn"], t["egress_fn"]):
                 progs[fn] = self.load(obj, name, fn, "SCHED_CLS")
-            done = attach_filters(t, {"ingress": progs[t["ingress_fn"]].fd, "egress": progs[t["egress_fn"]].fd})
+            early = self.early.pop(name, None)
+            done, ipr = early if isinstance(early, tuple) else prepare_filters(t)
             self._tc_cleanup.append(done)
+            if ipr is not None:
+                done = add_filters(done, ipr, {"ingress": progs[t["ingress_fn"]].fd, "egress": progs[t["egress_fn"]].fd})
             if done.get("error"):
                 raise Refused(done["error"])
             links += [{"kind": "tc", "target": target, "fd": None} for target in done["attached"]]
@@ -180,10 +184,12 @@ class Builder:
     def attach_uprobes(self, obj: Any, probe: str, spec: dict, progs: dict) -> list[dict]:
         from bcc import BPF
         lib = spec["library"]
-        try:
-            found = BPF.get_user_functions_and_addresses(lib.encode(), b"^cu")
-        except Exception as e:
-            raise Refused(f"{probe}: cannot read the symbols of {lib}: {e}") from e
+        found = self.early.pop(probe, None)
+        if found is None or isinstance(found, Exception):
+            try:
+                found = BPF.get_user_functions_and_addresses(lib.encode(), b"^cu")
+            except Exception as e:
+                raise Refused(f"{probe}: cannot read the symbols of {lib}: {e}") from e
         addr_of: dict[str, int] = {}
         for sym_name, addr in found:
             sym_name = sym_name.decode() if isinstance(sym_name, bytes) else sym_name
@@ -206,6 +212,22 @@ class Builder:
             raise Refused(f"{probe}: {lib} exports none of {', '.join(list(spec['symbols'])[:4])}...: is it libcuda "
                           f"(the driver library)? set [sources.ebpf] cuda_library")
         return links
+
+    def groundwork(self) -> None:
+        """What attaching needs that does not depend on the compiled programs: tc's stale filters
+        and clsact qdiscs, libcuda's symbols. Kept in self.early by probe (an error is kept too)."""
+        for p in self.req["probes"]:
+            spec = p["attach"]
+            try:
+                if "tc" in spec:
+                    from .tc import prepare_filters
+                    self.early[p["name"]] = prepare_filters(spec["tc"])
+                if "uprobes" in spec:
+                    from bcc import BPF
+                    self.early[p["name"]] = BPF.get_user_functions_and_addresses(spec["uprobes"]["library"].encode(),
+                                                                                 b"^cu")
+            except Exception as e:
+                self.early[p["name"]] = e
 
     def maps(self) -> None:
         """Every map of every bcc object: fd and layout (bcc's type descriptions) for the agent."""
@@ -241,7 +263,14 @@ class Builder:
             raise Refused(f"bcc's Python module is not importable from {sys.executable} ({e}): install "
                           f"python3-bpfcc and link it into the virtualenv (scripts/setup.sh does both)") from e
         self.manifest["import_s"] = time.perf_counter() - t0
-        self.compile_all()
+        early = threading.Thread(target=self.groundwork, daemon=True)
+        early.start()       # netlink and ELF work needs no program: done while clang runs
+        try:
+            self.compile_all()
+        finally:
+            early.join()
+            if not self.objects:
+                self.undo_early()
         t1 = time.perf_counter()
         for p in self.req["probes"]:
             name = p["name"]
@@ -260,7 +289,19 @@ class Builder:
                 self.undo_tc()
             self._tc_cleanup.clear()
         self.manifest["attach_s"] = time.perf_counter() - t1
+        self.undo_early()
         self.maps()
+
+    def undo_early(self) -> None:
+        """Groundwork for probes that were not attached after all (their C did not compile)."""
+        from .tc import detach_filters
+        for early in self.early.values():
+            if isinstance(early, tuple):
+                done, ipr = early
+                if ipr is not None:
+                    ipr.close()
+                detach_filters(done)
+        self.early.clear()
 
     def undo_tc(self) -> None:
         from .tc import detach_filters

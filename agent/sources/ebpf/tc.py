@@ -58,10 +58,10 @@ def remove_ours(ipr: Any, idx: int) -> int:
     return removed
 
 
-def attach_filters(spec: dict, fds: dict[str, int]) -> dict:
-    """In the loader process: stale filters removed, then clsact and our ingress/egress filters added on
-    every interface of spec["interfaces"] ({ifindex: name}). Returns what was done, for the agent and for
-    detach_filters; "error" says why it stopped (what it had added is then still listed)."""
+def prepare_filters(spec: dict) -> tuple[dict, Any]:
+    """In the loader process, while the programs compile: stale filters removed and clsact added on
+    every interface of spec["interfaces"] ({ifindex: name}). Returns (what was done, the open IPRoute
+    for add_filters, or None when "error" says why it stopped)."""
     from pyroute2.netlink.exceptions import NetlinkError
     done: dict[str, Any] = {"netns": spec["netns"], "ifaces": spec["interfaces"], "attached": [],
                             "created_clsact": [], "stale_removed": 0, "error": ""}
@@ -69,24 +69,37 @@ def attach_filters(spec: dict, fds: dict[str, int]) -> dict:
         ipr = open_ipr(spec["netns"])
     except Unavailable as e:
         done["error"] = str(e)
-        return done
+        return done, None
     try:
         # Filters a crashed run left behind, on any interface of the namespace (the configured list may
         # have changed since): found by our name/priority, removed before adding ours.
         for idx in spec.get("all_ifindexes") or [int(i) for i in spec["interfaces"]]:
             done["stale_removed"] += remove_ours(ipr, idx)
         for sidx, ifname in spec["interfaces"].items():
-            idx = int(sidx)
             try:
-                ipr.tc("add", "clsact", idx)
-                done["created_clsact"].append(idx)
+                ipr.tc("add", "clsact", int(sidx))
+                done["created_clsact"].append(int(sidx))
             except NetlinkError as e:
                 if e.code != EEXIST:   # someone (maybe we, before a crash) added it already
                     done["error"] = f"tc_traffic: cannot add a clsact qdisc to {ifname}: {e}"
-                    return done
+                    break
+    except Exception as e:
+        done["error"] = f"tc_traffic: rtnetlink failed: {type(e).__name__}: {e}"
+    if done["error"]:
+        ipr.close()
+        return done, None
+    return done, ipr
+
+
+def add_filters(done: dict, ipr: Any, fds: dict[str, int]) -> dict:
+    """Our ingress and egress filters (the programs' fds) on every prepared interface; closes `ipr`.
+    "error" in the result says why it stopped (what it had added is listed, for detach_filters)."""
+    from pyroute2.netlink.exceptions import NetlinkError
+    try:
+        for sidx, ifname in done["ifaces"].items():
             for direction, fd in fds.items():
                 try:
-                    ipr.tc("add-filter", "bpf", idx, specs.TC_FILTER_HANDLE, fd=fd, name=specs.TC_FILTER_NAME,
+                    ipr.tc("add-filter", "bpf", int(sidx), specs.TC_FILTER_HANDLE, fd=fd, name=specs.TC_FILTER_NAME,
                            parent=TC_PARENTS[direction], classid=1, direct_action=True, prio=specs.TC_FILTER_PRIO)
                 except NetlinkError as e:
                     done["error"] = f"tc_traffic: cannot attach the {direction} filter to {ifname}: {e}"
@@ -95,6 +108,12 @@ def attach_filters(spec: dict, fds: dict[str, int]) -> dict:
     finally:
         ipr.close()
     return done
+
+
+def attach_filters(spec: dict, fds: dict[str, int]) -> dict:
+    """prepare_filters then add_filters: what was done ("error": why it stopped)."""
+    done, ipr = prepare_filters(spec)
+    return done if ipr is None else add_filters(done, ipr, fds)
 
 
 def detach_filters(done: dict) -> None:
