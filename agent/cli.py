@@ -10,6 +10,7 @@ import sys
 
 import yaml
 
+from xpusense.common.config import addresses
 from xpusense.common.journal import configure_logging
 from xpusense.common.tls import make_channel
 
@@ -32,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="measure this node and stream to the collector")
     common(r)
-    r.add_argument("--collector", metavar="HOST:PORT", help="collector address (env XPUSENSE_COLLECTOR)")
+    r.add_argument("--collector", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="collector address, or several (cluster-mode gateways, failed over in turn); env XPUSENSE_COLLECTOR")
     r.add_argument("--node-id", metavar="ID", help="node id (env XPUSENSE_NODE_ID; default: host name)")
     r.add_argument("--once", action="store_true", help="one round of every tier, send it, exit")
     r.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_agent(path, flags)
         if args.cmd == "run":
             resolve(cfg.collector.address)
-            make_channel(cfg.collector.address, cfg.collector)   # TLS/token/plaintext keys: exit 2 if unusable
+            for address in addresses(cfg.collector.address):
+                make_channel(address, cfg.collector)   # TLS/token/plaintext keys: exit 2 if unusable
     except (ConfigError, ValueError) as e:
         print(f"xpusense-agent: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -13,7 +13,7 @@ from xpusense.common.config import (
     Key,
     Table,
     between,
-    host_port,
+    host_ports,
     load,
     log_level,
     non_negative,
@@ -50,7 +50,9 @@ AGENT_SCHEMA: dict[str, Any] = {
     "log_level": Key(str, "info", log_level),
     "labels": Key(Table, Table(), help="cloud, region, zone, price... sent with the inventory"),
     "collector": {
-        "address": Key(str, DEFAULT_ADDRESS, host_port),
+        "address": Key(str, DEFAULT_ADDRESS, host_ports,
+                       help="HOST:PORT of the collector, or several comma-separated (cluster-mode gateways): "
+                            "the agent moves to the next when one goes; a DNS name may have several records"),
         # How the agent proves who it is and checks the collector (common/tls.py, docs/security.md).
         "tls_ca": Key(str, "", help="CA that signed the collector's certificate (PEM); set: TLS"),
         "tls_cert": Key(str, "", help="this node's client certificate (PEM), with tls_key: mTLS"),
@@ -87,6 +89,10 @@ AGENT_SCHEMA: dict[str, Any] = {
         "backoff_max_s": Key((int, float), 10.0, positive),
         "backoff_reset_s": Key((int, float), 10.0, positive,
                                help="a connection up this long resets the backoff to its initial delay"),
+        "reconnect_max_s": Key((int, float), 1.0, positive,
+                               help="while no collector answers at all, each address is tried again at least this "
+                                    "often (a TCP connect), so one back after an outage is found within about this "
+                                    "long; failures after a connection was made back off up to backoff_max_s"),
     },
     "hbm_watch": {
         "enabled": Key(bool, True),

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable
 
 from xpusense import __version__
+from xpusense.common.config import addresses
 from xpusense.common.tls import channel_options, make_channel
 from xpusense.v1 import telemetry_pb2 as pb
 
@@ -151,9 +152,10 @@ class Agent:
             lambda: inventory_to_proto(inventory(cfg, self.states)),
             queue_batches=s.queue_batches, flush_s=s.flush_s, max_samples_per_batch=s.max_samples_per_batch,
             backoff_initial_s=s.backoff_initial_s, backoff_max_s=s.backoff_max_s, agent_version=__version__,
-            backoff_reset_s=s.backoff_reset_s,
-            spool=self.spool, channel=make_channel(cfg.collector.address, cfg.collector,
-                                                    options=channel_options(s.backoff_initial_s, s.backoff_max_s)))
+            backoff_reset_s=s.backoff_reset_s, reconnect_max_s=s.reconnect_max_s,
+            spool=self.spool, channel=[make_channel(a, cfg.collector, options=channel_options(
+                s.backoff_initial_s, min(s.backoff_max_s, s.reconnect_max_s), connect_timeout_s=5.0))
+                for a in addresses(cfg.collector.address)])
         self.stream.resume(spooled)
         self_state, _ = setup_sources([AgentSelfSource(self.stream.status)])
         self.states = self.states + self_state

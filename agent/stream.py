@@ -10,6 +10,11 @@ that cannot be read back, does not decode, or is not this node's is set aside an
 sent; so is one the collector refuses as never passing its limits (INVALID_ARGUMENT). Reconnects
 back off exponentially with jitter; the backoff starts again from its initial delay only after a
 connection that stayed up `backoff_reset_s`, and stop() interrupts the wait.
+The address may name several collectors (cluster-mode gateways, `HOST:PORT,HOST:PORT`): after a
+failure the next one is tried; while none answers at all (no connection made), each is tried again
+at least every `reconnect_max_s`, so a gateway's agents stream through another within a second or
+two and a collector back after an outage is found as soon. A DNS name with several records is
+failed over by gRPC itself (pick_first over the resolved addresses).
 No thread of the client dies of an error: `progress()` moves while both keep working, and the
 agent's systemd watchdog stops being fed when it does not.
 """
@@ -17,7 +22,9 @@ agent's systemd watchdog stops being fed when it does not.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
+import random
 import socket
 import threading
 import time
@@ -28,7 +35,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from xpusense.common.backoff import backoff_delays
-from xpusense.common.config import split_host_port
+from xpusense.common.config import addresses, split_host_port
 from xpusense.common.tls import channel_options
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
@@ -76,12 +83,14 @@ def batch_problem(node_id: str) -> Callable[[str, int, bytes], str | None]:
 
 
 def resolve(address: str) -> None:
-    """Raise ValueError with a person-readable reason when HOST:PORT cannot be resolved."""
-    host, port = split_host_port(address)
-    try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise ValueError(f"collector address {address!r}: host {host!r} does not resolve ({e.strerror})") from None
+    """Raise ValueError with a person-readable reason when a HOST:PORT of `address` (one, or several
+    comma-separated) cannot be resolved."""
+    for one in addresses(address):
+        host, port = split_host_port(one)
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise ValueError(f"collector address {one!r}: host {host!r} does not resolve ({e.strerror})") from None
 
 
 class _StreamCall(Protocol):
@@ -96,8 +105,10 @@ class StreamClient:
     def __init__(self, address: str, node_id: str, boot_id: str, inventory: Callable[[], pb.Inventory],
                  queue_batches: int = 3600, flush_s: float = 0.2, max_samples_per_batch: int = 5000,
                  backoff_initial_s: float = 0.2, backoff_max_s: float = 10.0, agent_version: str = "",
-                 channel: Callable[[], grpc.Channel] | None = None, spool=None, backoff_reset_s: float = 10.0):
+                 channel: Callable[[], grpc.Channel] | list[Callable[[], grpc.Channel]] | None = None, spool=None,
+                 backoff_reset_s: float = 10.0, reconnect_max_s: float = 1.0):
         self.address = address
+        self.addresses = addresses(address)   # several: failed over in turn
         self.node_id = node_id
         self.boot_id = boot_id
         self.inventory = inventory
@@ -108,9 +119,16 @@ class StreamClient:
         self.backoff_max_s = backoff_max_s
         self.backoff_reset_s = backoff_reset_s   # a connection must stay up this long to reset the backoff
         self.agent_version = agent_version
-        # How to reach the collector (common/tls.py builds mTLS / token channels); default plaintext.
-        self.make_channel = channel or (lambda: grpc.insecure_channel(
-            address, options=channel_options(backoff_initial_s, backoff_max_s)))
+        self.reconnect_max_s = reconnect_max_s
+        # How to reach each collector address (common/tls.py builds mTLS / token channels, one factory
+        # per address); default plaintext.
+        self.make_channels: list[Callable[[], grpc.Channel]]
+        if channel is None:
+            opts = channel_options(backoff_initial_s, min(backoff_max_s, reconnect_max_s), connect_timeout_s=5.0)
+            self.make_channels = [functools.partial(grpc.insecure_channel, a, options=opts) for a in self.addresses]
+        else:
+            self.make_channels = list(channel) if isinstance(channel, list) else [channel]
+        self.current = 0    # which address the stream uses (or tries) now
 
         self._cond = threading.Condition()
         self._samples: list[Sample] = []
@@ -438,11 +456,15 @@ class StreamClient:
 
     def _send_loop(self) -> None:
         delays = backoff_delays(self.backoff_initial_s, self.backoff_max_s)
-        channel = self.make_channel()
-        stub = pb_grpc.IngestStub(channel)
+        channels: list[grpc.Channel | None] = [None] * len(self.make_channels)
         try:
             while not self._stop.is_set():
                 up_at = None
+                here = self.addresses[self.current] if len(self.addresses) == len(channels) else self.address
+                channel = channels[self.current]
+                if channel is None:
+                    channel = channels[self.current] = self.make_channels[self.current]()
+                stub = pb_grpc.IngestStub(channel)
                 with self._cond:
                     self._conn_closed = False
                     self._unsent = collections.deque(self._pending)  # resend all not acknowledged, in order
@@ -456,14 +478,15 @@ class StreamClient:
                             self.connected = True
                             self.reconnects += 1
                             up_at = time.monotonic()
-                            log.info("connected to collector %s (%d batches to send)", self.address,
-                                     self.pending())
+                            log.info("connected to collector %s (%d batches to send)", here, self.pending())
                         self._handle(msg)
                     err = "collector closed the stream"
+                    unanswered = False
                 except grpc.RpcError as e:
                     err = f"{e.code().name}: {e.details()}"
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT and (e.details() or "").startswith(REFUSED):
                         self._refused(e.details() or "")
+                    unanswered = up_at is None and e.code() == grpc.StatusCode.UNAVAILABLE
                 finally:
                     with self._cond:
                         self._conn_closed = True
@@ -477,7 +500,7 @@ class StreamClient:
                     break
                 if self.connected or err != self.last_error:
                     log.warning("collector %s unreachable (%s); retrying with backoff, %d batches queued",
-                                self.address, err, self.pending())
+                                here, err, self.pending())
                 self.connected = False
                 self.last_error = err
                 # Only a connection that stayed up resets the backoff: a collector that accepts and
@@ -485,10 +508,15 @@ class StreamClient:
                 if up_at is not None and time.monotonic() - up_at >= self.backoff_reset_s:
                     delays = backoff_delays(self.backoff_initial_s, self.backoff_max_s)
                 self.backoff_s = next(delays)
+                if unanswered:   # no collector there at all: try again soon (a connect is cheap)
+                    self.backoff_s = min(self.backoff_s, random.uniform(self.reconnect_max_s / 2, self.reconnect_max_s))
+                self.current = (self.current + 1) % len(channels)   # the next collector, if there are several
                 self._stop.wait(self.backoff_s)
         finally:
             self.connected = False
-            channel.close()
+            for ch in channels:
+                if ch is not None:
+                    ch.close()
 
     def health(self) -> str:
         """One line for systemd's STATUS=: what keeps delivery from being whole, if anything."""

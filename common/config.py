@@ -66,6 +66,20 @@ def host_port(v: str) -> str | None:
     return complaint_from(split_host_port)(v)
 
 
+def addresses(v: str) -> list[str]:
+    """HOST:PORT[,HOST:PORT...] as a list (spaces around commas allowed); ValueError names a bad one."""
+    out = [a.strip() for a in v.split(",") if a.strip()]
+    if not out:
+        raise ValueError(f"{v!r} is not HOST:PORT[,HOST:PORT...] (e.g. 127.0.0.1:{DEFAULT_PORT})")
+    for a in out:
+        split_host_port(a)
+    return out
+
+
+def host_ports(v: str) -> str | None:
+    return complaint_from(addresses)(v)
+
+
 def split_host_port(v: str) -> tuple[str, int]:
     host, sep, port = v.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -99,13 +99,17 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def channel_options(backoff_initial_s: float = 0.2, backoff_max_s: float = 10.0) -> list[tuple[str, int]]:
+def channel_options(backoff_initial_s: float = 0.2, backoff_max_s: float = 10.0,
+                    connect_timeout_s: float | None = None) -> list[tuple[str, int]]:
     """CHANNEL_OPTIONS plus gRPC's own reconnect backoff bounded like ours: left at its defaults
     (up to 120 s), a channel that failed for a while does not even try to connect when our loop
-    asks it to, and an agent found its collector a minute after it was back."""
+    asks it to, and an agent found its collector a minute after it was back.
+    `connect_timeout_s`: how long one connection attempt may take (gRPC's min_reconnect_backoff is
+    also its minimum connect deadline: at backoff_initial_s, a handshake with a busy collector
+    timed out, and an agent failing over gave up on a live gateway); None: backoff_initial_s."""
     return CHANNEL_OPTIONS + [
         ("grpc.initial_reconnect_backoff_ms", max(1, int(backoff_initial_s * 1000))),
-        ("grpc.min_reconnect_backoff_ms", max(1, int(backoff_initial_s * 1000))),
+        ("grpc.min_reconnect_backoff_ms", max(1, int((connect_timeout_s or backoff_initial_s) * 1000))),
         ("grpc.max_reconnect_backoff_ms", max(1, int(backoff_max_s * 1000))),
     ]
 
