@@ -16,6 +16,10 @@ user-space side; the programs' own time is charged to the tasks that hit the tra
 separately) and its start-up time to all probes attached. Runtime is bounded (about 40 s by default).
 
     sudo .venv/bin/python bench/ebpf_cost.py [--seconds 20] [--json]
+
+bench/footprint.py supersedes this for the README figures: there the whole agent and each peer run
+alone under the same workload (here the peers attach after the agent, so run second on the shared
+tracepoints, which is cheaper per event).
 """
 
 from __future__ import annotations

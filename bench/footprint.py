@@ -179,11 +179,25 @@ def prog_fd_count(pid: int) -> int:
     return n
 
 
+def children(pid: int) -> set[int]:
+    out: set[int] = set()
+    try:
+        for t in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{t}/children") as f:
+                out.update(int(x) for x in f.read().split())
+    except OSError:
+        pass
+    return out
+
+
 def watch_start(pid: int, t_exec: float, out: dict) -> threading.Thread:
-    """Polls every 5 ms for the agent holding the probes' programs; out["attached_s"] = time since exec."""
+    """Polls every 5 ms, from the agent's exec: when its loader process appears (loader_started_s) and
+    when the agent holds the probes' programs (attached_s: the loader attached them just before)."""
     def run():
         deadline = t_exec + 120
         while time.monotonic() < deadline:
+            if "loader_started_s" not in out and children(pid):
+                out["loader_started_s"] = time.monotonic() - t_exec
             if prog_fd_count(pid):
                 out["attached_s"] = time.monotonic() - t_exec
                 return
@@ -466,6 +480,7 @@ def main() -> int:
         if agent.poll() is not None:
             raise SystemExit(f"footprint: the agent exited {agent.returncode}:\n{tail(agent_log)}")
         result["start"] = {"exec_to_probes_held_s": round(started.get("attached_s", -1), 3),
+                           "exec_to_loader_started_s": round(started.get("loader_started_s", -1), 3),
                            "loader": loader_line(agent_log), "probes": probes, "variants": variants}
         result["quiet"] = quiet_window(agent, ne, ne_url, args.seconds)
         if args.load_seconds > 0:
@@ -532,7 +547,8 @@ def report(r: dict) -> None:
     q = r["quiet"]
     print(f"kernel {r['kernel']}, {r['cpus']} CPUs, load average at start {' '.join(r['loadavg_at_start'])}")
     s = r["start"]
-    print(f"start: exec -> probes held by the agent {s['exec_to_probes_held_s']} s; loader process {s['loader']}")
+    print(f"start: exec -> loader process started {s['exec_to_loader_started_s']} s, -> probes held by the agent "
+          f"{s['exec_to_probes_held_s']} s; loader process {s['loader']}")
     print(f"quiet window {q['seconds']} s (machine busy {q['machine_busy_pct']}%), node_exporter scraped "
           f"{q['scrapes']}x ({q['scrape_kb']} KB each, {q['scrape_errors']} errors)")
     print(f"  {'':16} {'CPU %':>7} {'RSS steady':>11} {'RSS max':>8} {'VmHWM':>7} {'threads':>8}")
