@@ -22,6 +22,11 @@ Measured over --seconds after --warmup-s:
     .venv/bin/python bench/collector_ingest.py --agents 8 --rate 0 --seconds 30      # saturation
     .venv/bin/python bench/collector_ingest.py --agents 2000 --rate 1 --seconds 30   # fleet at 1 s
 
+--memory-nodes N: no collector process, no gRPC: the collector's fleet state (limits and scheduler
+index in, as `serve` has them) is fed in-process N nodes x --history-s of 1 s batches with synthetic
+timestamps (15 minutes of history without running 15 minutes); prints the RSS and tracemalloc growth
+per node, the state's own estimate ([state] max_memory counts with it) and the CPU per batch.
+
 --profile FILE runs the collector under cProfile and writes its stats to FILE (slows it down).
 
 --durable: the collector keeps a durable store (every batch fsync'ed before its ack, group commit),
@@ -322,6 +327,83 @@ def list_bench_nodes(address: str) -> list:
     return [n for n in reply.nodes if n.node_id.startswith(NODE_PREFIX)]
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def memory_mode(nodes: int, history_s: float, trace: bool) -> int:
+    """N nodes x history_s of 1 s batches into an in-process FleetState (limits and scheduler index
+    in): memory per node with a full history, and the CPU each batch costs on the way."""
+    import gc
+    import tracemalloc
+
+    from xpusense.collector.config import load_collector
+    from xpusense.collector.limits import Limits
+    from xpusense.collector.scheduler.core import Scheduler
+    from xpusense.collector.state import FleetState
+    cfg = load_collector(None, env={})
+    agents = [SimAgent(i, "nvidia" if i % 2 == 0 else "huawei") for i in range(nodes)]
+    gc.collect()
+    rss0 = rss_bytes()
+    if trace:
+        tracemalloc.start()
+    state = FleetState(history_s=history_s, events_kept=cfg.events_kept)
+    limits = Limits.from_config(cfg.limits, clock=lambda: 0.0)   # synthetic time: no rate limit hit
+    state.max_series_per_node = limits.max_series_per_node
+    core = Scheduler(state, cfg.scheduler, cfg.stale_s)
+    for a in agents:
+        state.hello(a.hello.hello)
+    rounds = int(history_s)
+    t_base = time.time_ns() - rounds * 10**9
+    cpu_s_ = 0.0   # limits, state and index only (not making the batches)
+    clock = time.process_time
+    for k in range(rounds):
+        t = t_base + k * 10**9
+        for a in agents:
+            a.next_batch()
+            b = a.msg.batch
+            for smp in a.samples:
+                smp.time_unix_nano = t
+            c0 = clock()
+            if limits.check(a.node_id, b, state) is None and state.accept(b, now_ns=t) is not None:
+                state.apply(b)
+            cpu_s_ += clock() - c0
+        c0 = clock()
+        core.view.refresh_dirty()   # what the loop's timer does each index_refresh_ms
+        cpu_s_ += clock() - c0
+    traced = tracemalloc.get_traced_memory()[0] if trace else 0
+    if trace:
+        tracemalloc.stop()
+    gc.collect()
+    rss1 = rss_bytes()
+    points = sum(len(ser.history) for n in state.nodes.values() for ser in n.series.values())
+    series = sum(len(n.series) for n in state.nodes.values())
+    per_node = (rss1 - rss0) / nodes
+    print(f"collector fleet state in-process: {nodes} nodes x {DEVICES}x{len(SERIES)} series x {rounds} s of 1 s "
+          f"batches (synthetic timestamps), limits and scheduler index in")
+    rows = [("points held / series", f"{points}/{series}", f"{points / max(series, 1):.0f} a series"),
+            ("RSS growth per node, MB", f"{per_node / 1e6:.2f}", "goal <= 3 MB"),
+            ("tracemalloc per node, MB", f"{traced / nodes / 1e6:.2f}" if trace else "-", ""),
+            ("state's own estimate per node, MB", f"{state.memory_bytes() / nodes / 1e6:.2f}", "[state] max_memory"),
+            ("RSS growth per point, bytes", f"{(rss1 - rss0) / max(points, 1):.1f}", ""),
+            ("2,000 nodes would take, GB", f"{per_node * 2000 / 1e9:.1f}", "goal <= 6 GB"),
+            ("CPU per batch in-process, us", f"{cpu_s_ / (rounds * nodes) * 1e6:.0f}",
+             "limits, state, index refresh; no gRPC, no parse")]
+    for name, val, note in rows:
+        print(f"  {name:<44} {val:>14}  {note}")
+    print(json.dumps({"bench": "collector_memory", "nodes": nodes, "history_s": history_s, "points": points,
+                      "series": series, "rss_per_node_mb": round(per_node / 1e6, 3),
+                      "traced_per_node_mb": round(traced / nodes / 1e6, 3) if trace else None,
+                      "estimate_per_node_mb": round(state.memory_bytes() / nodes / 1e6, 3),
+                      "cpu_us_per_batch": round(cpu_s_ / (rounds * nodes) * 1e6, 1),
+                      "goal_met": per_node <= 3e6}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--agents", type=int, default=8, help="simulated agents, one stream each (default 8)")
@@ -343,7 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collector-cmd", metavar="CMD",
                    help="another collector build to measure (default: xpusense-collector); "
                         "'serve --listen ...' is appended")
+    p.add_argument("--memory-nodes", type=int, default=0, metavar="N",
+                   help="in-process memory figure: N nodes x --history-s of 1 s history (no collector process)")
+    p.add_argument("--history-s", type=float, default=900.0, help="with --memory-nodes: history fed (default 900)")
+    p.add_argument("--tracemalloc", action="store_true", help="with --memory-nodes: also tracemalloc (slower)")
     args = p.parse_args(argv)
+    if args.memory_nodes:
+        return memory_mode(args.memory_nodes, args.history_s, args.tracemalloc)
     if args.data_dir:
         args.durable = True
         if os.path.isdir(args.data_dir) and any(n.endswith(".log") for n in os.listdir(args.data_dir)):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xpusense.common.config import DEFAULT_ADDRESS, Key, host_port, load, log_level, positive
+from xpusense.common.config import DEFAULT_ADDRESS, Key, host_port, load, log_level, non_negative, positive
 from xpusense.common.otlp import otlp_schema
 
 from .cluster.config import NATS_SCHEMA, check_nats
@@ -30,6 +30,13 @@ COLLECTOR_SCHEMA = {
         "retry_s": Key((int, float), 1.0, positive, help="while the disk cannot be written, how often to try again"),
         "damaged_keep_bytes": Key(int, 256 * 2**20, positive,
                                   help="damaged bytes found at start are copied into data_dir/damaged/ up to this"),
+    },
+    # The fleet state's memory (collector/state.py): history is shortened first, then new series refused.
+    "state": {
+        "max_memory": Key(int, 0, non_negative, help="bytes the fleet state may hold (its own estimate); at it the "
+                                                     "history is shortened, then samples of new series are dropped, "
+                                                     "counted and logged; 0: no budget"),
+        "min_history_points": Key(int, 60, positive, help="the budget never cuts a series' history below this"),
     },
     "scheduler": SCHEDULER_SCHEMA,
     # Cluster mode (collector/cluster/, docs/scale.md): with urls set, serve is a gateway to NATS JetStream.

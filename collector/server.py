@@ -146,6 +146,11 @@ class IngestServicer(pb_grpc.IngestServicer):
         if node_id not in self.state.nodes and len(self.state.nodes) >= max_nodes:
             return Violation(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the collector holds limits.max_nodes = {max_nodes} "
                              f"nodes; node {node_id[:128]!r} is not taken", "max_nodes")
+        if node_id not in self.state.nodes and getattr(self.state, "full", bool)():
+            self.state.counters["state.max_memory.nodes_refused"] += 1
+            return Violation(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the collector's fleet state is at its memory budget "
+                             f"([state] max_memory) with its history at its shortest; node {node_id[:128]!r} is not "
+                             f"taken (raise max_memory, or lower min_history_points or history_s)", "max_memory")
         return None
 
     async def _stream(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -428,6 +433,8 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
         await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
     if store is not None:   # overall and Ingest health: NOT_SERVING while the store cannot write
         server.store_health = set()   # the tasks that set it, held until done
+    if config is not None and hasattr(state, "configure"):   # [state]: the memory budget
+        state.configure(config.state.max_memory, config.state.min_history_points)
         store.on_change.append(functools.partial(_follow_store, hs, store, server.store_health))
         await _store_health(hs, store)
     return server

@@ -10,6 +10,15 @@ Bounds (collector/limits.py decides; the state counts and keeps to them): the bo
 node (the boots with an open stream are never forgotten), the series of a node (`max_series_per_node`,
 held even against batches admitted together; series with no point for `history_s` are let go first),
 how far a boot's sequence number may jump (`seq_ceiling`), and the bytes of one ListNodes page.
+
+Memory: history is kept 16 bytes a point (collector/history.py). With `max_memory` set ([state]
+max_memory), the state estimates what it holds (history points x POINT_BYTES, plus SERIES_BYTES a
+series and NODE_BYTES a node, measured with tracemalloc) and keeps under it: first the history is
+shortened (every series' ring cut to fewer points, `history_points` shows how many; counted as
+`state.max_memory.history_shortened`, logged), down to `min_history_points`; only then are samples
+of new series dropped (`state.max_memory.samples_dropped`, logged), and the server refuses new
+nodes (`full()`). Points are let go in bulk, so the estimate may pass the budget by up to 1/8 of the
+shortened history (the cut aims at 90% of it). Never an OOM kill.
 """
 
 from __future__ import annotations
@@ -18,12 +27,21 @@ import bisect
 import collections
 import hashlib
 import itertools
+import logging
 import math
 import time
 
 from xpusense.v1 import telemetry_pb2 as pb
 
+from .history import POINT_BYTES, History
+
+log = logging.getLogger("xpusense.collector")
+
 MAX_BOOTS_REMEMBERED = 8
+# What a series and a node hold besides their history's slots, measured with tracemalloc
+# (bench/collector_ingest.py --memory): the Series, its key, labels, map entries.
+SERIES_BYTES = 1100
+NODE_BYTES = 8000
 
 
 class Series:
@@ -40,7 +58,7 @@ class Series:
         self.prev_value = math.nan
         self.prev_time_ns = 0
         self.histogram = None
-        self.history: collections.deque = collections.deque(maxlen=history_points)
+        self.history = History()
 
     def rate(self) -> float:
         if self.kind != pb.COUNTER or not self.prev_time_ns or self.time_ns <= self.prev_time_ns:
@@ -88,6 +106,62 @@ class FleetState:
         self.restored_at_ns = clock()
         self.max_series_per_node: int | None = None   # set by the server from limits.max_series_per_node
         self.counters: collections.Counter[str] = collections.Counter()
+        # Memory ([state]): the history's points per series now (history_points until a budget cuts it).
+        self.history_cap = self.history_points
+        self.max_memory = 0                 # bytes; 0: no budget
+        self.min_history_points = 60
+        self.history_slots = 0              # points held in every series' history (POINT_BYTES each)
+        self.series_total = 0
+
+    def configure(self, max_memory: int = 0, min_history_points: int = 60) -> None:
+        """The [state] budget (collector/config.py); applied at once if already over it."""
+        self.max_memory, self.min_history_points = int(max_memory), max(1, int(min_history_points))
+        if self.max_memory and self.memory_bytes() > self.max_memory:
+            self._over_budget()
+
+    def memory_bytes(self) -> int:
+        """What the fleet state holds, estimated (see the module docstring)."""
+        return self.history_slots * POINT_BYTES + self.series_total * SERIES_BYTES + len(self.nodes) * NODE_BYTES
+
+    def _over_budget(self) -> bool:
+        """Over max_memory: shorten every series' history (to 90% of the budget); False when it is
+        as short as allowed already (then new series are refused)."""
+        fixed = self.series_total * SERIES_BYTES + len(self.nodes) * NODE_BYTES
+        room = max(0, int(self.max_memory * 0.9) - fixed) // POINT_BYTES
+        cap = max(self.min_history_points, min(int(self.history_cap * 0.9), room // max(1, self.series_total)))
+        if cap >= self.history_cap:
+            return False
+        before = self.history_cap
+        self.history_cap = cap
+        for n in self.nodes.values():
+            for ser in n.series.values():
+                self.history_slots -= ser.history.shrink(cap)
+        self.counters["state.max_memory.history_shortened"] += 1
+        self.counters["state.history_points"] = cap
+        log.warning("fleet state at its memory budget ([state] max_memory = %d bytes, ~%d held): history "
+                    "shortened from %d to %d points a series", self.max_memory, self.memory_bytes(), before, cap)
+        return True
+
+    def full(self) -> bool:
+        """At the memory budget with the history as short as allowed: no room for another node."""
+        return bool(self.max_memory) and self.history_cap <= self.min_history_points and \
+            self.memory_bytes() + NODE_BYTES > self.max_memory
+
+    def _room_for_series(self) -> bool:
+        """Whether a new series fits the budget (history shortened first, if it can be)."""
+        need = SERIES_BYTES + POINT_BYTES
+        if self.memory_bytes() + need <= self.max_memory:
+            return True
+        self._over_budget()
+        if self.memory_bytes() + need <= self.max_memory:
+            return True
+        c = self.counters
+        if not c["state.max_memory.samples_dropped"] % 10_000:
+            log.warning("fleet state at its memory budget ([state] max_memory = %d bytes) with the history at its "
+                        "shortest (%d points): samples of new series are dropped (%d so far)", self.max_memory,
+                        self.history_cap, c["state.max_memory.samples_dropped"])
+        c["state.max_memory.samples_dropped"] += 1
+        return False
 
     def _node(self, node_id: str) -> NodeState:
         n = self.nodes.get(node_id)
@@ -218,7 +292,8 @@ class FleetState:
         cutoff = max(newest_ns, max((s.time_ns for s in n.series.values()), default=0)) - self.history_ns
         old = [k for k, s in n.series.items() if s.time_ns < cutoff]
         for k in old:
-            del n.series[k]
+            self.history_slots -= len(n.series.pop(k).history)
+        self.series_total -= len(old)
         if old:
             n.refs.clear()
             self.counters["series_expired"] += len(old)
@@ -231,6 +306,23 @@ class FleetState:
         if n.stored_up_to.get(batch.boot_id, 0) >= batch.seq:
             n.stored_up_to[batch.boot_id] = previous
 
+    def _series_for(self, series: dict[tuple, Series], s: pb.Sample, room: int | None) -> Series | None:
+        """The node's series of sample `s` by name and labels, made if new and there is room (None:
+        dropped, counted)."""
+        key = (s.name, tuple(sorted(s.labels.items())))
+        ser = series.get(key)
+        if ser is None:
+            if room is not None and len(series) >= room:
+                # Batches admitted together (limits.py counts each against the series already
+                # there) may add more than the room left: the excess is dropped, and counted.
+                self.counters["limits.max_series_per_node.samples_dropped"] += 1
+                return None
+            if self.max_memory and not self._room_for_series():
+                return None
+            ser = series[key] = Series(s, self.history_points)
+            self.series_total += 1
+        return ser
+
     def apply(self, batch: pb.Batch) -> None:
         """The batch's samples and events into the fleet state (after accept)."""
         n = self._node(batch.node_id)
@@ -242,35 +334,39 @@ class FleetState:
         if refs is None:
             refs = n.refs[batch.boot_id] = {}
         room = self.max_series_per_node
+        hist_ns, cap = self.history_ns, self.history_cap
+        slack_ns = hist_ns >> 5
+        grown = 0
         for s in batch.samples:
             # Reading a protobuf map from Python is the costly part of ingest: do it once per series.
             ref = s.series_ref
             ser = refs.get(ref) if ref else None
             if ser is None:
-                key = (s.name, tuple(sorted(s.labels.items())))
-                ser = series.get(key)
+                ser = self._series_for(series, s, room)
                 if ser is None:
-                    if room is not None and len(series) >= room:
-                        # Batches admitted together (limits.py counts each against the series already
-                        # there) may add more than the room left: the excess is dropped, and counted.
-                        self.counters["limits.max_series_per_node.samples_dropped"] += 1
-                        continue
-                    ser = series[key] = Series(s, self.history_points)
+                    continue
                 if ref:
                     refs[ref] = ser
-            t = s.time_unix_nano
+                cap = self.history_cap   # a new series may have shortened the history (max_memory)
+            t, v = s.time_unix_nano, s.value
             if t >= ser.time_ns:   # an older point (agent clock stepped back) only joins the history
                 ser.prev_value, ser.prev_time_ns = ser.value, ser.time_ns
-                ser.value, ser.time_ns = s.value, t
-                if s.kind == pb.HISTOGRAM:
-                    ser.histogram = s.histogram
-            h = ser.history
-            h.append((t, s.value))
+                ser.value, ser.time_ns = v, t
+                if s.kind == pb.HISTOGRAM:   # a copy: a sub-message would keep the whole batch alive
+                    ser.histogram = hg = pb.Histogram()
+                    hg.CopyFrom(s.histogram)
             # Age is measured on the agent's clock (the series' newest point), so a skewed
             # agent clock cannot empty the history.
-            cutoff = ser.time_ns - self.history_ns
-            while h and h[0][0] < cutoff:
-                h.popleft()
+            h = ser.history
+            h.t.append(t)
+            h.v.append(v)
+            grown += 1
+            if t > h.due_t or len(h.t) > h.due_n:
+                grown -= h.prune(ser.time_ns - hist_ns, cap, hist_ns, slack_ns)
+        if grown:
+            self.history_slots += grown
+            if self.max_memory and self.memory_bytes() > self.max_memory:
+                self._over_budget()
         for e in batch.events:
             n.events.appendleft(e)
         for w in self.watchers:
@@ -342,7 +438,8 @@ class FleetState:
         if ser is None:
             return None
         reply = pb.HistoryReply(unit=ser.unit)
-        reply.points.extend(pb.Point(time_unix_nano=t, value=v) for t, v in ser.history)
+        reply.points.extend(pb.Point(time_unix_nano=t, value=v)
+                            for t, v in ser.history.points(ser.time_ns - self.history_ns, self.history_cap))
         return reply
 
 
