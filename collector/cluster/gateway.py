@@ -105,6 +105,8 @@ class ClusterIngestServicer(pb_grpc.IngestServicer):
         node_id, boot_id = hello.node_id, hello.boot_id
         if self.security is not None:
             await self.security.authorize(context, node_id)
+        if (why := self._inventory_refused(node_id, hello.inventory)) is not None:
+            await context.abort(why.code, why.message)
         gw.sessions += 1
         session = f"{gw.id}/{gw.sessions}"
         subject = gw.subject(node_id, hello.inventory)
@@ -155,6 +157,17 @@ class ClusterIngestServicer(pb_grpc.IngestServicer):
             log.info("node %s disconnected", node_id)
             request_iterator = first = hello = None
 
+    def _inventory_refused(self, node_id: str, inv: pb.Inventory):
+        """collector/limits.py's bound on an inventory (counted and logged as the collector does)."""
+        check = getattr(self.limits, "check_inventory", None)
+        if check is None:
+            return None
+        v = check(inv)
+        if v is not None:
+            self.limits.count(v)
+            self.limits.log.warning("node %r: %s", node_id[:128], v.message)
+        return v
+
     async def _bye(self, node_id: str, boot_id: str, subject: str, session: str) -> None:
         try:
             await self.gw.marks.flush(node_id, boot_id)
@@ -191,8 +204,7 @@ class ClusterIngestServicer(pb_grpc.IngestServicer):
                                                            {MSG_ID: msg_id(node_id, b.boot_id, b.seq)}))
                     pending.put_nowait((b, fut))
                 elif kind == "inventory":
-                    check = getattr(self.limits, "check_inventory", None)
-                    if check is not None and (why := check(node_id, msg.inventory)):
+                    if (why := self._inventory_refused(node_id, msg.inventory)) is not None:
                         pending.put_nowait(_End(why.code, why.message))
                         return
                     state["subject"] = gw.subject(node_id, msg.inventory)

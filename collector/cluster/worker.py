@@ -41,7 +41,7 @@ from .summary import NodeLatest, decode, fleet_key
 log = logging.getLogger("xpusense.collector.cluster.worker")
 
 _TRANSIENT = (nats.errors.TimeoutError, nats.js.errors.APIError, nats.errors.NoRespondersError,
-              nats.errors.ConnectionReconnectingError, TimeoutError)
+              nats.js.errors.NoStreamResponseError, nats.errors.ConnectionReconnectingError, TimeoutError)
 
 
 def _stream_time_ns(reply: str) -> int:
@@ -76,21 +76,31 @@ class Worker:
 
     # -- leases -----------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
-        try:
+        """Leases renewed every lease_s / 3 and summaries written every summary_s, each on its own
+        task: writing many summaries (a backlog, a takeover) never delays a renewal."""
+        async def every(period_s: float, step, what: str) -> None:
             while not stop.is_set():
                 t0 = time.monotonic()
                 try:
-                    await self._round()
+                    await step()
                 except _TRANSIENT as e:
-                    log.info("worker %s: the cluster did not answer this round: %s", self.id, e)
+                    log.info("worker %s: the cluster did not answer (%s): %s", self.id, what, e)
+                except Exception:   # never die of one round: the leases would run out for nothing
+                    log.exception("worker %s: %s round failed; trying again", self.id, what)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), max(0.05, self.ncfg.summary_s - (time.monotonic() - t0)))
+                    await asyncio.wait_for(stop.wait(), max(0.05, period_s - (time.monotonic() - t0)))
+
+        try:
+            await asyncio.gather(every(self.ncfg.lease_s / 3, self._round, "leases"),
+                                 every(self.ncfg.summary_s, self.write_summaries, "summaries"))
         finally:
             for k in list(self.parts):
-                await self._release(k, delete=True)
+                try:
+                    await self._release(k, delete=True)
+                except Exception as e:   # the leases run out by themselves
+                    log.info("worker %s: partition %d not handed over cleanly: %s", self.id, k, e)
 
     async def _round(self) -> None:
-        await self.write_summaries()
         leases, n = self.buckets.leases, self.ncfg
         await leases.put(f"w.{token(self.id)}", b"")
         try:
@@ -130,7 +140,13 @@ class Worker:
             try:   # our last renewal may have been stored without its ack reaching us
                 e = await leases.get(f"p.{k}")
             except nats.js.errors.NotFoundError:
-                return False
+                # Expired (this worker was held up past lease_s): nobody took it yet, so take it again.
+                try:
+                    p.revision = await leases.create(f"p.{k}", self.id.encode())
+                    log.info("worker %s: partition %d's lease had run out; renewed", self.id, k)
+                    return True
+                except nats.js.errors.KeyWrongLastSequenceError:
+                    return False
             if e.value == self.id.encode():
                 p.revision = e.revision
                 return True
@@ -166,7 +182,7 @@ class Worker:
             try:
                 sub = await self._open(p, stream, durable)
                 break
-            except _TRANSIENT as e:
+            except Exception as e:
                 log.info("worker %s: partition %d not open yet: %s", self.id, p.k, e)
                 await asyncio.sleep(0.5)
         p.ready.set()
@@ -175,7 +191,7 @@ class Worker:
                 msgs = await sub.fetch(batch=512, timeout=1.0)
             except (TimeoutError, nats.errors.TimeoutError):
                 continue
-            except _TRANSIENT as e:
+            except Exception as e:   # transient (an election, a reconnect): the partition goes on
                 log.debug("worker %s: partition %d fetch: %s", self.id, p.k, e)
                 await asyncio.sleep(0.2)
                 continue

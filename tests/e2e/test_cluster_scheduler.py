@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import threading
 import time
 
 from cluster_support import SimAgent, cluster_config, module_cmd, nats_cluster, start_gateway  # noqa: F401
@@ -39,9 +40,14 @@ def test_scheduler_replicas_answer_place_from_the_fleet_bucket(nats_cluster, pro
     procs(module_cmd("worker", "--config", str(cfg)), "worker")
     s1, a1 = start_scheduler(procs, cfg, "scheduler-1")            # started before any node: the watch fills it
     agents = {n: SimAgent(gw, n, labels) for n, labels in FLEET.items()}
-    for _ in range(3):
-        for a in agents.values():
-            a.send()
+    readings = {n: {} for n in FLEET}            # what each node reports, as live agents would every 0.5 s
+    stop = threading.Event()
+
+    def report():
+        while not stop.wait(0.5):
+            for n, a in agents.items():
+                a.send(**readings[n])
+    threading.Thread(target=report, daemon=True).start()
     s2, a2 = start_scheduler(procs, cfg, "scheduler-2")            # started after: the list fills it
     for addr in (a1, a2):
         r = wait_until(lambda addr=addr: (r := place(addr)) and r.get("nodes_feasible") == 3 and r, 60,
@@ -59,8 +65,7 @@ def test_scheduler_replicas_answer_place_from_the_fleet_bucket(nats_cluster, pro
         wait_until(lambda addr=addr: "bj-2" not in [c["node_id"] for c in place(addr)["candidates"]], 30,
                    what=f"the XID in {addr}'s index")
     # Fresh readings move the ranking: bj-1 busy and full leaves sh-1 on top.
-    for _ in range(2):
-        agents["bj-1"].send(util=0.95, used=79 * 2**30)
+    readings["bj-1"] = {"util": 0.95, "used": 79 * 2**30}
     wait_until(lambda: [c["node_id"] for c in place(a2)["candidates"]] == ["sh-1"], 30, what="bj-1 full")
     # nodes through a scheduler replica: the same fleet
     assert {n["node_id"] for n in nodes_json(a1)["nodes"]} == set(FLEET)
@@ -71,6 +76,7 @@ def test_scheduler_replicas_answer_place_from_the_fleet_bucket(nats_cluster, pro
     out = subprocess.run([str(BIN / "xpusense-collector"), "place", "--collector", gw], capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 1 and "scheduler replicas" in out.stderr
+    stop.set()
     for a in agents.values():
         a.close()
     assert s2.p.poll() is None
