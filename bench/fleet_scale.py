@@ -1,0 +1,416 @@
+"""Cluster mode at fleet scale (issue 16): what each part of the tier does per core and per node
+on this machine, and what 100,000 nodes at one batch a second would take.
+
+A real 3-server NATS JetStream cluster on loopback (collector/cluster/localnats.py, R3 streams,
+JetStream's default sync policy), then, one after the other:
+
+1. gateway, saturation: one `serve --nats` gateway pinned to CPU 0, simulated agents (the load
+   generator of bench/collector_ingest.py: 8 devices x 20 series = 160 samples a batch, --window
+   in flight) on the other CPUs as fast as acks allow; batches/s acknowledged (each after its R3
+   publish ack) divided by the gateway's CPU (utime+stime, /proc) = batches/s per core;
+2. gateway, a fleet at 1 s: --fleet agents x 1 batch/s through the same gateway; ack p99 (sample
+   time -> Ack at the agent, an upper bound on -> stored in JetStream);
+3. worker: a worker in this process (collector/cluster/worker.py) takes every partition and reads
+   the backlog the first two steps left in the streams; batches handled / this process's CPU;
+4. memory per node (tracemalloc, Python allocations): --mem-nodes nodes' worker state
+   (NodeLatest after batches of 160 samples and an 8-device inventory) and, from their summaries,
+   the scheduler replica's (FleetIndex + the scheduler core's index);
+5. Place at --place-nodes nodes: their summaries put in the `fleet` bucket, a FleetIndex lists
+   and watches it (collector/cluster/scheduler.py) and the core answers in process (p50/p99 over
+   the request shapes of bench/place_latency.py); then a `scheduler` replica process answers a
+   client over gRPC;
+6. the projection for 100,000 nodes at 1 batch/s: cores of gateways and workers from the rates
+   above, the scheduler replicas' cost of following the bucket (measured per summary update) and
+   the memory of worker and scheduler state from the per-node figures.
+
+    .venv/bin/python bench/fleet_scale.py                 # ~4 min on a 2-core VM
+
+Prints a table, then one line of JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from types import SimpleNamespace
+
+from _proc import cpu_s, free_port, stop, tail, wait_collector
+from collector_ingest import DEVICES, SERIES, percentile, raise_nofile
+from collector_ingest import SimAgent as LoadAgent
+from collector_ingest import worker as load_worker
+from place_latency import Fleet, config, grpc_client, pct, requests
+
+GOALS = {"gateway_per_core": 2500, "worker_per_core": 3000, "bytes_per_node": 64 * 1024, "ack_p99_ms": 100.0,
+         "place_inproc_p99_ms": 1.0, "place_grpc_p99_ms": 5.0}
+TARGET_NODES = 100_000
+
+
+def nats_cfg(urls: list[str], summary_s: float = 2.0) -> SimpleNamespace:
+    from xpusense.collector.cluster.cli import load_config
+    cfg = load_config(None, {"nats.urls": urls, "nats.summary_s": summary_s}, env={})
+    return cfg
+
+
+def collector_toml(tmp: str, urls: list[str], top: str = "") -> str:
+    path = os.path.join(tmp, "collector.toml")
+    with open(path, "w") as f:
+        f.write(top + "[limits]\nbatches_per_s = 1000000\nburst_batches = 1000000\n[nats]\nurls = [%s]\n"
+                % ", ".join(f'"{u}"' for u in urls))
+    return path
+
+
+def load(address: str, agents: int, rate: float, window: int, seconds: float, warmup_s: float,
+         gen_cpus: list[int], watch_pid: int, procs: int) -> dict:
+    """collector_ingest's simulated agents against `address`; the figures and watch_pid's CPU."""
+    ctx = mp.get_context("spawn")
+    shared = ctx.Array("d", 3, lock=False)
+    ready_q, out_q = ctx.Queue(), ctx.Queue()
+    procs = max(1, min(procs, agents))
+    groups = [list(range(i, agents, procs)) for i in range(procs)]
+    workers = []
+    try:
+        for g in groups:
+            w = ctx.Process(target=load_worker, args=(g, address, rate, window, gen_cpus, ready_q, shared, out_q),
+                            daemon=True)
+            w.start()
+            workers.append(w)
+        for _ in groups:
+            _, fails, _, _ = ready_q.get(timeout=300)
+            if fails:
+                raise RuntimeError(f"{len(fails)} simulated agents failed to connect, e.g. {fails[0]}")
+        go = time.monotonic() + 0.2
+        t0, t1 = go + warmup_s, go + warmup_s + seconds
+        shared[1], shared[2] = t0, t1
+        shared[0] = go
+        time.sleep(max(0.0, t0 - time.monotonic()))
+        c0, w0 = cpu_s(watch_pid), time.monotonic()
+        time.sleep(max(0.0, t1 - time.monotonic()))
+        c1, w1 = cpu_s(watch_pid), time.monotonic()
+        results = [out_q.get(timeout=120) for _ in workers]
+    finally:
+        shared[2] = shared[2] or -1.0
+        for w in workers:
+            w.join(10)
+            if w.is_alive():
+                w.terminate()
+    wall = w1 - w0
+    lat = sorted(x for r in results for x in r["latencies_ms"])
+    acked = sum(r["window_acked"] for r in results)
+    return {"batches_s": acked / wall, "cpu": (c1 - c0) / wall, "p50_ms": percentile(lat, 0.5),
+            "p99_ms": percentile(lat, 0.99), "max_ms": percentile(lat, 1.0),
+            "errors": [f for r in results for f in r["fails"]], "sent": sum(r["sent"] for r in results)}
+
+
+# -- 3. the worker --------------------------------------------------------------------------------------
+async def worker_rate(urls: list[str], timeout_s: float = 300.0) -> dict:
+    from xpusense.collector.cluster.engine import connect, ensure
+    from xpusense.collector.cluster.subjects import stream_name
+    from xpusense.collector.cluster.worker import Worker
+    cfg = nats_cfg(urls, summary_s=2.0)
+    n = cfg.nats
+    nc = await connect(n, "bench-worker")
+    js = nc.jetstream(timeout=10)
+    buckets = await ensure(js, n)
+    total = 0
+    for i in range(n.streams):
+        total += (await js.stream_info(stream_name(n.prefix, i))).state.messages
+    w = Worker(js, buckets, n, "bench-worker")
+    stop_ev = asyncio.Event()
+    c0, t0 = time.process_time(), time.monotonic()
+    task = asyncio.create_task(w.run(stop_ev))
+    while time.monotonic() - t0 < timeout_s and w.messages < total:
+        await asyncio.sleep(0.05)
+    c1, t1 = time.process_time(), time.monotonic()
+    stop_ev.set()
+    await task
+    await nc.close()
+    return {"handled": w.handled, "in_stream": total, "messages": w.messages, "cpu_s": c1 - c0, "wall_s": t1 - t0,
+            "per_core": w.handled / max(1e-9, c1 - c0), "nodes": len(w.nodes), "dropped": w.dropped}
+
+
+# -- 4. memory per node -----------------------------------------------------------------------------
+def summaries(count: int, seed: int = 7) -> tuple[list[bytes], int]:
+    """`count` nodes' summaries as workers write them (NodeLatest after two 160-sample batches)
+    and the worker state's Python allocations per node (tracemalloc)."""
+    from xpusense.collector.cluster.summary import NodeLatest
+    fleet = Fleet(count, random.Random(seed))
+    agent = LoadAgent(0, "nvidia")
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    nodes = []
+    for i in range(count):
+        node = NodeLatest(fleet.ids[i], 0)
+        node.hello(fleet.hello(i), "gw/1", "ipv4:10.0.0.1:5000", time.time_ns())
+        for _ in range(2):
+            agent.next_batch()
+            b = agent.msg.batch
+            b.node_id, b.boot_id = fleet.ids[i], "bench-boot"
+            node.apply(b, time.time_ns())
+            node.apply(fleet.batch(i), time.time_ns())
+        nodes.append(node)
+    per_node = (tracemalloc.get_traced_memory()[0] - before) / count
+    tracemalloc.stop()
+    return [n.encode("bench", time.time_ns()) for n in nodes], int(per_node)
+
+
+def scheduler_memory(data: list[bytes]) -> tuple[int, float]:
+    """Python allocations per node of a scheduler replica's FleetIndex + core over these summaries,
+    and the CPU per summary update (the same summaries applied again: in-place refresh)."""
+    from xpusense.collector.cluster.scheduler import FleetIndex
+    from xpusense.collector.scheduler.core import Scheduler
+    cfg = config()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    idx = FleetIndex()
+    for i, d in enumerate(data):
+        idx.apply(d, i + 1)
+    core = Scheduler(idx, cfg.scheduler, cfg.stale_s)
+    per_node = (tracemalloc.get_traced_memory()[0] - before) / len(data)
+    tracemalloc.stop()
+    c0 = time.process_time()
+    for i, d in enumerate(data):
+        idx.apply(d, len(data) + i + 1)
+    update_s = (time.process_time() - c0) / len(data)
+    assert core.view.summaries
+    return int(per_node), update_s
+
+
+# -- 5. Place from the KV-fed index ---------------------------------------------------------------------
+def refreshed(data: list[bytes]) -> list[tuple[str, bytes]]:
+    """(key, summary) with the node seen now, as its worker would write it next."""
+    import msgpack
+
+    from xpusense.collector.cluster.subjects import partition, token
+    from xpusense.collector.cluster.summary import decode, fleet_key
+    now = time.time_ns()
+    out = []
+    for raw in data:
+        d = decode(raw)
+        d["t"] = d["at"] = now
+        out.append((fleet_key(partition(d["n"], 12), token(d["n"])), msgpack.packb(d, use_bin_type=True)))
+    return out
+
+
+async def refresher(kv, data: list[bytes], per_s: float, stop_ev: asyncio.Event) -> int:
+    """Summaries written again at `per_s` a second (fresh last-seen), as workers do: the index follows."""
+    sent, i, t0 = 0, 0, time.monotonic()
+    while not stop_ev.is_set():
+        due = int((time.monotonic() - t0) * per_s) - sent
+        if due > 0:
+            chunk = refreshed([data[(i + k) % len(data)] for k in range(min(due, 200))])
+            await asyncio.gather(*(kv.put(k, v) for k, v in chunk))
+            sent += len(chunk)
+            i += len(chunk)
+        await asyncio.sleep(0.02)
+    return sent
+
+
+async def place_from_bucket(urls: list[str], data: list[bytes], seconds: float, updates_s: float) -> dict:
+    from xpusense.collector.cluster.engine import connect, ensure
+    from xpusense.collector.cluster.scheduler import follow_fleet
+    cfg = config()
+    cfg.nats = nats_cfg(urls).nats
+    cfg.stale_s = 3600.0         # what is measured is the decision, not how long the bench took to set up
+    n = cfg.nats
+    nc = await connect(n, "bench-place")
+    js = nc.jetstream(timeout=30)
+    buckets = await ensure(js, n)
+    t0 = time.monotonic()
+    for i in range(0, len(data), 500):
+        await asyncio.gather(*(buckets.fleet.put(k, v) for k, v in refreshed(data[i:i + 500])))
+    put_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    sched = await follow_fleet(js, buckets.fleet, cfg, timeout_s=300)
+    list_s = time.monotonic() - t0
+    reqs = requests()
+    lat, cpu = [], []
+    for r in reqs:
+        sched.core.place(r)          # the first of each shape is not counted
+    stop_ev = asyncio.Event()
+    refresh = asyncio.create_task(refresher(buckets.fleet, data, updates_s, stop_ev))
+    u0 = sched.index.updates
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end:
+        c, t = time.thread_time_ns(), time.perf_counter_ns()
+        sched.core.place(reqs[i % len(reqs)])
+        lat.append((time.perf_counter_ns() - t) / 1e6)
+        cpu.append((time.thread_time_ns() - c) / 1e6)
+        i += 1
+        await asyncio.sleep(0.002)
+    stop_ev.set()
+    await refresh
+    followed = (sched.index.updates - u0) / seconds
+    listed = len(sched.index.nodes)
+    await sched.close()
+    await nc.close()
+    return {"put_s": put_s, "list_s": list_s, "listed": listed, "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99),
+            "cpu_p99_ms": pct(cpu, 0.99), "n": len(lat), "followed_s": followed}
+
+
+def place_over_grpc(tmp: str, urls: list[str], data: list[bytes], seconds: float, updates_s: float) -> dict:
+    addr = f"127.0.0.1:{free_port()}"
+    cfg_path = collector_toml(tmp, urls, "stale_s = 3600.0\n")
+    log_path = os.path.join(tmp, "scheduler.log")
+    with open(log_path, "w") as log:
+        p = subprocess.Popen([sys.executable, "-m", "xpusense.collector.cluster", "scheduler", "--config", cfg_path,
+                              "--listen", addr, "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_collector(addr, 300)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:   # listening comes after the list: ready
+            try:
+                import grpc
+
+                from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
+                with grpc.insecure_channel(addr) as ch:
+                    spb_grpc.SchedulerStub(ch).Place(requests()[0], timeout=10)
+                break
+            except Exception:
+                time.sleep(1)
+        parent, child = mp.get_context("spawn").Pipe(duplex=False)
+        c = mp.get_context("spawn").Process(target=grpc_client, args=(addr, seconds, 0.002, child), daemon=True)
+        c.start()
+        asyncio.run(_refresh_for(urls, data, updates_s, seconds))
+        lat = parent.recv() if parent.poll(120) else []
+        c.join(10)
+        rss = _rss_kb(p.pid)
+    except Exception:
+        print(tail(log_path), file=sys.stderr)
+        raise
+    finally:
+        stop(p)
+    return {"p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "n": len(lat), "rss_mb": rss / 1024}
+
+
+async def _refresh_for(urls: list[str], data: list[bytes], updates_s: float, seconds: float) -> None:
+    from xpusense.collector.cluster.engine import connect, ensure
+    n = nats_cfg(urls).nats
+    nc = await connect(n, "bench-refresh")
+    buckets = await ensure(nc.jetstream(timeout=30), n)
+    stop_ev = asyncio.Event()
+    task = asyncio.create_task(refresher(buckets.fleet, data, updates_s, stop_ev))
+    await asyncio.sleep(seconds)
+    stop_ev.set()
+    await task
+    await nc.close()
+
+
+def _rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+# -- the run ----------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=20.0, help="each measurement window (default 20)")
+    p.add_argument("--agents", type=int, default=8, help="agents for the saturation step (default 8)")
+    p.add_argument("--fleet", type=int, default=1000, help="agents at 1 batch/s through one gateway (default 1000)")
+    p.add_argument("--mem-nodes", type=int, default=2000, help="nodes for the memory figures (default 2000)")
+    p.add_argument("--place-nodes", type=int, default=10000, help="nodes in the fleet bucket for Place (default 10000)")
+    p.add_argument("--updates-s", type=float, default=1000.0,
+                   help="summary updates/s the index follows while Place is measured (default 1000)")
+    args = p.parse_args(argv)
+    raise_nofile()
+    from xpusense.collector.cluster.localnats import LocalCluster
+    cpus = sorted(os.sched_getaffinity(0))
+    gw_cpu, gen_cpus = cpus[0], cpus[1:] or cpus
+    tmp = tempfile.mkdtemp(prefix="xpusense-fleet-")
+    out: dict = {"cpus": len(cpus), "samples_per_batch": DEVICES * len(SERIES)}
+    with LocalCluster(3, os.path.join(tmp, "nats")) as cluster:
+        urls = cluster.urls
+        cfg_path = collector_toml(tmp, urls)
+        address = f"127.0.0.1:{free_port()}"
+        log_path = os.path.join(tmp, "gateway.log")
+        with open(log_path, "w") as log:
+            gw = subprocess.Popen([sys.executable, "-m", "xpusense.collector.cluster", "serve", "--config", cfg_path,
+                                   "--listen", address, "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                                  preexec_fn=lambda: os.sched_setaffinity(0, {gw_cpu}))
+        try:
+            wait_collector(address, 60)
+            print(f"1. gateway saturation: {args.agents} agents, {args.seconds:g} s ...", flush=True)
+            sat = load(address, args.agents, 0.0, 8, args.seconds, 3.0, gen_cpus, gw.pid, min(args.agents, 4))
+            print(f"2. gateway at 1 s: {args.fleet} agents x 1 batch/s, {args.seconds:g} s ...", flush=True)
+            fleet = load(address, args.fleet, 1.0, 8, args.seconds, 5.0, gen_cpus, gw.pid, 4)
+        except Exception:
+            print(tail(log_path), file=sys.stderr)
+            raise
+        finally:
+            stop(gw)
+        print("3. worker: the backlog of steps 1 and 2 ...", flush=True)
+        wrk = asyncio.run(worker_rate(urls))
+        print(f"4. memory per node: {args.mem_nodes} nodes ...", flush=True)
+        data, worker_bytes = summaries(args.mem_nodes)
+        sched_bytes, update_s = scheduler_memory(data)
+        print(f"5. Place at {args.place_nodes} nodes from the fleet bucket ...", flush=True)
+        big, _ = summaries(args.place_nodes, seed=11)
+        inproc = asyncio.run(place_from_bucket(urls, big, args.seconds, args.updates_s))
+        over = place_over_grpc(tmp, urls, big, args.seconds, args.updates_s)
+    gw_per_core = sat["batches_s"] / max(1e-9, sat["cpu"])
+    proj = {
+        "gateway_cores": TARGET_NODES / gw_per_core,
+        "worker_cores": TARGET_NODES / wrk["per_core"],
+        "scheduler_cores_per_replica": TARGET_NODES / nats_cfg(urls).nats.summary_s * update_s,
+        "worker_memory_gb": TARGET_NODES * worker_bytes / 1e9,
+        "scheduler_memory_gb_per_replica": TARGET_NODES * sched_bytes / 1e9,
+        "stream_mb_s_per_replica": TARGET_NODES * len(LoadAgent(0, "nvidia").next_batch()) / 1e6,
+    }
+    rows = [
+        ("gateway batches/s per core, R3 acks", f"{gw_per_core:,.0f}", f">= {GOALS['gateway_per_core']:,}",
+         gw_per_core >= GOALS["gateway_per_core"]),
+        ("  (acked/s, gateway CPU %)", f"{sat['batches_s']:,.0f}, {100 * sat['cpu']:.0f}%", "", None),
+        ("worker batches/s per core", f"{wrk['per_core']:,.0f}", f">= {GOALS['worker_per_core']:,}",
+         wrk["per_core"] >= GOALS["worker_per_core"]),
+        ("  (messages read / in the streams; batches)", f"{wrk['messages']:,}/{wrk['in_stream']:,}; {wrk['handled']:,}",
+         "", None),
+        ("worker memory per node, bytes", f"{worker_bytes:,}", "<= 65,536", worker_bytes <= GOALS["bytes_per_node"]),
+        ("scheduler memory per node, bytes", f"{sched_bytes:,}", "<= 65,536", sched_bytes <= GOALS["bytes_per_node"]),
+        (f"ack p99, {args.fleet} agents x 1/s, one gateway, ms", f"{fleet['p99_ms']:.1f}", "<= 100",
+         fleet["p99_ms"] <= GOALS["ack_p99_ms"]),
+        ("  (acked/s, p50 ms, gateway CPU %)", f"{fleet['batches_s']:,.0f}, {fleet['p50_ms']:.1f}, "
+                                               f"{100 * fleet['cpu']:.0f}%", "", None),
+        (f"Place p99 in process, {inproc['listed']:,} nodes, ms", f"{inproc['p99_ms']:.2f}", "<= 1",
+         inproc["p99_ms"] <= GOALS["place_inproc_p99_ms"]),
+        (f"Place p99 over gRPC, {inproc['listed']:,} nodes, ms", f"{over['p99_ms']:.2f}", "<= 5",
+         over["p99_ms"] <= GOALS["place_grpc_p99_ms"]),
+        ("  (its CPU time p99, ms; updates/s followed meanwhile)", f"{inproc['cpu_p99_ms']:.2f}; "
+                                                                  f"{inproc['followed_s']:,.0f}", "", None),
+        ("  (scheduler replica RSS, MB)", f"{over['rss_mb']:.0f}", "", None),
+        ("100k nodes x 1/s: gateway cores", f"{proj['gateway_cores']:.0f}", "", None),
+        ("100k nodes x 1/s: worker cores", f"{proj['worker_cores']:.0f}", "", None),
+        ("100k nodes: scheduler cores per replica (summary_s 2)", f"{proj['scheduler_cores_per_replica']:.1f}", "", None),
+        ("  (CPU per summary update followed, us)", f"{update_s * 1e6:.0f}", "", None),
+        ("100k nodes: worker memory, GB (all workers)", f"{proj['worker_memory_gb']:.1f}", "", None),
+        ("100k nodes: scheduler memory per replica, GB", f"{proj['scheduler_memory_gb_per_replica']:.1f}", "", None),
+        ("100k nodes x 1/s: MB/s into the streams (x3 copies)", f"{proj['stream_mb_s_per_replica']:.0f}", "", None),
+    ]
+    print(f"\nfleet scale on {len(cpus)} CPUs: 3 nats-servers R3 on loopback, gateway on CPU {gw_cpu}, "
+          f"{DEVICES * len(SERIES)} samples a batch")
+    print(f"  {'figure':<52} {'value':>14}  {'goal':>10}  ok")
+    for name, val, goal, ok in rows:
+        print(f"  {name:<52} {val:>14}  {goal:>10}  {'' if ok is None else ('yes' if ok else 'NO')}")
+    errors = sat["errors"] + fleet["errors"]
+    if errors:
+        print(f"  {len(errors)} agent errors, e.g. {errors[0]}")
+    out.update(bench="fleet_scale", gateway_per_core=round(gw_per_core), gateway_acked_s=round(sat["batches_s"]),
+               gateway_cpu=round(sat["cpu"], 3), worker_per_core=round(wrk["per_core"]), worker_handled=wrk["handled"],
+               worker_bytes_per_node=worker_bytes, scheduler_bytes_per_node=sched_bytes,
+               ack_p99_ms=round(fleet["p99_ms"], 1), fleet_acked_s=round(fleet["batches_s"]),
+               place_inproc_p99_ms=round(inproc["p99_ms"], 3), place_grpc_p99_ms=round(over["p99_ms"], 3),
+               place_nodes=inproc["listed"], projection={k: round(v, 2) for k, v in proj.items()}, errors=len(errors))
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

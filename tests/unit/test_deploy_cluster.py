@@ -1,0 +1,89 @@
+"""deploy/cluster/: NATS as a 3-server StatefulSet with volumes, gateways (3 replicas behind a
+Service), workers and scheduler replicas; validated as deploy/ is (the Kubernetes schemas, strict;
+the config through the collector's real loader), and the NATS config by the real nats-server (-t)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+import yaml
+from helpers import ROOT
+
+from xpusense.collector.cluster.localnats import nats_server_binary
+from xpusense.collector.config import load_collector
+
+DEPLOY = ROOT / "deploy" / "cluster"
+
+
+def documents():
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                yield path.name, doc
+
+
+def by_kind(kind: str) -> dict:
+    return {d["metadata"]["name"]: d for _, d in documents() if d["kind"] == kind}
+
+
+def test_cluster_manifests_validate_against_the_kubernetes_schemas():
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is a dev dependency (pip install -e '.[dev]')")
+    version = kv.latest_version()
+    kinds = []
+    for name, doc in documents():
+        try:
+            kv.validate(doc, version, strict=True)
+        except kv.ValidationError as e:
+            pytest.fail(f"deploy/cluster/{name}: {doc['kind']} {doc['metadata']['name']}: {e.message} at {list(e.path)}")
+        kinds.append(doc["kind"])
+    assert sorted(kinds) == sorted(["ConfigMap", "Service", "Service", "StatefulSet", "PodDisruptionBudget",
+                                    "ConfigMap", "Deployment", "Service", "Service", "PodDisruptionBudget",
+                                    "Deployment", "Deployment", "Service"])
+
+
+def test_nats_is_a_3_replica_statefulset_with_volumes_and_routes_to_each():
+    sts = by_kind("StatefulSet")["nats"]
+    assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == "nats-cluster"
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    conf = by_kind("ConfigMap")["nats"]["data"]["nats.conf"]
+    routes = re.findall(r"nats-route://([\w.-]+):6222", conf)
+    assert routes == [f"nats-{i}.nats-cluster.xpusense.svc.cluster.local" for i in range(3)]
+    mounts = {m["name"]: m["mountPath"] for m in sts["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+    assert re.search(r"store_dir: (\S+)", conf).group(1).startswith(mounts["data"])
+    assert by_kind("Service")["nats-cluster"]["spec"]["clusterIP"] == "None"
+
+
+def test_nats_config_is_accepted_by_the_real_nats_server(tmp_path):
+    conf = by_kind("ConfigMap")["nats"]["data"]["nats.conf"]
+    conf = conf.replace("/data/jetstream", str(tmp_path / "js")).replace("/var/run/nats", str(tmp_path))
+    path = tmp_path / "nats.conf"
+    path.write_text(conf)
+    r = subprocess.run([nats_server_binary(), "-t", "-c", str(path)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "POD_NAME": "nats-0"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    path.write_text(conf.replace("cluster {", "cluster {{"))
+    r = subprocess.run([nats_server_binary(), "-t", "-c", str(path)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "POD_NAME": "nats-0"})
+    assert r.returncode != 0                       # the check does catch a broken file
+
+
+def test_roles_run_the_console_script_with_the_shared_config(tmp_path):
+    cfg_text = by_kind("ConfigMap")["xpusense-cluster"]["data"]["collector.toml"]
+    path = tmp_path / "collector.toml"
+    path.write_text(cfg_text)
+    cfg = load_collector(str(path), env={})
+    assert cfg.nats.urls == ["nats://nats.xpusense.svc:4222"] and cfg.nats.replicas == 3
+    deps = by_kind("Deployment")
+    roles = {name: d["spec"]["template"]["spec"]["containers"][0]["command"] for name, d in deps.items()}
+    assert roles["xpusense-gateway"][1] == "serve" and roles["xpusense-worker"][1] == "worker"
+    assert roles["xpusense-scheduler"][1] == "scheduler"
+    for command in roles.values():
+        assert command[0].endswith("/xpusense-collector") and command[2:] == ["--config", "/etc/xpusense/collector.toml"]
+    assert deps["xpusense-gateway"]["spec"]["replicas"] == 3
+    port = int(cfg.listen.rsplit(":", 1)[1])
+    for svc in ("xpusense-gateway", "xpusense-gateway-pods", "xpusense-scheduler"):
+        assert by_kind("Service")[svc]["spec"]["ports"][0]["port"] == port
+    assert by_kind("Service")["xpusense-gateway-pods"]["spec"]["clusterIP"] == "None"
