@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collector-cmd", metavar="CMD",
                    help="another collector build to measure (default: xpusense-collector); "
                         "'serve --listen ...' is appended")
+    p.add_argument("--index-refresh-ms", type=float, default=None,
+                   help="the collector's [scheduler] index_refresh_ms (default: its own, 1000)")
     p.add_argument("--memory-nodes", type=int, default=0, metavar="N",
                    help="in-process memory figure: N nodes x --history-s of 1 s history (no collector process)")
     p.add_argument("--history-s", type=float, default=900.0, help="with --memory-nodes: history fed (default 900)")
@@ -456,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     restart: dict = {}
     with open(cfg_path, "w") as f:
         f.write("[limits]\nbatches_per_s = 1000000\nburst_batches = 1000000\n")
+        if args.index_refresh_ms is not None:   # how old the scheduler index may be (its refresh off ingest)
+            f.write(f"[scheduler]\nindex_refresh_ms = {args.index_refresh_ms:g}\n")
     serve = ["serve", "--listen", address, "--log-level", "warning", "--config", cfg_path]
     data_dir = os.path.abspath(args.data_dir) if args.data_dir else os.path.join(tmp, "collector-data")
     if args.durable:   # every batch fsync'ed to the store before its ack (group commit)
