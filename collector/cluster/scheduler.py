@@ -177,6 +177,7 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
     server = grpc_server(security, None, cfg.max_message_bytes)
     sched = await add_scheduler(server, js, buckets.fleet, cfg)
     pb_grpc.add_QueryServicer_to_server(ClusterQueryServicer(sched.index, js, ncfg, cfg.stale_s, security), server)
+    prometheus = _prometheus(cfg, sched.index)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     bind(server, cfg.listen, credentials)
@@ -188,10 +189,31 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
     try:
         await stop.wait()
     finally:
+        if prometheus is not None:
+            prometheus.stop()
         await server.stop(grace=2.0)
         await sched.close()
         with contextlib.suppress(Exception):
             await nc.drain()
+
+
+def _prometheus(cfg: Any, index: FleetIndex):
+    """[export.prometheus] on a scheduler replica: the whole fleet's latest values (the series the
+    summaries keep) at /metrics, as one collector serves them (collector/prometheus.py)."""
+    if not cfg.export.prometheus.enabled:
+        return None
+    from ..inventory_book import InventoryBook
+    from ..prometheus import PrometheusEndpoint
+    from ..server import BindError
+    book = InventoryBook().watch(index)
+    for n in list(index.nodes.values()):   # listed before the book was watching
+        book._on_change(n, None)
+    endpoint = PrometheusEndpoint(cfg.export.prometheus, index, book)
+    try:
+        endpoint.start()
+    except OSError as e:
+        raise BindError(str(e)) from None
+    return endpoint
 
 
 __all__ = ["FleetIndex", "ClusterScheduler", "follow_fleet", "add_scheduler", "run_scheduler", "spb"]

@@ -5,10 +5,12 @@ run, each answers alike, and a node's XID event reaches every replica's index.""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import threading
 import time
+import urllib.request
 
 from cluster_support import SimAgent, cluster_config, module_cmd, nats_cluster, start_gateway  # noqa: F401
 from helpers import BIN, free_port, nodes_json, wait_until
@@ -38,7 +40,13 @@ def test_scheduler_replicas_answer_place_from_the_fleet_bucket(nats_cluster, pro
     cfg = cluster_config(tmp_path, nats_cluster)
     _, gw = start_gateway(procs, cfg)
     procs(module_cmd("worker", "--config", str(cfg)), "worker")
-    s1, a1 = start_scheduler(procs, cfg, "scheduler-1")            # started before any node: the watch fills it
+    metrics_port = free_port()                                       # scheduler 1 also serves Prometheus
+    cfg1 = cluster_config(tmp_path, nats_cluster, name="scheduler-1.toml", extra=f"""[export.prometheus]
+enabled = true
+listen = "127.0.0.1:{metrics_port}"
+compat_names = true
+""")
+    s1, a1 = start_scheduler(procs, cfg1, "scheduler-1")            # started before any node: the watch fills it
     agents = {n: SimAgent(gw, n, labels) for n, labels in FLEET.items()}
     readings = {n: {} for n in FLEET}            # what each node reports, as live agents would every 0.5 s
     stop = threading.Event()
@@ -53,7 +61,8 @@ def test_scheduler_replicas_answer_place_from_the_fleet_bucket(nats_cluster, pro
         r = wait_until(lambda addr=addr: (r := place(addr)) and r.get("nodes_feasible") == 3 and r, 60,
                        what=f"3 feasible nodes at {addr}")
         assert r["nodes_total"] == 3
-    assert [c["node_id"] for c in place(a1)["candidates"]] == [c["node_id"] for c in place(a2)["candidates"]]
+    ranks = lambda addr: [(c["node_id"], round(c["score"], 6)) for c in place(addr)["candidates"]]  # noqa: E731
+    wait_until(lambda: ranks(a1) == ranks(a2), 30, what=f"both replicas ranking alike: {ranks(a1)} / {ranks(a2)}")
     ranked = [c["node_id"] for c in place(a1, "--region", "cn-beijing")["candidates"]]
     assert ranked[0] == "bj-2" and set(ranked) == {"bj-1", "bj-2"}   # cheaper per TFLOPS first; region filter
     # An XID on bj-2's gpu0..gpu6 leaves it one healthy device: it cannot take 2, in every replica.
@@ -67,8 +76,12 @@ def test_scheduler_replicas_answer_place_from_the_fleet_bucket(nats_cluster, pro
     # Fresh readings move the ranking: bj-1 busy and full leaves sh-1 on top.
     readings["bj-1"] = {"util": 0.95, "used": 79 * 2**30}
     wait_until(lambda: [c["node_id"] for c in place(a2)["candidates"]] == ["sh-1"], 30, what="bj-1 full")
-    # nodes through a scheduler replica: the same fleet
+    # nodes through a scheduler replica: the same fleet; and Prometheus scrapes the whole fleet there
     assert {n["node_id"] for n in nodes_json(a1)["nodes"]} == set(FLEET)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    for node in FLEET:
+        assert f'hw_gpu_utilization_ratio{{device="gpu0",host_name="{node}",node="{node}",vendor="nvidia"}}' in text
+        assert re.search(rf'DCGM_FI_DEV_FB_USED\{{[^}}]*Hostname="{node}"', text)
     # one replica gone, the other answers on
     s1.kill(signal.SIGKILL)
     assert place(a2)["nodes_total"] == 3

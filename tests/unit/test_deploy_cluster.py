@@ -87,3 +87,7 @@ def test_roles_run_the_console_script_with_the_shared_config(tmp_path):
     for svc in ("xpusense-gateway", "xpusense-gateway-pods", "xpusense-scheduler"):
         assert by_kind("Service")[svc]["spec"]["ports"][0]["port"] == port
     assert by_kind("Service")["xpusense-gateway-pods"]["spec"]["clusterIP"] == "None"
+    # The scheduler replicas serve the fleet's Prometheus endpoint on the Service's metrics port.
+    assert cfg.export.prometheus.enabled
+    metrics = {p["name"]: p["port"] for p in by_kind("Service")["xpusense-scheduler"]["spec"]["ports"]}
+    assert metrics["metrics"] == int(cfg.export.prometheus.listen.rsplit(":", 1)[1])
