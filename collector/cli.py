@@ -22,6 +22,7 @@ from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from .auth import Security
 from .certs import CertError, make_certs, make_tokens
+from .cluster.cli import COMMANDS as CLUSTER_COMMANDS
 from .cluster.cli import add_nats_flag, run_cluster, wants_cluster
 from .cluster.cli import add_parsers as add_cluster_parsers
 from .config import load_collector
@@ -100,7 +101,7 @@ MAX_REPLY_BYTES = 64 * 2**20
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.cmd in ("worker", "scheduler") or (args.cmd == "serve" and wants_cluster(args)):
+        if args.cmd in CLUSTER_COMMANDS or (args.cmd == "serve" and wants_cluster(args)):
             return run_cluster(args)
         if args.cmd == "serve":
             return _serve(args)

@@ -3,6 +3,7 @@
     serve --nats URL[,URL...]       a stateless gateway (the agent protocol, batches into JetStream)
     worker --nats URL[,URL...]      fleet state from the streams into the `fleet` bucket
     scheduler --nats URL[,URL...]   Place (and Query) from the `fleet` bucket, list-then-watch
+    exporter --nats URL[,URL...]    [export.otlp] from the streams, a durable consumer (export.py)
 
 `--nats` or `[nats] urls` in the config selects cluster mode; the rest of the collector's config
 (listen, TLS, tokens, limits, scheduler, stale_s) means what it means for one collector.
@@ -37,11 +38,15 @@ def load_config(path: str | None, flags: dict, env: dict | None = None):
     return cfg
 
 
+COMMANDS = ("worker", "scheduler", "exporter")
+
+
 def add_parsers(sub) -> None:
-    """`worker` and `scheduler` subcommands (serve gets --nats from add_nats_flag)."""
+    """`worker`, `scheduler` and `exporter` subcommands (serve gets --nats from add_nats_flag)."""
     w = sub.add_parser("worker", help="cluster mode: keep fleet state from the streams, write it to the fleet bucket")
     s = sub.add_parser("scheduler", help="cluster mode: answer Place and Query from the fleet bucket (list, then watch)")
-    for q in (w, s):
+    e = sub.add_parser("exporter", help="cluster mode: OTLP export ([export.otlp]) from the streams, durably")
+    for q in (w, s, e):
         q.add_argument("--config", help="TOML config file (env XPUSENSE_COLLECTOR_CONFIG)")
         add_nats_flag(q)
         q.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -96,7 +101,7 @@ def run_cluster(args) -> int:
         print(f"xpusense-collector: {e}", file=sys.stderr)
         return EXIT_FAIL
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.cmd != "worker":
+    if args.cmd in ("serve", "scheduler"):
         security.warn_at_start()
 
     async def amain() -> None:
@@ -111,6 +116,9 @@ def run_cluster(args) -> int:
         elif args.cmd == "worker":
             from .worker import run_worker
             await run_worker(cfg, stop)
+        elif args.cmd == "exporter":
+            from .export import run_exporter
+            await run_exporter(cfg, stop)
         else:
             from .scheduler import run_scheduler
             await run_scheduler(cfg, stop, security, security.server_credentials())
