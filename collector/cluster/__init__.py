@@ -8,7 +8,8 @@
     summary    the per-node summary in the `fleet` bucket (worker side and reader side)
     worker     partitions by lease, durable consumers, summaries
     query      ListNodes from the fleet bucket; history  GetHistory from the stream
-    scheduler  the scheduler core over the watched fleet bucket (replicas)
-    serve      gateway / scheduler processes; cli  their commands
+    scheduler  the scheduler core over the watched fleet bucket (replicas; Prometheus there too)
+    export     OTLP export from the streams, a durable consumer
+    rpc, serve the gateway's gRPC server; cli  the commands (serve --nats, worker, scheduler, exporter)
     localnats  a real nats-server cluster on loopback (tests, bench, demo)
 """
