@@ -260,6 +260,8 @@ def test_blkio_counts_direct_io_on_a_loop_device(probe, loop_device, variant):
     [h] = find(src.collect(NEARLINE), "xpusense.disk.operation.latency", device=name, direction="write")
     check_histogram(h)
     assert h.counts[-1] == writes and h.value > 0
+    if variant == "raw_done":
+        return      # no in-flight map: the request carries its own start time
     # A request whose completion was missed stays in the in-flight map until it is a minute old.
     inflight = src.table("blkio_start")
     k, v = inflight.Key(), inflight.Leaf()

@@ -42,8 +42,8 @@ class BlkioSource(EbpfSource):
         self.stale_dropped = 0
 
     def collect(self, tier: str) -> list[Sample]:
-        if tier == NEARLINE and self.handle is not None:
-            self.drop_stale()
+        if tier == NEARLINE and self.handle is not None and self.planned.variant.name != "raw_done":
+            self.drop_stale()       # raw_done keeps no in-flight map
         return super().collect(tier)
 
     def drop_stale(self, now_ns: int | None = None) -> int:
