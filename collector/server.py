@@ -181,6 +181,7 @@ class IngestServicer(pb_grpc.IngestServicer):
         window = _Window(int(lim.max_stream_pending_batches if lim else LIMITS["max_stream_pending_batches"]),
                          int(lim.max_stream_pending_bytes if lim else LIMITS["max_stream_pending_bytes"]))
         reader = asyncio.create_task(self._read(request_iterator, context, node_id, boot_id, pending, window))
+        item = None   # the batch being acknowledged, until it is applied (see _apply_later)
         try:
             if self.store is not None and self.undurable.get((node_id, boot_id)):
                 # The Welcome's stored_up_to acknowledges what it covers: not before that is durable
@@ -195,32 +196,53 @@ class IngestServicer(pb_grpc.IngestServicer):
                     await context.abort(item.code, item.message)
                 b, previous, durable = item
                 if durable is not None:
-                    try:   # shielded: a batch is applied (_stored) once durable, even if its stream ended
+                    try:   # shielded: if the stream ends meanwhile, _apply_later still sees how it went
                         await asyncio.shield(durable)
                     except StoreError as e:
                         # Refused by the store (it holds too much not yet on disk): this batch and the
                         # later ones of the stream (not read, _read stopped) are resent by the agent.
                         if previous is not None:
                             self.state.unaccept(b, previous)
+                        item = None
                         await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-                elif previous is not None:
-                    self.state.apply(b)   # no store: from memory
+                if previous is not None:
+                    self.state.apply(b)
+                item = None
                 yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=previous is None))
                 window.done()
             await reader   # re-raises the reader's abort, if any
         finally:
             reader.cancel()
+            self._apply_later(item, pending)
             self.state.disconnected(node_id, boot_id)
             log.info("node %s disconnected", node_id)
             # An abort's traceback keeps this frame alive (a cycle): let go of the messages now.
             request_iterator = first = hello = item = b = None
 
-    def _stored(self, b: pb.Batch, durable: asyncio.Future) -> None:
-        key = (b.node_id, b.boot_id)
+    def _settled(self, key: tuple[str, str], durable: asyncio.Future) -> None:
         if self.undurable.get(key, 0) > 1:
             self.undurable[key] -= 1
         else:
             self.undurable.pop(key, None)
+        if not durable.cancelled():
+            durable.exception()   # retrieved: a refusal is handled by the stream, if it is still there
+
+    def _apply_later(self, item, pending: asyncio.Queue) -> None:
+        """A stream ended with batches accepted but not yet applied: each is applied once durable
+        (the agent's resend of it is then a duplicate, acknowledged once it is durable)."""
+        items = [item] if item is not None else []
+        while not pending.empty():
+            items.append(pending.get_nowait())
+        for it in items:
+            if isinstance(it, _Refusal) or not isinstance(it, tuple) or it[1] is None or it[2] is None:
+                continue   # a refusal, the end, a duplicate, or memory only (applied at once)
+            b, durable = it[0], it[2]
+            if durable.done():
+                self._apply_if_durable(b, durable)
+            else:
+                durable.add_done_callback(functools.partial(self._apply_if_durable, b))
+
+    def _apply_if_durable(self, b: pb.Batch, durable: asyncio.Future) -> None:
         if not durable.cancelled() and durable.exception() is None:
             self.state.apply(b)
 
@@ -251,7 +273,7 @@ class IngestServicer(pb_grpc.IngestServicer):
                             durable = self.store.submit(["b", b.SerializeToString()])
                             key = (node_id, b.boot_id)
                             self.undurable[key] = self.undurable.get(key, 0) + 1
-                            durable.add_done_callback(functools.partial(self._stored, b))
+                            durable.add_done_callback(functools.partial(self._settled, key))
                     pending.put_nowait((b, previous, durable))
                     if durable is not None and durable.done() and durable.exception() is not None:
                         return   # refused: nothing after it may be stored before it (the handler ends the stream)
@@ -412,6 +434,8 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
     ingest = IngestServicer(state, security, limits, store)
     if limits is not None:
         state.max_series_per_node = limits.max_series_per_node
+    if config is not None and hasattr(state, "configure"):   # [state]: the memory budget
+        state.configure(config.state.max_memory, config.state.min_history_points)
     pb_grpc.add_IngestServicer_to_server(ingest, server)
     pb_grpc.add_QueryServicer_to_server(
         QueryServicer(state, security, limits, counters=functools.partial(counters, ingest)), server)
@@ -433,8 +457,6 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
         await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
     if store is not None:   # overall and Ingest health: NOT_SERVING while the store cannot write
         server.store_health = set()   # the tasks that set it, held until done
-    if config is not None and hasattr(state, "configure"):   # [state]: the memory budget
-        state.configure(config.state.max_memory, config.state.min_history_points)
         store.on_change.append(functools.partial(_follow_store, hs, store, server.store_health))
         await _store_health(hs, store)
     return server

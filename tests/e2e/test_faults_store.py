@@ -136,6 +136,100 @@ def test_damaged_store_the_collector_starts_and_keeps_every_undamaged_batch(proc
 
 
 # -- item 4: a full disk ------------------------------------------------------------------------------
+class RawStream:
+    """One Ingest stream by hand: messages in through a queue, replies collected by a thread."""
+
+    def __init__(self, addr):
+        import queue
+        import threading
+        self._q: queue.Queue = queue.Queue()
+        self.replies: list = []
+        self.channel = grpc.insecure_channel(addr)
+        self.call = pb_grpc.IngestStub(self.channel).Stream(iter(self._q.get, None))
+        self._t = threading.Thread(target=self._read, daemon=True)
+        self._t.start()
+
+    def _read(self):
+        try:
+            for m in self.call:
+                self.replies.append((m, self.on_reply()))
+        except grpc.RpcError:
+            pass
+
+    on_reply = staticmethod(lambda: None)   # what the test records as each reply arrives
+
+    def send(self, msg):
+        self._q.put(msg)
+
+    def acks(self):
+        return [m.ack.seq for m, _ in self.replies if m.HasField("ack")]
+
+    def close(self):
+        self.call.cancel()
+        self.channel.close()
+
+
+def test_a_welcome_never_acknowledges_what_is_not_on_disk(tmp_path):
+    """A stream ends while its batch waits for a full disk; the agent reconnects with the same boot.
+    Its Welcome (whose stored_up_to acknowledges everything up to it) comes only once that batch is
+    durable, and the batch is in the fleet state although the stream that brought it is gone."""
+    from helpers import InProcessCollector
+
+    from xpusense.collector.state import FleetState
+    from xpusense.collector.store import Store
+    state = FleetState()
+    store = Store(str(tmp_path / "data"), retry_s=0.05)
+    store.open(state)
+    full = {"on": False, "retries": 0}
+    real_write = store._io.write
+
+    def write(data, roll):   # the segment's own code, but a full disk while "on"
+        if full["on"]:
+            full["retries"] += 1
+            raise OSError(28, "No space left on device")
+        return real_write(data, roll)
+    store._io.write = write
+    coll = InProcessCollector(state=state, store=store)
+    hello = pb.AgentMessage(hello=pb.Hello(node_id="w-node", boot_id="w-boot"))
+
+    def batch(seq):
+        b = pb.Batch(node_id="w-node", boot_id="w-boot", seq=seq)
+        b.samples.add(name="x", unit="1", value=seq * 1.5, time_unix_nano=T0 + seq * 10**6)
+        return pb.AgentMessage(batch=b)
+    s1 = s2 = None
+    try:
+        s1 = RawStream(coll.addr)
+        s1.send(hello)
+        s1.send(batch(1))
+        wait_until(lambda: s1.acks() == [1], what="batch 1 acknowledged")
+        full["on"] = True
+        s1.send(batch(2))
+        wait_until(lambda: coll.on_loop(lambda: store.failing), what="the store failing")
+        s1.close()
+        wait_until(lambda: coll.on_loop(lambda: state.nodes["w-node"].streams) == 0, what="stream 1 gone")
+        s2 = RawStream(coll.addr)
+        s2.on_reply = lambda: full["on"]                 # was the disk still full when this reply came?
+        s2.send(hello)
+        seen = full["retries"]
+        wait_until(lambda: full["retries"] >= seen + 4, what="the store retrying after the Hello")
+        assert s2.replies == [], "a Welcome while the batch it covers was not on disk"
+        full["on"] = False
+        wait_until(lambda: s2.replies, what="the Welcome once the disk has room")
+        welcome, disk_full_then = s2.replies[0]
+        assert welcome.welcome.stored_up_to == 2 and not disk_full_then
+        assert [b.seq for b in stored_batches(str(tmp_path / "data"))] == [1, 2]
+        points = coll.on_loop(lambda: [p.value for p in state.history("w-node", "x", {}).points])
+        assert points == [1.5, 3.0], "a batch made durable after its stream ended was not applied"
+        s2.send(batch(2))                                # the agent's resend: a duplicate, acknowledged
+        wait_until(lambda: s2.acks() == [2], what="the resend acknowledged")
+        assert [m.ack.duplicate for m, _ in s2.replies if m.HasField("ack")] == [True]
+    finally:
+        for s in (s1, s2):
+            if s is not None:
+                s.close()
+        coll.stop()
+        store.close()
+
 AGENT = """
 [tiers]
 realtime_s = 1.0

@@ -259,7 +259,7 @@ def test_property_every_undamaged_acknowledged_batch_survives(tmp_path_factory, 
             raw[at:at + n] = bytes(len(raw[at:at + n]))
         elif kind == "cut":
             touched[p] += list(range(at, len(raw)))
-            if p == segs[-1] and at in {0, *(e for *_, e, _ in [sp[:3] + (0,) for sp in scan(raw, 0, len(raw))])}:
+            if p == segs[-1] and at in {0, *(sp.end for sp in scan(raw, 0, len(raw)))}:
                 # A cut at a record boundary of the newest segment cannot be told from a shorter log
                 # (an older segment's cut is: the next one says where it ended).
                 silent |= {q for fp, s_, e, q in frames if fp == p and s_ >= at}
