@@ -390,7 +390,8 @@ class EbpfLoader:
         self.loader_info = {"pid": manifest.get("pid"), "peak_rss_mb": round(manifest.get("vm_hwm_kb", 0) / 1024, 1),
                             "import_s": round(manifest.get("import_s", 0.0), 3),
                             "compile_s": round(self.compile_s, 3), "attach_s": round(manifest.get("attach_s", 0.0), 3),
-                            "total_s": round(total_s, 3)}
+                            "total_s": round(total_s, 3), "request_after_s": manifest.get("request_after_s"),
+                            "done_after_s": manifest.get("done_after_s")}
         if manifest.get("combined_error"):
             log.warning("compiling all eBPF probes at once failed (%s); compiled each on its own",
                         manifest["combined_error"])

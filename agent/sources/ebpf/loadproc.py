@@ -358,6 +358,7 @@ def main(fd: int) -> None:
     the agent has planned the probes: it imports bcc meanwhile, and gives up if no request comes."""
     sock = socket.socket(fileno=fd)
     code = 0
+    t0 = time.perf_counter()
     importing = threading.Thread(target=preload, daemon=True)
     importing.start()
     try:
@@ -365,6 +366,7 @@ def main(fd: int) -> None:
             req, _ = handoff.recv(sock, REQUEST_WAIT_S)
         except handoff.HandoffError:       # the agent closed (nothing to load) or never asked
             os._exit(0)
+        t_req = time.perf_counter()
         importing.join()
         b = Builder(req)
         try:
@@ -377,6 +379,8 @@ def main(fd: int) -> None:
                           "traceback": traceback.format_exc()[-2000:]}
             b.fds = []
         b.manifest["pid"] = os.getpid()
+        b.manifest["request_after_s"] = round(t_req - t0, 3)
+        b.manifest["done_after_s"] = round(time.perf_counter() - t0, 3)
         b.manifest["vm_hwm_kb"] = vm_hwm_kb()
         handoff.send(sock, b.manifest, b.fds)
     except BaseException:
