@@ -22,6 +22,7 @@ FUNC, FUNC_PROTO, VAR, DATASEC, FLOAT, DECL_TAG, TYPE_TAG, ENUM64 = range(12, 20
 _EXTRA = {INT: (4, 0), ARRAY: (12, 0), STRUCT: (0, 12), UNION: (0, 12), ENUM: (0, 8), FUNC_PROTO: (0, 8),
           VAR: (4, 0), DATASEC: (0, 12), DECL_TAG: (4, 0), ENUM64: (0, 12)}
 _MODIFIERS = (TYPEDEF, VOLATILE, CONST, RESTRICT, TYPE_TAG)
+_NAMED = frozenset((STRUCT, UNION, TYPEDEF, FUNC, ENUM, ENUM64))   # the kinds find() is asked for
 
 
 class BtfError(Exception):
@@ -49,10 +50,12 @@ class Btf:
         self._strs = hdr_len + str_off
         self._strs_end = self._strs + str_len
         self._index: list[int] | None = None      # type id -> byte offset of its record (id 0 is void)
+        self._named: dict[int, int] = {}           # name offset << 5 | kind -> first type id
 
     def close(self) -> None:
         self._data = b""
         self._index = None
+        self._named = {}
 
     def __enter__(self) -> Btf:
         return self
@@ -78,17 +81,26 @@ class Btf:
         return out
 
     def _walk(self) -> list[int]:
+        """One pass over every type: where each record is, and (name, kind) -> first id for the named
+        kinds find() looks up (one pass instead of one per lookup: ~130k types in a distribution kernel)."""
         if self._index is None:
             d, pos, end = self._data, self._types, self._types_end
             index = [0]
-            unpack = struct.Struct("<I").unpack_from
+            named: dict[int, int] = {}
+            unpack = struct.Struct("<II").unpack_from
             extra = _EXTRA
+            wanted = _NAMED
+            tid = 0
             while pos < end:
+                tid += 1
                 index.append(pos)
-                info = unpack(d, pos + 4)[0]
-                fixed, per = extra.get((info >> 24) & 0x1F, (0, 0))
+                name_off, info = unpack(d, pos)
+                kind = (info >> 24) & 0x1F
+                if name_off and kind in wanted:
+                    named.setdefault(name_off << 5 | kind, tid)
+                fixed, per = extra.get(kind, (0, 0))
                 pos += 12 + fixed + per * (info & 0xFFFF)
-            self._index = index
+            self._index, self._named = index, named
         return self._index
 
     def _record(self, tid: int) -> tuple[int, int, int, int, int]:
@@ -100,13 +112,10 @@ class Btf:
 
     def find(self, kind: int, name: str) -> int:
         """The id of the first type of `kind` named `name`; BtfError when there is none."""
-        wanted = self._name_offsets(name)
-        if wanted:
-            index = self._walk()
-            for tid in range(1, len(index)):
-                name_off, info = struct.unpack_from("<II", self._data, index[tid])
-                if name_off in wanted and (info >> 24) & 0x1F == kind:
-                    return tid
+        self._walk()
+        found = [tid for off in self._name_offsets(name) if (tid := self._named.get(off << 5 | kind))]
+        if found:
+            return min(found)
         raise BtfError(f"the kernel's BTF has no {_KIND_NAMES.get(kind, kind)} {name}")
 
     def has(self, kind: int, name: str) -> bool:
