@@ -46,7 +46,7 @@ def test_feature_tests_pick_the_fallback_variant_and_say_why(tmp_path):
                        "net:netif_receive_skb", "tcp:tcp_retransmit_skb")
     ldr = sources(probes=["blkio", "netio", "runqlat"], tracefs=tfs)[0].loader
     blk, net = ldr.plan("blkio"), ldr.plan("netio")
-    assert (blk.variant.name, blk.cflags()) == ("rq_issue", ["-DBLKIO_IO_START=0"])
+    assert (blk.variant.name, blk.cflags()) == ("rq_issue", ["-DBLKIO_IO_START=0", "-DBLKIO_RAW_DONE=0"])
     assert net.variant.name == "netdev" and "sock:sock_send_length" in net.notes[0]
     with pytest.raises(Unavailable, match="sched:sched_switch"):
         ldr.plan("runqlat")
