@@ -393,6 +393,8 @@ def counters(ingest: IngestServicer) -> dict[str, int]:
     if ingest.security is not None:
         out["auth.refusals"] = ingest.security.refusals
     out["streams.gc_runs"] = ingest.reclaim.runs
+    if ingest.store is not None:   # collector/store/metrics.py says what each one is
+        out.update({f"store.{k}": max(0, int(v)) for k, v in ingest.store.stats().items()})
     return out
 
 

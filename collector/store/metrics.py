@@ -1,5 +1,6 @@
-"""The store's counters as Prometheus metrics (`xpusense_collector_store_*`), for a registry to
-take: `registry.register(StoreMetrics(store))`."""
+"""What the store's counters mean. They are in the Query API's `counters` as `store.<key>` (and
+in `xpusense-collector nodes --format json`), and as Prometheus metrics
+(`xpusense_collector_store_<key>`) for a registry that takes `StoreMetrics(store)`."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ METRICS = {
     "records": ("counter", "records queued for writing"),
     "reader_skipped_ranges": ("counter", "damaged ranges or invalid records exporters' readers skipped"),
     "replay_batches": ("gauge", "batches replayed at start"),
+    "replay_ms": ("gauge", "how long the replay at start took, ms"),
     "replay_damaged_ranges": ("gauge", "damaged ranges found at start (skipped, logged, kept aside)"),
     "replay_damaged_bytes": ("gauge", "bytes in those ranges"),
     "replay_damaged_records": ("gauge", "records in those ranges, at least"),

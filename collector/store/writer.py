@@ -380,7 +380,8 @@ class Store:
                 "room_waits": self.room_waits,
                 "commits": self.commits, "records": self.records,
                 "reader_skipped_ranges": sum(r.skipped_ranges for r in readers),
-                **{f"replay_{k}": v for k, v in self.replay.items()}}
+                **{f"replay_{k}": v for k, v in self.replay.items() if k != "replay_s"},
+                "replay_ms": round(self.replay.get("replay_s", 0) * 1000)}
 
     def close(self) -> None:
         """Called once the event loop has stopped: what is still queued is written if it can be

@@ -123,6 +123,8 @@ def test_damaged_store_the_collector_starts_and_keeps_every_undamaged_batch(proc
         assert summary and int(summary.group(1)) == len(damage_lines) >= 5
         kept = os.listdir(data / "damaged")
         assert len(kept) == len(damage_lines) and any(k.endswith(".zeros") for k in kept)
+        counters = nodes_json(addr)["counters"]
+        assert counters["store.replay_damaged_ranges"] == len(damage_lines) and counters["store.writable"] == 1
         # The node carries on: its next batches are stored after the ones replayed.
         wait_until(lambda: client.connected and client.pending() == 0, what="the client back")
         send(client, range(61, 66))
@@ -320,7 +322,8 @@ def test_full_disk_is_a_state_held_within_a_bound_and_resumed(procs, tmp_path, s
             c.put(flood_batch_samples(k))
         c.flush()
         c.start()
-    offered = sum(len(b.SerializeToString()) for c in floods for b in c._pending.values())
+    sizes = [len(b.SerializeToString()) for c in floods for b in c._pending.values()]
+    offered = sum(sizes)
     rss_max = [rss_before]
 
     def flooded():
@@ -331,6 +334,10 @@ def test_full_disk_is_a_state_held_within_a_bound_and_resumed(procs, tmp_path, s
         rss_max.append(proc.memory_info().rss)
         time.sleep(0.1)                                  # sampling memory, not synchronising
     assert health(addr) == "NOT_SERVING"
+    during = nodes_json(addr)["counters"]
+    # Held: at most the bound, or one batch past it (a batch is taken whenever less than the bound is held).
+    assert during["store.writable"] == 0 and during["store.room_waits"] >= 1
+    assert during["store.held_bytes"] <= HELD_BOUND + max(sizes) + 64, during
     assert all(c.pending() == FLOOD_BATCHES for c in floods), "a flood batch acknowledged while the disk was full"
     assert [c.reconnects for c in floods] == [1, 1, 1], "streams ended (and reconnected) instead of held"
     segs_during = len(segments(str(data)))
@@ -342,6 +349,8 @@ def test_full_disk_is_a_state_held_within_a_bound_and_resumed(procs, tmp_path, s
     wait_until(lambda: health(addr) == "SERVING", timeout_s=60, what="SERVING again once there is space")
     outage_s = time.monotonic() - t_full
     wait_until(lambda: (n := view()) and n["stored_up_to"] > agent_stored_during + 3, what="the agent's batches stored again")
+    after = nodes_json(addr)["counters"]
+    assert after["store.writable"] == 1 and after["store.unwritable_episodes"] == 1 and after["store.write_errors"] >= 1
     agent.kill(signal.SIGTERM)                           # drains: everything acknowledged before it exits
     coll_out = coll.output()
     coll.kill(signal.SIGTERM)
@@ -363,7 +372,9 @@ def test_full_disk_is_a_state_held_within_a_bound_and_resumed(procs, tmp_path, s
                   held_bound_kib=HELD_BOUND // 1024, flood_offered_mb=round(offered / 2**20, 1),
                   rss_before_mb=round(rss_before / 2**20, 1), rss_growth_mb=round(growth_mb, 1),
                   agent_batches_stored=len(mine), agent_lost=0, stored_twice=0,
-                  agent_reconnects=agent_out.count("connected to collector"), agent_spool_left_bytes=spool_left)
+                  agent_reconnects=agent_out.count("connected to collector"), agent_spool_left_bytes=spool_left,
+                  store_write_errors=after["store.write_errors"], store_room_waits=after["store.room_waits"],
+                  store_max_held_bytes=after["store.max_held_bytes"])
     assert agent_out.count("connected to collector") == 1, "the agent's stream was ended during the outage"
     # Held at most HELD_BOUND of store records, plus what gRPC buffers per connection (measured:
     # +15-20 MB here, once 47). Without the bound the store held the flood: +146 MB for 23 MB offered.
