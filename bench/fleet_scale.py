@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         log_path = os.path.join(tmp, "gateway.log")
         with open(log_path, "w") as log:
             gw = subprocess.Popen([sys.executable, "-m", "xpusense.collector.cluster", "serve", "--config", cfg_path,
-                                   "--listen", address, "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
-                                  preexec_fn=lambda: os.sched_setaffinity(0, {gw_cpu}))
+                                   "--listen", address, "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+        os.sched_setaffinity(gw.pid, {gw_cpu})   # pinned from here (no preexec_fn next to gRPC's threads)
         try:
             wait_collector(address, 60)
             print(f"1. gateway saturation: {args.agents} agents, {args.seconds:g} s ...", flush=True)

