@@ -20,6 +20,7 @@ from .frames import Segment, Span, parse, record_count, segments
 log = logging.getLogger("xpusense.collector.store")
 
 LOGGED_RANGES = 20   # per start, one line each; then a summary (the counters stay exact)
+CHUNK = 2**20        # damaged bytes are looked at and copied this much at a time
 FIGURES = ("segments", "batches", "duplicates", "inventories", "marks", "damaged_ranges", "damaged_bytes",
            "damaged_records", "invalid_records", "legacy_segments", "kept_aside_bytes", "not_kept_bytes")
 
@@ -40,14 +41,13 @@ class Quarantine:
                 self._used = 0
         return self._used
 
-    def keep(self, seg_path: str, start: int, data: bytes) -> tuple[str, int]:
-        """Copy `data` aside: (what to say in the log, bytes newly kept; -1 when not kept)."""
-        name = f"{os.path.basename(seg_path)}.{start}-{start + len(data)}"
-        zeros = data.count(0) == len(data)
-        path = os.path.join(self.dir, name + (".zeros" if zeros else ""))
+    def keep(self, seg_path: str, buf, start: int, end: int) -> tuple[str, int]:
+        """Copy buf[start:end] aside: (what to say in the log, bytes newly kept; -1 when not kept)."""
+        zeros = all_zeros(buf, start, end)
+        path = os.path.join(self.dir, f"{os.path.basename(seg_path)}.{start}-{end}" + (".zeros" if zeros else ""))
         if os.path.exists(path):
             return f"kept in {path} (an earlier start)", 0
-        size = 0 if zeros else len(data)   # all zeros: the name says it all
+        size = 0 if zeros else end - start   # all zeros: the name says it all
         if self.used() + size > self.budget:
             return (f"NOT kept: {self.dir} holds {self.used()} bytes of its {self.budget} budget "
                     f"([store] damaged_keep_bytes); inspect and remove it", -1)
@@ -55,11 +55,16 @@ class Quarantine:
             os.makedirs(self.dir, mode=0o700, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                for a in range(start, end, CHUNK):
+                    f.write(buf[a:min(end, a + CHUNK)])
         except OSError as e:
             return f"NOT kept: cannot write {path} ({e.strerror})", -1
         self._used = self.used() + size
         return f"kept in {path}", size
+
+
+def all_zeros(buf, start: int, end: int) -> bool:
+    return all(buf[a:min(end, a + CHUNK)].count(0) == min(end, a + CHUNK) - a for a in range(start, end, CHUNK))
 
 
 class Replay:
@@ -82,7 +87,7 @@ class Replay:
             try:
                 self._segment(path)
             except OSError as e:   # unreadable file: its records are lost, said and counted
-                self._damaged(path, Span(0, 0, None), f"cannot read the file ({e.strerror})", 1, b"")
+                self._damaged(path, Span(0, 0, None), f"cannot read the file ({e.strerror})", 1)
         # Marks of batches replayed count as known too (a node that reconnects after a restart).
         st = self.state
         self._check_seals()
@@ -108,17 +113,17 @@ class Replay:
             spans = seg.legacy_spans() if fmt == "legacy" else seg.spans()
             for span in spans:
                 if span.payload is None:
-                    data = bytes(seg.buf[span.start:span.end])
-                    what = "all zeros" if data.count(0) == len(data) else "not a whole record with a good checksum"
+                    what = ("all zeros" if all_zeros(seg.buf, span.start, span.end)
+                            else "not a whole record with a good checksum")
                     if span.end == seg.size:
                         what += ", to the end of the file"
-                    self._damaged(path, span, what, record_count(seg.buf, span.start, span.end), data)
+                    self._damaged(path, span, what, record_count(seg.buf, span.start, span.end), seg.buf)
                     continue
                 try:
                     self._apply(parse(span.payload))
                 except Exception as e:   # a good checksum around a record that cannot be applied
                     self.figures["invalid_records"] += 1
-                    self._damaged(path, span, f"invalid record: {e}", 0, bytes(seg.buf[span.start:span.end]))
+                    self._damaged(path, span, f"invalid record: {e}", 0, seg.buf)
 
     def _apply(self, rec: list) -> None:
         kind, st, fig = rec[0], self.state, self.figures
@@ -153,20 +158,22 @@ class Replay:
                 actual = -1
             if actual < 0 and sid > first:
                 self._damaged(f"{self.dir}/{sid:08d}.log", Span(0, size, None),
-                              f"the segment is missing, {said_by} says it held {size} bytes", 1, b"")
+                              f"the segment is missing, {said_by} says it held {size} bytes", 1)
             elif path is not None and 0 <= actual < size:
                 self._damaged(path, Span(actual, size, None),
-                              f"the file ends early: {said_by} says it ended at byte {size}", 1, b"")
+                              f"the file ends early: {said_by} says it ended at byte {size}", 1)
 
-    def _damaged(self, path: str, span: Span, what: str, records: int, data: bytes) -> None:
+    def _damaged(self, path: str, span: Span, what: str, records: int, buf=None) -> None:
+        """Count and log a damaged range; buf: the segment's bytes, to keep it aside (None: nothing to keep)."""
         fig = self.figures
         if records:
             fig["damaged_ranges"] += 1
             fig["damaged_records"] += records
             fig["damaged_bytes"] += span.end - span.start
-        kept, size = self.quarantine.keep(path, span.start, data) if data else ("nothing to keep", 0)
+        kept, size = (self.quarantine.keep(path, buf, span.start, span.end) if buf is not None and span.end > span.start
+                      else ("nothing to keep", 0))
         if size < 0:
-            fig["not_kept_bytes"] += len(data)
+            fig["not_kept_bytes"] += span.end - span.start
         else:
             fig["kept_aside_bytes"] += size
         self._logged += 1

@@ -9,6 +9,7 @@ import errno
 import logging
 import os
 import struct
+import time
 
 import msgpack
 import pytest
@@ -206,6 +207,51 @@ def test_kept_aside_within_its_budget(tmp_path):
     figures = Store(str(tmp_path), damaged_keep_bytes=10).open(st_)
     assert figures["not_kept_bytes"] > 0 and figures["kept_aside_bytes"] == 0
     assert not (tmp_path / "damaged").exists() or not os.listdir(tmp_path / "damaged")
+
+
+def test_a_cut_or_missing_segment_is_found(tmp_path):
+    """Each segment says where the previous one ended: a segment cut at a record boundary, or one
+    deleted between two others, is counted as damage, not taken for a shorter log."""
+    write_store(tmp_path, 12, per_segment=3)              # four segments of three batches
+    frames = frame_map(tmp_path)
+    first = _seg(tmp_path, 0)
+    cut_at = [f for f in frames if f[0] == str(first)][-2][2]    # a record boundary: the last record gone
+    first.write_bytes(first.read_bytes()[:cut_at])
+    os.unlink(_seg(tmp_path, 2))                          # the third (the fourth says how long it was)
+    figures, _, values = replayed(tmp_path)
+    assert sorted(values) == [1, 2, 4, 5, 6, 10, 11, 12]
+    assert figures["damaged_ranges"] == 2 and not os.path.exists(tmp_path / "damaged")   # nothing there to keep
+
+
+def test_retention_by_history_keeps_what_a_reader_has_not_read(tmp_path):
+    """Segments wholly older than history_s go at the next new segment, except those an exporter's
+    reader has not read yet; the newest segment's checkpoint carries the marks."""
+    write_store(tmp_path, 9, per_segment=3)
+    old = time.time() - 3600
+    for _, p in segments(str(tmp_path)):
+        os.utime(p, (old, old))
+    st_ = FleetState()
+    store = Store(str(tmp_path), history_s=60, segment_s=1)
+    reader = StoreReader(store, "otlp")                  # has read nothing: cursor (0, 0)
+    store.open(st_)
+
+    async def roll():
+        await store.append(["m", "n", "b1", 9])          # the first write starts a new segment
+    asyncio.run(roll())
+    assert len(segments(str(tmp_path))) == 4, "a segment the reader has not read was deleted"
+    got, cur = reader.read(max_batches=100)
+    assert [b.seq for b in got] == list(range(1, 10))
+    reader.commit(cur)
+    store.segment_bytes = 0
+
+    async def roll_again():
+        await store.append(["m", "n", "b1", 9])
+    asyncio.run(roll_again())
+    store.close()
+    assert [sid for sid, _ in segments(str(tmp_path))] == [4, 5]
+    again = FleetState()
+    Store(str(tmp_path)).open(again)
+    assert again.known_marks[("n", "b1")] == 9 and again.view().nodes[0].inventory.hostname == "h"
 
 
 def test_invalid_record_with_a_good_checksum_is_skipped(tmp_path):
