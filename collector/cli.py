@@ -16,6 +16,7 @@ import time
 import grpc
 
 from xpusense.common.config import DEFAULT_ADDRESS, ConfigError, split_host_port
+from xpusense.common.journal import configure_logging
 from xpusense.common.tls import make_channel
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
@@ -128,7 +129,7 @@ def _serve(args) -> int:
     except BindError as e:
         print(f"xpusense-collector: {e}", file=sys.stderr)
         return EXIT_FAIL
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(cfg.log_level, "xpusense-collector")   # journal fields under systemd (common/journal.py)
     security.warn_at_start()
     state = FleetState(history_s=cfg.history_s, events_kept=cfg.events_kept)
     exporters = Exporters.from_config(cfg, state)   # OTLP / Prometheus (docs/export.md)

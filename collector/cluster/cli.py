@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import sys
 
 from xpusense.common.config import ConfigError, load
+from xpusense.common.journal import configure_logging
 
 from .config import NATS_SCHEMA, check_nats, split_urls
 
@@ -100,7 +100,7 @@ def run_cluster(args) -> int:
     except BindError as e:
         print(f"xpusense-collector: {e}", file=sys.stderr)
         return EXIT_FAIL
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(cfg.log_level, "xpusense-collector")   # journal fields under systemd (common/journal.py)
     if args.cmd in ("serve", "scheduler"):
         security.warn_at_start()
 
