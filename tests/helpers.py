@@ -15,6 +15,19 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
+# The sources that need no hardware or privileges: host (and the agent itself); accelerators,
+# eBPF and the HBM watch off. Tests put their own [tiers] / [stream] before it.
+HOST_SOURCES_ONLY = """
+[sources.ebpf]
+enabled = false
+[sources.nvml]
+enabled = false
+[sources.npu_smi]
+enabled = false
+[hbm_watch]
+enabled = false
+"""
+
 # An agent config for delivery tests: fast tiers, fast reconnects, host source only.
 FAST_HOST_ONLY = """
 [tiers]
@@ -25,15 +38,7 @@ offline_s = 5.0
 flush_s = 0.05
 backoff_initial_s = 0.05
 backoff_max_s = 0.3
-[sources.ebpf]
-enabled = false
-[sources.nvml]
-enabled = false
-[sources.npu_smi]
-enabled = false
-[hbm_watch]
-enabled = false
-"""
+""" + HOST_SOURCES_ONLY
 
 
 # Figures of the fault and attack tests (produced, stored, duplicated, dropped, RSS...), printed at

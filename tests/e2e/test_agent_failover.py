@@ -9,7 +9,7 @@ import re
 import signal
 import time
 
-from helpers import BIN, free_port, record_figure, wait_until
+from helpers import BIN, HOST_SOURCES_ONLY, free_port, record_figure, wait_until
 
 AGENT_CFG = """
 [tiers]
@@ -18,15 +18,7 @@ nearline_s = 0.5
 offline_s = 30.0
 [stream]
 flush_s = 0.1
-[sources.ebpf]
-enabled = false
-[sources.nvml]
-enabled = false
-[sources.npu_smi]
-enabled = false
-[hbm_watch]
-enabled = false
-"""
+""" + HOST_SOURCES_ONLY
 
 
 def _collector(procs, addr, name):

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from helpers import BIN, free_port, nodes_json, series, wait_until
+from helpers import BIN, HOST_SOURCES_ONLY, free_port, nodes_json, series, wait_until
 from helpers import record_figure as record
 
 from xpusense.agent.sources.base import Sample
@@ -29,15 +29,7 @@ offline_s = 5.0
 flush_s = 0.05
 backoff_initial_s = 0.05
 backoff_max_s = 0.5
-[sources.ebpf]
-enabled = false
-[sources.nvml]
-enabled = false
-[sources.npu_smi]
-enabled = false
-[hbm_watch]
-enabled = false
-"""
+""" + HOST_SOURCES_ONLY
 
 def spooled(spool_dir) -> list[tuple[str, int]]:
     """(boot, seq) of the batches a (killed) agent left in its spool, not acknowledged."""

@@ -16,7 +16,7 @@ import msgpack
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import BIN, free_port, nodes_json, record_figure, wait_until
+from helpers import BIN, HOST_SOURCES_ONLY, free_port, nodes_json, record_figure, wait_until
 
 from xpusense.agent.sources.base import Sample
 from xpusense.agent.stream import StreamClient
@@ -241,15 +241,7 @@ offline_s = 30.0
 flush_s = 0.2
 backoff_initial_s = 0.1
 backoff_max_s = 1.0
-[sources.ebpf]
-enabled = false
-[sources.nvml]
-enabled = false
-[sources.npu_smi]
-enabled = false
-[hbm_watch]
-enabled = false
-"""
+""" + HOST_SOURCES_ONLY
 
 HELD_BOUND = 256 * 1024
 FLOOD_BATCHES = 60   # per flood client, ~400 KB each: 70 MB offered in all
