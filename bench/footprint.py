@@ -278,7 +278,7 @@ def agent_config(tmp: str, ns: str, ifname: str, lib: str, glob: str) -> str:
 
 def loader_line(log_path: str) -> dict:
     """The agent's log line about its loader process: total and compile seconds, peak RSS."""
-    m = re.search(r"eBPF loader process built (\[.*?\]) in ([\d.]+) s \(compile ([\d.]+) s.*?peak RSS (\d+) MB",
+    m = re.search(r"eBPF loader process(?:es)? built (\[.*?\]) in ([\d.]+) s \(compile ([\d.]+) s.*?peak RSS (\d+) MB",
                   tail(log_path, 400))
     return {"probes": m.group(1), "total_s": float(m.group(2)), "compile_s": float(m.group(3)),
             "peak_rss_mb": float(m.group(4))} if m else {}

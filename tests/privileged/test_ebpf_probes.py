@@ -602,6 +602,8 @@ def test_cuda_uprobe_counts_calls_into_libcuda_per_process(probe, fake_libcuda):
 
 def test_a_probe_that_does_not_compile_does_not_take_the_others_down(monkeypatch):
     require_ebpf()
+    from xpusense.agent.sources.ebpf import loader as loader_module
+    monkeypatch.setattr(loader_module, "LOADER_PROCESSES", 1)     # both in one loader: the combined compile fails
     orig = specs.Probe.c_text
     monkeypatch.setattr(specs.Probe, "c_text",
                         lambda self: orig(self) + ("\n#error broken on purpose\n" if self.name == "netio" else ""))
@@ -650,9 +652,10 @@ def test_the_agent_holds_the_probes_without_bcc_or_llvm_and_reads_the_same_figur
     out = sh(sys.executable, "-c", AGENT_NO_LLVM, procs, str(n), timeout=120, cwd=str(ROOT)).stdout
     got = json.loads(out.strip().splitlines()[-1])
     assert got["bcc_imported"] is False and got["llvm_mapped"] == []
-    assert got["loader"]["pid"] and got["loader"]["peak_rss_mb"] > 0     # the process that had them, gone
-    with pytest.raises(ProcessLookupError):
-        os.kill(got["loader"]["pid"], 0)
+    assert got["loader"]["pids"] and min(got["loader"]["peak_rss_mb"]) > 0    # the processes that had them, gone
+    for pid in got["loader"]["pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
     counts = dict(got["runqlat"])
     assert n <= counts.get(label, 0) <= n + n // 4 + 10, counts
 
@@ -705,3 +708,20 @@ def test_a_loader_that_hangs_is_killed_and_the_probes_say_so(monkeypatch):
     [src] = family.build(family.table_from({"probes": ["runqlat"]}))
     with pytest.raises(Unavailable, match="handed nothing over within 2 s and was killed"):
         src.setup()
+
+
+def test_probes_shared_out_between_two_loader_processes_all_run(monkeypatch):
+    require_ebpf()
+    from xpusense.agent.sources.ebpf import loader as loader_module
+    monkeypatch.setattr(loader_module, "LOADER_PROCESSES", 2)
+    sources = family.build(family.table_from({"probes": ["runqlat", "netio", "blkio"]}))
+    try:
+        for src in sources:
+            src.setup()
+        info = sources[0].describe()["loader"]
+        assert info["processes"] == 2 and len(set(info["pids"])) == 2
+        for src in sources:
+            assert find(src.collect(REALTIME), "xpusense.ebpf.probe.events", probe=src.probe)
+    finally:
+        for src in sources:
+            src.close()

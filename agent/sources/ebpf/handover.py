@@ -97,19 +97,31 @@ class LoaderProcess:
         finally:
             theirs.close()
 
-    def ask(self, request: dict, timeout_s: float) -> tuple[dict, list[int]]:
-        proc = self.proc
+    def send(self, request: dict) -> None:
+        """The request; a failure to send shows in receive() (the process is gone)."""
         try:
             handoff.send(self._sock, request)
+        except OSError:
+            pass
+
+    def receive(self, timeout_s: float, deadline_said_s: float | None = None) -> tuple[dict, list[int]]:
+        """The manifest and its fds; `deadline_said_s`: the deadline to name when it runs out."""
+        proc = self.proc
+        try:
             return handoff.recv(self._sock, timeout_s)
         except (handoff.HandoffError, OSError) as e:
             timed_out = "timed out" in str(e)
             if timed_out:
                 proc.kill()
             self._reap()
-            raise Unavailable(loader_failure(proc.pid, proc.returncode, timed_out, timeout_s, _tail(self._err))) from None
+            said = timeout_s if deadline_said_s is None else deadline_said_s
+            raise Unavailable(loader_failure(proc.pid, proc.returncode, timed_out, said, _tail(self._err))) from None
         finally:
             self.close()
+
+    def ask(self, request: dict, timeout_s: float) -> tuple[dict, list[int]]:
+        self.send(request)
+        return self.receive(timeout_s)
 
     def _reap(self) -> None:
         try:

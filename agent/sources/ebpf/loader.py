@@ -45,6 +45,8 @@ HOST_CHECKS: dict[str, Callable[[SimpleNamespace], str]] = {
     "sched_info": lambda cfg: sched_info_off(cfg.procfs),
 }
 LOADER_TIMEOUT_S = 120.0     # compile + load + attach; a loader taking longer is killed
+LOADER_PROCESSES = 1         # loader processes compiling in parallel, each its share (at most one per CPU);
+# 2 gained nothing measurable on a 2-core VM also starting the rest of the agent, for twice the memory
 # How the loader process starts: the agent's own interpreter, every import path the agent has that a
 # fresh interpreter lacks (a site directory added at run time, with its .pth files: an editable
 # install's finder), then loadproc.main on the inherited socket.
@@ -124,7 +126,7 @@ class EbpfLoader:
         self._env_checked = False
         self.t_created = time.monotonic()
         self._btf: Btf | None = None
-        self._proc: LoaderProcess | None = None        # started early, asked once planning is done
+        self._procs: list[LoaderProcess] = []           # started early, asked once planning is done
 
     @property
     def stats_state(self) -> str:
@@ -347,69 +349,92 @@ class EbpfLoader:
         return [sys.executable, "-c", LOADER_BOOT, json.dumps(sys.path), str(fd)]
 
     def prestart(self) -> None:
-        """Start the loader process now, so that it imports bcc while the probes are planned here."""
+        """Start the loader processes now, so that they import bcc while the probes are planned here."""
         with self._lock:
-            if self._proc is None and not self._loaded:
-                try:
-                    self._proc = LoaderProcess(self.loader_argv)
-                except Unavailable as e:
-                    self._load_error = e
+            if not self._procs and not self._loaded:
+                for _ in range(max(1, min(LOADER_PROCESSES, os.cpu_count() or 1))):
+                    try:
+                        self._procs.append(LoaderProcess(self.loader_argv))
+                    except Unavailable as e:
+                        self._load_error = e
+                        break
 
     def _load_all(self) -> None:
         t0 = time.perf_counter()
         self.prestart()
         plans = self._planned()
         self._loaded = True
-        proc, self._proc = self._proc, None
+        procs, self._procs = self._procs, []
         if self._btf is not None:      # planning is over: a few MB the agent does not keep
             self._btf.close()
             self._btf = None
+        # The probes in the specs' order, dealt to the loader processes in turn: each compiles its
+        # share in one clang run (clang's fixed cost is about half of a run of all six here).
         if self._load_error is not None:
+            for proc in procs:
+                proc.close()
             return
-        assert proc is not None
-        if not plans:
-            proc.close()
-            return
-        try:
-            manifest, fds = proc.ask(self.request(plans), LOADER_TIMEOUT_S)
-        except Unavailable as e:
-            self._load_error = e
-            log.warning("eBPF probes unavailable: %s", e)
-            return
-        try:
-            self._take(manifest, fds, plans)
-        except Exception as e:      # a manifest we cannot read: nothing of it is used
-            for fd in fds:
-                close_fd(fd)
-            self._load_error = Unavailable(f"the eBPF loader's answer could not be used: {type(e).__name__}: {e}")
-            log.warning("eBPF probes unavailable: %s", self._load_error)
-            return
-        total_s = time.perf_counter() - t0
-        self.compile_s = float(manifest.get("compile_s", 0.0))
-        self.compile_mode = str(manifest.get("compile_mode", ""))
-        self.loader_info = {"pid": manifest.get("pid"), "peak_rss_mb": round(manifest.get("vm_hwm_kb", 0) / 1024, 1),
-                            "import_s": round(manifest.get("import_s", 0.0), 3),
-                            "compile_s": round(self.compile_s, 3), "attach_s": round(manifest.get("attach_s", 0.0), 3),
-                            "total_s": round(total_s, 3), "request_after_s": manifest.get("request_after_s"),
-                            "done_after_s": manifest.get("done_after_s")}
-        if manifest.get("combined_error"):
-            log.warning("compiling all eBPF probes at once failed (%s); compiled each on its own",
-                        manifest["combined_error"])
-        if manifest.get("bcc_output"):
-            log.debug("bcc output:\n%s", manifest["bcc_output"])
-        log.info("eBPF loader process built %s in %.2f s (compile %.2f s, %s), peak RSS %.0f MB; the agent holds "
+        pairs = [(proc, plans[i::len(procs)]) for i, proc in enumerate(procs)]
+        for proc, group in pairs:
+            if group:
+                proc.send(self.request(group))
+        for proc, group in pairs:
+            if not group:
+                proc.close()
+        deadline = time.monotonic() + LOADER_TIMEOUT_S
+        manifests = []
+        for proc, group in [(p, g) for p, g in pairs if g]:
+            try:
+                manifest, fds = proc.receive(max(0.0, deadline - time.monotonic()), LOADER_TIMEOUT_S)
+            except Unavailable as e:
+                self._group_failed(group, str(e))
+                continue
+            try:
+                self._take(manifest, fds, group)
+                manifests.append(manifest)
+            except Unavailable as e:    # the loader could not run bcc at all
+                self._group_failed(group, str(e))
+            except Exception as e:      # a manifest we cannot read: nothing of it is used
+                for fd in fds:
+                    close_fd(fd)
+                self._group_failed(group, f"the eBPF loader's answer could not be used: {type(e).__name__}: {e}")
+        if manifests:
+            self._summarise(manifests, time.perf_counter() - t0)
+
+    def _group_failed(self, group: list[Plan], reason: str) -> None:
+        log.warning("eBPF probes %s unavailable: %s", [p.probe.name for p in group], reason)
+        for p in group:
+            self._errors[p.probe.name] = reason
+
+    def _summarise(self, manifests: list[dict], total_s: float) -> None:
+        self.compile_s = max(float(m.get("compile_s", 0.0)) for m in manifests)
+        modes = sorted({str(m.get("compile_mode", "")) for m in manifests})
+        self.compile_mode = (f"{len(manifests)} loader processes in parallel: " if len(manifests) > 1 else "") + \
+            "; ".join(modes)
+        worst = max(manifests, key=lambda m: float(m.get("done_after_s") or 0.0))
+        self.loader_info = {"processes": len(manifests), "pids": [m.get("pid") for m in manifests],
+                            "peak_rss_mb": [round(m.get("vm_hwm_kb", 0) / 1024, 1) for m in manifests],
+                            "compile_s": round(self.compile_s, 3),
+                            "attach_s": round(max(float(m.get("attach_s", 0.0)) for m in manifests), 3),
+                            "total_s": round(total_s, 3), "request_after_s": worst.get("request_after_s"),
+                            "done_after_s": worst.get("done_after_s")}
+        for m in manifests:
+            if m.get("combined_error"):
+                log.warning("compiling eBPF probes at once failed (%s); compiled each on its own", m["combined_error"])
+            if m.get("bcc_output"):
+                log.debug("bcc output:\n%s", m["bcc_output"])
+        log.info("eBPF loader processes built %s in %.2f s (compile %.2f s, %s), peak RSS %.0f MB; the agent holds "
                  "the fds", sorted(self._handles), total_s, self.compile_s, self.compile_mode,
-                 self.loader_info["peak_rss_mb"])
+                 max(self.loader_info["peak_rss_mb"]))
 
     def _take(self, manifest: dict, fds: list[int], plans: list[Plan]) -> None:
         """The manifest and its fds -> maps, one handle per probe built, reasons for the others."""
         if not manifest.get("ok"):
             for fd in fds:
                 close_fd(fd)
-            self._load_error = Unavailable(str(manifest.get("reason", "the eBPF loader failed")))
             if manifest.get("traceback"):
                 log.debug("eBPF loader traceback:\n%s", manifest["traceback"])
-            return
+            raise Unavailable(str(manifest.get("reason", "the eBPF loader failed")))
         ncpus = possible_cpus(self.cfg.sysfs)
         used = set()
         for m in manifest["maps"]:
