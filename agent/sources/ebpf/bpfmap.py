@@ -33,7 +33,9 @@ BATCH_TYPES = {HASH, ARRAY, PERCPU_HASH, PERCPU_ARRAY, LRU_HASH, LRU_PERCPU_HASH
 _ELEM = struct.Struct("=IIQQQ")          # map_fd, pad, key, value|next_key, flags
 _BATCH = struct.Struct("=QQQQIIQQ")      # in_batch, out_batch, keys, values, count, map_fd, elem_flags, flags
 
-_libc = ctypes.CDLL(None, use_errno=True)
+# PyDLL: the GIL is held through the call. A bpf(2) call takes microseconds; letting the GIL go for it
+# would hand it to another thread and back (two context switches) for every map read of every round.
+_libc = ctypes.PyDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
 

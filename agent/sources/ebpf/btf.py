@@ -10,6 +10,7 @@ tracepoint's prototype is there. Format: Documentation/bpf/btf.rst (types sectio
 
 from __future__ import annotations
 
+import array
 import struct
 from typing import Any
 
@@ -22,7 +23,6 @@ FUNC, FUNC_PROTO, VAR, DATASEC, FLOAT, DECL_TAG, TYPE_TAG, ENUM64 = range(12, 20
 _EXTRA = {INT: (4, 0), ARRAY: (12, 0), STRUCT: (0, 12), UNION: (0, 12), ENUM: (0, 8), FUNC_PROTO: (0, 8),
           VAR: (4, 0), DATASEC: (0, 12), DECL_TAG: (4, 0), ENUM64: (0, 12)}
 _MODIFIERS = (TYPEDEF, VOLATILE, CONST, RESTRICT, TYPE_TAG)
-_NAMED = frozenset((STRUCT, UNION, TYPEDEF, FUNC, ENUM, ENUM64))   # the kinds find() is asked for
 
 
 class BtfError(Exception):
@@ -49,13 +49,13 @@ class Btf:
         self._types_end = self._types + type_len
         self._strs = hdr_len + str_off
         self._strs_end = self._strs + str_len
-        self._index: list[int] | None = None      # type id -> byte offset of its record (id 0 is void)
-        self._named: dict[int, int] = {}           # name offset << 5 | kind -> first type id
+        self._index: array.array | None = None    # type id -> byte offset of its record (id 0 is void)
+        self._named = array.array("Q")              # type id -> name offset << 5 | kind
 
     def close(self) -> None:
         self._data = b""
         self._index = None
-        self._named = {}
+        self._named = array.array("Q")
 
     def __enter__(self) -> Btf:
         return self
@@ -80,24 +80,21 @@ class Btf:
             out.add(0)
         return out
 
-    def _walk(self) -> list[int]:
-        """One pass over every type: where each record is, and (name, kind) -> first id for the named
-        kinds find() looks up (one pass instead of one per lookup: ~130k types in a distribution kernel)."""
+    def _walk(self) -> array.array:
+        """One pass over every type: where each record is (index[id]), and its name and kind
+        (named[id] = name offset << 5 | kind) for find(). Compact arrays, not Python ints: ~130k types
+        in a distribution kernel, and the agent's memory should not keep their trace."""
         if self._index is None:
             d, pos, end = self._data, self._types, self._types_end
-            index = [0]
-            named: dict[int, int] = {}
+            index = array.array("I", [0])
+            named = array.array("Q", [0])
             unpack = struct.Struct("<II").unpack_from
             extra = _EXTRA
-            wanted = _NAMED
-            tid = 0
             while pos < end:
-                tid += 1
                 index.append(pos)
                 name_off, info = unpack(d, pos)
                 kind = (info >> 24) & 0x1F
-                if name_off and kind in wanted:
-                    named.setdefault(name_off << 5 | kind, tid)
+                named.append(name_off << 5 | kind)
                 fixed, per = extra.get(kind, (0, 0))
                 pos += 12 + fixed + per * (info & 0xFFFF)
             self._index, self._named = index, named
@@ -113,7 +110,12 @@ class Btf:
     def find(self, kind: int, name: str) -> int:
         """The id of the first type of `kind` named `name`; BtfError when there is none."""
         self._walk()
-        found = [tid for off in self._name_offsets(name) if (tid := self._named.get(off << 5 | kind))]
+        found = []
+        for off in self._name_offsets(name):
+            try:
+                found.append(self._named.index(off << 5 | kind))     # a linear search, in C
+            except ValueError:
+                pass
         if found:
             return min(found)
         raise BtfError(f"the kernel's BTF has no {_KIND_NAMES.get(kind, kind)} {name}")
