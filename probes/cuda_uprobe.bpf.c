@@ -7,7 +7,21 @@
 // cuMemcpy{HtoD,DtoH,DtoD}[Async]_v2 family and the second of cuMemAlloc_v2 / cuMemAllocManaged /
 // cuMemAllocAsync (CUDA driver API signatures, stable since CUDA 3.2's _v2 entry points).
 // Slot 0 collects processes beyond CUDA_MAX_PROCS - 1 at once (reported as pid "(other)").
+
+// A uprobe's context is the user registers (struct pt_regs). Arguments are read at their place in
+// that struct's layout, which is the architecture's ABI (uapi asm/ptrace.h), instead of including
+// <uapi/linux/ptrace.h> for bcc's PT_REGS_PARMn: its headers cost clang ~0.09 s at every start.
+#if defined(bpf_target_x86)
+#define CUDA_ARG2(ctx) (((u64 *)(ctx))[13])    // rsi: r15 r14 r13 r12 bp bx r11 r10 r9 r8 ax cx dx si di ...
+#define CUDA_ARG3(ctx) (((u64 *)(ctx))[12])    // rdx
+#elif defined(bpf_target_arm64)
+#define CUDA_ARG2(ctx) (((u64 *)(ctx))[1])     // x1: regs[31], sp, pc, pstate
+#define CUDA_ARG3(ctx) (((u64 *)(ctx))[2])     // x2
+#else
 #include <uapi/linux/ptrace.h>
+#define CUDA_ARG2(ctx) PT_REGS_PARM2(ctx)
+#define CUDA_ARG3(ctx) PT_REGS_PARM3(ctx)
+#endif
 
 #ifndef CUDA_MAX_PROCS
 #define CUDA_MAX_PROCS 4096
@@ -87,7 +101,7 @@ int cuda_memcpy_htod(struct pt_regs *ctx)
     if (!s)
         return 0;
     s->htod_calls += 1;
-    s->htod_bytes += (u64)PT_REGS_PARM3(ctx);
+    s->htod_bytes += CUDA_ARG3(ctx);
     return 0;
 }
 
@@ -97,7 +111,7 @@ int cuda_memcpy_dtoh(struct pt_regs *ctx)
     if (!s)
         return 0;
     s->dtoh_calls += 1;
-    s->dtoh_bytes += (u64)PT_REGS_PARM3(ctx);
+    s->dtoh_bytes += CUDA_ARG3(ctx);
     return 0;
 }
 
@@ -107,7 +121,7 @@ int cuda_memcpy_dtod(struct pt_regs *ctx)
     if (!s)
         return 0;
     s->dtod_calls += 1;
-    s->dtod_bytes += (u64)PT_REGS_PARM3(ctx);
+    s->dtod_bytes += CUDA_ARG3(ctx);
     return 0;
 }
 
@@ -117,7 +131,7 @@ int cuda_alloc(struct pt_regs *ctx)
     if (!s)
         return 0;
     s->allocs += 1;
-    s->alloc_bytes += (u64)PT_REGS_PARM2(ctx);
+    s->alloc_bytes += CUDA_ARG2(ctx);
     return 0;
 }
 
