@@ -93,6 +93,20 @@ def build(table: SimpleNamespace) -> list[Source]:
     return sources
 
 
+def build_and_prestart(table: SimpleNamespace) -> list[Source]:
+    """build(), and the loader process started at once where eBPF can run here: it imports bcc while the
+    agent goes on starting (the agent's FAMILY; the sources' setup then finds it waiting)."""
+    sources = ebpf_sources(table)
+    if sources:
+        try:
+            sources[0].loader.check_environment()
+            sources[0].loader.prestart()
+        except Unavailable:
+            pass            # each source's setup says why
+    out: list[Source] = [*sources]
+    return out
+
+
 def plans_for(table: SimpleNamespace) -> tuple[list[Plan], dict[str, str]]:
     """Plans of the enabled probes on this host and, for the others, why not (no compiling)."""
     plans, why = [], {}
@@ -104,4 +118,4 @@ def plans_for(table: SimpleNamespace) -> tuple[list[Plan], dict[str, str]]:
     return plans, why
 
 
-FAMILY = SourceFamily("ebpf", SCHEMA, build)
+FAMILY = SourceFamily("ebpf", SCHEMA, build_and_prestart)
