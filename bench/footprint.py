@@ -278,10 +278,15 @@ def agent_config(tmp: str, ns: str, ifname: str, lib: str, glob: str) -> str:
 
 def loader_line(log_path: str) -> dict:
     """The agent's log line about its loader process: total and compile seconds, peak RSS."""
-    m = re.search(r"eBPF loader process(?:es)? built (\[.*?\]) in ([\d.]+) s \(compile ([\d.]+) s.*?peak RSS (\d+) MB",
-                  tail(log_path, 400))
-    return {"probes": m.group(1), "total_s": float(m.group(2)), "compile_s": float(m.group(3)),
-            "peak_rss_mb": float(m.group(4))} if m else {}
+    m = re.search(r"eBPF loader process(?:es)? built (\[.*?\]) in ([\d.]+) s \(compile ([\d.]+) s.*?peak RSS (\d+) MB"
+                  r"(?:.*?request ([\d.]+) s, done ([\d.]+) s)?", tail(log_path, 400))
+    if not m:
+        return {}
+    out = {"probes": m.group(1), "total_s": float(m.group(2)), "compile_s": float(m.group(3)),
+           "peak_rss_mb": float(m.group(4))}
+    if m.group(5):      # from the loader's start: the agent's plan came, the hand-over was done
+        out.update(request_after_s=float(m.group(5)), done_after_s=float(m.group(6)))
+    return out
 
 
 # ------------------------------------------------------------------------------------------ the bench

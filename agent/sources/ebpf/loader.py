@@ -424,8 +424,9 @@ class EbpfLoader:
             if m.get("bcc_output"):
                 log.debug("bcc output:\n%s", m["bcc_output"])
         log.info("eBPF loader processes built %s in %.2f s (compile %.2f s, %s), peak RSS %.0f MB; the agent holds "
-                 "the fds", sorted(self._handles), total_s, self.compile_s, self.compile_mode,
-                 max(self.loader_info["peak_rss_mb"]))
+                 "the fds; from the loader's start: request %.2f s, done %.2f s", sorted(self._handles), total_s,
+                 self.compile_s, self.compile_mode, max(self.loader_info["peak_rss_mb"]),
+                 float(worst.get("request_after_s") or 0.0), float(worst.get("done_after_s") or 0.0))
 
     def _take(self, manifest: dict, fds: list[int], plans: list[Plan]) -> None:
         """The manifest and its fds -> maps, one handle per probe built, reasons for the others."""
