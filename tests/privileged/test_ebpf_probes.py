@@ -150,9 +150,11 @@ def quiet_namespaces(*namespaces):
 # ------------------------------------------------------------------------------------------ runqlat
 
 SLEEPER = JOIN_CGROUP + """
-import time
+import resource, time
 for _ in range(int(sys.argv[2])):
     time.sleep(0.0002)
+r = resource.getrusage(resource.RUSAGE_SELF)
+print(r.ru_nvcsw + r.ru_nivcsw)   # its context switches: each is one stay in the run queue after it
 """
 
 
@@ -162,7 +164,8 @@ def test_runqlat_counts_every_wakeup_of_a_sleeping_process_in_its_cgroup(probe, 
     assert src.plan_.variant.name == variant
     procs, label = cgroup("runqlat")
     n = 200
-    subprocess.run(ns_python("", SLEEPER, procs, n), check=True, timeout=60)
+    out = subprocess.run(ns_python("", SLEEPER, procs, n), check=True, timeout=60, capture_output=True, text=True)
+    switches = int(out.stdout.split()[-1])   # n sleeps, plus preemptions: many more on a busy machine
 
     def hist():
         got = find(src.collect(NEARLINE), "xpusense.sched.runqueue.latency", cgroup=label)
@@ -170,8 +173,9 @@ def test_runqlat_counts_every_wakeup_of_a_sleeping_process_in_its_cgroup(probe, 
 
     h = wait_until(hist, 10, what=f"{n} run-queue latencies in {label}")
     check_histogram(h)
-    # n wake-ups from the sleeps, plus a few: the first run after joining, exit, preemptions.
-    assert n <= h.counts[-1] <= n + n // 4 + 10, h.counts
+    # every wake-up from the sleeps, and not many more than the process's own switches (a few more:
+    # the first run after joining, exit, a wait split by a migration between CPUs)
+    assert n <= h.counts[-1] <= switches + switches // 8 + 10, (h.counts, switches)
     assert 0 < h.value < h.counts[-1] * 1.0, "mean run-queue latency between 0 and 1 s"
     assert h.unit == "s" and h.bounds[1] == pytest.approx(1e-9)
 
