@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -11,6 +12,32 @@ import subprocess
 
 import yaml
 from helpers import BIN, free_port, nodes_json, series, wait_until
+
+
+@contextlib.contextmanager
+def top_under_pty(addr: str):
+    """`xpusense-collector top` on a pseudo-terminal: yields (process, read), read() -> the screen so
+    far; the process is killed and the terminal closed after."""
+    master, slave = pty.openpty()
+    p = subprocess.Popen([str(BIN / "xpusense-collector"), "top", "--collector", addr, "--interval-s", "0.1"],
+                         stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    screen = b""
+
+    def read() -> bytes:
+        nonlocal screen
+        while select.select([master], [], [], 0)[0]:
+            try:
+                screen += os.read(master, 65536)
+            except OSError:
+                break
+        return screen
+    try:
+        yield p, read
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
 
 
 def start_collector(procs):
@@ -35,33 +62,14 @@ def test_top_refreshes_in_place_and_exits_cleanly_on_ctrl_c(procs):
     addr = start_collector(procs)
     subprocess.run([str(BIN / "xpusense-agent"), "run", "--once", "--collector", addr, "--node-id", "topnode"],
                    check=True, capture_output=True, timeout=60)
-    master, slave = pty.openpty()
-    p = subprocess.Popen([str(BIN / "xpusense-collector"), "top", "--collector", addr, "--interval-s", "0.1"],
-                         stdin=slave, stdout=slave, stderr=slave, close_fds=True)
-    os.close(slave)
-    screen = b""
-
-    def read():
-        nonlocal screen
-        while select.select([master], [], [], 0)[0]:
-            try:
-                screen += os.read(master, 65536)
-            except OSError:
-                break
-        return screen
-
-    try:
+    with top_under_pty(addr) as (p, read):
         # Two refreshes, each clearing the screen and homing the cursor, showing the node.
-        wait_until(lambda: read().count(b"\x1b[H\x1b[2J") >= 2 and b"topnode" in screen, what="two refreshes")
+        wait_until(lambda: read().count(b"\x1b[H\x1b[2J") >= 2 and b"topnode" in read(), what="two refreshes")
         p.send_signal(signal.SIGINT)
         assert p.wait(timeout=10) == 0
         out = read().decode(errors="replace")
         assert "Traceback" not in out and "KeyboardInterrupt" not in out
         assert out.rstrip().endswith("\x1b[?25h") or "\x1b[?25h" in out[-20:]  # cursor shown again
-    finally:
-        if p.poll() is None:
-            p.kill()
-        os.close(master)
 
 
 def test_sources_lists_every_source_and_why(tmp_path):
@@ -117,26 +125,10 @@ def test_nodes_and_top_read_a_fleet_larger_than_one_reply(tmp_path):
         counters = json.loads(out.stdout).get("counters", {})
         assert counters.get("limits.max_reply_bytes", 0) >= whole // 100_000
 
-        master, slave = pty.openpty()
-        p = subprocess.Popen([str(BIN / "xpusense-collector"), "top", "--collector", coll.addr, "--interval-s", "0.1"],
-                             stdin=slave, stdout=slave, stderr=slave, close_fds=True)
-        os.close(slave)
-        screen = b""
-
-        def read():
-            nonlocal screen
-            while select.select([master], [], [], 0)[0]:
-                try:
-                    screen += os.read(master, 65536)
-                except OSError:
-                    break
-            return screen
-        try:
+        with top_under_pty(coll.addr) as (p, read):
             wait_until(lambda: b"big-2" in read() and read().count(b"\x1b[H\x1b[2J") >= 2, what="top showing every node")
-            assert b"unreachable" not in screen
-        finally:
+            assert b"unreachable" not in read()
             p.send_signal(signal.SIGINT)
             p.wait(timeout=10)
-            os.close(master)
     finally:
         coll.stop()
