@@ -343,6 +343,18 @@ def check_hello(hello: pb.Hello) -> str | None:
     return bad_id("node_id", hello.node_id) or bad_id("boot_id", hello.boot_id)
 
 
+class MalformedRequest(Exception):
+    """A request that does not parse, or a Hello naming a bad id: its call ends with INVALID_ARGUMENT.
+    The guarded request iterator raises it rather than aborting where it reads, since a handler may
+    read its requests in a task of its own (Ingest's reader) while its own task sends replies, and a
+    status sent from the reader at that moment is refused by gRPC (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS,
+    an UNKNOWN for the client): such a reader hands `violation` to the handler's task, which aborts."""
+
+    def __init__(self, why: str):
+        self.violation = Violation(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {why}")
+        super().__init__(self.violation.message)
+
+
 class _Malformed:
     __slots__ = ("why",)
 
@@ -392,9 +404,13 @@ class _MalformedInput(grpc.aio.ServerInterceptor):
     def __init__(self, log_: RateLimitedLog):
         self.log = log_
 
-    async def _abort(self, context, why: str):
+    def _refuse(self, context, why: str) -> MalformedRequest:
         self.log.warning("malformed message from %s: %s", context.peer(), why)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {why}")
+        return MalformedRequest(why)
+
+    @staticmethod
+    async def _abort(context, e: MalformedRequest):
+        await context.abort(e.violation.code, e.violation.message)
 
     async def intercept_service(self, continuation, details):
         h = await continuation(details)
@@ -408,17 +424,17 @@ class _MalformedInput(grpc.aio.ServerInterceptor):
         async def requests(it, context):
             async for m in it:
                 if isinstance(m, _Malformed):
-                    await guard._abort(context, m.why)
+                    raise guard._refuse(context, m.why)
                 if type(m) is pb.AgentMessage and m.HasField("hello") and (why := check_hello(m.hello)):
-                    await guard._abort(context, why)
+                    raise guard._refuse(context, why)
                 yield m
 
         return _guarded_handler(h, requests, guard)
 
 
 def _guarded_handler(h, requests, guard: _MalformedInput):
-    """The same kind of handler as `h`, reading its requests through `requests` (which aborts the
-    call on a malformed message)."""
+    """The same kind of handler as `h`, reading its requests through `requests` (which raises
+    MalformedRequest on a malformed message: the call is aborted here, in the handler's task)."""
     behavior: Callable[..., Any]   # an async generator function (streamed replies) or a coroutine function
     size = _WireSize()   # this handler serves one call
     if h.stream_stream:
@@ -427,6 +443,8 @@ def _guarded_handler(h, requests, guard: _MalformedInput):
             try:
                 async for out in h.stream_stream(reqs, context):
                     yield out
+            except MalformedRequest as e:
+                await guard._abort(context, e)
             finally:
                 # An aborted call's exception keeps this frame alive through its traceback, in a
                 # cycle only the garbage collector breaks: let go of the last message now.
@@ -434,19 +452,22 @@ def _guarded_handler(h, requests, guard: _MalformedInput):
         behavior, make = stream_stream, grpc.stream_stream_rpc_method_handler
     elif h.stream_unary:
         async def stream_unary(it, context):
-            return await h.stream_unary(requests(it, context), context)
+            try:
+                return await h.stream_unary(requests(it, context), context)
+            except MalformedRequest as e:
+                await guard._abort(context, e)
         behavior, make = stream_unary, grpc.stream_unary_rpc_method_handler
     elif h.unary_stream:
         async def unary_stream(req, context):
             if isinstance(req, _Malformed):
-                await guard._abort(context, req.why)
+                await guard._abort(context, guard._refuse(context, req.why))
             async for out in h.unary_stream(req, context):
                 yield out
         behavior, make = unary_stream, grpc.unary_stream_rpc_method_handler
     else:
         async def unary_unary(req, context):
             if isinstance(req, _Malformed):
-                await guard._abort(context, req.why)
+                await guard._abort(context, guard._refuse(context, req.why))
             return await h.unary_unary(req, context)
         behavior, make = unary_unary, grpc.unary_unary_rpc_method_handler
     return make(behavior, request_deserializer=_lenient(h.request_deserializer, size),

@@ -23,7 +23,6 @@ import os
 import re
 import socket
 import sys
-from typing import NamedTuple
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -33,7 +32,7 @@ from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from .limits import DEFAULTS as LIMITS
-from .limits import Violation, short_boot
+from .limits import MalformedRequest, Violation, short_boot
 from .scheduler.service import SCHEDULER_SERVICE
 from .scheduler.service import add_to_server as add_scheduler
 from .state import FleetState
@@ -43,11 +42,6 @@ log = logging.getLogger("xpusense.collector")
 
 INGEST_SERVICE = pb.DESCRIPTOR.services_by_name["Ingest"].full_name
 QUERY_SERVICE = pb.DESCRIPTOR.services_by_name["Query"].full_name
-
-
-class _Refusal(NamedTuple):
-    code: grpc.StatusCode
-    message: str
 
 
 class _Window:
@@ -192,7 +186,7 @@ class IngestServicer(pb_grpc.IngestServicer):
                 item = await pending.get()
                 if item is None:
                     break
-                if isinstance(item, _Refusal):   # aborted here, in the handler's own task
+                if isinstance(item, Violation):   # aborted here, in the handler's own task
                     await context.abort(item.code, item.message)
                 b, previous, durable = item
                 if durable is not None:
@@ -234,7 +228,7 @@ class IngestServicer(pb_grpc.IngestServicer):
         while not pending.empty():
             items.append(pending.get_nowait())
         for it in items:
-            if isinstance(it, _Refusal) or not isinstance(it, tuple) or it[1] is None or it[2] is None:
+            if isinstance(it, Violation) or not isinstance(it, tuple) or it[1] is None or it[2] is None:
                 continue   # a refusal, the end, a duplicate, or memory only (applied at once)
             b, durable = it[0], it[2]
             if durable.done():
@@ -246,6 +240,16 @@ class IngestServicer(pb_grpc.IngestServicer):
         if not durable.cancelled() and durable.exception() is None:
             self.state.apply(b)
 
+    def _take_inventory(self, node_id: str, boot_id: str, inventory: pb.Inventory, context) -> Violation | None:
+        """An inventory sent after the Hello (the node's accelerators changed): kept and stored, or refused."""
+        if self.limits is not None and (v := self.limits.check_inventory(inventory)):
+            self._refuse(v, context.peer())
+            return v
+        self.state.set_inventory(node_id, inventory)
+        if self.store is not None:
+            self.store.append_nowait(["i", node_id, boot_id, inventory.SerializeToString()])
+        return None
+
     async def _read(self, request_iterator, context, node_id: str, boot_id: str, pending: asyncio.Queue,
                     window: _Window | None = None) -> None:
         try:
@@ -256,11 +260,11 @@ class IngestServicer(pb_grpc.IngestServicer):
                     # An earlier boot's batches may come again (the agent's spool after a restart);
                     # another node's never.
                     if b.node_id != node_id:
-                        pending.put_nowait(_Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                        pending.put_nowait(Violation(grpc.StatusCode.PERMISSION_DENIED,
                                                     f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}"))
                         return
                     if self.limits is not None and (why := self.limits.check(node_id, b, self.state)):
-                        pending.put_nowait(_Refusal(why.code, why.message))
+                        pending.put_nowait(Violation(why.code, why.message))
                         return
                     if self.store is not None:   # a slow or failing disk: this stream waits, unread
                         await self.store.wait_room(getattr(request_iterator, "wire_bytes", 0))
@@ -285,17 +289,15 @@ class IngestServicer(pb_grpc.IngestServicer):
                                                 else "max_stream_pending_batches")
                             await window.wait()
                 elif kind == "inventory":
-                    if self.limits is not None and (v := self.limits.check_inventory(msg.inventory)):
-                        self._refuse(v, context.peer())
-                        pending.put_nowait(_Refusal(v.code, v.message))
+                    if (v := self._take_inventory(node_id, boot_id, msg.inventory, context)) is not None:
+                        pending.put_nowait(v)
                         return
-                    self.state.set_inventory(node_id, msg.inventory)
-                    if self.store is not None:
-                        self.store.append_nowait(["i", node_id, boot_id, msg.inventory.SerializeToString()])
                 else:
-                    pending.put_nowait(_Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                                                f"unexpected message {kind!r} after Hello"))
+                    pending.put_nowait(Violation(grpc.StatusCode.INVALID_ARGUMENT,
+                                                 f"unexpected message {kind!r} after Hello"))
                     return
+        except MalformedRequest as e:   # aborted by the handler's task, not this one (see MalformedRequest)
+            pending.put_nowait(e.violation)
         finally:
             pending.put_nowait(None)
 

@@ -29,6 +29,7 @@ import nats.js.errors
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
+from ..limits import MalformedRequest, Violation
 from .marks import Marks
 from .subjects import KIND, MSG_ID, msg_id, node_subject, partition
 
@@ -83,11 +84,6 @@ class Gateway:
             await asyncio.sleep(0.1)
 
 
-class _End:
-    def __init__(self, code: grpc.StatusCode, message: str):
-        self.code, self.message = code, message
-
-
 class ClusterIngestServicer(pb_grpc.IngestServicer):
     def __init__(self, gw: Gateway, security=None, limits=None):
         self.gw, self.security, self.limits = gw, security, limits
@@ -128,7 +124,7 @@ class ClusterIngestServicer(pb_grpc.IngestServicer):
                 item = await pending.get()
                 if item is None:
                     break
-                if isinstance(item, _End):
+                if isinstance(item, Violation):
                     await context.abort(item.code, item.message)
                 b, fut = item
                 if fut is None:   # at or below the mark: stored before
@@ -186,11 +182,11 @@ class ClusterIngestServicer(pb_grpc.IngestServicer):
                 if kind == "batch":
                     b = msg.batch
                     if b.node_id != node_id:
-                        pending.put_nowait(_End(grpc.StatusCode.PERMISSION_DENIED,
+                        pending.put_nowait(Violation(grpc.StatusCode.PERMISSION_DENIED,
                                                 f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}"))
                         return
                     if self.limits is not None and (why := self.limits.check(node_id, b)):
-                        pending.put_nowait(_End(why.code, why.message))
+                        pending.put_nowait(Violation(why.code, why.message))
                         return
                     high = seen.get(b.boot_id)
                     if high is None:   # an earlier boot's batches, resent from the spool
@@ -205,7 +201,7 @@ class ClusterIngestServicer(pb_grpc.IngestServicer):
                     pending.put_nowait((b, fut))
                 elif kind == "inventory":
                     if (why := self._inventory_refused(node_id, msg.inventory)) is not None:
-                        pending.put_nowait(_End(why.code, why.message))
+                        pending.put_nowait(Violation(why.code, why.message))
                         return
                     state["subject"] = gw.subject(node_id, msg.inventory)
                     await room.acquire()
@@ -213,7 +209,10 @@ class ClusterIngestServicer(pb_grpc.IngestServicer):
                                                            {KIND: "inventory", "Xps-Session": session}))
                     pending.put_nowait((None, fut))
                 else:
-                    pending.put_nowait(_End(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected message {kind!r} after Hello"))
+                    pending.put_nowait(Violation(grpc.StatusCode.INVALID_ARGUMENT,
+                                                 f"unexpected message {kind!r} after Hello"))
                     return
+        except MalformedRequest as e:   # aborted by the handler's task, not this one (see MalformedRequest)
+            pending.put_nowait(e.violation)
         finally:
             pending.put_nowait(None)

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import datetime as dt
+import logging
 from types import SimpleNamespace
 
 import grpc
@@ -14,7 +17,9 @@ from xpusense.agent.config import ConfigError
 from xpusense.collector.auth import Security, cert_identities
 from xpusense.collector.certs import CertError, make_certs, make_tokens, parse_tokens, token_hash
 from xpusense.collector.config import COLLECTOR_SCHEMA, load_collector
-from xpusense.collector.limits import DEFAULTS, Limits
+from xpusense.collector.limits import DEFAULTS, Limits, MalformedRequest
+from xpusense.collector.server import IngestServicer
+from xpusense.collector.state import FleetState
 from xpusense.common.tls import is_loopback_host, make_channel
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
@@ -134,6 +139,58 @@ def test_a_message_that_does_not_parse_ends_its_stream_with_invalid_argument(gua
         assert e.value.code() == INVALID
         # A good call still works.
         assert pb_grpc.QueryStub(ch).ListNodes(pb.ListNodesRequest(), timeout=5).nodes is not None
+
+
+def test_a_malformed_message_amid_acknowledgements_is_still_invalid_argument(guarded, caplog):
+    """Ingest reads in a task of its own while its handler sends acks: the refusal of a message that
+    does not parse must come from the handler's task (a status sent from the reader while an ack
+    goes out is refused by gRPC, and the client saw UNKNOWN). Many batches before the bad message
+    put acks in flight when it is read."""
+    hello = pb.AgentMessage(hello=pb.Hello(node_id="n", boot_id="amid")).SerializeToString()
+    codes = collections.Counter()
+    for attempt in range(30):
+        good = [pb.AgentMessage(batch=batch(seq=attempt * 100 + i, boot="amid", samples=[{"name": "x"}]))
+                .SerializeToString() for i in range(1, 41)]
+        _, err = raw_stream(guarded.addr, [hello, *good, b"\x0a\x05\xff\xff\xff\xff\xff"])
+        codes[err.code().name if err is not None else "OK"] += 1
+        assert err is not None and err.code() == INVALID and "malformed message" in err.details(), (attempt, err)
+    assert codes == {"INVALID_ARGUMENT": 30}
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_ingest_ends_a_stream_with_a_malformed_message_from_the_handlers_own_task():
+    """The deterministic half of the test above: the reader task hands the refusal over, and the
+    abort (one status for the call) is sent by the task that also sends the acks."""
+    aborts = []
+
+    class Context:
+        def peer(self):
+            return "ipv4:127.0.0.1:1"
+
+        async def abort(self, code, message):
+            aborts.append((asyncio.current_task(), code, message))
+            raise grpc.aio.AbortError(message)
+
+    async def requests():
+        yield pb.AgentMessage(hello=pb.Hello(node_id="n", boot_id="b"))
+        yield pb.AgentMessage(batch=batch(seq=1, samples=[{"name": "x"}]))
+        raise MalformedRequest("DecodeError: a test")
+
+    async def run():
+        replies = []
+
+        async def handler():
+            async for out in IngestServicer(FleetState()).Stream(requests(), Context()):
+                replies.append(out.WhichOneof("msg"))
+        task = asyncio.create_task(handler())
+        with pytest.raises(grpc.aio.AbortError):
+            await task
+        return task, replies
+
+    task, replies = asyncio.run(run())
+    assert replies == ["welcome", "ack"]
+    assert [(t is task, code, msg) for t, code, msg in aborts] == [
+        (True, INVALID, "malformed message: DecodeError: a test")]
 
 
 @pytest.mark.parametrize("node_id,boot_id", [("a\nforged line", "b"), ("", "b"), ("n" * 254, "b"), ("n", "b c"),
