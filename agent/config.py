@@ -25,6 +25,7 @@ from xpusense.common.config import (
 from xpusense.common.ids import bad_id
 from xpusense.common.otlp import otlp_schema
 
+from .diagnosis.registry import FAMILIES as RULE_FAMILIES
 from .sources.registry import FAMILIES
 
 
@@ -102,6 +103,16 @@ AGENT_SCHEMA: dict[str, Any] = {
         "group_by": Key(str, "auto", one_of("auto", "cgroup", "pgid", "pid")),
         **_rule_keys(True),
         "vendor": {"nvidia": _rule_keys(False), "huawei": _rule_keys(False)},
+    },
+    # Diagnosis rules (agent/diagnosis/, docs/diagnosis.md): each rule's keys beside its code.
+    "diagnosis": {
+        "enabled": Key(bool, True, help="turn the node's signals into diagnosis events that name a cause"),
+        "open_after_s": Key((int, float), 30.0, non_negative, help="a finding holding this long opens a diagnosis"),
+        "close_after_s": Key((int, float), 60.0, non_negative, help="...and gone this long closes it"),
+        "check_every_s": Key((int, float), 5.0, positive, help="how often the rules look"),
+        "keep_s": Key((int, float), 300.0, positive, help="how much recent history the rules may read"),
+        "max_open": Key(int, 64, positive, help="open diagnoses at most; past it a finding is counted, not opened"),
+        **{family.name: family.schema for family in RULE_FAMILIES},
     },
     # Kubernetes pod attribution of process and cgroup series (agent/pods.py, docs/deploy.md).
     "k8s": {

@@ -16,6 +16,8 @@ from xpusense.common.config import addresses
 from xpusense.common.tls import channel_options, make_channel
 from xpusense.v1 import telemetry_pb2 as pb
 
+from .diagnosis.base import Context
+from .diagnosis.registry import build_diagnoser
 from .hbm_watch import HbmWatch, Rule
 from .otlp_export import build_agent_exporter
 from .pods import build_pod_labeler
@@ -163,6 +165,7 @@ class Agent:
         self.watch = HbmWatch(watch_rules(w), lambda: process_map(self.states), actions=w.actions,
                               signal_name=w.signal, request_dir=w.request_dir,
                               group_by=w.group_by) if w.enabled else None
+        self.diagnoser = build_diagnoser(cfg.diagnosis, Context(processes=lambda: process_map(self.states)))
         self._sink_lock = threading.Lock()
         self.inventory_watch = InventoryWatch(lambda: inventory(cfg, self.states), self.stream.inventory_changed)
         self.loop = TierLoop(self.states, periods_from_config(cfg.tiers), self._sink,
@@ -216,6 +219,8 @@ class Agent:
         with self._sink_lock:
             if self.watch is not None:
                 events = events + self.watch.observe(samples)
+            if self.diagnoser is not None:
+                events = events + self.diagnoser.observe(samples)
             self.inventory_watch.check(events)
         if self.otlp is not None:
             self.otlp.put(samples)

@@ -1,0 +1,1 @@
+"""One module per diagnosis rule, each exporting FAMILY (agent/diagnosis/base.py RuleFamily)."""
