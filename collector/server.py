@@ -439,7 +439,8 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
     if limits is not None:
         state.max_series_per_node = limits.max_series_per_node
     if config is not None and hasattr(state, "configure"):   # [state]: the memory budget
-        state.configure(config.state.max_memory, config.state.min_history_points)
+        state.configure(config.state.max_memory, config.state.min_history_points,
+                        config.state.max_open_diagnoses_per_node)
     pb_grpc.add_IngestServicer_to_server(ingest, server)
     pb_grpc.add_QueryServicer_to_server(
         QueryServicer(state, security, limits, counters=functools.partial(counters, ingest)), server)

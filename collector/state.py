@@ -33,6 +33,7 @@ import time
 
 from xpusense.v1 import telemetry_pb2 as pb
 
+from .diagnoses import Diagnoses
 from .history import POINT_BYTES, History
 
 log = logging.getLogger("xpusense.collector")
@@ -85,6 +86,9 @@ class NodeState:
         self.events: collections.deque = collections.deque(maxlen=events_kept)
         self.batches_stored = 0
         self.batches_duplicate = 0
+        # Open diagnoses (collector/diagnoses.py): id -> the open Event, oldest first; of this boot.
+        self.diagnoses: collections.OrderedDict[str, pb.Event] = collections.OrderedDict()
+        self.diagnoses_boot = ""
 
 
 class FleetState:
@@ -112,10 +116,12 @@ class FleetState:
         self.min_history_points = 60
         self.history_slots = 0              # points held in every series' history (POINT_BYTES each)
         self.series_total = 0
+        self.diagnoses = Diagnoses(self.counters)   # open diagnoses per node, opened per rule
 
-    def configure(self, max_memory: int = 0, min_history_points: int = 60) -> None:
+    def configure(self, max_memory: int = 0, min_history_points: int = 60, max_open_diagnoses_per_node: int = 64) -> None:
         """The [state] budget (collector/config.py); applied at once if already over it."""
         self.max_memory, self.min_history_points = int(max_memory), max(1, int(min_history_points))
+        self.diagnoses.configure(max_open_diagnoses_per_node)
         if self.max_memory and self.memory_bytes() > self.max_memory:
             self._over_budget()
 
@@ -180,6 +186,7 @@ class FleetState:
         n.stored_up_to.setdefault(hello.boot_id, self.known_marks.get((hello.node_id, hello.boot_id), 0))
         n.stored_up_to.move_to_end(hello.boot_id)
         self._forget_boots(n, hello.boot_id)
+        self.diagnoses.hello(n, hello.boot_id)   # a new agent boot: the last one's diagnoses end
         for w in self.watchers:
             w(n, None)
         return pb.Welcome(boot_id=hello.boot_id, stored_up_to=n.stored_up_to[hello.boot_id])
@@ -216,6 +223,8 @@ class FleetState:
         n = self._node(node_id)
         n.boot_id = boot_id or n.boot_id
         n.inventory.CopyFrom(inv)
+        if boot_id and n.diagnoses_boot and boot_id != n.diagnoses_boot:
+            self.diagnoses.hello(n, boot_id)
         for w in self.watchers:
             w(n, None)
 
@@ -369,6 +378,8 @@ class FleetState:
                 self._over_budget()
         for e in batch.events:
             n.events.appendleft(e)
+        if batch.events or batch.boot_id != n.diagnoses_boot:
+            self.diagnoses.batch(n, batch)
         for w in self.watchers:
             w(n, batch)
 
@@ -412,6 +423,10 @@ class FleetState:
         if not page.fits(nv.ByteSize()):
             return page.full_before(n.node_id, start)
         if start == 0:
+            for d in n.diagnoses.values():   # few (bounded per node): with the node, on its first page
+                if not page.fits(d.ByteSize() + 4) and not fresh:
+                    return page.full_before(n.node_id, 0)
+                nv.diagnoses.append(d)
             for i, e in enumerate(n.events):
                 if not page.fits(e.ByteSize() + 4):
                     if not fresh:   # on a page of their own they may fit

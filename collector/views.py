@@ -9,6 +9,8 @@ import math
 from xpusense.common import metric_names as m
 from xpusense.v1 import telemetry_pb2 as pb
 
+from . import diagnoses as dg
+
 KIND_NAMES = {pb.GAUGE: "gauge", pb.COUNTER: "counter", pb.HISTOGRAM: "histogram"}
 
 
@@ -90,7 +92,32 @@ def node_to_dict(nv: pb.NodeView, now_ns: int, stale_s: float) -> dict:
         "events_omitted": nv.events_omitted,
         "events": [{"id": e.id, "type": e.type, "severity": e.severity, "device": e.device, "message": e.message,
                     "attributes": dict(e.attributes), "time": _iso(e.time_unix_nano)} for e in nv.events],
+        "diagnoses": [diagnosis_to_dict(e, now_ns) for e in nv.diagnoses],
     }
+
+
+PROCESS_ATTRIBUTES = ("process.pid", "process.executable.name", "k8s.pod.name", "k8s.namespace.name", "cgroup")
+
+
+def diagnosis_to_dict(e: pb.Event, now_ns: int) -> dict:
+    """An open diagnosis (its open event) as `nodes --format json` shows it."""
+    a = e.attributes
+    since = dg.opened_ns(e)
+    return {"id": dg.diagnosis_id(e), "device": e.device, "rule": a.get(dg.RULE, ""), "severity": e.severity,
+            "symptom": a.get(dg.SYMPTOM, ""), "cause": a.get(dg.CAUSE, ""), "remedy": a.get(dg.REMEDY, ""),
+            "message": e.message, "since": _iso(since),
+            "open_for_s": round(max(0, now_ns - since) / 1e9, 3) if since else None,
+            "evidence": dg.evidence(e),
+            "concerns": {k: a[k] for k in PROCESS_ATTRIBUTES if a.get(k)},
+            "event_id": e.id}
+
+
+def _age(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 120:
+        return f"{s:.0f}s"
+    return f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.0f}h"
 
 
 def _find(node: dict, name: str, **labels) -> dict | None:
@@ -172,6 +199,11 @@ def render_table(nodes: list[dict], width: int = 120) -> str:
         for a in accs:
             lines.append(f"  {a['device'][:8]:<8} {a['model'][:16]:<16} {a['util']:>5} {a['hbm']:>5} "
                          f"{a['hbm_bw']:>6} {a['power']:>6} {a['temp']:>5}")
+        for d in n.get("diagnoses", ()):
+            since = (d["since"] or "")[11:19]   # HH:MM:SS (UTC)
+            age = _age(d["open_for_s"])
+            lines.append(f"  ? diagnosis {d['device'] or 'node':<8} {d['rule']:<22} since {since} ({age}): "
+                         f"{d['cause'] or d['message']}")
         recent = [e for e in n["events"] if e["type"] != "source_unavailable"][:3]
         for e in recent:
             lines.append(f"  ! {e['time'] or ''} {e['severity']} {e['type']} {e['device']} {e['message']}")

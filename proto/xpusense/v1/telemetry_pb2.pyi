@@ -236,7 +236,7 @@ class SeriesView(_message.Message):
     def __init__(self, name: _Optional[str] = ..., unit: _Optional[str] = ..., kind: _Optional[_Union[MetricKind, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ..., time_unix_nano: _Optional[int] = ..., rate: _Optional[float] = ..., histogram: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...
 
 class NodeView(_message.Message):
-    __slots__ = ("node_id", "boot_id", "connected", "last_seen_unix_nano", "stored_up_to", "batches_stored", "batches_duplicate", "inventory", "series", "events", "peer", "boot_tag", "series_total", "continued", "events_omitted")
+    __slots__ = ("node_id", "boot_id", "connected", "last_seen_unix_nano", "stored_up_to", "batches_stored", "batches_duplicate", "inventory", "series", "events", "peer", "boot_tag", "series_total", "continued", "events_omitted", "diagnoses")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class NodeView(_message.Message):
     SERIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     CONTINUED_FIELD_NUMBER: _ClassVar[int]
     EVENTS_OMITTED_FIELD_NUMBER: _ClassVar[int]
+    DIAGNOSES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     boot_id: str
     connected: bool
@@ -267,7 +268,8 @@ class NodeView(_message.Message):
     series_total: int
     continued: bool
     events_omitted: int
-    def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen_unix_nano: _Optional[int] = ..., stored_up_to: _Optional[int] = ..., batches_stored: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., series: _Optional[_Iterable[_Union[SeriesView, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., peer: _Optional[str] = ..., boot_tag: _Optional[str] = ..., series_total: _Optional[int] = ..., continued: _Optional[bool] = ..., events_omitted: _Optional[int] = ...) -> None: ...
+    diagnoses: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen_unix_nano: _Optional[int] = ..., stored_up_to: _Optional[int] = ..., batches_stored: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., series: _Optional[_Iterable[_Union[SeriesView, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., peer: _Optional[str] = ..., boot_tag: _Optional[str] = ..., series_total: _Optional[int] = ..., continued: _Optional[bool] = ..., events_omitted: _Optional[int] = ..., diagnoses: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
 
 class ListNodesReply(_message.Message):
     __slots__ = ("nodes", "time_unix_nano", "next_page_token", "counters")
