@@ -32,6 +32,7 @@ from xpusense.common import metric_names as m
 from xpusense.common.config import split_host_port
 from xpusense.v1 import telemetry_pb2 as pb
 
+from . import diagnoses as dg
 from .inventory_book import InventoryBook
 
 if TYPE_CHECKING:
@@ -202,6 +203,26 @@ class FleetCollector:
                                  npus.index(dev) if dev in npus else 0)
         yield up
         yield from families.values()
+        yield from self._diagnoses()
+
+    def _diagnoses(self) -> Iterator[Metric]:
+        """Open diagnoses per node, rule and device (a gauge; a closed one is no longer written) and
+        diagnoses opened per rule since the collector started (collector/diagnoses.py)."""
+        from prometheus_client.metrics_core import Metric
+        open_ = Metric("xpusense_diagnoses_open", "diagnoses open now (docs/diagnosis.md)", "gauge")
+        count: dict[tuple[str, str, str], int] = {}
+        for n in list(self.state.nodes.values()):
+            for e in list(getattr(n, "diagnoses", {}).values()):
+                key = (n.node_id, e.attributes.get(dg.RULE, "") or "unknown", e.device)
+                count[key] = count.get(key, 0) + 1
+        for (node, rule, device), k in sorted(count.items()):
+            open_.add_sample("xpusense_diagnoses_open", {"node": node, "rule": rule, "device": device}, float(k))
+        yield open_
+        opened = Metric("xpusense_diagnoses_opened", "diagnoses opened since the collector started", "counter")
+        book = getattr(self.state, "diagnoses", None)
+        for rule, k in sorted(list(book.opened.items()) if book is not None else []):
+            opened.add_sample("xpusense_diagnoses_opened_total", {"rule": rule}, float(k))
+        yield opened
 
     def _compat(self, emit, ser, value, node_id, host, res, npu_idx) -> None:
         vendor = ser.labels.get("vendor", res.vendor if res is not None else "")

@@ -26,8 +26,10 @@ Hard filters (the node is left out, the answer says why): telemetry older than `
 enough devices of the type with enough free HBM. Health, per accelerator: an XID or double-bit
 ECC event within `xid_window_s`, or a health state other than OK (the newer of the
 `xpusense.accelerator.health` series and the last `health` event), takes the device out; a
-checkpoint request from the HBM watch within `hbm_watch_window_s` keeps the device but multiplies
-the node's score by `hbm_watch_factor` when the device is among those chosen.
+checkpoint request from the HBM watch within `hbm_watch_window_s`, or a diagnosis open on the
+device (docs/diagnosis.md, for as long as it is open), keeps the device but multiplies the node's
+score by `hbm_watch_factor` when the device is among those chosen (penalty reason `hbm_watch`,
+`diagnosis`, or `hbm_watch+diagnosis`).
 
 Chosen devices: among the node's offered devices with `memory_bytes` free, the `count` best by
 free score, those not penalised first (the penalty applies only when a penalised one must be taken).

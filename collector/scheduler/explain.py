@@ -55,7 +55,7 @@ def candidate(view: FleetView, q: Query, c: spb.Candidate, score: float, g: Grou
     c.dimensions.extend(rest)
     for d in chosen:
         if d.penalty is not None:
-            c.penalties.add(reason="hbm_watch", device=d.id, factor=view.settings.hbm_watch_factor,
+            c.penalties.add(reason=d.penalty_reason or "hbm_watch", device=d.id, factor=view.settings.hbm_watch_factor,
                             detail=d.penalty)
     for d in s.not_offered:
         if d.type == g.type and d.excluded:

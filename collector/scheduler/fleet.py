@@ -14,7 +14,9 @@ refreshed once. Hello, inventory, the first batch after them and events are foll
 Per node: its accelerators' free HBM and free score from the latest readings, their health (an XID
 or double-bit ECC event within xid_window_s, or a health state other than OK: the newer of the
 `xpusense.accelerator.health` series and the last `health` event, takes a device out; a checkpoint
-request from the HBM watch within hbm_watch_window_s keeps it, penalised), its groups by type and
+request from the HBM watch within hbm_watch_window_s, or a diagnosis open on it now (FleetState's
+NodeState.diagnoses, collector/diagnoses.py; for as long as it is open), keeps it, penalised, the
+same penalty and factor), its groups by type and
 interconnect domain. Staleness is read from each NodeState's last_seen_ns when a node is looked at;
 `stale()` finds the stale nodes without a scan.
 """
@@ -30,6 +32,7 @@ from typing import Any, cast
 
 from xpusense.v1 import scheduler_pb2 as spb
 
+from .. import diagnoses as dg
 from .config import Settings
 from .index import ACCEL_TYPES, INF, POOLS, Device, Group, NodeSummary, Pool, file_node
 from .inventory import PeakTflops, device_memory, interconnect_domain, price
@@ -286,12 +289,13 @@ class FleetView:
         if len(s.state.series) != s.series_seen:
             self._map_series(s)
         expires = INF
-        with_events = bool(s.xid_events or s.health_events or s.checkpoint_requests)
+        diagnosed = _diagnosed(s.state, now)
+        with_events = bool(s.xid_events or s.health_events or s.checkpoint_requests or diagnosed)
         nan = math.nan
         for d in s.devices:
             d.excluded = d.penalty = None
             if with_events or d.health:
-                expires = self._health(s, d, now, expires)
+                expires = self._health(s, d, now, expires, diagnosed.get(d.id) if diagnosed else None)
             # Free HBM, readings and free score from the latest series values.
             limit = d.limit.value if d.limit is not None else nan
             total = limit if limit > 0 else d.capacity    # NaN > 0 is False
@@ -334,9 +338,10 @@ class FleetView:
         s.pool_groups = (per_type[0], per_type[1], per_type[0] + per_type[1],
                          per_domain[0], per_domain[1], per_domain[0] + per_domain[1])
 
-    def _health(self, s: NodeSummary, d: Device, now: int, expires: int) -> int:
-        """Whether the device is offered (d.excluded) and penalised (d.penalty) now; returns the
-        earliest time a window that decided it ends."""
+    def _health(self, s: NodeSummary, d: Device, now: int, expires: int, diagnosis: str | None = None) -> int:
+        """Whether the device is offered (d.excluded) and penalised (d.penalty: a recent HBM-watch
+        checkpoint request, or `diagnosis`, what is open on it now); returns the earliest time a
+        window that decided it ends."""
         xid_window, ckpt_window = self.settings.xid_window_ns, self.settings.hbm_watch_window_ns
         xid = s.xid_events.get(d.id) if s.xid_events else None
         if xid is not None and now - xid[0] < xid_window:
@@ -347,7 +352,11 @@ class FleetView:
         ckpt = s.checkpoint_requests.get(d.id) if s.checkpoint_requests else None
         if ckpt is not None and now - ckpt[0] < ckpt_window:
             d.penalty = f"HBM watch asked for a checkpoint {(now - ckpt[0]) / 1e9:.0f} s ago: {ckpt[1]}"
+            d.penalty_reason = "hbm_watch"
             expires = min(expires, ckpt[0] + ckpt_window)
+        if diagnosis is not None:   # no window: it lasts as long as the diagnosis is open
+            d.penalty, d.penalty_reason = ((diagnosis, "diagnosis") if d.penalty is None
+                                           else (f"{d.penalty}; {diagnosis}", "hbm_watch+diagnosis"))
         return expires
 
     def expire(self, now: int) -> None:
@@ -358,6 +367,23 @@ class FleetView:
             s = self.summaries.get(nid)
             if s is not None and s.expires_ns <= now:
                 self._refresh(s, now)
+
+
+def _diagnosed(node: Any, now: int) -> dict[str, str]:
+    """Device -> the penalty's detail for the diagnoses open on it (node-wide ones, device "", name
+    no device and penalise none)."""
+    held = getattr(node, "diagnoses", None)   # cluster mode's node state has none
+    if not held:
+        return {}
+    out: dict[str, list[str]] = {}
+    for e in list(held.values()):
+        if not e.device:
+            continue
+        since = dg.opened_ns(e)
+        age = f" (opened {max(0, now - since) / 1e9:.0f} s ago)" if since else ""
+        rule = e.attributes.get(dg.RULE, "") or "unknown"
+        out.setdefault(e.device, []).append(f"open diagnosis {rule}{age}: {e.attributes.get(dg.CAUSE) or e.message}")
+    return {dev: "; ".join(texts) for dev, texts in out.items()}
 
 
 def _health_state(d: Device, event: tuple | None) -> tuple | None:

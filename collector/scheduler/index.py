@@ -36,7 +36,7 @@ NO_FIT = array("d", [FEWER_AT_ALL] * CMAX)
 class Device:
     """One accelerator of a node, with its latest readings (FleetState's Series, read in place)."""
     __slots__ = ("id", "type", "model", "capacity", "tflops", "domain", "util", "used", "limit", "bandwidth",
-                 "health", "free", "free_score", "readings", "penalty", "excluded", "choice_order")
+                 "health", "free", "free_score", "readings", "penalty", "penalty_reason", "excluded", "choice_order")
 
     def __init__(self, rid: str, rtype: str, model: str, capacity: float, tflops: float | None, domain: str):
         self.id, self.type, self.model = rid, rtype, model
@@ -49,7 +49,8 @@ class Device:
         self.free = capacity                # free HBM, bytes
         self.free_score = NO_READINGS_FREE
         self.readings: tuple = ()           # (utilisation, free HBM, HBM, bandwidth utilisation); NaN: none
-        self.penalty: str | None = None     # why, when the HBM watch fired recently
+        self.penalty: str | None = None     # why, when the HBM watch fired recently or a diagnosis is open
+        self.penalty_reason = ""            # hbm_watch | diagnosis | hbm_watch+diagnosis
         self.excluded: tuple | None = None  # (reason, detail) when not offered
         self.choice_order: tuple = ()       # (penalised, -free score, -free HBM): the order devices are chosen in
 
