@@ -58,12 +58,12 @@ def test_chip_temperature_on_drivers_before_and_after_the_versioned_call(libdir,
 def test_throttle_reasons_on_drivers_before_nvml_12_2(libdir, tmp_path):
     # R525/R530: no nvmlDeviceGetCurrentClocksEventReasons; the older call has the same bits.
     scn = write_scenario(tmp_path, "missing_symbols = nvmlDeviceGetCurrentClocksEventReasons\n"
-                         + h100s(1, clocks_event_reasons="0x24"))   # SwPowerCap | SwThermalSlowdown
-    out = drive(libdir, scn, "offline", t0_at=None)
+                         + h100s(1, clocks_event_reasons="0x34"))   # SwPowerCap | SyncBoost | SwThermalSlowdown
+    out = drive(libdir, scn, "nearline", t0_at=None)
     r = out["rounds"][0]
     flags = {s["labels"]["reason"]: s["value"] for s in r["samples"] if s["name"] == "xpusense.accelerator.throttle"}
-    assert flags == {"sw_power_cap": 1.0, "hw_slowdown": 0.0, "sw_thermal_slowdown": 1.0,
-                     "hw_thermal_slowdown": 0.0, "hw_power_brake_slowdown": 0.0}
+    assert flags == {"applications_clocks_setting": 0.0, "sw_power_cap": 1.0, "hw_slowdown": 0.0, "sync_boost": 1.0,
+                     "sw_thermal_slowdown": 1.0, "hw_thermal_slowdown": 0.0, "hw_power_brake_slowdown": 0.0}
     assert out["describe"]["calls"]["throttle"] == "nvmlDeviceGetCurrentClocksThrottleReasons"
 
 

@@ -47,10 +47,10 @@ class GpuRound:
             out += self.nvlink(g)
             out += self.mig(g)
         elif tier == OFFLINE:
-            out += self.throttle(g)
             out += self.remapped(g)
             out += efficiency(g, cache.get("energy"))
         elif tier == NEARLINE:
+            out += self.throttle(g)   # nearline: a rule judges a reason sustained over a minute (diagnosis)
             out += self.processes(g)
         return out
 

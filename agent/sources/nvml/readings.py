@@ -22,8 +22,8 @@ ARGUMENT_VERSION_MISMATCH = 25
 ALL_LINKS = 0xFFFFFFFF  # field-value scopeId for "summed over all NVLink links" (nvml.h)
 
 THROTTLE_REASONS = {  # nvmlClocksEventReason* bits (the same bits as the older nvmlClocksThrottleReason*)
-    0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal_slowdown",
-    0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown",
+    0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown",
 }
 
 Call = Callable[[Any], Any]
