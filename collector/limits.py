@@ -343,6 +343,21 @@ def check_hello(hello: pb.Hello) -> str | None:
     return bad_id("node_id", hello.node_id) or bad_id("boot_id", hello.boot_id)
 
 
+async def read_hello(request_iterator, context, security) -> pb.Hello | None:
+    """The first message of an Ingest stream: a Hello with a node id and a boot id, from a peer
+    whose credentials may speak for that node (`security`: collector/auth.py Security, or None).
+    Aborts the call otherwise; None when the stream ended before any message."""
+    first = await anext(aiter(request_iterator), None)
+    if first is None:
+        return None
+    if not first.HasField("hello") or not first.hello.node_id or not first.hello.boot_id:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            "the first message of a stream must be a Hello with node_id and boot_id")
+    if security is not None:
+        await security.authorize(context, first.hello.node_id)   # aborts the stream when not allowed
+    return first.hello
+
+
 class MalformedRequest(Exception):
     """A request that does not parse, or a Hello naming a bad id: its call ends with INVALID_ARGUMENT.
     The guarded request iterator raises it rather than aborting where it reads, since a handler may

@@ -32,7 +32,7 @@ from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from .limits import DEFAULTS as LIMITS
-from .limits import MalformedRequest, Violation, short_boot
+from .limits import MalformedRequest, Violation, read_hello, short_boot
 from .scheduler.service import SCHEDULER_SERVICE
 from .scheduler.service import add_to_server as add_scheduler
 from .state import FleetState
@@ -149,16 +149,10 @@ class IngestServicer(pb_grpc.IngestServicer):
 
     async def _stream(self, request_iterator, context: grpc.aio.ServicerContext):
         peer = context.peer()
-        first = await anext(aiter(request_iterator), None)
-        if first is None:
+        hello = await read_hello(request_iterator, context, self.security)
+        if hello is None:
             return
-        if not first.HasField("hello") or not first.hello.node_id or not first.hello.boot_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the first message of a stream must be a Hello with node_id and boot_id")
-        hello = first.hello
         node_id, boot_id = hello.node_id, hello.boot_id
-        if self.security is not None:
-            await self.security.authorize(context, node_id)   # aborts the stream when not allowed
         if (v := self._admit(node_id, hello.inventory)) is not None:
             self._refuse(v, peer)
             await context.abort(v.code, v.message)
@@ -211,7 +205,7 @@ class IngestServicer(pb_grpc.IngestServicer):
             self.state.disconnected(node_id, boot_id)
             log.info("node %s disconnected", node_id)
             # An abort's traceback keeps this frame alive (a cycle): let go of the messages now.
-            request_iterator = first = hello = item = b = None
+            request_iterator = hello = item = b = None
 
     def _settled(self, key: tuple[str, str], durable: asyncio.Future) -> None:
         if self.undurable.get(key, 0) > 1:

@@ -29,7 +29,7 @@ import nats.js.errors
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
-from ..limits import MalformedRequest, Violation
+from ..limits import MalformedRequest, Violation, read_hello
 from .marks import Marks
 from .subjects import KIND, MSG_ID, msg_id, node_subject, partition
 
@@ -91,16 +91,10 @@ class ClusterIngestServicer(pb_grpc.IngestServicer):
     async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
         gw = self.gw
         peer = context.peer()
-        first = await anext(aiter(request_iterator), None)
-        if first is None:
+        hello = await read_hello(request_iterator, context, self.security)
+        if hello is None:
             return
-        if not first.HasField("hello") or not first.hello.node_id or not first.hello.boot_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the first message of a stream must be a Hello with node_id and boot_id")
-        hello = first.hello
         node_id, boot_id = hello.node_id, hello.boot_id
-        if self.security is not None:
-            await self.security.authorize(context, node_id)
         if (why := self._inventory_refused(node_id, hello.inventory)) is not None:
             await context.abort(why.code, why.message)
         gw.sessions += 1
@@ -151,7 +145,7 @@ class ClusterIngestServicer(pb_grpc.IngestServicer):
             reader.cancel()
             asyncio.get_running_loop().create_task(self._bye(node_id, boot_id, state["subject"], session))
             log.info("node %s disconnected", node_id)
-            request_iterator = first = hello = None
+            request_iterator = hello = None
 
     def _inventory_refused(self, node_id: str, inv: pb.Inventory):
         """collector/limits.py's bound on an inventory (counted and logged as the collector does)."""
