@@ -129,7 +129,10 @@ def _value(spec: Key, v: Any, key: str, where: str) -> Any:
     if spec.type is Table:
         if not isinstance(v, dict) or not all(isinstance(x, (str, int, float)) for x in v.values()):
             raise ConfigError(f"{where}: '{key}' must be a table of strings")
-        return Table({str(a): str(b) for a, b in v.items()})
+        table = Table({str(a): str(b) for a, b in v.items()})
+        if spec.check and (why := spec.check(table)):
+            raise ConfigError(f"{where}: '{key}' {why}")
+        return table
     if spec.type is list:
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise ConfigError(f"{where}: '{key}' must be a list of strings, got {v!r}")

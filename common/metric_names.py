@@ -37,6 +37,7 @@ INTERCONNECT_IO = "xpusense.accelerator.interconnect.io"   # OTLP: hw.gpu.io
 CPU_UTILIZATION = "system.cpu.utilization"
 MEMORY_UTILIZATION = "system.memory.utilization"
 NETWORK_IO = "system.network.io"
+NETWORK_TCP_RTT = "xpusense.network.tcp.rtt"        # eBPF tcp_rtt, label remote_region (histogram, s)
 
 # What is about an accelerator, by name (the collector's views group these under a device).
 ACCELERATOR_PREFIXES = ("hw.gpu.", POWER, TEMPERATURE, "xpusense.accelerator.")

@@ -269,6 +269,8 @@ METRICS: tuple[Metric, ...] = (
     _m("xpusense.cuda.memory.frees", "{free}", COUNTER, labels=PROCESS),
     _m("xpusense.network.tc.io", "By", COUNTER, labels=NET),
     _m("xpusense.network.tc.packets", "{packet}", COUNTER, labels=NET),
+    _m(n.NETWORK_TCP_RTT, "s", HISTOGRAM, labels={"remote_region": Label("xpusense.network.remote_region")}),
+    _m("xpusense.network.tcp.rtt.untracked", "{sample}", COUNTER),
     _m("xpusense.ebpf.probe.events", "{event}", COUNTER),
     _m("xpusense.ebpf.probe.ns_per_event", "ns", GAUGE),
     _m("xpusense.ebpf.probe.run_time", "s", COUNTER),

@@ -306,4 +306,24 @@ TC_TRAFFIC = Probe(
     ),
 )
 
-PROBES: dict[str, Probe] = {p.name: p for p in (RUNQLAT, BLKIO, NETIO, ACCEL_IOCTL, CUDA_UPROBE, TC_TRAFFIC)}
+TCP_RTT_MAX_REMOTES = 4096     # TCP_RTT_MAX_REMOTES in tcp_rtt.bpf.c: remote addresses with a histogram
+
+TCP_RTT = Probe(
+    name="tcp_rtt",
+    summary="TCP smoothed round-trip time per remote network (region from a CIDR table)",
+    variants=(
+        Variant("tcp_probe", ("tcp:tcp_probe",), (("TCP_RTT_MAX_REMOTES", str(TCP_RTT_MAX_REMOTES)),),
+                note="the socket's srtt at every segment an established socket receives (Linux 4.16+)"),
+    ),
+    attach_kind=TRACEPOINT,
+    # remote: IPv6 address (IPv4-mapped for IPv4) -> region, aggregated in the agent (TcpRttSource)
+    maps=(("tcp_rtt_remote", "remote"), ("tcp_rtt_missed", "total")),
+    metrics=(
+        Metric("tcp_rtt_remote", "slots", "xpusense.network.tcp.rtt", "s", HISTOGRAM, NEARLINE,
+               scale=1e-9, sum_field="sum_ns"),
+        Metric("tcp_rtt_missed", "value", "xpusense.network.tcp.rtt.untracked", "{sample}", COUNTER, REALTIME),
+    ),
+)
+
+PROBES: dict[str, Probe] = {p.name: p for p in (RUNQLAT, BLKIO, NETIO, ACCEL_IOCTL, CUDA_UPROBE, TC_TRAFFIC,
+                                                TCP_RTT)}

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from xpusense.common.config import Key, load
+from xpusense.common.config import Key, Table, load
 from xpusense.probes import specs
 
 from ..base import Source, SourceFamily, Unavailable
@@ -20,6 +20,7 @@ from .probes import AccelIoctlSource, BlkioSource, CudaUprobeSource, NetioSource
 from .procfs import device_prefixes
 from .source import EbpfSource
 from .tc import TcTrafficSource
+from .tcp_rtt import TcpRttSource, regions_check
 
 
 def known_probes(names: list[str]) -> str | None:
@@ -46,7 +47,7 @@ def variant_of(probe: str) -> Callable[[str], str | None]:
 
 SCHEMA: dict[str, Any] = {
     "enabled": Key(bool, True, help="false: no eBPF source at all (nothing is compiled or loaded)"),
-    "probes": Key(list, list(specs.PROBES), known_probes, help="which probes to run (default: all six)"),
+    "probes": Key(list, list(specs.PROBES), known_probes, help="which probes to run (default: all of them)"),
     "tc_interfaces": Key(list, [], help="interfaces tc_traffic counts; [] = the namespace's physical ones"),
     "tc_netns": Key(str, "", help="network namespace for tc_traffic (name under /run/netns or a path); "
                                   "empty: the agent's own"),
@@ -55,6 +56,9 @@ SCHEMA: dict[str, Any] = {
                         help="device files whose ioctls accel_ioctl counts"),
     "bpf_stats": Key(bool, True, help="turn on bpf_stats while running and report each probe's cost"),
     "combined_compile": Key(bool, True, help="one clang run for all probes (false: one per probe)"),
+    "tcp_rtt": {"regions": Key(Table, Table(), regions_check,
+                               help='remote networks -> region names for tcp_rtt, e.g. {"10.20.0.0/16" = '
+                                    '"cn-north-1"}; addresses matching none: region "other"')},
     "variants": {p: Key(str, "", variant_of(p), help=f"force a variant of {p} (empty: the feature tests choose)")
                  for p in specs.PROBES},
     "procfs": Key(str, "/proc"),
@@ -75,7 +79,8 @@ def table_from(keys: dict[str, Any] | None = None) -> SimpleNamespace:
 
 
 SOURCE_CLASSES: dict[str, type[EbpfSource]] = {
-    c.probe: c for c in (RunqlatSource, BlkioSource, NetioSource, AccelIoctlSource, CudaUprobeSource, TcTrafficSource)
+    c.probe: c for c in (RunqlatSource, BlkioSource, NetioSource, AccelIoctlSource, CudaUprobeSource, TcTrafficSource,
+                          TcpRttSource)
 }
 
 
