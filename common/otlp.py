@@ -1,5 +1,6 @@
 """OTLP metrics from xpusense samples: the conversion and the sender that the agent's direct export
-and the collector's exporter share, and their `[export.otlp]` config table.
+and the collector's exporter share, and their `[export.otlp]` config table; and OTLP log records
+from xpusense events (the collector's exporter, `logs = true`).
 
 Conversion (names, instruments and attributes from common/semconv.py, the one table of them):
 - one OTLP Resource per node, made with the SDK's `Resource.create()` (its detectors: `telemetry.sdk.*`,
@@ -22,6 +23,12 @@ the start is the first time this exporter saw the series, moved to the previous 
 the value falls (a counter reset: an agent or device restart); an UpDownCounter's start stays the
 first time seen (its value may fall). After an exporter restart the start moves on; backends treat
 that as a new cumulative stream, not as a reset to zero.
+
+Events become log records (`log_records`): the node's resource, as for its metrics; time the event's;
+severity info -> INFO (9), warning -> WARN (13), critical -> ERROR (17); body the message; event_name
+and the attribute `event.name` `xpusense.<type>`; attributes the event's own (a diagnosis's
+`diagnosis.*` among them, docs/diagnosis.md) plus `xpusense.event.id` and, for an event about an
+accelerator, `hw.id`.
 """
 
 from __future__ import annotations
@@ -367,6 +374,42 @@ def metrics_data(groups: Iterable[tuple[dict, dict, Iterable[pb.Sample]]], start
     return MetricsData(resource_metrics=out)
 
 
+# Event severity (wire) -> OTLP SeverityNumber and its short name.
+SEVERITY = {"info": (9, "INFO"), "warning": (13, "WARN"), "critical": (17, "ERROR")}
+EVENT_NAME_PREFIX = "xpusense."
+
+
+def log_attributes(e: pb.Event) -> dict[str, str]:
+    attrs = dict(e.attributes)
+    attrs["event.name"] = EVENT_NAME_PREFIX + (e.type or "event")
+    attrs["xpusense.event.id"] = e.id
+    if e.device:
+        attrs["hw.id"] = e.device
+    return attrs
+
+
+def log_records(groups: Iterable[tuple[dict, Iterable[pb.Event]]], observed_ns: int,
+                resources: Resources | None = None) -> list:
+    """groups: (resource attributes, events) -> the SDK's ReadableLogRecords, one per event."""
+    from opentelemetry._logs import LogRecord, SeverityNumber
+    from opentelemetry.sdk._logs import ReadableLogRecord
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+    resources = resources or Resources()
+    scope = InstrumentationScope(SCOPE_NAME, __version__, schema_url=sc.SCHEMA_URL)
+    out = []
+    for res_attrs, events in groups:
+        resource = resources.get(res_attrs)
+        for e in events:
+            number, text = SEVERITY.get(e.severity.lower(), (0, e.severity.upper()))
+            attrs = log_attributes(e)
+            rec = LogRecord(timestamp=e.time_unix_nano or observed_ns, observed_timestamp=observed_ns,
+                            severity_text=text or None, severity_number=SeverityNumber(number),
+                            body=e.message, attributes=attrs, event_name=attrs["event.name"])
+            out.append(ReadableLogRecord(log_record=rec, resource=resource, instrumentation_scope=scope))
+    return out
+
+
 def parse_headers(text: str) -> dict[str, str]:
     """'k1=v1,k2=v2' (OTEL_EXPORTER_OTLP_HEADERS style) -> dict; raises ValueError on a bad pair."""
     out: dict[str, str] = {}
@@ -382,18 +425,22 @@ headers_check = complaint_from(parse_headers)
 
 
 class OtlpSender:
-    """One OTLP gRPC metric exporter (the SDK's) from config: endpoint, insecure, headers, timeout_s.
+    """One OTLP gRPC metric exporter (the SDK's), or with `logs` its log record exporter, from config:
+    endpoint, insecure, headers, timeout_s.
 
     `send()` makes one export call (the SDK retries transient errors inside it, within timeout_s)
     and says whether the backend accepted. `shutdown()` interrupts a send in progress.
     """
 
     def __init__(self, endpoint: str, insecure: bool = False, headers: str = "", timeout_s: float = 10.0,
-                 reconnect_backoff_max_s: float = 5.0, exporter=None):
+                 reconnect_backoff_max_s: float = 5.0, exporter=None, logs: bool = False):
+        """logs: an exporter of log records (the LogsService on the same endpoint), not of metrics."""
         self.endpoint = endpoint
+        self.logs = logs
         if exporter is None:
+            from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-            exporter = OTLPMetricExporter(
+            exporter = (OTLPLogExporter if logs else OTLPMetricExporter)(
                 endpoint=endpoint, insecure=insecure, headers=parse_headers(headers) or None, timeout=timeout_s,
                 # gRPC's own reconnect backoff grows to 120 s: keep it near ours so a backend that
                 # came back is used within seconds.
@@ -405,8 +452,11 @@ class OtlpSender:
         self.timeout_s = timeout_s
 
     def send(self, data) -> bool:
-        from opentelemetry.sdk.metrics.export import MetricExportResult
         try:
+            if self.logs:   # the log exporter's timeout is its constructor's
+                from opentelemetry.sdk._logs.export import LogRecordExportResult
+                return self.exporter.export(data) == LogRecordExportResult.SUCCESS
+            from opentelemetry.sdk.metrics.export import MetricExportResult
             return self.exporter.export(data, timeout_millis=self.timeout_s * 1000) == MetricExportResult.SUCCESS
         except Exception as e:   # an encoding bug must not kill the export thread
             log.error("OTLP export to %s failed: %s: %s", self.endpoint, type(e).__name__, e)
@@ -442,6 +492,10 @@ def otlp_schema(collector: bool) -> dict:
     if collector:
         schema["queue_batches"] = Key(int, 10_000, positive,
                                       help="without data_dir: batches kept for the backend (oldest dropped, counted)")
+        schema["logs"] = Key(bool, True, help="also export events (diagnoses, XIDs, checkpoint requests...) as OTLP "
+                                              "log records, to the same endpoint's LogsService")
+        schema["queue_events"] = Key(int, 10_000, positive,
+                                     help="events waiting for the LogsService (oldest dropped, counted)")
     else:
         schema["queue_points"] = Key(int, 200_000, positive,
                                      help="points kept for the backend (oldest dropped, counted)")
