@@ -31,6 +31,13 @@ class Series:
         return (self.points[-1].time_ns - self.points[0].time_ns) / 1e9 if len(self.points) > 1 else 0.0
 
 
+def covers(s: Series, window_s: float) -> bool:
+    """Whether a series' points cover a window: its span plus one sampling interval reaches it (a
+    nearline series read every 15 s spans 45 s of a 60 s window), within 5%."""
+    n = len(s.points)
+    return n >= 2 and s.span_s + s.span_s / (n - 1) >= window_s * 0.95
+
+
 def _matches(labels: dict[str, str], match: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in match.items())
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from .base import Context, RuleFamily
 from .engine import Diagnoser
+from .rules.clocks import FAMILY as CLOCKS
+from .rules.cpu_starvation import FAMILY as CPU_STARVATION
 from .rules.memory import FAMILY as MEMORY
 
-FAMILIES: tuple[RuleFamily, ...] = (MEMORY,)
+FAMILIES: tuple[RuleFamily, ...] = (MEMORY, CLOCKS, CPU_STARVATION)
 
 
 def build_diagnoser(section, ctx: Context) -> Diagnoser | None:
