@@ -32,6 +32,9 @@ REMAP_FAILED = "xpusense.accelerator.memory.remap_failed"
 HEALTH = "xpusense.accelerator.health"              # OTLP: hw.status (common/semconv.py)
 ECC_ERRORS = "xpusense.accelerator.ecc.errors"      # OTLP: hw.errors
 INTERCONNECT_IO = "xpusense.accelerator.interconnect.io"   # OTLP: hw.gpu.io
+PCIE_THROUGHPUT = "xpusense.accelerator.pcie.throughput"   # label direction = transmit / receive
+PCIE_LINK_CAPACITY = "xpusense.accelerator.pcie.link.capacity"   # per direction; label pcie_switch
+NUMA_NODE = "xpusense.accelerator.numa.node"        # the GPU's NUMA node (its number is the value)
 
 # Host.
 CPU_UTILIZATION = "system.cpu.utilization"

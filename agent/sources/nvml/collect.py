@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from xpusense.common import metric_names as m
+
 from ..base import COUNTER, NEARLINE, OFFLINE, REALTIME, Sample
-from . import gpm, library, readings
+from . import gpm, library, readings, topology
 from .ask import Asker
 from .device import Gpu
 from .mig import MigInstance
@@ -52,6 +54,7 @@ class GpuRound:
         elif tier == NEARLINE:
             out += self.throttle(g)   # nearline: a rule judges a reason sustained over a minute (diagnosis)
             out += self.processes(g)
+            out += self.placement(g)
         return out
 
     def gpm(self, g: Gpu, stream: gpm.GpmStream, dev: str, labels: dict[str, str], nvlink_rates: bool) -> list[Sample]:
@@ -129,6 +132,18 @@ class GpuRound:
             Sample("xpusense.accelerator.memory.remap_pending", float(bool(pending)), "1", dict(g.labels)),
             Sample("xpusense.accelerator.memory.remap_failed", float(bool(failure)), "1", dict(g.labels)),
         ]
+
+    def placement(self, g: Gpu) -> list[Sample]:
+        """The PCIe link's capacity (with the GPU's switch group) and the NUMA node (topology.py)."""
+        out = []
+        link = self.read(g, "pcie_link")
+        capacity = None if link is None else topology.link_capacity(*link)
+        if capacity is not None:
+            labels = {**g.labels, **({"pcie_switch": g.pcie_switch} if g.pcie_switch else {})}
+            out.append(Sample(m.PCIE_LINK_CAPACITY, capacity, "By/s", labels))
+        if g.numa_node is not None:
+            out.append(Sample(m.NUMA_NODE, float(g.numa_node), "{node}", dict(g.labels)))
+        return out
 
     def process_lists(self, g: Gpu) -> list[tuple[MigInstance | None, Any]]:
         """(instance or None for the whole GPU, processes) per list read this round. With MIG on,

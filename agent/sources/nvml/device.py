@@ -34,3 +34,5 @@ class Gpu:
         self.last_util_t: float | None = None
         self.energy_prev: tuple[float, float] | None = None  # (monotonic s, J)
         self.peak_tflops = 0.0
+        self.numa_node: int | None = None        # topology.py: from sysfs
+        self.pcie_switch = ""                   # topology.py: its PCIe switch group, '' unknown

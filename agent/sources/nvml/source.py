@@ -20,7 +20,7 @@ from xpusense.common import catalog
 from xpusense.common.config import Key, positive
 
 from ..base import NEARLINE, OFFLINE, REALTIME, Event, Sample, Source, SourceFamily, Unavailable
-from . import gpm, inventory, library, mig, readings
+from . import gpm, inventory, library, mig, readings, topology
 from .ask import Asker, GpuLost
 from .checks import Gate
 from .collect import GpuRound
@@ -37,6 +37,7 @@ SCHEMA = {
     "gpm": Key(bool, True, help="GPM metrics (HBM bandwidth, SM, tensor) on Hopper and newer"),
     "events": Key(bool, True, help="watch XID and ECC events"),
     "event_wait_ms": Key(int, 500, positive),
+    "sysfs": Key(str, "/sys", help="where each GPU's NUMA node is read (bus/pci/devices/ADDRESS/numa_node)"),
 }
 
 
@@ -44,7 +45,9 @@ class NvmlSource(Source):
     name = "nvml"
     tiers = (REALTIME, NEARLINE, OFFLINE)
 
-    def __init__(self, events: bool = True, event_wait_ms: int = 500, gpm: bool = True):
+    def __init__(self, events: bool = True, event_wait_ms: int = 500, gpm: bool = True, sysfs: str = "/sys"):
+        self.sysfs = sysfs
+        self.topology_reason = ""
         self.want_events = events
         self.event_wait_ms = event_wait_ms
         self.want_gpm = gpm
@@ -91,6 +94,7 @@ class NvmlSource(Source):
             gpu = Gpu(i, None)
             self.gpus.append(gpu)
             self._open(gpu)
+        self._place()
         if self.want_events:
             self._watcher = EventWatcher(nv, self.gpus, self._events, self.event_wait_ms, self.states, self.health)
             self._watcher.start()
@@ -126,6 +130,16 @@ class NvmlSource(Source):
         self._setup_gpm(g)
         self._read_mig(g)
         g.opened = True
+
+    def _place(self) -> None:
+        """NUMA node and PCIe switch group of every opened GPU (again when one opens late)."""
+        opened = [g for g in self.gpus if g.opened and not g.lost]
+        groups, self.topology_reason = topology.switch_groups(self.nv, opened)
+        for g in opened:
+            g.numa_node = topology.numa_node(self.sysfs, g.info.get("pci_bus_id", ""))
+            g.info["numa_node"] = "" if g.numa_node is None else str(g.numa_node)
+            g.pcie_switch = groups.get(g.id, "")
+            g.info["pcie_switch"] = g.pcie_switch
 
     def _memory(self) -> readings.MemoryReader:
         assert self.memory is not None, "setup() first"
@@ -210,6 +224,7 @@ class NvmlSource(Source):
 
     def _reopened(self, g: Gpu) -> None:
         log.info("%s (%s) opened after failing at start", g.id, g.name)
+        self._place()
         if self._watcher is not None:
             self._watcher.add(g)
 
@@ -266,6 +281,7 @@ class NvmlSource(Source):
                         + (f" MIG {', '.join(f'gi{i.gi} {i.name}' for i in g.migs)}" if g.migs else "")
                         for g in self.gpus],
             "driver": self.driver,
+            "topology": self.topology_reason or "ok",
             "unavailable_readings": unsupported,
             "retrying_readings": retrying,
             "dropped_values": self.gate.describe(),
@@ -295,7 +311,7 @@ class NvmlSource(Source):
 
 
 def build(table: Any) -> list[Source]:
-    return [NvmlSource(events=table.events, event_wait_ms=table.event_wait_ms, gpm=table.gpm)]
+    return [NvmlSource(events=table.events, event_wait_ms=table.event_wait_ms, gpm=table.gpm, sysfs=table.sysfs)]
 
 
 FAMILY = SourceFamily("nvml", SCHEMA, build)

@@ -42,8 +42,9 @@ def main():
     p.add_argument("--deadline-s", type=float, default=15.0)
     p.add_argument("--no-gpm", action="store_true")
     p.add_argument("--no-events", action="store_true")
+    p.add_argument("--sysfs", default="/sys")
     a = p.parse_args()
-    src = NvmlSource(event_wait_ms=50, gpm=not a.no_gpm, events=not a.no_events)
+    src = NvmlSource(event_wait_ms=50, gpm=not a.no_gpm, events=not a.no_events, sysfs=a.sysfs)
     src.setup()
     out = {"inventory": src.inventory(), "rounds": [], "events": [], "errors": []}
 

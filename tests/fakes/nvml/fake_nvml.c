@@ -163,6 +163,7 @@ typedef struct {
     unsigned power_limit_mw, max_sm_clk, max_mem_clk, max_gr_clk, max_vid_clk;
     unsigned temp_threshold[4];   /* shutdown, slowdown, mem_max, gpu_max (nvmlTemperatureThresholds_t); 0: NOT_SUPPORTED */
     unsigned pcie_gen, pcie_max_gen, pcie_width, pcie_max_width;
+    unsigned pcie_switch, pcie_switch_hops, cpu_socket;   /* nvmlDeviceGetTopologyCommonAncestor */
     int gpm, ecc_mode, mig_monitor;
     unsigned long long event_types;
     double lost_at, repeat, energy_start_mj;
@@ -502,6 +503,7 @@ static int set_gpu_key(gpu_t *g, int idx, const char *key, char *val)
     UINT("max_graphics_clock_mhz", max_gr_clk) UINT("max_video_clock_mhz", max_vid_clk)
     UINT("pcie_gen", pcie_gen) UINT("pcie_max_gen", pcie_max_gen)
     UINT("pcie_width", pcie_width) UINT("pcie_max_width", pcie_max_width)
+    UINT("pcie_switch", pcie_switch) UINT("pcie_switch_hops", pcie_switch_hops) UINT("cpu_socket", cpu_socket)
     UINT("ecc_mode", ecc_mode) UINT("event_types", event_types)
     DBL("lost_at", lost_at) DBL("repeat", repeat) DBL("energy_start_mj", energy_start_mj)
     DBL("gpm_min_interval_ms", gpm_min_interval_ms) DBL("gpm_short_value", gpm_short_value)
@@ -715,6 +717,7 @@ static void defaults(void)
         g->temp_threshold[0] = 92; g->temp_threshold[1] = 89; g->temp_threshold[2] = 95; g->temp_threshold[3] = 87;
         g->max_sm_clk = 1980; g->max_mem_clk = 2619; g->max_gr_clk = 1980; g->max_vid_clk = 1545;
         g->pcie_gen = 5; g->pcie_max_gen = 5; g->pcie_width = 16; g->pcie_max_width = 16;
+        g->pcie_switch = 1000 + i; g->pcie_switch_hops = 1; g->cpu_socket = 0;   /* a switch of its own */
         g->ecc_mode = 1;
         g->mig_monitor = 1;
         g->gpm_min_interval_ms = 100;   /* nvml.h: "should be greater than 100ms" (DCGM: a hard limit) */
@@ -1346,6 +1349,25 @@ API nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t h, unsigned int *v)
 { ENTER("nvmlDeviceGetCurrPcieLinkWidth"); DEV(h, 0); OUT(v); *v = g->pcie_width; LEAVE(NVML_SUCCESS); }
 API nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t h, unsigned int *v)
 { ENTER("nvmlDeviceGetMaxPcieLinkWidth"); DEV(h, 0); OUT(v); *v = g->pcie_max_width; LEAVE(NVML_SUCCESS); }
+
+
+/* nvml.h: INVALID_ARGUMENT for an invalid device or NULL pathInfo, NOT_SUPPORTED "if the device or OS
+ * does not support this feature", UNKNOWN on a topology discovery error (inject with `error`). Two
+ * GPUs with the same `pcie_switch` meet at a switch: SINGLE, or MULTIPLE when either is more than one
+ * switch below it (`pcie_switch_hops`); else at the CPU (NODE) on one `cpu_socket`, else SYSTEM. */
+API nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t h, nvmlDevice_t h2, unsigned int *level)
+{
+    ENTER("nvmlDeviceGetTopologyCommonAncestor"); DEV(h, 0); OUT(level);
+    gpu_t *g2; int mig2; double t2;
+    nvmlReturn_t r2 = dev_check(h2, FN, 0, &g2, &mig2, &t2);
+    if (r2) LEAVE(r2);
+    if (g2 == g) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    if (g->pcie_switch == g2->pcie_switch)
+        *level = (g->pcie_switch_hops > 1 || g2->pcie_switch_hops > 1) ? 20 : 10;   /* MULTIPLE : SINGLE */
+    else
+        *level = g->cpu_socket == g2->cpu_socket ? 40 : 50;                        /* NODE : SYSTEM */
+    LEAVE(NVML_SUCCESS);
+}
 
 /* ---------------------------------------------------------------- ECC and remapped rows */
 API nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t h, unsigned int type, unsigned int counter,
