@@ -8,8 +8,10 @@ from .engine import Diagnoser
 from .rules.clocks import FAMILY as CLOCKS
 from .rules.cpu_starvation import FAMILY as CPU_STARVATION
 from .rules.memory import FAMILY as MEMORY
+from .rules.numa import FAMILY as NUMA
+from .rules.pcie import FAMILY as PCIE
 
-FAMILIES: tuple[RuleFamily, ...] = (MEMORY, CLOCKS, CPU_STARVATION)
+FAMILIES: tuple[RuleFamily, ...] = (MEMORY, CLOCKS, CPU_STARVATION, PCIE, NUMA)
 
 
 def build_diagnoser(section, ctx: Context) -> Diagnoser | None:
