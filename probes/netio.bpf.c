@@ -6,7 +6,10 @@
 // NETIO_SOCK=0 (fallback, net:net_dev_xmit / net:netif_receive_skb, all kernels): frame bytes per
 //   interface name; the cgroup is unknown there (transmit may run in softirq context).
 // tcp:tcp_retransmit_skb (Linux 4.15+) counts retransmitted segments by address family; it fires in
-// timer context, so it carries no cgroup.
+// timer or softirq context, where the current task is not the socket's owner. With
+// NETIO_RETRANS_CGROUP=1 (variant sock_cgroup) they are counted per (cgroup, family), the cgroup
+// being the socket's own (sk->sk_cgrp_data.cgroup, set when the socket was created or accepted),
+// read at offsets from the kernel's BTF (NETIO_SK_CGRP_OFF, NETIO_CGRP_KN_OFF, NETIO_KN_ID_OFF).
 
 #ifndef NETIO_MAX_CGROUPS
 #define NETIO_MAX_CGROUPS 4096
@@ -26,6 +29,43 @@ struct netio_bytes {
     u64 rx_calls;
 };
 
+#ifndef NETIO_RETRANS_CGROUP
+#define NETIO_RETRANS_CGROUP 0
+#endif
+
+#if NETIO_RETRANS_CGROUP
+struct netio_retrans_key {
+    u64 cgid;       // the socket's cgroup v2 id; 0 when it could not be read
+    u32 family;     // 0: IPv4, 1: IPv6
+    u32 pad;
+};
+
+BPF_TABLE("lru_hash", struct netio_retrans_key, u64, netio_retrans_cgroup, NETIO_MAX_CGROUPS);
+
+static __always_inline u64 netio_sk_cgroup(const void *sk)
+{
+    void *cgrp = NULL, *kn = NULL;
+    u64 id = 0;
+    if (bpf_probe_read_kernel(&cgrp, sizeof(cgrp), (const char *)sk + NETIO_SK_CGRP_OFF) || !cgrp)
+        return 0;
+    if (bpf_probe_read_kernel(&kn, sizeof(kn), (const char *)cgrp + NETIO_CGRP_KN_OFF) || !kn)
+        return 0;
+    bpf_probe_read_kernel(&id, sizeof(id), (const char *)kn + NETIO_KN_ID_OFF);
+    return id;
+}
+
+TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
+{
+    struct netio_retrans_key k = {};
+    k.cgid = netio_sk_cgroup(args->skaddr);
+    k.family = args->family == NETIO_AF_INET6 ? 1 : 0;
+    u64 zero = 0;
+    u64 *v = netio_retrans_cgroup.lookup_or_try_init(&k, &zero);
+    if (v)
+        __sync_fetch_and_add(v, 1);
+    return 0;
+}
+#else
 // index 0: IPv4, 1: IPv6
 BPF_PERCPU_ARRAY(netio_retransmits, u64, 2);
 
@@ -37,6 +77,7 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
         *v += 1;    // per-CPU slot: no atomic needed
     return 0;
 }
+#endif
 
 #if NETIO_SOCK
 BPF_TABLE("lru_hash", u64, struct netio_bytes, netio_cgroup, NETIO_MAX_CGROUPS);

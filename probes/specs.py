@@ -171,27 +171,38 @@ BLKIO = Probe(
     ),
 )
 
+NETIO_SOCK_VARIANTS = ("sock_cgroup", "sock")     # the variants counting socket bytes per cgroup
+
 NETIO = Probe(
     name="netio",
     summary="network bytes per cgroup (per interface on kernels without sock tracepoints), TCP retransmits",
     variants=(
+        Variant("sock_cgroup", ("sock:sock_send_length", "sock:sock_recv_length", "tcp:tcp_retransmit_skb"),
+                (("NETIO_SOCK", "1"), ("NETIO_RETRANS_CGROUP", "1")),
+                note="socket payload bytes per cgroup (Linux 6.3+); retransmits per cgroup of the socket "
+                     "(sk_cgrp_data at offsets from the kernel's BTF)",
+                btf_offsets=(("NETIO_SK_CGRP_OFF", "sock", "sk_cgrp_data.cgroup"),
+                             ("NETIO_CGRP_KN_OFF", "cgroup", "kn"),
+                             ("NETIO_KN_ID_OFF", "kernfs_node", "id"))),
         Variant("sock", ("sock:sock_send_length", "sock:sock_recv_length", "tcp:tcp_retransmit_skb"),
-                (("NETIO_SOCK", "1"),), note="socket payload bytes per cgroup (Linux 6.3+)"),
+                (("NETIO_SOCK", "1"), ("NETIO_RETRANS_CGROUP", "0")),
+                note="socket payload bytes per cgroup (Linux 6.3+); retransmits per address family only"),
         Variant("netdev", ("net:net_dev_xmit", "net:netif_receive_skb", "tcp:tcp_retransmit_skb"),
-                (("NETIO_SOCK", "0"),),
+                (("NETIO_SOCK", "0"), ("NETIO_RETRANS_CGROUP", "0")),
                 note="frame bytes per interface; receive excludes the link-layer header; no cgroup"),
     ),
     attach_kind=TRACEPOINT,
-    maps=(("netio_cgroup", "cgroup"), ("netio_device", "netdev"), ("netio_retransmits", "family")),
+    maps=(("netio_cgroup", "cgroup"), ("netio_device", "netdev"), ("netio_retransmits", "family"),
+          ("netio_retrans_cgroup", "cgroup_family")),
     metrics=(
         Metric("netio_cgroup", "tx_bytes", "xpusense.cgroup.network.io", "By", COUNTER, REALTIME,
-               (("direction", "transmit"),), variants=("sock",)),
+               (("direction", "transmit"),), variants=NETIO_SOCK_VARIANTS),
         Metric("netio_cgroup", "rx_bytes", "xpusense.cgroup.network.io", "By", COUNTER, REALTIME,
-               (("direction", "receive"),), variants=("sock",)),
+               (("direction", "receive"),), variants=NETIO_SOCK_VARIANTS),
         Metric("netio_cgroup", "tx_calls", "xpusense.cgroup.network.calls", "{call}", COUNTER, REALTIME,
-               (("direction", "transmit"),), variants=("sock",)),
+               (("direction", "transmit"),), variants=NETIO_SOCK_VARIANTS),
         Metric("netio_cgroup", "rx_calls", "xpusense.cgroup.network.calls", "{call}", COUNTER, REALTIME,
-               (("direction", "receive"),), variants=("sock",)),
+               (("direction", "receive"),), variants=NETIO_SOCK_VARIANTS),
         Metric("netio_device", "tx_bytes", "xpusense.network.device.io", "By", COUNTER, REALTIME,
                (("direction", "transmit"),), variants=("netdev",)),
         Metric("netio_device", "rx_bytes", "xpusense.network.device.io", "By", COUNTER, REALTIME,
@@ -200,7 +211,10 @@ NETIO = Probe(
                (("direction", "transmit"),), variants=("netdev",)),
         Metric("netio_device", "rx_calls", "xpusense.network.device.packets", "{packet}", COUNTER, REALTIME,
                (("direction", "receive"),), variants=("netdev",)),
-        Metric("netio_retransmits", "value", "xpusense.network.tcp.retransmits", "{segment}", COUNTER, REALTIME),
+        Metric("netio_retransmits", "value", "xpusense.network.tcp.retransmits", "{segment}", COUNTER, REALTIME,
+               variants=("sock", "netdev")),
+        Metric("netio_retrans_cgroup", "value", "xpusense.network.tcp.retransmits", "{segment}", COUNTER, REALTIME,
+               variants=("sock_cgroup",)),
     ),
 )
 

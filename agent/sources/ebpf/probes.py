@@ -21,7 +21,7 @@ from xpusense.probes import specs
 from ..base import NEARLINE, Sample, Unavailable
 from .loader import EbpfLoader, Plan
 from .procfs import DiskNames, device_prefixes, prefix_words
-from .source import EbpfSource
+from .source import FAMILIES, EbpfSource
 
 log = logging.getLogger("xpusense.agent.sources.ebpf")
 
@@ -73,6 +73,18 @@ class BlkioSource(EbpfSource):
 
 class NetioSource(EbpfSource):
     probe = "netio"
+
+    def key_labels(self, decoder: str, key: Any, value: Any) -> dict[str, str] | None:
+        if decoder == "cgroup_family":     # retransmits per socket cgroup (variant sock_cgroup)
+            fam = int(key.family)
+            return {"cgroup": self.cgroup_label(int(key.cgid)),
+                    "family": FAMILIES[fam] if fam < len(FAMILIES) else str(fam)}
+        return super().key_labels(decoder, key, value)
+
+    def gone(self, decoder: str, key: Any) -> bool:
+        if decoder == "cgroup_family" and self._cgroups is not None:
+            return self._cgroups.gone(int(key.cgid))
+        return super().gone(decoder, key)
 
 
 class AccelIoctlSource(EbpfSource):
