@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from xpusense.common.config import Key
+from xpusense.common.config import Key, non_negative
 
 from .base import COUNTER, NEARLINE, Sample, Source, SourceError, SourceFamily, Unavailable
+from .driver_stats import DriverStats, driver_error_samples
 
 if TYPE_CHECKING:
     from pyroute2 import IPRoute
@@ -242,8 +243,11 @@ class HostSource(Source):
     tiers = (NEARLINE,)
 
     def __init__(self, procfs: str = "/proc", netns: str = "", disk_exclude: str = DEFAULT_DISK_EXCLUDE,
-                 interface_include: str = "", interface_exclude: str = ""):
+                 interface_include: str = "", interface_exclude: str = "", driver_errors_per_interface: int = 16):
         self.procfs = procfs
+        self.driver_errors_per_interface = driver_errors_per_interface
+        self._driver: DriverStats | None = None
+        self._driver_why = ""
         self.netns = netns
         self.disk_exclude = disk_exclude
         self.interface_include = interface_include
@@ -270,6 +274,11 @@ class HostSource(Source):
             raise Unavailable(f"cannot open rtnetlink in {where}: {e}") from e
         self._prev_cpu = psutil.cpu_times()._asdict()
         self._machine_id = read_machine_id()
+        if self.driver_errors_per_interface > 0:
+            try:
+                self._driver = DriverStats(self.netns)
+            except OSError as e:    # the other host readings run; describe() says why
+                self._driver_why = f"no ethtool socket in the namespace: {e}"
 
     def inventory(self) -> list[dict]:
         return [host_inventory(self._machine_id, platform.machine(), platform.system().lower())]
@@ -307,16 +316,36 @@ class HostSource(Source):
             msgs = self._ipr.get_links()
         except Exception as e:
             raise SourceError(f"rtnetlink get_links failed: {e}", out) from e
-        out += link_samples(netlink_links(msgs), self.interface_include, self.interface_exclude)
+        links = link_samples(netlink_links(msgs), self.interface_include, self.interface_exclude)
+        out += links
+        out += self._driver_errors({s.labels["device"] for s in links})
+        return out
+
+    def _driver_errors(self, devices: set[str]) -> list[Sample]:
+        """NIC driver error/drop counters (ethtool statistics) of the interfaces reported."""
+        if self._driver is None:
+            return []
+        out: list[Sample] = []
+        for dev in sorted(devices):
+            try:
+                out += driver_error_samples(dev, self._driver.read(dev), self.driver_errors_per_interface)
+            except OSError:
+                continue
+        self._driver.forget(devices)
         return out
 
     def describe(self) -> dict:
-        return {"procfs": self.procfs, "netns": self.netns or "(host)"}
+        return {"procfs": self.procfs, "netns": self.netns or "(host)",
+                "driver_errors_per_interface": self.driver_errors_per_interface,
+                **({"driver_errors": self._driver_why} if self._driver_why else {})}
 
     def close(self) -> None:
         if self._ipr is not None:
             self._ipr.close()
             self._ipr = None
+        if self._driver is not None:
+            self._driver.close()
+            self._driver = None
 
 
 SCHEMA = {
@@ -326,12 +355,16 @@ SCHEMA = {
     "disk_exclude": Key(str, DEFAULT_DISK_EXCLUDE, help="regular expression of disks left out"),
     "interface_include": Key(str, "", help="regular expression; empty: every interface"),
     "interface_exclude": Key(str, ""),
+    "driver_errors_per_interface": Key(int, 16, non_negative,
+                                       help="NIC driver error/drop counters (ethtool -S) reported per interface; "
+                                            "0: none"),
 }
 
 
 def build(table: Any) -> list[Source]:
     return [HostSource(procfs=table.procfs, netns=table.netns, disk_exclude=table.disk_exclude,
-                       interface_include=table.interface_include, interface_exclude=table.interface_exclude)]
+                       interface_include=table.interface_include, interface_exclude=table.interface_exclude,
+                       driver_errors_per_interface=table.driver_errors_per_interface)]
 
 
 FAMILY = SourceFamily("host", SCHEMA, build)
