@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from xpusense.agent.sources.npu_smi.catalog import inventory_resources, normalize_model
 from xpusense.agent.sources.npu_smi.kv import KvOutput, chip_records, parse_kv
 from xpusense.agent.sources.npu_smi.readings import (
+    common_samples,
     health_readings,
     health_samples,
     power_samples,
@@ -23,7 +24,7 @@ from xpusense.agent.sources.npu_smi.readings import (
 )
 from xpusense.agent.sources.npu_smi.source import NpuSmiSource
 from xpusense.agent.sources.npu_smi.table import parse_info
-from xpusense.agent.sources.npu_smi.values import MIB, ParseError
+from xpusense.agent.sources.npu_smi.values import MIB, FieldError, ParseError
 from xpusense.common import catalog as common_catalog
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "npu-smi"
@@ -145,6 +146,43 @@ def test_common_chip_id_before_values_and_mcu_block():
     assert mcu.fields == {"Chip Name": "mcu", "Temperature(C)": "48", "NPU Real-time Power(W)": "45.2"}
     assert by_name(power_samples(out, 0)) == {("hw.power",): 69.0}           # the MCU's 45.2 is not the chip's
     assert by_name(temp_samples(out, 0)) == {("hw.temperature", "chip"): 46.0}
+
+
+def test_common_aicore_current_and_rated_clocks_in_hz():
+    out = parse_kv(recorded("info-t-common-910B-1.txt"), "npu-smi info -t common -i 0")
+    samples = common_samples(out, 0, [0], "npu-smi info -t common -i 0")
+    assert [(s.name, s.value, s.unit, s.kind, s.labels) for s in samples] == [
+        ("xpusense.accelerator.clock.frequency", 1000e6, "Hz", "gauge",
+         {"device": "npu0-0", "vendor": "huawei", "clock": "aicore"}),
+        ("xpusense.accelerator.clock.frequency", 1000e6, "Hz", "gauge",
+         {"device": "npu0-0", "vendor": "huawei", "clock": "aicore_rated"}),
+    ]
+    held = recorded("info-t-common-910B-1.txt").replace("curFreq(MHZ)            : 1000", "curFreq(MHZ)            : 800")
+    assert by_name(common_samples(parse_kv(held), 0)) == {
+        ("xpusense.accelerator.clock.frequency", "aicore"): 800e6,
+        ("xpusense.accelerator.clock.frequency", "aicore_rated"): 1000e6}
+
+
+def test_common_malformed_clock_is_an_error_naming_the_field_and_keeping_the_rest():
+    bad = recorded("info-t-common-910B-1.txt").replace("curFreq(MHZ)            : 1000", "curFreq(MHZ)            : 1000MHz")
+    with pytest.raises(FieldError) as ei:
+        common_samples(parse_kv(bad), 0, [0], "npu-smi info -t common -i 0")
+    assert str(ei.value) == "`npu-smi info -t common -i 0`: `Aicore curFreq(MHZ)` of npu0-0 is not a number: '1000MHz'"
+    assert ei.value.field == "Aicore curFreq(MHZ)" and isinstance(ei.value, ParseError)
+    assert by_name(ei.value.partial) == {("xpusense.accelerator.clock.frequency", "aicore_rated"): 1000e6}
+    neg = recorded("info-t-common-910B-1.txt").replace("Freq(MHZ)               : 1000", "Freq(MHZ)               : -5")
+    with pytest.raises(FieldError, match=r"`Aicore Freq\(MHZ\)` of npu0-0 is out of range"):
+        common_samples(parse_kv(neg), 0)
+
+
+def test_common_without_clocks_or_with_na_gives_no_clock():
+    na = recorded("info-t-common-910B-1.txt").replace("curFreq(MHZ)            : 1000", "curFreq(MHZ)            : NA")
+    assert by_name(common_samples(parse_kv(na), 0)) == {("xpusense.accelerator.clock.frequency", "aicore_rated"): 1000e6}
+    # the Atlas 200I A2 documentation's -t common: no Aicore Freq fields at all
+    doc = ("\tNPU ID                         : 0\n\tChip Count                     : 1\n\n"
+           "\tChip ID                        : 0\n\tMemory Usage Rate(%)           : 44\n"
+           "\tAicore Usage Rate(%)           : 0\n\tTemperature(C)                 : 38\n")
+    assert common_samples(parse_kv(doc), 0) == []
 
 
 def test_health_alarm_with_three_codes_and_multiline_information():
@@ -418,6 +456,12 @@ def exercise_converters(result):
         for f in (usages_samples, power_samples, temp_samples):
             f(result, 3, [0, 1])
         health_samples(health_readings(result, 3, [0, 1]))
+        try:
+            clocks = common_samples(result, 3, [0, 1])
+        except FieldError as e:          # the only error a mangled value may give, naming its field
+            assert e.field and "of npu" in str(e)
+            clocks = e.partial
+        assert all(s.unit == "Hz" and s.value >= 0 and s.labels["clock"] in ("aicore", "aicore_rated") for s in clocks)
     else:
         inventory_resources(result, {})
         result.pids()
@@ -467,7 +511,7 @@ def test_fuzz_recombined_lines(lines):
 
 def test_module_names_one_source():
     assert NpuSmiSource.name == "npu-smi"
-    assert NpuSmiSource.tiers == ("realtime", "offline")
+    assert NpuSmiSource.tiers == ("realtime", "nearline", "offline")
 
 
 def test_a_bad_npu_id_followed_by_a_continuation_line_is_a_parse_error():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from xpusense.agent.sources.base import OFFLINE, REALTIME, SourceError, Unavailable
+from xpusense.agent.sources.base import NEARLINE, OFFLINE, REALTIME, SourceError, Unavailable
 from xpusense.agent.sources.npu_smi.source import OVERSIZED_METRIC, SKIPPED_METRIC, NpuSmiSource
 from xpusense.agent.sources.npu_smi.values import MIB
 
@@ -99,7 +99,7 @@ def test_realtime_round_reads_every_npu_concurrently(source, tmp_path):
     assert {s.labels["vendor"] for s in samples if "device" in s.labels} == {"huawei"}
     assert skipped(samples) == 0
     assert sorted(calls(tmp_path)[1:]) == sorted(f"info -t usages -i {n}" for n in range(8))
-    assert source.describe()["rounds_skipped"] == {"realtime": 0, "offline": 0}
+    assert source.describe()["rounds_skipped"] == {"realtime": 0, "nearline": 0, "offline": 0}
 
 
 def test_offline_round_power_temperature_health(source):
@@ -112,6 +112,97 @@ def test_offline_round_power_temperature_health(source):
         }
     assert skipped(samples) == 0
     assert source.events() == []  # first reading, all OK: nothing changed
+
+
+CLOCK = "xpusense.accelerator.clock.frequency"
+
+
+def test_nearline_round_reads_the_ai_core_clocks_of_every_npu(source, scenario, tmp_path):
+    (scenario / "common-6.txt").write_text((scenario / "common-6.txt").read_text().replace(
+        "curFreq(MHZ)            : 1000", "curFreq(MHZ)            : 650"))
+    samples = source.collect(NEARLINE)
+    for n in range(8):
+        assert values(samples, f"npu{n}-0") == {(CLOCK, "aicore"): (650e6 if n == 6 else 1000e6),
+                                                 (CLOCK, "aicore_rated"): 1000e6}
+    assert {s.unit for s in samples if s.name == CLOCK} == {"Hz"}
+    assert skipped(samples) == 0 and [s.labels for s in samples if s.name == SKIPPED_METRIC] == [{"tier": "nearline"}]
+    assert sorted(calls(tmp_path)[1:]) == sorted(f"info -t common -i {n}" for n in range(8))
+
+
+def test_common_not_supported_is_said_once_and_not_asked_again(source, scenario, tmp_path, caplog):
+    """npu-smi of a model without `-t common`: failing with its message (NPU 3), or printing only the
+    message and exiting 0 (NPU 5). Neither fails the round; neither NPU is asked again."""
+    (scenario / "common-3.txt").unlink()    # the fake answers "... does not support this query (-t common)"
+    (scenario / "common-5.txt").write_text("This device does not support querying common.\n")
+    first = source.collect(NEARLINE)
+    assert {s.labels["device"] for s in first if s.name == CLOCK} == {f"npu{n}-0" for n in range(8) if n not in (3, 5)}
+    assert source.describe()["unsupported_queries"] == {
+        "npu-smi info -t common -i 3": "Error: the device 3 does not exist or does not support this query (-t common).",
+        "npu-smi info -t common -i 5": "This device does not support querying common.",
+    }
+    said = [r.getMessage() for r in caplog.records if "not supported here" in r.getMessage()]
+    assert len(said) == 2 and "`npu-smi info -t common -i 3`" in said[0]
+    second = source.collect(NEARLINE)
+    assert len([s for s in second if s.name == CLOCK]) == 2 * 6
+    asked = [c for c in calls(tmp_path) if c.startswith("info -t common")]
+    assert sorted(asked) == sorted([f"info -t common -i {n}" for n in range(8)]
+                                   + [f"info -t common -i {n}" for n in range(8) if n not in (3, 5)])
+    assert len([r for r in caplog.records if "not supported here" in r.getMessage()]) == 2   # not said again
+    assert skipped(second) == 0
+
+
+def test_common_failing_otherwise_is_an_error_and_asked_again(source, scenario, tmp_path):
+    (scenario / "fail-common-2.txt").write_text("Error: the device 2 is busy, try again later.\n")
+    for _ in range(2):
+        with pytest.raises(SourceError, match="`npu-smi info -t common -i 2` exited with 1: Error: the device 2 is busy"):
+            source.collect(NEARLINE)
+    assert [c for c in calls(tmp_path) if c == "info -t common -i 2"] == ["info -t common -i 2"] * 2
+    assert source.describe()["unsupported_queries"] == {}
+
+
+def test_common_malformed_clock_is_a_source_error_naming_the_field_and_keeping_the_rest(source, scenario):
+    (scenario / "common-4.txt").write_text((scenario / "common-4.txt").read_text().replace(
+        "curFreq(MHZ)            : 1000", "curFreq(MHZ)            : 1000MHz"))
+    with pytest.raises(SourceError) as ei:
+        source.collect(NEARLINE)
+    assert str(ei.value) == "`npu-smi info -t common -i 4`: `Aicore curFreq(MHZ)` of npu4-0 is not a number: '1000MHz'"
+    kept = ei.value.samples
+    assert values(kept, "npu4-0") == {(CLOCK, "aicore_rated"): 1000e6}
+    assert values(kept, "npu7-0") == {(CLOCK, "aicore"): 1000e6, (CLOCK, "aicore_rated"): 1000e6}
+    assert skipped(kept) == 0
+
+
+def test_slow_common_round_is_skipped_and_counted_apart_from_the_other_tiers(scenario, monkeypatch):
+    src = NpuSmiSource(path=str(FAKE), timeout_s=GENEROUS_S, nearline_timeout_s=0.3, offline_timeout_s=GENEROUS_S)
+    src.setup()
+    try:
+        monkeypatch.setenv("FAKE_NPU_SMI_DELAY_S", "600")
+        monkeypatch.setenv("FAKE_NPU_SMI_DELAY_ON", "common")
+        first = src.collect(NEARLINE)
+        assert [s.name for s in first] == [SKIPPED_METRIC, OVERSIZED_METRIC] and skipped(first) == 1
+        assert src.describe()["rounds_skipped"] == {"realtime": 0, "nearline": 1, "offline": 0}
+        assert src.describe()["unsupported_queries"] == {}     # late is not unsupported
+        assert skipped(src.collect(REALTIME)) == 0
+        monkeypatch.delenv("FAKE_NPU_SMI_DELAY_S")
+        src.nearline_timeout_s = GENEROUS_S
+        again = src.collect(NEARLINE)
+        assert skipped(again) == 1 and len([s for s in again if s.name == CLOCK]) == 16
+    finally:
+        src.close()
+
+
+def test_ai_core_clock_ramp_plays_over_time(source, scenario, monkeypatch):
+    (scenario / "ramp.json").write_text(
+        '{"type": "common", "key": "Aicore curFreq(MHZ)", "npus": [5], "points": [[0, 1000], [60, 500]]}')
+    monkeypatch.setenv("FAKE_NPU_SMI_T0", "1000")
+    seen = []
+    for now in ("1000", "1030", "2000"):
+        monkeypatch.setenv("FAKE_NPU_SMI_NOW", now)
+        samples = source.collect(NEARLINE)
+        seen.append(values(samples, "npu5-0")[(CLOCK, "aicore")])
+        assert values(samples, "npu5-0")[(CLOCK, "aicore_rated")] == 1000e6
+        assert values(samples, "npu4-0")[(CLOCK, "aicore")] == 1000e6
+    assert seen == [1000e6, 750e6, 500e6]
 
 
 def test_inventory(source):

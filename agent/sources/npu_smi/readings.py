@@ -1,4 +1,4 @@
-"""Samples made from the per-NPU key-value outputs (`npu-smi info -t usages|power|temp|health -i N`).
+"""Samples made from the per-NPU key-value outputs (`npu-smi info -t usages|common|power|temp|health -i N`).
 
 Metric names and units are those of docs/metrics.md; every sample is labelled with its chip
 (`device`, see values.device_id) and `vendor`.
@@ -10,10 +10,13 @@ import dataclasses
 from collections.abc import Iterable
 
 from ..base import Sample
-from .kv import KvOutput, chip_records
-from .values import MIB, device_id, device_labels, is_missing
+from .kv import KvOutput, KvRecord, chip_records
+from .values import MIB, FieldError, device_id, device_labels, is_missing, norm_key, parse_number
 
 HBM_BANDWIDTH = "xpusense.accelerator.hbm.bandwidth.utilization"
+CLOCK_FREQUENCY = "xpusense.accelerator.clock.frequency"
+MHZ = 1_000_000
+MAX_CLOCK_MHZ = 100_000   # a printed AI Core clock above this is garbage, not a frequency
 
 # Field names per metric, in order of preference (compared as norm_key). Data, not code.
 USAGE_RATIOS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -21,6 +24,12 @@ USAGE_RATIOS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("xpusense.accelerator.vector.utilization", ("Aivector Usage Rate(%)", "Vector Core Usage Rate(%)")),
     ("xpusense.accelerator.cube.utilization", ("Aicube Usage Rate(%)", "Cube Usage Rate(%)")),
     (HBM_BANDWIDTH, ("HBM Bandwidth Usage Rate(%)",)),
+)
+# `-t common`: label `clock` -> field names. The rest of its output (usage rates, temperature, power)
+# is read from `-t usages`, `-t temp` and `-t power` already.
+AICORE_CLOCK_KEYS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("aicore", ("Aicore curFreq(MHZ)", "Aicore Current Freq(MHZ)")),
+    ("aicore_rated", ("Aicore Freq(MHZ)", "Aicore Rated Freq(MHZ)")),
 )
 POWER_KEYS = ("NPU Real-time Power(W)", "Real-time Power(W)", "Power Dissipation(W)", "Power(W)")
 CHIP_TEMP_KEYS = ("NPU Temperature (C)", "Chip Temperature(C)", "Temperature(C)")
@@ -52,6 +61,46 @@ def usages_samples(out: KvOutput, npu_id: int, known_chips: Iterable[int] = ()) 
                 used = float(round(cap * MIB * rate / 100.0))
                 samples.append(Sample("hw.gpu.memory.utilization", rate / 100.0, "1", dict(labels)))
                 samples.append(Sample("hw.gpu.memory.usage", used, "By", dict(labels)))
+    return samples
+
+
+def _printed(rec: KvRecord, names: tuple[str, ...]) -> tuple[str, str] | None:
+    """(key as printed, value) of the first of `names` the record has (names compared as norm_key)."""
+    for n in names:
+        for k, v in rec.fields.items():
+            if norm_key(k) == norm_key(n):
+                return k, v
+    return None
+
+
+def common_samples(out: KvOutput, npu_id: int, known_chips: Iterable[int] = (),
+                   command: str = "npu-smi info -t common") -> list[Sample]:
+    """`npu-smi info -t common -i N` -> xpusense.accelerator.clock.frequency (Hz) per chip, label
+    `clock` = `aicore` (`Aicore curFreq(MHZ)`, the AI Core's current clock) and `aicore_rated`
+    (`Aicore Freq(MHZ)`, its rated clock).
+
+    A field that is absent or NA (a model or driver without it) gives no sample; one printed with a
+    value that is not a frequency raises FieldError naming the field, with the samples of every
+    other field and chip in `.partial`.
+    """
+    samples: list[Sample] = []
+    bad: FieldError | None = None
+    for npu, chip, rec in chip_records(out, npu_id, known_chips):
+        labels = device_labels(npu, chip)
+        for clock, keys in AICORE_CLOCK_KEYS:
+            found = _printed(rec, keys)
+            if found is None or is_missing(found[1]):
+                continue
+            key, text = found
+            mhz = parse_number(text)
+            if mhz is None or not 0 <= mhz <= MAX_CLOCK_MHZ:
+                why = "is not a number" if mhz is None else f"is out of range (0..{MAX_CLOCK_MHZ} MHz)"
+                bad = bad or FieldError(command, key, text, None, f"of {device_id(npu, chip)} {why}")
+                continue
+            samples.append(Sample(CLOCK_FREQUENCY, mhz * MHZ, "Hz", {**labels, "clock": clock}))
+    if bad is not None:
+        bad.partial = samples
+        raise bad
     return samples
 
 

@@ -1,14 +1,17 @@
 """NpuSmiSource: the npu-smi source the agent runs, and its `[sources.npu_smi]` config table.
 
 Setup reads `npu-smi info` once (chips, versions, processes); the realtime tier then runs
-`npu-smi info -t usages -i N` for every NPU at once, the offline tier `-t power|temp|health` the
-same way (runner.py), and a chip's change of health becomes an Event.
+`npu-smi info -t usages -i N` for every NPU at once, the nearline tier `-t common` (AI Core clocks)
+and the offline tier `-t power|temp|health` the same way (runner.py), and a chip's change of
+health becomes an Event. An NPU whose npu-smi says it does not support `-t common` is not asked
+again (said once, listed in describe()).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -18,12 +21,13 @@ from typing import Any
 from xpusense.common import catalog as common_catalog
 from xpusense.common.config import Key, positive
 
-from ..base import COUNTER, OFFLINE, REALTIME, Event, Sample, Source, SourceError, SourceFamily, Unavailable
+from ..base import COUNTER, NEARLINE, OFFLINE, REALTIME, Event, Sample, Source, SourceError, SourceFamily, Unavailable
 from .catalog import informative, inventory_resources
 from .kv import KvOutput, parse_kv
 from .readings import (
     HBM_BANDWIDTH,
     HealthReading,
+    common_samples,
     health_readings,
     health_samples,
     power_samples,
@@ -33,7 +37,7 @@ from .readings import (
 )
 from .runner import DEFAULT_MAX_OUTPUT_BYTES, CommandFailed, Job, Runner, TimedOut, command_line
 from .table import InfoChip, InfoTable, parse_info
-from .values import VENDOR, ParseError, device_id, parse_number
+from .values import VENDOR, FieldError, ParseError, device_id, parse_number
 
 log = logging.getLogger("xpusense.agent.sources.npu_smi")
 
@@ -43,20 +47,25 @@ MAX_CHIPS_PER_NPU = 64  # a `Chip Count` above this is taken for garbage
 SKIPPED_METRIC = "xpusense.npu_smi.rounds.skipped"
 OVERSIZED_METRIC = "xpusense.npu_smi.calls.oversized"   # killed for printing more than max_output_bytes
 OFFLINE_TYPES = ("power", "temp", "health")
+NEARLINE_TYPES = ("common",)
+# How npu-smi says a query does not exist on a model ("This device does not support querying common.")
+NOT_SUPPORTED = re.compile(r"(?i)\bnot\s+support")
 
 
 class NpuSmiSource(Source):
-    """Ascend NPUs through npu-smi: realtime usages per NPU, offline power, temperatures and health."""
+    """Ascend NPUs through npu-smi: realtime usages per NPU, nearline AI Core clocks, offline power,
+    temperatures and health."""
 
     name = "npu-smi"
-    tiers = (REALTIME, OFFLINE)
+    tiers = (REALTIME, NEARLINE, OFFLINE)
 
     def __init__(self, path: str = "", timeout_s: float = 0.8, max_workers: int = 8, *,
-                 offline_timeout_s: float = 10.0, setup_timeout_s: float = 15.0,
+                 nearline_timeout_s: float = 5.0, offline_timeout_s: float = 10.0, setup_timeout_s: float = 15.0,
                  max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES, search_dirs: Iterable[str] = DEFAULT_SEARCH_DIRS):
         self.path = path
         self.timeout_s = timeout_s
         self.max_workers = max(1, int(max_workers))
+        self.nearline_timeout_s = nearline_timeout_s
         self.offline_timeout_s = offline_timeout_s
         self.setup_timeout_s = setup_timeout_s
         self.search_dirs = tuple(search_dirs)
@@ -70,6 +79,7 @@ class NpuSmiSource(Source):
         self._pids: dict[int, str] = {}
         self._notes: list[str] = []
         self._hbm_bw: dict[str, bool] = {}   # device -> whether its usages output has HBM bandwidth
+        self._unsupported: dict[str, str] = {}   # `npu-smi info -t TYPE -i N` not asked any more -> why
 
     @property
     def exe(self) -> str:
@@ -180,18 +190,19 @@ class NpuSmiSource(Source):
             return []
         with self._lock:
             chips = {n: list(c) for n, c in self._chips.items()}
-        if tier == REALTIME:
-            jobs: list[Job] = [((tier, n, "usages"), ["info", "-t", "usages", "-i", str(n)]) for n in sorted(chips)]
-            budget = self.timeout_s
-        else:
-            jobs = [((tier, n, t), ["info", "-t", t, "-i", str(n)]) for n in sorted(chips) for t in OFFLINE_TYPES]
-            budget = self.offline_timeout_s
+            unsupported = set(self._unsupported)
+        types, budget = {REALTIME: (("usages",), self.timeout_s), NEARLINE: (NEARLINE_TYPES, self.nearline_timeout_s),
+                         OFFLINE: (OFFLINE_TYPES, self.offline_timeout_s)}[tier]
+        jobs: list[Job] = [((tier, n, t), args) for n in sorted(chips) for t in types
+                           if command_line(args := ["info", "-t", t, "-i", str(n)]) not in unsupported]
         finished, _ = self._runner.round(tier, jobs, budget)
         samples: list[Sample] = []
         errors: list[str] = []
         readings: list[HealthReading] = []
         for (_, npu, kind), args, result in finished:
             cmd = command_line(args)
+            if kind in NEARLINE_TYPES and self._not_supported(cmd, result):
+                continue
             if isinstance(result, BaseException):
                 errors.append(str(result) if isinstance(result, CommandFailed) else f"`{cmd}`: {result}")
                 continue
@@ -200,7 +211,11 @@ class NpuSmiSource(Source):
             except ParseError as e:
                 errors.append(str(e))
                 out = e.partial
-            samples += self._samples(kind, out, npu, chips.get(npu, []), readings)
+            try:
+                samples += self._samples(kind, out, npu, chips.get(npu, []), readings, cmd)
+            except FieldError as e:
+                errors.append(str(e))
+                samples += e.partial
         self._note_health(readings)
         if tier == REALTIME:
             self._note_hbm_bandwidth(samples)
@@ -211,11 +226,34 @@ class NpuSmiSource(Source):
             raise SourceError(errors[0] + more, samples)
         return samples
 
+    def _not_supported(self, cmd: str, result: str | BaseException) -> bool:
+        """Whether npu-smi answered that it does not support `cmd` on this NPU (failing, or printing
+        only that): then it is not asked again, said once in the log and in describe()."""
+        if isinstance(result, CommandFailed):
+            text = result.text
+        elif isinstance(result, str) and not any(":" in ln for ln in result.splitlines()):
+            text = result
+        else:
+            return False
+        if not NOT_SUPPORTED.search(text):
+            return False
+        why = next(ln.strip() for ln in text.splitlines() if NOT_SUPPORTED.search(ln))[:200]
+        with self._lock:
+            self._unsupported[cmd] = why
+        log.warning("npu-smi: `%s` is not supported here (%s): not asked again; the AI Core clocks of "
+                    "that NPU are not reported", cmd, why)
+        return True
+
     @staticmethod
-    def _samples(kind: str, out: KvOutput, npu: int, known: list[int], readings: list[HealthReading]) -> list[Sample]:
-        """Samples of one `-t KIND -i NPU` output; health readings are also added to `readings`."""
+    def _samples(kind: str, out: KvOutput, npu: int, known: list[int], readings: list[HealthReading],
+                 cmd: str = "") -> list[Sample]:
+        """Samples of one `-t KIND -i NPU` output; health readings are also added to `readings`.
+
+        Raises FieldError (with the samples read in `.partial`) for a value that cannot be read."""
         if kind == "usages":
             return usages_samples(out, npu, known)
+        if kind == "common":
+            return common_samples(out, npu, known, cmd)
         if kind == "power":
             return power_samples(out, npu, known)
         if kind == "temp":
@@ -298,9 +336,11 @@ class NpuSmiSource(Source):
                 "npus": sorted(self._chips),
                 "devices": [c.device for c in self._table.chips],
                 "timeout_s": self.timeout_s,
+                "nearline_timeout_s": self.nearline_timeout_s,
                 "offline_timeout_s": self.offline_timeout_s,
                 "max_workers": self.max_workers,
                 **rounds,
+                "unsupported_queries": dict(self._unsupported),
                 "notes": list(self._notes),
             }
 
@@ -316,6 +356,7 @@ SCHEMA = {
     "enabled": Key(bool, True),
     "path": Key(str, "", help="npu-smi executable (default: the driver's install dirs, then PATH)"),
     "timeout_s": Key((int, float), 0.6, positive, help="budget of one realtime round of calls"),
+    "nearline_timeout_s": Key((int, float), 5.0, positive, help="budget of one nearline round (-t common)"),
     "offline_timeout_s": Key((int, float), 10.0, positive),
     "setup_timeout_s": Key((int, float), 15.0, positive),
     "max_workers": Key(int, 8, positive, help="npu-smi calls run at once"),
@@ -327,8 +368,8 @@ SCHEMA = {
 def build(table: Any) -> list[Source]:
     """The source of a checked `[sources.npu_smi]` table."""
     return [NpuSmiSource(path=table.path, timeout_s=table.timeout_s, max_workers=table.max_workers,
-                         offline_timeout_s=table.offline_timeout_s, setup_timeout_s=table.setup_timeout_s,
-                         max_output_bytes=table.max_output_bytes)]
+                         nearline_timeout_s=table.nearline_timeout_s, offline_timeout_s=table.offline_timeout_s,
+                         setup_timeout_s=table.setup_timeout_s, max_output_bytes=table.max_output_bytes)]
 
 
 FAMILY = SourceFamily("npu_smi", SCHEMA, build)

@@ -82,6 +82,18 @@ class ParseError(ValueError):
         super().__init__(f"`{command}`: {reason} at {where}: {line.strip()[:160]!r}")
 
 
+class FieldError(ParseError):
+    """A field npu-smi printed whose value cannot be what it names (not a number, out of range).
+
+    `field` is the key as printed, `line` its value; `partial` what could be read anyway.
+    """
+
+    def __init__(self, command: str, field: str, value: str, partial: Any = None, reason: str = "not a number"):
+        super().__init__(command, 0, value, partial, reason)
+        self.field = field
+        ValueError.__init__(self, f"`{command}`: `{field}` {reason}: {value.strip()[:80]!r}")
+
+
 class Problems:
     """Remembers the first line not understood while parsing goes on."""
 
