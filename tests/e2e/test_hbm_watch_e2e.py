@@ -22,6 +22,9 @@ TRAIN = ROOT / "examples/train_with_checkpoint.py"
 NPU_FAKE = ROOT / "tests/fakes/npu-smi/npu-smi"
 NPU_SCENARIO = ROOT / "tests/fixtures/npu-smi/scenario-8x910B4"
 WINDOW_S = 5.0
+# Scenario second 0 lies this far ahead, so a ramp at t = 5 is not over before an agent that starts
+# slowly (a loaded 2-core machine: trainer, collector and agent all start first) reads it.
+LEAD_S = 8.0
 
 CONFIG = """
 [tiers]
@@ -89,17 +92,17 @@ def test_nvml_ramp_one_request_checkpoint_in_time_second_ramp_in_cooldown(libdir
     (tmp_path / "procs").write_text(f"0 {trainer.p.pid} 8589934592\n")
     # 40% -> 92% at t=5 for 8 s -> 40%; again 92% from t=15 to 23 (inside the 10 min cooldown).
     scn = ramp_scenario(tmp_path, "0:40 5:40 5:92 13:92 13:40 15:40 15:92 23:92 23:40")
-    t0 = time.time() - 2.0
+    t0 = time.time() + LEAD_S
     addr = start_collector(procs)
     agent = run_agent(procs, tmp_path, addr, req,
                       fakenvml.env(libdir, scn, t0=t0, procs=tmp_path / "procs"))
 
-    wait_until(lambda: checkpoints(ckpt), timeout_s=30, what="the trainer's checkpoint")
+    wait_until(lambda: checkpoints(ckpt), what="the trainer's checkpoint")
     labels = {"device": "gpu0", "vendor": "nvidia"}
     name = "xpusense.accelerator.hbm.bandwidth.utilization"
     # Wait past the second ramp (the value back at 40% after t=23), then count.
     wait_until(lambda: any(t > t0 + 24 and v < 0.5 for t, v in history(addr, "watch-node", name, labels)),
-               timeout_s=40, what="the end of the second ramp")
+               what="the end of the second ramp")
     cps, reqs = checkpoints(ckpt), requests(req)
     assert len(reqs) == 1 and len(cps) == 1, (reqs, cps)
     r, cp = reqs[0], cps[0]
@@ -121,10 +124,10 @@ def test_dip_below_the_lower_mark_inside_the_window_does_not_fire_early(libdir, 
     (tmp_path / "procs").write_text(f"0 {trainer.p.pid} 8589934592\n")
     # above from t=5, one second at 60% at t=7..8, above again until 16
     scn = ramp_scenario(tmp_path, "0:40 5:40 5:92 7:92 7:60 8:60 8:92 16:92 16:40")
-    t0 = time.time() - 2.0
+    t0 = time.time() + LEAD_S
     addr = start_collector(procs)
     run_agent(procs, tmp_path, addr, req, fakenvml.env(libdir, scn, t0=t0, procs=tmp_path / "procs"))
-    wait_until(lambda: checkpoints(ckpt), timeout_s=30, what="the checkpoint")
+    wait_until(lambda: checkpoints(ckpt), what="the checkpoint")
     r = requests(req)[0]
     # The window restarted after the dip: crossed no earlier than t=8, fired no earlier than t=13.
     assert r["crossed_time"] >= t0 + 8.0
@@ -139,14 +142,14 @@ def test_npu_smi_ramp_sends_one_request(procs, tmp_path):
         "| No running processes found in NPU 0                                                            |",
         f"| 0       0                 | {trainer.p.pid:<13} | python3                  | 2048                    |")
     (scenario / "info.txt").write_text(info)
-    t0 = time.time() + 2.0
+    t0 = time.time() + LEAD_S
     (scenario / "ramp.json").write_text(json.dumps({"type": "usages", "key": "HBM Bandwidth Usage Rate(%)",
                                                     "npus": [0], "points": [[0, 40], [0.01, 92], [8, 92], [8.01, 40]]}))
     addr = start_collector(procs)
     cfg_extra = ("--npu-smi", str(NPU_FAKE))
     run_agent(procs, tmp_path, addr, req, {"FAKE_NPU_SMI_DIR": str(scenario), "FAKE_NPU_SMI_T0": repr(t0),
                                            "LD_LIBRARY_PATH": "/nonexistent"}, cfg_extra)
-    wait_until(lambda: checkpoints(ckpt), timeout_s=30, what="the checkpoint on the NPU")
+    wait_until(lambda: checkpoints(ckpt), what="the checkpoint on the NPU")
     r = requests(req)[0]
     assert r["accelerator"] == "npu0-0" and r["vendor"] == "huawei" and r["pids"] == [trainer.p.pid]
     assert checkpoints(ckpt)[0]["time"] <= r["crossed_time"] + WINDOW_S + 1.5
@@ -156,7 +159,7 @@ def test_npu_smi_ramp_sends_one_request(procs, tmp_path):
     assert series(node, "xpusense.accelerator.hbm.bandwidth.utilization", device="npu0-0")
     name, labels = "xpusense.accelerator.hbm.bandwidth.utilization", {"device": "npu0-0", "vendor": "huawei"}
     wait_until(lambda: any(t > t0 + 9 and v < 0.5 for t, v in history(addr, "watch-node", name, labels)),
-               timeout_s=30, what="the end of the NPU ramp")
+               what="the end of the NPU ramp")
     assert len(requests(req)) == 1 and len(checkpoints(ckpt)) == 1
 
 
@@ -167,13 +170,13 @@ def test_nan_from_the_driver_never_sends_a_checkpoint_request(libdir, procs, tmp
     # NaN read as "not below the threshold" would complete the 5 s window at t=10.
     scn = ramp_scenario(tmp_path, "0:40 5:40 5:92 7:92 7:40")
     scn.write_text(scn.read_text() + "gpm_nan = 10 7 12\n")
-    t0 = time.time() - 2.0
+    t0 = time.time() + LEAD_S
     addr = start_collector(procs)
     agent = run_agent(procs, tmp_path, addr, req, fakenvml.env(libdir, scn, t0=t0, procs=tmp_path / "procs"))
     labels = {"device": "gpu0", "vendor": "nvidia"}
     name = "xpusense.accelerator.hbm.bandwidth.utilization"
     wait_until(lambda: any(t > t0 + 13 and v < 0.5 for t, v in history(addr, "watch-node", name, labels)),
-               timeout_s=40, what="values after the NaN window")
+               what="values after the NaN window")
     points = history(addr, "watch-node", name, labels)
     assert not [(t, v) for t, v in points if t0 + 7.5 < t < t0 + 11.5]    # nothing was sent for the NaNs
     assert any(v >= 0.85 for _, v in points)                                # the 92 % before them was
@@ -189,10 +192,10 @@ def test_a_misread_process_list_never_names_a_wrong_pid(libdir, procs, tmp_path)
     scn = ramp_scenario(tmp_path, "0:40 5:40 5:92 13:92 13:40")
     scn.write_text("process_info_size = 32\nmissing_symbols = nvmlDeviceGetRunningProcessDetailList\n"
                    + scn.read_text())
-    t0 = time.time() - 2.0
+    t0 = time.time() + LEAD_S
     addr = start_collector(procs)
     agent = run_agent(procs, tmp_path, addr, req, fakenvml.env(libdir, scn, t0=t0, procs=tmp_path / "procs"))
-    wait_until(lambda: checkpoints(ckpt), timeout_s=30, what="the trainer's checkpoint")
+    wait_until(lambda: checkpoints(ckpt), what="the trainer's checkpoint")
     reqs = requests(req)
     assert len(reqs) == 1 and reqs[0]["pids"] == [trainer.p.pid], reqs
     assert agent.p.poll() is None          # the agent did not signal its own process group
