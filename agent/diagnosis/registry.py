@@ -8,10 +8,11 @@ from .engine import Diagnoser
 from .rules.clocks import FAMILY as CLOCKS
 from .rules.cpu_starvation import FAMILY as CPU_STARVATION
 from .rules.memory import FAMILY as MEMORY
+from .rules.network import FAMILY as NETWORK
 from .rules.numa import FAMILY as NUMA
 from .rules.pcie import FAMILY as PCIE
 
-FAMILIES: tuple[RuleFamily, ...] = (MEMORY, CLOCKS, CPU_STARVATION, PCIE, NUMA)
+FAMILIES: tuple[RuleFamily, ...] = (MEMORY, CLOCKS, CPU_STARVATION, PCIE, NUMA, NETWORK)
 
 
 def build_diagnoser(section, ctx: Context) -> Diagnoser | None:

@@ -12,7 +12,7 @@ from xpusense.agent.diagnosis.engine import Diagnoser
 from xpusense.agent.diagnosis.registry import FAMILIES, build_diagnoser
 from xpusense.agent.diagnosis.rules.clocks import REASONS, ClocksHeldDown
 from xpusense.agent.diagnosis.rules.cpu_starvation import CpuStarvation, parse_cgroup_v2
-from xpusense.agent.sources.base import HISTOGRAM, Sample
+from xpusense.agent.sources.base import COUNTER, HISTOGRAM, Sample
 from xpusense.probes.specs import log2_bounds_s
 
 S = 1_000_000_000
@@ -216,7 +216,15 @@ def test_no_registered_rule_fires_on_a_healthy_node_over_ten_minutes(tmp_path):
             job.add(2000, 30e-6)
             job.add(10, 1e-3)
             out.append(job.sample(t))
-        return out
+            rtt = [0] * 21 + [100 * t] * (len(BOUNDS) - 20)     # 100 TCP RTT samples a reading, 1-2 ms
+            out.append(Sample("xpusense.network.tcp.rtt", 1.5e-3 * 100 * t, "s", {"remote_region": "peer-dc"},
+                              HISTOGRAM, time_ns=at(t), bounds=BOUNDS, counts=tuple(rtt)))
+        net = [("xpusense.network.tcp.retransmits", t // 20, {"cgroup": JOB_CGROUP, "family": "ipv4"}),
+               ("xpusense.cgroup.network.calls", 2000 * t, {"cgroup": JOB_CGROUP, "direction": "transmit"}),
+               ("system.network.packet.count", 40000 * t, {"device": "eth0", "direction": "receive"}),
+               ("system.network.packet.dropped", t // 30, {"device": "eth0", "direction": "receive"}),
+               ("xpusense.network.interface.driver_errors", t // 60, {"device": "eth0", "counter": "rx_missed_errors"})]
+        return out + [Sample(n, float(v), "1", lab, COUNTER, time_ns=at(t)) for n, v, lab in net]
 
     events = feed(d, 0, 600, healthy)
     assert events == [] and d.opened == 0 and d.rule_errors == 0
