@@ -14,8 +14,18 @@ take it, ranked by the platform's cost-benefit matrix:
                          1 - HBM bandwidth utilisation), over the readings the device has
     data_affinity      = 1 - 0.5 * min(1, latency_ms / latency_ref_ms)
                            - 0.5 * min(1, transfer_cost / transfer_cost_ref)
-                         from the region matrix in config, node region -> data region; 1 in the
-                         data's region, 0 for a pair the matrix lacks; 1 when no data region is given
+                         node region -> data region; 1 in the data's region, 0 for a pair with
+                         neither figure; 1 when no data region is given. latency_ms: the pair's
+                         measured round-trip time when the fleet has a recent one, else the
+                         configured matrix's (read as round-trip too); transfer cost: configured.
+      measured         = median over the region's nodes that report
+                         xpusense.network.tcp.rtt{remote_region = data region} (eBPF tcp_rtt) of
+                         each node's median RTT over the last measured_latency_window_s
+                         (interpolated within its log2 bucket, whose upper bound alone overstates
+                         by up to 2x); a node's figure counts for measured_latency_max_age_s after
+                         its last new sample. One figure per region pair, not per node: it is part
+                         of the placement key's score, which the search works out once per bucket
+                         (latency.py). The answer says which latency it used.
     disaster_tolerance = 1 - (the job's other replicas in this node's zone) / (all other replicas);
                          1 when none are given, 0.5 when the node has no `zone` label
     compliance         = 0.5 * encryption + 0.5 * attestation (node labels `encryption`,
@@ -38,6 +48,7 @@ The modules, each importing only those above it:
     scoring    the four dimensions as pure functions
     config     the [scheduler] schema, weights and their ranges, Settings, PlaceError
     inventory  memory sizes, price label, interconnect domains, peak TFLOPS (xpusense.common.catalog)
+    latency    measured RTT: a node's window over its tcp_rtt histograms, the median per region pair
     index      per-node summaries (Device, Group, NodeSummary) filed in Pools of Buckets of Entries
     fleet      FleetView: follows FleetState through its watcher and keeps the index up to date
     search     Query; the indexed search and the reference scan

@@ -52,7 +52,14 @@ SCHEDULER_SCHEMA = {
     "index_refresh_ms": Key((int, float), 1000.0, non_negative,
                             help="a stored batch reaches the index within this (refreshed in bulk off the ingest "
                                  "path, and before each decision); 0: on every batch"),
-    "region_latency_ms": Key(Table, Table(), help='"node-region/data-region" = ms (symmetric unless both given)'),
+    "region_latency_ms": Key(Table, Table(), help='"node-region/data-region" = round-trip ms (symmetric unless '
+                                                  'both given); a recent measurement of the pair takes its place'),
+    "measured_latency_window_s": Key((int, float), 180.0, positive,
+                                     help="a node's measured RTT to a region (xpusense.network.tcp.rtt) is the median "
+                                          "of its samples over this long"),
+    "measured_latency_max_age_s": Key((int, float), 300.0, non_negative,
+                                      help="a node's measured RTT counts this long after its last new sample; then "
+                                           "the configured latency is used again (0: never measured)"),
     "region_transfer_cost": Key(Table, Table(), help='"node-region/data-region" = price per GB moved'),
     "latency_ref_ms": Key((int, float), 100.0, positive, help="latency at which the latency half of data affinity is 0"),
     "transfer_cost_ref": Key((int, float), 0.10, positive, help="price per GB at which the cost half of data affinity is 0"),
@@ -120,6 +127,8 @@ class Settings(NamedTuple):
     hbm_watch_factor: float
     regions: RegionMatrix
     peak_tflops: dict[str, float]   # model -> TFLOPS, from [scheduler.peak_tflops]
+    latency_window_ns: int = 180_000_000_000    # [scheduler] measured_latency_window_s
+    latency_max_age_ns: int = 300_000_000_000   # [scheduler] measured_latency_max_age_s
 
     @classmethod
     def from_section(cls, section: Any, stale_s: float) -> Settings:
@@ -131,4 +140,6 @@ class Settings(NamedTuple):
                    hbm_watch_factor=float(section.hbm_watch_factor),
                    regions=region_matrix(section.region_latency_ms, section.region_transfer_cost,
                                          float(section.latency_ref_ms), float(section.transfer_cost_ref)),
-                   peak_tflops={k: float(v) for k, v in section.peak_tflops.items()})
+                   peak_tflops={k: float(v) for k, v in section.peak_tflops.items()},
+                   latency_window_ns=int(section.measured_latency_window_s * 1e9),
+                   latency_max_age_ns=int(section.measured_latency_max_age_s * 1e9))

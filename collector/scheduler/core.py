@@ -64,7 +64,8 @@ class Scheduler:
         now = self.state.clock()
         if view.expiries and view.expiries[0][0] <= now:
             view.expire(now)
-        q = Query(req, weights, type_index, now, self.settings.stale_ns, self.settings.regions)
+        view.latency.expire(now)   # measured figures past measured_latency_max_age_s (those due only)
+        q = Query(req, weights, type_index, now, self.settings.stale_ns, self.settings.regions, view.latency)
         if full_scan or q.count > CMAX:
             scan(view, q)
         else:

@@ -9,6 +9,7 @@ from xpusense.v1 import scheduler_pb2 as spb
 
 from .fleet import FleetView
 from .index import TYPE_NAMES, Group, NodeSummary
+from .latency import Measured
 from .scoring import RegionMatrix, compliance, compute_efficiency, data_affinity, disaster_tolerance, replicas_in_zone
 from .search import Query
 
@@ -66,13 +67,15 @@ def key_dimensions(s: NodeSummary, q: Query, weights: dict[str, float],
                    regions: RegionMatrix) -> list[spb.DimensionScore]:
     """Data affinity, disaster tolerance and compliance of a node, with their details."""
     dim = spb.DimensionScore
-    affinity = data_affinity(s.region, q.data_region, regions)
+    measured = q.measured(s.region)
+    affinity = data_affinity(s.region, q.data_region, regions, None if measured is None else measured.ms)
     tolerance = disaster_tolerance(s.zone, q.replicas)
     comply = compliance(s.encryption, s.attestation)
     w_data, w_dr, w_comply = weights["data_affinity"], weights["disaster_tolerance"], weights["compliance"]
     return [
         dim(dimension="data_affinity", score=affinity, weight=w_data, weighted=affinity * w_data,
-            detail=affinity_detail(s.region, q.data_region, regions)),
+            detail=affinity_detail(s.region, q.data_region, regions, measured, q.now,
+                                   q.latency.max_age_ns if q.latency is not None else 0)),
         dim(dimension="disaster_tolerance", score=tolerance, weight=w_dr, weighted=tolerance * w_dr,
             detail=tolerance_detail(s.zone, q.replicas)),
         dim(dimension="compliance", score=comply, weight=w_comply, weighted=comply * w_comply,
@@ -96,8 +99,9 @@ def _make_value_text(view: FleetView, g: Group) -> str:
     return f"value per price unknown ({'; '.join(why)}) -> {g.value_norm:g}"
 
 
-def affinity_detail(node_region: str, data_region: str, regions: RegionMatrix) -> str:
-    """How scoring.data_affinity was reached, in words."""
+def affinity_detail(node_region: str, data_region: str, regions: RegionMatrix, measured: Measured | None = None,
+                    now: int = 0, max_age_ns: int = 0) -> str:
+    """How scoring.data_affinity was reached, in words: which latency it used, measured or configured."""
     if not data_region:
         return "no data region in the request"
     if not node_region:
@@ -106,10 +110,20 @@ def affinity_detail(node_region: str, data_region: str, regions: RegionMatrix) -
         return f"data in the node's region {node_region}"
     lat = regions.latency_ms.get((node_region, data_region))
     cost = regions.transfer_cost.get((node_region, data_region))
-    if lat is None and cost is None:
-        return f"{node_region} -> {data_region}: not in the region matrix"
-    return (f"{node_region} -> {data_region}: "
-            + ("latency unknown" if lat is None else f"{lat:g} ms (0 at {regions.latency_ref_ms:g})")
+    ref = f" (0 at {regions.latency_ref_ms:g})"
+    if measured is not None:
+        age = max(0, now - measured.newest_ns) / 1e9
+        lat_text = (f"{measured.ms:.3g} ms measured (median RTT over {measured.nodes} node(s) of {node_region}, "
+                    f"last {age:.0f} s ago; each node's median over its recent tcp_rtt samples, interpolated within "
+                    f"the log2 bucket; configured {'none' if lat is None else f'{lat:g} ms'})" + ref)
+    elif lat is not None:
+        since = f"in the last {max_age_ns / 1e9:g} s" if max_age_ns > 0 else "used"
+        lat_text = f"{lat:g} ms configured (no RTT measurement {since})" + ref
+    elif cost is None:
+        return f"{node_region} -> {data_region}: not in the region matrix, no RTT measurement"
+    else:
+        lat_text = "latency unknown (neither measured nor configured)"
+    return (f"{node_region} -> {data_region}: " + lat_text
             + ", " + ("transfer cost unknown" if cost is None
                       else f"{cost:g}/GB (0 at {regions.transfer_cost_ref:g})"))
 

@@ -18,7 +18,9 @@ request from the HBM watch within hbm_watch_window_s, or a diagnosis open on it 
 NodeState.diagnoses, collector/diagnoses.py; for as long as it is open), keeps it, penalised, the
 same penalty and factor), its groups by type and
 interconnect domain. Staleness is read from each NodeState's last_seen_ns when a node is looked at;
-`stale()` finds the stale nodes without a scan.
+`stale()` finds the stale nodes without a scan. Its `xpusense.network.tcp.rtt{remote_region}`
+histograms: a new point joins the node's window and its figure is filed under the region pair
+(latency.py), so that a decision reads a pair's measured figure in O(1).
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ import math
 import time
 from typing import Any, cast
 
+from xpusense.common.metric_names import NETWORK_TCP_RTT
 from xpusense.v1 import scheduler_pb2 as spb
 
 from .. import diagnoses as dg
 from .config import Settings
 from .index import ACCEL_TYPES, INF, POOLS, Device, Group, NodeSummary, Pool, file_node
 from .inventory import PeakTflops, device_memory, interconnect_domain, price
+from .latency import MeasuredLatency, RttWindow
 from .scoring import capable, free_score
 
 log = logging.getLogger("xpusense.collector.scheduler")
@@ -72,6 +76,8 @@ class FleetView:
         self.best_value = 0.0                         # the fleet's best value (TFLOPS per price)
         self.inv_best_value = 0.0
         self.expiries: list[tuple[int, str]] = []    # heap: (when a node's XID/HBM-watch window ends, node)
+        # Measured RTT per region pair (latency.py), from the nodes' tcp_rtt histograms at each refresh.
+        self.latency = MeasuredLatency(settings.latency_window_ns, settings.latency_max_age_ns)
         for n in list(state.nodes.values()):
             self._rebuild(self._summary(n), initial=True)
             self._seen(n)
@@ -166,7 +172,12 @@ class FleetView:
     def _rebuild(self, s: NodeSummary, initial: bool = False) -> None:
         """A new inventory: labels, devices, domains; then the readings."""
         inv = s.state.inventory
+        region = s.region
         self._read_labels(s, dict(inv.labels))
+        if s.region != region:   # its measured figures belong to another region pair now
+            for remote, w in s.rtt.items():
+                self.latency.set(s.node_id, s.region, remote,
+                                 None if w.median_s is None else w.median_s * 1e3, w.grew_ns)
         s.devices = devs = [Device(r.id, r.type.upper(), r.model, device_memory(r.attributes),
                                    self.peak_tflops(r.vendor, r.model), interconnect_domain(r, r.type.upper()))
                             for r in inv.resources if r.type.upper() in ACCEL_TYPES]
@@ -252,9 +263,12 @@ class FleetView:
         by_id = {d.id: d for d in s.devices}
         for d in s.devices:
             d.health = []
+        s.rtt_series = {}
         for ser in s.state.series.values():
             attr = _DEVICE_SERIES.get(ser.name)
             if attr is None and ser.name != HEALTH:
+                if ser.name == NETWORK_TCP_RTT and ser.labels.get("remote_region"):
+                    s.rtt_series[ser.labels["remote_region"]] = ser
                 continue
             dev = by_id.get(ser.labels.get("device", ""))
             if dev is None:
@@ -288,6 +302,8 @@ class FleetView:
         self.refreshes += 1
         if len(s.state.series) != s.series_seen:
             self._map_series(s)
+        if s.rtt_series:
+            self._measure(s, now)
         expires = INF
         diagnosed = _diagnosed(s.state, now)
         with_events = bool(s.xid_events or s.health_events or s.checkpoint_requests or diagnosed)
@@ -314,6 +330,18 @@ class FleetView:
             if expires < INF:
                 heapq.heappush(self.expiries, (expires, s.node_id))
         file_node(self.pools, s)
+
+    def _measure(self, s: NodeSummary, now: int) -> None:
+        """The node's RTT histograms: a new point of one joins its window (latency.py), and the
+        node's figure for that region pair is filed anew."""
+        window_ns, latency = self.latency.window_ns, self.latency
+        for remote, ser in s.rtt_series.items():
+            w = s.rtt.get(remote)
+            if w is None:
+                w = s.rtt[remote] = RttWindow()
+            if w.observe(getattr(ser, "histogram", None), now, window_ns):
+                latency.set(s.node_id, s.region, remote,
+                            None if w.median_s is None else w.median_s * 1e3, w.grew_ns)
 
     def _group(self, s: NodeSummary) -> None:
         """The node's groups: per type, and per interconnect domain (the type's group when it has

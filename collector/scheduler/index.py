@@ -138,7 +138,7 @@ class NodeSummary:
     __slots__ = ("state", "node_id", "labels", "region", "zone", "province", "encryption", "attestation",
                  "price", "placement_key", "devices", "by_type", "pool_groups", "expires_ns", "series_seen",
                  "xid_events", "health_events", "checkpoint_requests", "not_offered", "best_value",
-                 "base_candidate", "layout")
+                 "base_candidate", "layout", "rtt_series", "rtt")
 
     def __init__(self, state: Any):
         self.state = state                  # FleetState's NodeState, read in place (last_seen_ns...)
@@ -160,6 +160,8 @@ class NodeSummary:
         self.best_value = -1.0              # best value (TFLOPS per price) among its groups
         self.base_candidate = spb.Candidate(node_id=self.node_id)   # what every answer naming it starts from
         self.layout: list[tuple] = []       # (type index, type, devices, {domain: devices} or None)
+        self.rtt_series: dict[str, Any] = {}   # remote region -> its xpusense.network.tcp.rtt Series
+        self.rtt: dict[str, Any] = {}          # remote region -> its latency.RttWindow
 
 
 class Entry:

@@ -81,18 +81,20 @@ def region_matrix(latency_ms: dict[str, str], transfer_cost: dict[str, str], lat
     return RegionMatrix(region_pairs(latency_ms), region_pairs(transfer_cost), latency_ref_ms, transfer_cost_ref)
 
 
-def data_affinity(node_region: str, data_region: str, regions: RegionMatrix) -> float:
+def data_affinity(node_region: str, data_region: str, regions: RegionMatrix,
+                  measured_ms: float | None = None) -> float:
     """1 - 0.5 * min(1, latency / latency_ref) - 0.5 * min(1, transfer cost / transfer_cost_ref),
-    node region -> data region, a half counting in full (1) when its figure is unknown. 1 when no
-    data region is given or the node is in it; 0 when the node has no region or the matrix has
-    neither figure for the pair."""
+    node region -> data region, a half counting in full (1) when its figure is unknown. The latency
+    is `measured_ms` (the pair's measured round-trip time, latency.py) when given, else the
+    matrix's. 1 when no data region is given or the node is in it; 0 when the node has no region
+    or neither figure is known for the pair."""
     if not data_region:
         return 1.0
     if not node_region:
         return 0.0
     if node_region == data_region:
         return 1.0
-    lat = regions.latency_ms.get((node_region, data_region))
+    lat = measured_ms if measured_ms is not None else regions.latency_ms.get((node_region, data_region))
     cost = regions.transfer_cost.get((node_region, data_region))
     if lat is None and cost is None:
         return 0.0

@@ -23,6 +23,7 @@ from xpusense.v1 import scheduler_pb2 as spb
 
 from .fleet import FleetView
 from .index import CMAX, FEWER_AT_ALL, LEVELS, Bucket, Entry, Group, NodeSummary, Pool
+from .latency import Measured, MeasuredLatency
 from .scoring import RegionMatrix, compliance, data_affinity, disaster_tolerance
 
 HEALTH_REASONS = ("xid", "unhealthy")
@@ -45,10 +46,10 @@ class Query:
     __slots__ = ("req", "type_index", "pool_index", "same_domain", "count", "mem", "limit", "max_listed",
                  "allowed", "replicas", "data_region", "cut", "regions", "w_compute", "w_data", "w_dr",
                  "w_compliance", "result", "threshold", "feasible", "counts", "listed_health", "listed_filter",
-                 "listed_fit", "affinity_by_region", "tolerance_by_zone", "filtering")
+                 "listed_fit", "affinity_by_region", "tolerance_by_zone", "filtering", "now", "latency")
 
     def __init__(self, req: spb.PlaceRequest, weights: dict[str, float], type_index: int, now: int,
-                 stale_ns: int, regions: RegionMatrix):
+                 stale_ns: int, regions: RegionMatrix, latency: MeasuredLatency | None = None):
         self.req, self.type_index = req, type_index
         self.same_domain = req.same_domain
         self.pool_index = type_index + 3 if self.same_domain else type_index
@@ -61,6 +62,8 @@ class Query:
         self.data_region = req.data_region
         self.cut = now - stale_ns          # a node last heard from before this is stale
         self.regions = regions
+        self.now = now
+        self.latency = latency             # measured RTT per region pair (expired up to `now`), or None
         self.w_compute, self.w_data = weights["compute"], weights["data_affinity"]
         self.w_dr, self.w_compliance = weights["disaster_tolerance"], weights["compliance"]
         self.result: list[tuple] = []      # min-heap of (score, _Later(node id), group), at most `limit`
@@ -101,11 +104,19 @@ class Query:
         region, zone, _, encryption, attestation = key
         affinity = self.affinity_by_region.get(region)
         if affinity is None:
-            affinity = self.affinity_by_region[region] = data_affinity(region, self.data_region, self.regions)
+            measured = self.measured(region)
+            affinity = self.affinity_by_region[region] = data_affinity(
+                region, self.data_region, self.regions, None if measured is None else measured.ms)
         tolerance = self.tolerance_by_zone.get(zone)
         if tolerance is None:
             tolerance = self.tolerance_by_zone[zone] = disaster_tolerance(zone, self.replicas)
         return self.w_data * affinity + self.w_dr * tolerance + self.w_compliance * compliance(encryption, attestation)
+
+    def measured(self, region: str) -> Measured | None:
+        """The measured RTT from `region` to the request's data region, when the fleet has one."""
+        if self.latency is None or not region or not self.data_region or region == self.data_region:
+            return None
+        return self.latency.figure(region, self.data_region)
 
     def fits(self, g: Group) -> bool:
         return g.fits(self.count, self.mem)
