@@ -195,6 +195,8 @@ class IngestServicer(pb_grpc.IngestServicer):
                         await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
                 if previous is not None:
                     self.state.apply(b)
+                    if durable is not None:
+                        self.store.untrack(durable)   # a snapshot now holds it (store/snapshotter.py)
                 item = None
                 yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=previous is None))
                 window.done()
@@ -212,8 +214,8 @@ class IngestServicer(pb_grpc.IngestServicer):
             self.undurable[key] -= 1
         else:
             self.undurable.pop(key, None)
-        if not durable.cancelled():
-            durable.exception()   # retrieved: a refusal is handled by the stream, if it is still there
+        if durable.cancelled() or durable.exception() is not None:   # retrieved: the stream handles a refusal
+            self.store.untrack(durable)   # never applied
 
     def _apply_later(self, item, pending: asyncio.Queue) -> None:
         """A stream ended with batches accepted but not yet applied: each is applied once durable
@@ -233,6 +235,7 @@ class IngestServicer(pb_grpc.IngestServicer):
     def _apply_if_durable(self, b: pb.Batch, durable: asyncio.Future) -> None:
         if not durable.cancelled() and durable.exception() is None:
             self.state.apply(b)
+            self.store.untrack(durable)
 
     def _take_inventory(self, node_id: str, boot_id: str, inventory: pb.Inventory, context) -> Violation | None:
         """An inventory sent after the Hello (the node's accelerators changed): kept and stored, or refused."""
@@ -269,6 +272,7 @@ class IngestServicer(pb_grpc.IngestServicer):
                             durable = self.store.barrier()
                         else:
                             durable = self.store.submit(["b", b.SerializeToString()])
+                            self.store.track(durable, node_id, b.boot_id, b.seq)
                             key = (node_id, b.boot_id)
                             self.undurable[key] = self.undurable.get(key, 0) + 1
                             durable.add_done_callback(functools.partial(self._settled, key))

@@ -28,6 +28,15 @@ METRICS = {
     "replay_invalid_records": ("gauge", "records with a good checksum that could not be applied at start"),
     "replay_kept_aside_bytes": ("gauge", "damaged bytes copied into data_dir/damaged/ at start"),
     "replay_not_kept_bytes": ("gauge", "damaged bytes not copied aside (over [store] damaged_keep_bytes)"),
+    "snapshot_loaded": ("gauge", "1 when start loaded a snapshot and replayed only the log after it"),
+    "snapshot_nodes": ("gauge", "nodes in the snapshot loaded at start"),
+    "snapshot_load_ms": ("gauge", "how long loading it took, ms (replay_ms is the log after it)"),
+    "snapshot_damaged": ("gauge", "snapshots found damaged or partial at start (ignored, moved aside or removed)"),
+    "snapshots_written": ("counter", "snapshots written since start ([store] snapshot_every_s, and on a clean stop)"),
+    "snapshot_failures": ("counter", "snapshots that could not be written (the log is kept; tried again)"),
+    "snapshot_bytes": ("gauge", "bytes of the last snapshot written"),
+    "snapshot_write_ms": ("gauge", "how long writing the last snapshot took, ms"),
+    "snapshot_loop_ms": ("gauge", "of it, ms on the event loop (capturing the nodes, a chunk at a time)"),
 }
 
 

@@ -5,6 +5,8 @@ Every valid record is applied: batches (latest values, history, events), invento
 invalid record (a good checksum around something this store does not write) is skipped, counted,
 logged with its file and byte position, and its bytes are copied into `data_dir/damaged/` for
 inspection (up to a byte budget; beyond it counted as not kept). Replay never refuses to start.
+After a snapshot (snapshot.py) only the log from the snapshot's position on is read (`start`):
+segments before it are not needed, and may be gone.
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ def all_zeros(buf, start: int, end: int) -> bool:
 
 
 class Replay:
-    def __init__(self, directory: str, state, keep_bytes: int):
+    def __init__(self, directory: str, state, keep_bytes: int, start: tuple[int, int] = (0, 0)):
         self.dir = directory
+        self.start = start
         self.state = state
         self.quarantine = Quarantine(directory, keep_bytes)
         self.figures: dict[str, float] = dict.fromkeys(FIGURES, 0)
@@ -82,10 +85,12 @@ class Replay:
 
     def run(self) -> dict[str, float]:
         t0 = time.monotonic()
-        for _, path in segments(self.dir):
+        for sid, path in segments(self.dir):
+            if sid < self.start[0]:
+                continue
             self.figures["segments"] += 1
             try:
-                self._segment(path)
+                self._segment(path, self.start[1] if sid == self.start[0] else 0)
             except OSError as e:   # unreadable file: its records are lost, said and counted
                 self._damaged(path, Span(0, 0, None), f"cannot read the file ({e.strerror})", 1)
         # Marks of batches replayed count as known too (a node that reconnects after a restart).
@@ -103,15 +108,17 @@ class Replay:
         self.figures["replay_s"] = round(time.monotonic() - t0, 3)
         return self.figures
 
-    def _segment(self, path: str) -> None:
+    def _segment(self, path: str, start: int = 0) -> None:
         self._path = path
         with Segment(path) as seg:
             fmt = seg.format()
             if fmt == "legacy":
                 self.figures["legacy_segments"] += 1
                 log.warning("store %s: written by an older xpusense without checksums: read as it is", path)
-            spans = seg.legacy_spans() if fmt == "legacy" else seg.spans()
+            spans = seg.legacy_spans() if fmt == "legacy" else seg.spans(start)
             for span in spans:
+                if span.start < start:   # legacy: read from its start, applied from the snapshot's position
+                    continue
                 if span.payload is None:
                     what = ("all zeros" if all_zeros(seg.buf, span.start, span.end)
                             else "not a whole record with a good checksum")
@@ -156,7 +163,7 @@ class Replay:
                 actual = os.path.getsize(path) if path else -1
             except OSError:
                 actual = -1
-            if actual < 0 and sid > first:
+            if actual < 0 and (sid > first or (sid == self.start[0] and size > self.start[1])):   # the snapshot's tail
                 self._damaged(f"{self.dir}/{sid:08d}.log", Span(0, size, None),
                               f"the segment is missing, {said_by} says it held {size} bytes", 1)
             elif path is not None and 0 <= actual < size:

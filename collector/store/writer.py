@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from .frames import SEGMENT_MAGIC, StoreError, frame, segment_name, segments
 from .replay import Replay
+from .snapshot import Snapshots
 
 log = logging.getLogger("xpusense.collector.store")
 
@@ -113,7 +114,7 @@ class Store:
 
     def __init__(self, directory: str, history_s: float = 900.0, segment_s: float = 60.0,
                  segment_bytes: int = 64 * 2**20, fsync: bool = True, max_pending_bytes: int = 64 * 2**20,
-                 retry_s: float = 1.0, damaged_keep_bytes: int = 256 * 2**20):
+                 retry_s: float = 1.0, damaged_keep_bytes: int = 256 * 2**20, snapshot_keep: int = 2):
         self.dir = directory
         self.history_s = history_s
         self.segment_s = segment_s
@@ -144,6 +145,13 @@ class Store:
         self.failing = ""                  # why the disk cannot be written now; "" while it can
         self.failing_since = 0.0
         self.replay: dict[str, float] = {}
+        # Snapshots (snapshot.py, snapshotter.py): the one to start from, and what retention keeps for them.
+        self.snapshots = Snapshots(directory, snapshot_keep)
+        self.snapshotter = None            # a Snapshotter, when [store] snapshot_every_s is set
+        self.snapshot_floor: tuple[int, int] | None = None   # the oldest kept snapshot's position
+        # Batches accepted and submitted but not applied to the fleet state yet (the server says
+        # when): durable future -> (node, boot, seq, a position at or before its record).
+        self.inflight: dict[asyncio.Future, tuple[str, str, int, tuple[int, int]]] = {}
         # Counters (stats(), metrics.py).
         self.commits = 0
         self.records = 0
@@ -167,7 +175,10 @@ class Store:
         except OSError as e:
             raise StoreError(f"data_dir {self.dir!r} is not writable ({e.strerror}); set --data-dir / "
                              f"data_dir to a writable directory") from None
-        self.replay = Replay(self.dir, state, self.damaged_keep_bytes).run()
+        start = self.snapshots.load_newest(state)
+        self.replay = Replay(self.dir, state, self.damaged_keep_bytes, start=start or (0, 0)).run()
+        self.replay.update(self.snapshots.figures)
+        self.snapshot_floor = self.snapshots.prune()
         self._checkpoint = state.checkpoint
         existing = segments(self.dir)
         if existing:
@@ -178,8 +189,10 @@ class Store:
         damage = f["damaged_ranges"] + f["invalid_records"]
         if f["segments"] or damage:
             (log.warning if damage else log.info)(
-                "store %s replayed: %d batches, %d inventories, %d marks from %d segments in %.2f s%s",
+                "store %s replayed: %d batches, %d inventories, %d marks from %d segments in %.2f s%s%s",
                 self.dir, f["batches"], f["inventories"], f["marks"], f["segments"], f["replay_s"],
+                f" after a snapshot of {f['snapshot_nodes']:.0f} nodes (loaded in {f['snapshot_load_ms']:.0f} ms)"
+                if f["snapshot_loaded"] else "",
                 f"; SKIPPED {f['damaged_ranges']:.0f} damaged ranges ({f['damaged_bytes']:.0f} bytes, at least "
                 f"{f['damaged_records']:.0f} records) and {f['invalid_records']:.0f} invalid records" if damage else "")
         return self.replay
@@ -213,6 +226,33 @@ class Store:
         else:
             self._pending.append((b"", fut))
         return fut
+
+    # -- what a snapshot covers (snapshotter.py) ------------------------------------------------
+    def track(self, durable: asyncio.Future, node_id: str, boot_id: str, seq: int) -> None:
+        """A batch submitted (its record written at or after what is durable now), not applied yet."""
+        self.inflight[durable] = (node_id, boot_id, seq, self.durable)
+
+    def untrack(self, durable: asyncio.Future) -> None:
+        """The batch was applied to the fleet state, or will never be (its write was refused)."""
+        self.inflight.pop(durable, None)
+
+    def covered(self) -> tuple[int, int]:
+        """A position every record not applied to the fleet state yet is at or after."""
+        return min([self.durable, *(e[3] for e in self.inflight.values())])
+
+    def unapplied(self) -> dict[str, dict[str, int]]:
+        """node -> boot -> the lowest seq accepted but not applied yet."""
+        out: dict[str, dict[str, int]] = {}
+        for nid, boot, seq, _ in self.inflight.values():
+            boots = out.setdefault(nid, {})
+            boots[boot] = min(seq, boots.get(boot, seq))
+        return out
+
+    def snapshot_written(self, pos: tuple[int, int]) -> None:
+        self.snapshot_floor = self.snapshots.prune()
+        if self.snapshot_floor is None or self.snapshot_floor > pos:   # pruned by someone else meanwhile
+            self.snapshot_floor = pos
+        self._retire()
 
     def _loop_now(self) -> asyncio.AbstractEventLoop:
         self._loop = asyncio.get_running_loop()
@@ -353,9 +393,13 @@ class Store:
 
     def _retire(self) -> None:
         """Delete segments wholly older than the history kept (a newer segment's checkpoint
-        carries their inventories and marks), unless a reader (an exporter) has not read them."""
+        carries their inventories and marks), unless a reader (an exporter) has not read them, or,
+        with snapshots on, the oldest snapshot kept does not cover them (a damaged newest one falls
+        back to it and replays the log after it)."""
         cutoff = time.time() - self.history_s - self.segment_s
         keep_from = min((r.cursor[0] for r in self.readers.values()), default=self.durable[0])
+        if self.snapshotter is not None:
+            keep_from = min(keep_from, self.snapshot_floor[0] if self.snapshot_floor else 0)
         try:
             listed = segments(self.dir)
         except OSError as e:
@@ -380,13 +424,17 @@ class Store:
                 "room_waits": self.room_waits,
                 "commits": self.commits, "records": self.records,
                 "reader_skipped_ranges": sum(r.skipped_ranges for r in readers),
-                **{f"replay_{k}": v for k, v in self.replay.items() if k != "replay_s"},
-                "replay_ms": round(self.replay.get("replay_s", 0) * 1000)}
+                **{(k if k.startswith("snapshot") else f"replay_{k}"): v for k, v in self.replay.items()
+                   if k != "replay_s"},
+                "replay_ms": round(self.replay.get("replay_s", 0) * 1000),
+                **(self.snapshotter.stats() if self.snapshotter is not None else {})}
 
     def close(self) -> None:
         """Called once the event loop has stopped: what is still queued is written if it can be
         (it was never acknowledged; agents resend it and the resend counts as a duplicate)."""
         self._closed = True
+        if self.snapshotter is not None:
+            self.snapshotter.close()
         if self._retry is not None:
             self._retry.cancel()
         self._pool.shutdown(wait=True)

@@ -371,3 +371,81 @@ def test_full_disk_is_a_state_held_within_a_bound_and_resumed(procs, tmp_path, s
     # Held at most HELD_BOUND of store records, plus what gRPC buffers per connection (measured:
     # +15-20 MB here, once 47). Without the bound the store held the flood: +146 MB for 23 MB offered.
     assert growth_mb < offered / 2**20, f"collector RSS grew {growth_mb:.1f} MB with {offered / 2**20:.1f} MB offered"
+
+
+# -- issue 15 item 4: snapshots bound the replay at start ----------------------------------------------
+def stop_cleanly(proc) -> int:
+    proc.p.send_signal(signal.SIGTERM)
+    return proc.p.wait(timeout=120)
+
+
+def test_restart_after_a_snapshot_replays_only_the_tail(procs, tmp_path):
+    """The real collector writes a snapshot on a clean stop and every snapshot_every_s; a restart
+    loads it and replays only the batches acknowledged after it (its replay count and log line say
+    so), and still holds every acknowledged batch."""
+    addr, data = f"127.0.0.1:{free_port()}", tmp_path / "data"
+    rare = "[store]\nsnapshot_every_s = 3600.0\nsegment_bytes = 600\n"
+    coll = collector(procs, addr, data, rare)
+    client = StreamClient(addr, "snap-node", "boot-1", lambda: pb.Inventory(hostname="snap"), flush_s=3600,
+                          backoff_initial_s=0.05, backoff_max_s=0.5)
+    client.start()
+    try:
+        send(client, range(1, 31))
+        assert stop_cleanly(coll) == 0
+        out = coll.output()
+        assert re.search(r"store snapshot \(stop\) \S+: 1 nodes", out), out[-3000:]
+        assert len(segments(str(data))) >= 3 and len(os.listdir(data / "snapshots")) == 1
+
+        coll = collector(procs, addr, data, rare)           # everything is in the snapshot: no batch replayed
+        counters = nodes_json(addr)["counters"]
+        assert counters["store.snapshot_loaded"] == 1 and counters["store.replay_batches"] == 0
+        assert counters["store.snapshot_nodes"] == 1 and counters["store.snapshot_damaged"] == 0
+        assert history(addr, "snap-node", "test.v") == {s: s * 0.37 for s in range(1, 31)}
+        wait_until(lambda: client.connected and client.pending() == 0, what="the client back")
+        send(client, range(31, 36))
+        coll.kill(signal.SIGKILL)                           # no snapshot at the end: the tail is in the log only
+
+        coll = collector(procs, addr, data, "[store]\nsnapshot_every_s = 0.5\nsegment_bytes = 600\n")
+        counters = nodes_json(addr)["counters"]
+        assert counters["store.snapshot_loaded"] == 1 and counters["store.replay_batches"] == 5
+        line = re.search(r"replayed: (\d+) batches, .* after a snapshot of (\d+) nodes", coll.output())
+        assert line and line.groups() == ("5", "1")
+        assert history(addr, "snap-node", "test.v") == {s: s * 0.37 for s in range(1, 36)}
+        # Periodic snapshots: one is written within a few periods, and the next start replays nothing.
+        wait_until(lambda: client.connected and client.pending() == 0, what="the client back")
+        send(client, range(36, 41))
+        wait_until(lambda: nodes_json(addr)["counters"].get("store.snapshots_written", 0) >= 2, timeout_s=120,
+                   what="periodic snapshots")
+        coll.kill(signal.SIGKILL)
+        coll = collector(procs, addr, data, rare)
+        counters = nodes_json(addr)["counters"]
+        assert counters["store.snapshot_loaded"] == 1 and counters["store.replay_batches"] == 0
+        assert history(addr, "snap-node", "test.v") == {s: s * 0.37 for s in range(1, 41)}
+        assert len(os.listdir(data / "snapshots")) == 2     # snapshot_keep
+    finally:
+        client.stop(drain_s=0)
+    record_figure("store snapshot restart (real collector)", batches_acked=40, replayed_after_snapshot=5)
+
+
+def test_damaged_snapshot_real_collector_replays_the_whole_log(procs, tmp_path):
+    """A snapshot with flipped bytes: the real collector counts it, logs it, moves it aside and
+    replays the whole log; every acknowledged batch is there."""
+    addr, data = f"127.0.0.1:{free_port()}", tmp_path / "data"
+    coll = collector(procs, addr, data, "[store]\nsnapshot_every_s = 3600.0\n")
+    client = StreamClient(addr, "snapd-node", "boot-1", lambda: pb.Inventory(hostname="snapd"), flush_s=3600,
+                          backoff_initial_s=0.05, backoff_max_s=0.5)
+    client.start()
+    try:
+        send(client, range(1, 21))
+        assert stop_cleanly(coll) == 0
+        [snap] = os.listdir(data / "snapshots")
+        rewrite(data / "snapshots" / snap, lambda d: d[:60] + bytes(x ^ 0x55 for x in d[60:68]) + d[68:])
+        coll = collector(procs, addr, data, "[store]\nsnapshot_every_s = 3600.0\n")
+        counters = nodes_json(addr)["counters"]
+        assert counters["store.snapshot_damaged"] == 1 and counters["store.snapshot_loaded"] == 0
+        assert counters["store.replay_batches"] == 20
+        assert re.search(r"store snapshot \S+ is damaged .*moved to", coll.output())
+        assert history(addr, "snapd-node", "test.v") == {s: s * 0.37 for s in range(1, 21)}
+        assert os.listdir(data / "damaged") == [snap]
+    finally:
+        client.stop(drain_s=0)
