@@ -12,7 +12,7 @@ import threading
 
 import grpc
 import pytest
-from helpers import InProcessCollector
+from helpers import InProcessCollector, wait_until
 from sched_sim import GiB, inventory, readings
 
 from xpusense.agent.sources.ebpf.source import hist_sample
@@ -114,9 +114,9 @@ latency_ref_ms = 100
 
 
 @pytest.fixture
-def fleet(tmp_path):
+def fleet(tmp_path, request):
     p = tmp_path / "collector.toml"
-    p.write_text(CONFIG)
+    p.write_text(getattr(request, "param", CONFIG))
     clock = Clock()
     coll = InProcessCollector(state=FleetState(clock=clock), config=load_collector(str(p), env={}))
     channel = grpc.insecure_channel(coll.addr)
@@ -197,3 +197,18 @@ def test_measured_rtt_replaces_the_configured_latency_until_it_is_older_than_the
     agents["far-1"].send(0.001, 5)
     by = place(stub)
     assert list(by)[:2] == ["far-1", "far-2"] and "measured" in affinity(by["far-2"]).detail
+
+
+@pytest.mark.parametrize("fleet", [CONFIG.replace("index_refresh_ms = 0 ", "index_refresh_ms = 200 ")], indirect=True)
+def test_measured_figure_reaches_the_index_through_its_refresh_timer(fleet):
+    """With index_refresh_ms > 0 a stored batch only marks its node; the figure is worked out when
+    the index's timer (or the catch-up before a decision) refreshes it."""
+    clock, agents, stub = fleet
+    for a in agents.values():
+        a.send(0.2, 10)
+    clock.now += 15 * S
+    agents["far-1"].send(0.001, 25)
+    wait_until(lambda: "measured" in affinity(place(stub)["far-1"]).detail, what="the measured figure")
+    by = place(stub)
+    assert list(by)[:2] == ["far-1", "far-2"]
+    assert f"{bucket_middle(0.001):.3g} ms measured (median RTT over 1 node(s) of far" in affinity(by["far-2"]).detail
