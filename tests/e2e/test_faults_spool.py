@@ -191,7 +191,15 @@ def test_full_disk_is_a_state_delivery_goes_on_and_every_batch_is_delivered_or_c
             drops.update(node=nd, stored=stored, missing=missing)
             return (nd and value(nd, "xpusense.agent.spool.writable") == 1 and len(spooled(rig.spool)) < 5
                     and value(nd, "xpusense.agent.stream.dropped_batches") == len(missing) > 0)
-        wait_until(settled, timeout_s=90, what="everything delivered, and every missing batch counted as dropped")
+        try:
+            wait_until(settled, timeout_s=90, what="everything delivered, and every missing batch counted as dropped")
+        except AssertionError as e:   # say which part did not hold
+            nd = drops.get("node")
+            raise AssertionError(f"{e}: writable={nd and value(nd, 'xpusense.agent.spool.writable')}, "
+                                 f"spooled={len(spooled(rig.spool))}, "
+                                 f"dropped_batches={nd and value(nd, 'xpusense.agent.stream.dropped_batches')}, "
+                                 f"missing={len(drops.get('missing', ()))} {sorted(drops.get('missing', ()))[:20]}; "
+                                 f"agent log tail: {rig.agent.output()[-3000:]}") from None
         nd = drops["node"]
         rig.agent.kill(signal.SIGTERM)
         out = rig.agent.output()
@@ -200,7 +208,7 @@ def test_full_disk_is_a_state_delivery_goes_on_and_every_batch_is_delivered_or_c
         writable = [s.value for b in stored_batches(str(rig.data)) if b.node_id == rig.node
                     for s in b.samples if s.name == "xpusense.agent.spool.writable"]
         assert 0.0 in writable and writable[-1] == 1.0, writable
-        assert "Traceback" not in out and "ExtraData" not in out
+        assert "Traceback" not in out and "ExtraData" not in out, out[max(0, out.find("Traceback") - 1500):][:5000]
         failures = value(nd, "xpusense.agent.spool.write_failures")
         spool_log = [ln for ln in out.splitlines() if "xpusense.agent.spool:" in ln]
         state_lines = sum("cannot write" in ln for ln in spool_log)
