@@ -46,6 +46,7 @@ from xpusense.v1 import telemetry_pb2 as pb
 
 from . import semconv as sc
 from .config import Key, complaint_from, positive
+from .histograms import per_bucket
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import Gauge, Histogram, HistogramDataPoint, MetricsData, NumberDataPoint, Sum
@@ -267,12 +268,9 @@ def _histogram_point(s: pb.Sample, attrs: dict, start_ns: int) -> HistogramDataP
     from opentelemetry.sdk.metrics.export import HistogramDataPoint
     h = s.histogram
     cum = list(h.counts)
-    per_bucket = [c - p for c, p in zip(cum, [0] + cum[:-1])]
-    if any(x < 0 for x in per_bucket):   # not cumulative after all: take the counts as they are
-        per_bucket = cum
     count = h.count or (cum[-1] if cum else 0)
     return HistogramDataPoint(attributes=attrs, start_time_unix_nano=start_ns, time_unix_nano=s.time_unix_nano,
-                              count=int(count), sum=float(h.sum or s.value), bucket_counts=per_bucket,
+                              count=int(count), sum=float(h.sum or s.value), bucket_counts=per_bucket(cum),
                               explicit_bounds=list(h.bounds),
                               # the SDK types min/max as float, but None (unknown) is accepted and encoded as absent
                               min=None, max=None,  # type: ignore[arg-type]

@@ -11,6 +11,8 @@ import collections
 import dataclasses
 from collections.abc import Iterable
 
+from xpusense.common.histograms import quantile, window_counts
+
 from ..sources.base import HISTOGRAM, Sample
 
 SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
@@ -102,23 +104,25 @@ class Recent:
                 if n == name and pts and _matches(dict(labels), match)]
 
 
-def histogram_quantile(series: Series, q: float) -> float | None:
-    """The q-quantile of what a histogram series counted between its first and last point: the upper
-    bound of the bucket it falls in (counts are cumulative over buckets, as hist_sample makes them;
-    None without new observations or a histogram; inf in the overflow bucket)."""
+def histogram_counts(series: Series) -> tuple[tuple[float, ...], list[int]] | None:
+    """(bounds, per-bucket counts) of what a histogram series counted between its first and last
+    point (a lone point: since the probe started); None without a histogram, or on a reset inside
+    the window."""
     first, last = series.points[0], series.points[-1]
     if last.kind != HISTOGRAM or not last.counts:
         return None
-    before = first.counts if len(series.points) > 1 and len(first.counts) == len(last.counts) else (0,) * len(last.counts)
-    cum = [a - b for a, b in zip(last.counts, before, strict=True)]
-    total = cum[-1]
-    if total <= 0 or min(cum) < 0:   # nothing new, or a reset inside the window
+    counts = window_counts(first.counts if len(series.points) > 1 else None, last.counts)
+    return None if counts is None else (tuple(last.bounds), counts)
+
+
+def histogram_quantile(series: Series, q: float) -> tuple[float, int] | None:
+    """(q-quantile, observations) of what a histogram series counted in its window
+    (xpusense.common.histograms: interpolated inside the bucket); None without new observations."""
+    got = histogram_counts(series)
+    if got is None or (n := sum(got[1])) <= 0:
         return None
-    rank = q * total
-    for i, c in enumerate(cum):
-        if c >= rank:
-            return last.bounds[i] if i < len(last.bounds) else float("inf")
-    return float("inf")
+    value = quantile(got[0], got[1], q)
+    return None if value is None else (value, n)
 
 
 def counter_rate(series: Series) -> float | None:

@@ -24,40 +24,11 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from xpusense.common.histograms import per_bucket, quantile
+
 SPACING = 8   # snapshots at least window / SPACING apart: at most SPACING + 2 per series
-
-
-def bucket_counts(cumulative: Sequence[int]) -> list[int]:
-    """Counts cumulative over buckets -> per bucket (taken as they are when they are not cumulative
-    after all, as the OTLP export does)."""
-    cum = [int(c) for c in cumulative]
-    per = [c - p for c, p in zip(cum, [0] + cum[:-1])]
-    return cum if any(x < 0 for x in per) else per
-
-
-def histogram_median(bounds: Sequence[float], counts: Sequence[int]) -> float | None:
-    """The median of a histogram: `counts` per bucket (len(bounds) + 1, the last bucket above the
-    last bound), `bounds` the buckets' inclusive upper bounds, ascending. Interpolated linearly
-    within the bucket the median falls in, from its lower bound (the previous bound; 0 for the
-    first) to its upper bound; in the last (unbounded) bucket, its lower bound. None when empty."""
-    total = sum(counts)
-    if total <= 0:
-        return None
-    half, below = total / 2.0, 0
-    for i, c in enumerate(counts):
-        if c <= 0:
-            continue
-        if below + c >= half:
-            lo = bounds[i - 1] if 0 < i <= len(bounds) else 0.0
-            if i >= len(bounds):
-                return float(lo)
-            hi = bounds[i]
-            return lo + (hi - lo) * (half - below) / c
-        below += c
-    return None   # not reached: the counts add up to total
 
 
 class RttWindow:
@@ -80,7 +51,7 @@ class RttWindow:
         if histogram is None or histogram is self.seen:
             return False
         self.seen = histogram
-        counts = tuple(bucket_counts(histogram.counts))
+        counts = tuple(per_bucket(histogram.counts))
         bounds = tuple(histogram.bounds)
         snaps = self.snaps
         if snaps and (bounds != self.bounds or len(counts) != len(snaps[-1][1])
@@ -107,7 +78,7 @@ class RttWindow:
         base, last = snaps[0][1], snaps[-1][1]
         delta = [a - b for a, b in zip(last, base)]
         self.samples = sum(delta)
-        self.median_s = histogram_median(bounds, delta)
+        self.median_s = quantile(bounds, delta, 0.5)
         return True
 
 

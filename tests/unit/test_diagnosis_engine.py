@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from xpusense.agent.config import load_agent
 from xpusense.agent.diagnosis.base import Context, Evidence, Finding, Rule
 from xpusense.agent.diagnosis.engine import Diagnoser
-from xpusense.agent.diagnosis.recent import Recent, counter_rate, histogram_quantile
+from xpusense.agent.diagnosis.recent import Recent, Series, counter_rate, histogram_quantile
 from xpusense.agent.diagnosis.registry import build_diagnoser
 from xpusense.agent.diagnosis.rules.memory import MemoryPressure
 from xpusense.agent.sources.base import COUNTER, HISTOGRAM, Sample
@@ -117,7 +119,11 @@ def test_recent_keeps_only_what_rules_read_within_its_bounds():
          for i, cnt in enumerate([(5, 5, 5, 5), (100, 190, 199, 200)])]
     r2.add(h)
     [hs] = r2.window("h", T0 + 2 * S, 10)
-    assert histogram_quantile(hs, 0.5) == 0.01 and histogram_quantile(hs, 0.99) == 0.1
+    # Counted in the window, per bucket: 95, 90, 9, 1 (0 past 0.1). Interpolated inside the bucket.
+    assert histogram_quantile(hs, 0.5) == (pytest.approx(0.001 + 0.009 * 2.5 / 90), 195)
+    assert histogram_quantile(hs, 0.99) == (pytest.approx(0.01 + 0.09 * (193.05 - 185) / 9), 195)
+    # A lone point: what it counted since the probe started; the top one past the last bound reads as it.
+    assert histogram_quantile(Series("h", {}, [h[1]]), 1.0) == (pytest.approx(0.1), 200)
 
 
 def test_the_config_builds_every_enabled_rule():

@@ -10,8 +10,8 @@ import pytest
 
 from xpusense.agent.diagnosis.base import Context
 from xpusense.agent.diagnosis.engine import Diagnoser
-from xpusense.agent.diagnosis.recent import Series
-from xpusense.agent.diagnosis.rules.network import NetworkStack, histogram_median
+from xpusense.agent.diagnosis.recent import Series, histogram_quantile
+from xpusense.agent.diagnosis.rules.network import NetworkStack
 from xpusense.agent.sources.base import COUNTER, HISTOGRAM, Sample
 from xpusense.probes.specs import log2_bounds_s
 
@@ -242,7 +242,7 @@ def test_rtt_needs_enough_samples_and_the_median_interpolates_inside_its_bucket(
     first = h.sample(0)
     h.add(30, 5e-3)
     h.add(10, 100e-3)
-    median, n = histogram_median(Series("xpusense.network.tcp.rtt", {}, [first, h.sample(15)]))
+    median, n = histogram_quantile(Series("xpusense.network.tcp.rtt", {}, [first, h.sample(15)]), 0.5)
     assert n == 40
     # 20 of the 30 samples in (4.19, 8.39] ms: two thirds of the way up the bucket
     assert median == pytest.approx(BOUNDS[22] + (BOUNDS[23] - BOUNDS[22]) * 20 / 30)

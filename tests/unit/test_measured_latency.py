@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from xpusense.collector.scheduler.latency import MeasuredLatency, RttWindow, bucket_counts, histogram_median
+from xpusense.collector.scheduler.latency import MeasuredLatency, RttWindow
+from xpusense.common.histograms import per_bucket, quantile
 from xpusense.probes.specs import log2_bounds_s
 from xpusense.v1 import telemetry_pb2 as pb
 
@@ -30,14 +31,14 @@ def hist(per_slot: dict[int, int]) -> pb.Histogram:
 
 def test_median_is_interpolated_within_its_bucket_not_its_upper_bound():
     # All samples in (1, 3]: the median is half way, 2, where the bucket's upper bound says 3.
-    assert histogram_median((0.0, 1.0, 3.0, 7.0), [0, 0, 4, 0, 0]) == pytest.approx(2.0)
+    assert quantile((0.0, 1.0, 3.0, 7.0), [0, 0, 4, 0, 0], 0.5) == pytest.approx(2.0)
     # 1 + 1 below; the median (the 5th of 10) is 3/6 of the way into (1, 3].
-    assert histogram_median((0.0, 1.0, 3.0, 7.0), [1, 1, 6, 2, 0]) == pytest.approx(1 + 2 * 3 / 6)
+    assert quantile((0.0, 1.0, 3.0, 7.0), [1, 1, 6, 2, 0], 0.5) == pytest.approx(1 + 2 * 3 / 6)
     # In the first bucket, from 0.
-    assert histogram_median((2.0, 4.0), [4, 0, 0]) == pytest.approx(1.0)
+    assert quantile((2.0, 4.0), [4, 0, 0], 0.5) == pytest.approx(1.0)
     # In the overflow bucket: its lower bound (the last bound), all that is known.
-    assert histogram_median((1.0, 2.0), [1, 0, 5]) == 2.0
-    assert histogram_median((1.0, 2.0), [0, 0, 0]) is None
+    assert quantile((1.0, 2.0), [1, 0, 5], 0.5) == 2.0
+    assert quantile((1.0, 2.0), [0, 0, 0], 0.5) is None
 
 
 def test_median_of_an_rtt_in_the_probe_s_log2_buckets():
@@ -47,13 +48,13 @@ def test_median_of_an_rtt_in_the_probe_s_log2_buckets():
     per[slot(0.001)] = 50
     lo, hi = BOUNDS[19], BOUNDS[20]
     assert slot(0.001) == 20 and hi == pytest.approx(1.048575e-3)
-    assert histogram_median(BOUNDS, per) == pytest.approx((lo + hi) / 2)
-    assert 0.5e-3 < histogram_median(BOUNDS, per) < 0.8e-3
+    assert quantile(BOUNDS, per, 0.5) == pytest.approx((lo + hi) / 2)
+    assert 0.5e-3 < quantile(BOUNDS, per, 0.5) < 0.8e-3
 
 
 def test_bucket_counts_from_cumulative_and_from_plain():
-    assert bucket_counts([0, 2, 2, 5]) == [0, 2, 0, 3]
-    assert bucket_counts([3, 1, 0]) == [3, 1, 0]   # not cumulative after all: taken as they are
+    assert per_bucket([0, 2, 2, 5]) == [0, 2, 0, 3]
+    assert per_bucket([3, 1, 0]) == [3, 1, 0]   # not cumulative after all: taken as they are
 
 
 def test_window_counts_only_samples_after_the_first_histogram_and_within_the_window():

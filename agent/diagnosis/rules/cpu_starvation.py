@@ -4,10 +4,11 @@ host side (data loading, kernel launches, collectives' progress threads) holds t
 A job is a process on an accelerator (Context.processes(): pid -> devices, NVML / npu-smi); its
 cgroup is read from <procfs>/PID/cgroup (the cgroup v2 line, "0::/path"), which is how the runqlat
 probe labels xpusense.sched.runqueue.latency (the path below the cgroup2 mount). Opens when the p99
-of the run-queue latency counted in the window (histogram_quantile: the upper bound of the bucket
-the 99th percentile falls in) is above `p99_above_ms` over `window_s`, with at least `min_waits`
-run-queue waits counted; an open diagnosis stays while the p99 is above `clear_below_ms`. One
-finding per (device, cgroup), with attributes cgroup and process.pid.
+of the run-queue latency counted in the window (histogram_quantile: interpolated inside the log2
+bucket the 99th percentile falls in, xpusense.common.histograms) is above `p99_above_ms` over
+`window_s`, with at least `min_waits` run-queue waits counted; an open diagnosis stays while the
+p99 is above `clear_below_ms`. One finding per (device, cgroup), with attributes cgroup and
+process.pid.
 """
 
 from __future__ import annotations
@@ -17,44 +18,10 @@ from typing import Any
 from xpusense.common.config import Key, positive
 
 from ..base import CPU_STARVATION, Context, Evidence, Finding, Rule, RuleFamily
+from ..jobs import job_cgroups
 from ..recent import Recent, Series, covers, histogram_quantile
 
 RUNQUEUE_LATENCY = "xpusense.sched.runqueue.latency"
-
-
-def parse_cgroup_v2(text: str) -> str:
-    """/proc/PID/cgroup text -> the cgroup v2 path ("0::/a/b" -> "/a/b"; "" when there is none)."""
-    for line in text.splitlines():
-        hier, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hier == "0" and controllers == "":
-            return path.strip()
-    return ""
-
-
-def job_cgroups(processes: dict[int, set[str]], procfs: str) -> dict[tuple[str, str], list[int]]:
-    """(device, cgroup) -> the pids of that cgroup on that device (processes that ended are left out)."""
-    out: dict[tuple[str, str], list[int]] = {}
-    for pid, devices in processes.items():
-        try:
-            with open(f"{procfs}/{pid}/cgroup") as f:
-                cgroup = parse_cgroup_v2(f.read())
-        except OSError:
-            continue
-        if not cgroup:
-            continue
-        for device in devices:
-            out.setdefault((device, cgroup), []).append(pid)
-    return out
-
-
-def waits(s: Series) -> int:
-    """How many run-queue waits the histogram counted over the series' window."""
-    last, first = s.points[-1], s.points[0]
-    if not last.counts:
-        return 0
-    before = first.counts[-1] if len(s.points) > 1 and len(first.counts) == len(last.counts) else 0
-    return max(0, last.counts[-1] - before)
 
 
 class CpuStarvation(Rule):
@@ -75,15 +42,17 @@ class CpuStarvation(Rule):
             for s in recent.window(RUNQUEUE_LATENCY, now_ns, self.window_s, cgroup=cgroup):
                 if not is_open and not covers(s, self.window_s):
                     continue
-                n = waits(s)
-                p99 = histogram_quantile(s, 0.99)
-                if p99 is None or n < self.min_waits or p99 <= (self.clear_below_s if is_open else self.p99_above_s):
+                got = histogram_quantile(s, 0.99)
+                if got is None:
+                    continue
+                p99, n = got
+                if n < self.min_waits or p99 <= (self.clear_below_s if is_open else self.p99_above_s):
                     continue
                 out.append(self._finding(device, cgroup, sorted(pids), s, p99, n))
         return out
 
     def _finding(self, device: str, cgroup: str, pids: list[int], s: Series, p99: float, n: int) -> Finding:
-        shown = "over 1 s" if p99 == float("inf") else f"{p99 * 1e3:.1f} ms"
+        shown = f"{p99 * 1e3:.1f} ms"
         who = ", ".join(str(p) for p in pids[:5])
         evidence = (Evidence.of(s, self.window_s, f"run-queue latency p99 {shown} over {n} waits in {s.span_s:.0f} s "
                                                   f"(threshold {self.p99_above_s * 1e3:g} ms)"),)

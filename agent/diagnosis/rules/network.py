@@ -30,8 +30,8 @@ from xpusense.common import metric_names as m
 from xpusense.common.config import Key, positive, ratio
 
 from ..base import NETWORK_STACK, Context, Evidence, Finding, Rule, RuleFamily
-from ..recent import Recent, Series, counter_rate, covers
-from .cpu_starvation import job_cgroups
+from ..jobs import job_cgroups
+from ..recent import Recent, Series, counter_rate, covers, histogram_quantile
 
 RETRANSMITS = "xpusense.network.tcp.retransmits"
 CGROUP_CALLS = "xpusense.cgroup.network.calls"
@@ -64,30 +64,6 @@ def _rates(series: list[Series]) -> list[tuple[float, Series]]:
 
 def _total(rates: list[tuple[float, Series]]) -> float | None:
     return sum(r for r, _ in rates) if rates else None
-
-
-def histogram_median(s: Series) -> tuple[float, int] | None:
-    """(median, samples) of what a histogram series counted between its first and last point, the
-    median interpolated linearly inside the bucket it falls in (inf in the overflow bucket); None
-    without new observations or on a reset inside the window."""
-    first, last = s.points[0], s.points[-1]
-    if not last.counts:
-        return None
-    before = first.counts if len(s.points) > 1 and len(first.counts) == len(last.counts) else (0,) * len(last.counts)
-    cum = [a - b for a, b in zip(last.counts, before, strict=True)]
-    total = cum[-1]
-    if total <= 0 or min(cum) < 0:
-        return None
-    rank = total / 2
-    for i, c in enumerate(cum):
-        if c >= rank:
-            if i >= len(last.bounds):
-                return float("inf"), total
-            lower = last.bounds[i - 1] if i else 0.0
-            prev = cum[i - 1] if i else 0
-            inside = c - prev
-            return lower + (last.bounds[i] - lower) * ((rank - prev) / inside if inside else 1.0), total
-    return float("inf"), total
 
 
 class NetworkStack(Rule):
@@ -209,14 +185,14 @@ class NetworkStack(Rule):
             is_open = region in held
             if not is_open and not covers(s, self.window_s):
                 continue
-            got = histogram_median(s)
+            got = histogram_quantile(s, 0.5)
             if got is None or got[1] < self.rtt_min_samples or got[0] <= self._bar(self.rtt_s, is_open):
                 continue
             out.append(self._rtt_finding(region, s, *got))
         return out
 
     def _rtt_finding(self, region: str, s: Series, median: float, n: int) -> Finding:
-        shown = "beyond the histogram" if median == float("inf") else f"{median * 1e3:.1f} ms"
+        shown = f"{median * 1e3:.1f} ms"
         first, last = s.points[0], s.points[-1]
         mean = (last.value - (first.value if len(s.points) > 1 else 0.0)) / n
         threshold = f"{self.rtt_s * 1e3:g} ms"
