@@ -139,3 +139,12 @@ def test_every_package_is_in_the_wheel():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
     assert packages - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+
+
+def test_test_files_have_unique_names():
+    """pytest imports test files by basename (rootdir mode, no packages): two files of one name in
+    different folders stop the whole run at collection."""
+    names: dict[str, list[str]] = {}
+    for p in (ROOT / "tests").rglob("test_*.py"):
+        names.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    assert not {n: ps for n, ps in names.items() if len(ps) > 1}
