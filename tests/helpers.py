@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -63,6 +64,24 @@ def wait_until(cond, timeout_s: float = 60.0, interval_s: float = 0.05, what: st
             last_exc = e
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
+
+
+def replay_rounds(diagnoser, start_s: int, end_s: int, rounds: tuple[list, list], t0_ns: int) -> list:
+    """The events `diagnoser` gives when a source's round of samples, `rounds` = (realtime,
+    nearline), is replayed on a simulated timeline from second `start_s` to `end_s`: the realtime
+    samples every second, the nearline ones every 15 s, each copy stamped t0_ns + t seconds."""
+    rt, nl = rounds
+    events = []
+    for t in range(start_s, end_s):
+        due = rt + nl if t % 15 == 0 else rt
+        events += diagnoser.observe([dataclasses.replace(s, labels=dict(s.labels), time_ns=t0_ns + t * 1_000_000_000)
+                                     for s in due])
+    return events
+
+
+def diagnosis_states(events) -> list[tuple[str, str, str]]:
+    """(rule, device, state) of each diagnosis event, in order."""
+    return [(e.attributes["diagnosis.rule"], e.device, e.attributes["diagnosis.state"]) for e in events]
 
 
 def free_port() -> int:

@@ -6,12 +6,11 @@ the values and labels the source really emits without minutes of waiting."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, diagnosis_states, replay_rounds
 
 from xpusense.agent.diagnosis.engine import Diagnoser
 from xpusense.agent.diagnosis.rules.clocks import ClocksHeldDown
@@ -49,22 +48,6 @@ def read(src: NpuSmiSource) -> tuple[list[Sample], list[Sample]]:
     return src.collect(REALTIME), src.collect(NEARLINE)
 
 
-def at(samples: list[Sample], t: int) -> list[Sample]:
-    return [dataclasses.replace(s, labels=dict(s.labels), time_ns=T0 + t * S) for s in samples]
-
-
-def replay(d: Diagnoser, start: int, end: int, rounds: tuple[list[Sample], list[Sample]]) -> list:
-    rt, nl = rounds
-    events = []
-    for t in range(start, end):
-        events += d.observe(at(rt, t) + (at(nl, t) if t % 15 == 0 else []))
-    return events
-
-
-def states(events) -> list[tuple[str, str, str]]:
-    return [(e.attributes["diagnosis.rule"], e.device, e.attributes["diagnosis.state"]) for e in events]
-
-
 def clocks(samples: list[Sample], device: str) -> dict[str, float]:
     return {s.labels["clock"]: s.value for s in samples
             if s.name == "xpusense.accelerator.clock.frequency" and s.labels["device"] == device}
@@ -88,9 +71,9 @@ def test_ai_core_below_rated_while_busy_opens_clocks_held_down_and_back_at_rated
     assert busy["npu2-0"] == 0.95 and busy["npu1-0"] == 0.20
 
     d = Diagnoser([ClocksHeldDown()], open_after_s=30, close_after_s=60, check_every_s=5)
-    assert replay(d, 0, 300, rated) == []
-    events = replay(d, 300, 600, held)
-    assert states(events) == [("clocks_held_down", "npu2-0", "open")]     # not npu1-0: it is not busy
+    assert replay_rounds(d, 0, 300, rated, T0) == []
+    events = replay_rounds(d, 300, 600, held, T0)
+    assert diagnosis_states(events) == [("clocks_held_down", "npu2-0", "open")]     # not npu1-0: it is not busy
     e = events[0]
     assert 375 * S <= e.time_ns - T0 <= 380 * S     # readings 300..345 cover the minute, then 30 s
     assert e.attributes["diagnosis.cause"].startswith("AI Core at 600 MHz, 60% of its rated 1000 MHz while busy")
@@ -106,7 +89,7 @@ def test_ai_core_below_rated_while_busy_opens_clocks_held_down_and_back_at_rated
     assert evidence[0]["summary"].startswith("AI Core at most 600 MHz for ")
     assert evidence[1]["summary"] == "AI Core rated 1000 MHz"
 
-    events = replay(d, 600, 800, rated)
-    assert states(events) == [("clocks_held_down", "npu2-0", "closed")]
+    events = replay_rounds(d, 600, 800, rated, T0)
+    assert diagnosis_states(events) == [("clocks_held_down", "npu2-0", "closed")]
     assert events[0].attributes["diagnosis.id"] == e.attributes["diagnosis.id"]
     assert 655 * S <= events[0].time_ns - T0 <= 660 * S    # last found at 595 (checks every 5 s), absent 60 s

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from helpers import ROOT
+from helpers import ROOT, diagnosis_states, replay_rounds
 
 from xpusense.agent.diagnosis.engine import Diagnoser
 from xpusense.agent.diagnosis.rules.clocks import ClocksHeldDown
@@ -22,30 +22,17 @@ S = 1_000_000_000
 T0 = 1_800_000_000 * S
 
 
-def source_samples(libdir, tmp_path, name: str, **values: str) -> tuple[list[dict], list[dict]]:
+def source_samples(libdir, tmp_path, name: str, **values: str) -> tuple[list[Sample], list[Sample]]:
     """(realtime, nearline) samples of one H100 as the NVML source reads the scenario."""
     scn = write_scenario(tmp_path, h100s(1, **values) + "process = 4242 70GiB python3\n", name=f"{name}.scn")
     out = drive(libdir, scn, "realtime,realtime,nearline", t0_at=None)
     assert out["errors"] == []
     [_, rt], [nl] = rounds_of(out, "realtime"), rounds_of(out, "nearline")
-    return rt["samples"], nl["samples"]
+    return samples_of(rt), samples_of(nl)
 
 
-def at(samples: list[dict], t: int) -> list[Sample]:
-    return [Sample(s["name"], float(s["value"]), s["unit"], dict(s["labels"]), s["kind"], time_ns=T0 + t * S)
-            for s in samples]
-
-
-def replay(d: Diagnoser, start: int, end: int, rounds: tuple[list[dict], list[dict]]) -> list:
-    rt, nl = rounds
-    events = []
-    for t in range(start, end):
-        events += d.observe(at(rt, t) + (at(nl, t) if t % 15 == 0 else []))
-    return events
-
-
-def states(events) -> list[tuple[str, str, str]]:
-    return [(e.attributes["diagnosis.rule"], e.device, e.attributes["diagnosis.state"]) for e in events]
+def samples_of(rnd: dict) -> list[Sample]:
+    return [Sample(s["name"], float(s["value"]), s["unit"], dict(s["labels"]), s["kind"]) for s in rnd["samples"]]
 
 
 def test_a_thermal_slowdown_read_through_nvml_opens_clocks_held_down_and_its_end_closes_it(libdir, tmp_path):
@@ -53,9 +40,9 @@ def test_a_thermal_slowdown_read_through_nvml_opens_clocks_held_down_and_its_end
                          gpu_temp_c="91")
     cool = source_samples(libdir, tmp_path, "cool", clocks_event_reasons="0", gpu_util="95")
     d = Diagnoser([ClocksHeldDown(), MemoryPressure()], open_after_s=30, close_after_s=60, check_every_s=5)
-    assert replay(d, 0, 300, cool) == []
-    events = replay(d, 300, 600, hot)
-    assert states(events) == [("clocks_held_down", "gpu0", "open")]
+    assert replay_rounds(d, 0, 300, cool, T0) == []
+    events = replay_rounds(d, 300, 600, hot, T0)
+    assert diagnosis_states(events) == [("clocks_held_down", "gpu0", "open")]
     e = events[0]
     assert 375 * S <= e.time_ns - T0 <= 380 * S     # readings 300..345 cover the minute, then 30 s
     assert e.attributes["throttle.reasons"] == "hw_thermal_slowdown"
@@ -66,8 +53,8 @@ def test_a_thermal_slowdown_read_through_nvml_opens_clocks_held_down_and_its_end
     assert evidence[0]["labels"]["reason"] == "hw_thermal_slowdown" and set(evidence[0]["values"]) == {1.0}
     assert evidence[0]["labels"] == {"device": "gpu0", "vendor": "nvidia", "reason": "hw_thermal_slowdown"}
     assert set(evidence[1]["values"]) == {0.95}
-    events = replay(d, 600, 800, cool)
-    assert states(events) == [("clocks_held_down", "gpu0", "closed")]
+    events = replay_rounds(d, 600, 800, cool, T0)
+    assert diagnosis_states(events) == [("clocks_held_down", "gpu0", "closed")]
     assert 655 * S <= events[0].time_ns - T0 <= 660 * S
 
 
@@ -76,9 +63,9 @@ def test_memory_at_97_percent_read_through_nvml_opens_memory_pressure_and_closes
     full = source_samples(libdir, tmp_path, "full", mem_used="78578MiB")
     half = source_samples(libdir, tmp_path, "half", mem_used="40GiB")
     d = Diagnoser([ClocksHeldDown(), MemoryPressure()], open_after_s=30, close_after_s=60, check_every_s=5)
-    assert replay(d, 0, 300, half) == []
-    events = replay(d, 300, 600, full)
-    assert states(events) == [("device_memory_pressure", "gpu0", "open")]
+    assert replay_rounds(d, 0, 300, half, T0) == []
+    events = replay_rounds(d, 300, 600, full, T0)
+    assert diagnosis_states(events) == [("device_memory_pressure", "gpu0", "open")]
     e = events[0]
     assert 385 * S <= e.time_ns - T0 <= 395 * S    # the minute at 97% from 300, then 30 s
     assert e.attributes["process.pid"] == "4242" and "pid 4242 70.0 GiB" in e.attributes["diagnosis.cause"]
@@ -87,6 +74,6 @@ def test_memory_at_97_percent_read_through_nvml_opens_memory_pressure_and_closes
     assert evidence[0]["series"] == "hw.gpu.memory.utilization"
     assert all(0.969 <= v <= 0.971 for v in evidence[0]["values"])
     assert evidence[1]["labels"]["pid"] == "4242"
-    events = replay(d, 600, 800, half)
-    assert states(events) == [("device_memory_pressure", "gpu0", "closed")]
+    events = replay_rounds(d, 600, 800, half, T0)
+    assert diagnosis_states(events) == [("device_memory_pressure", "gpu0", "closed")]
     assert 655 * S <= events[0].time_ns - T0 <= 665 * S

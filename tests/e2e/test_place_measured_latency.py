@@ -7,13 +7,11 @@ Time moves through the fleet state's clock; no sleeps."""
 
 from __future__ import annotations
 
-import queue
-import threading
-
 import grpc
 import pytest
 from helpers import InProcessCollector, wait_until
-from sched_sim import GiB, inventory, readings
+from sched_sim import GiB, readings
+from test_place_grpc import SimAgent
 
 from xpusense.agent.sources.ebpf.source import hist_sample
 from xpusense.agent.stream import sample_to_proto
@@ -24,7 +22,6 @@ from xpusense.probes.specs import log2_bounds_s
 from xpusense.v1 import scheduler_pb2 as spb
 from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
 from xpusense.v1 import telemetry_pb2 as pb
-from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
@@ -57,27 +54,14 @@ class Clock:
         return self.now
 
 
-class Agent:
-    """A simulated agent on the real Ingest stream; send() returns once the batch is stored."""
+class Agent(SimAgent):
+    """A simulated agent (test_place_grpc's, on the real Ingest stream) whose batches carry the fleet
+    clock's time and its RTT histogram to region "data"; send() returns once the batch is stored."""
 
     def __init__(self, addr: str, node_id: str, clock: Clock, region: str):
-        self.node_id, self.clock, self.seq = node_id, clock, 0
+        super().__init__(addr, node_id, "a100", 8, region=region, zone=f"z-{node_id}", price=2.0)
+        self.clock = clock
         self.rtt: dict[int, int] = {}   # its cumulative RTT slots to region "data"
-        self.channel = grpc.insecure_channel(addr)
-        self.out: queue.Queue = queue.Queue()
-        self.acks: queue.Queue = queue.Queue()
-        inv = inventory("a100", 8, region=region, zone=f"z-{node_id}", price=2.0)
-        self.out.put(pb.AgentMessage(hello=pb.Hello(node_id=node_id, boot_id=f"boot-{node_id}", inventory=inv)))
-        self.calls = pb_grpc.IngestStub(self.channel).Stream(iter(self.out.get, None))
-        assert next(self.calls).HasField("welcome")
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        try:
-            for msg in self.calls:
-                self.acks.put(msg.ack)
-        except grpc.RpcError:
-            pass
 
     def send(self, rtt_s: float | None = None, n: int = 0, with_rtt: bool = True):
         """Readings, and (with_rtt) its RTT histogram after `n` more samples of `rtt_s` seconds."""
@@ -88,15 +72,10 @@ class Agent:
         if with_rtt and self.rtt:
             samples.append(rtt_sample("data", self.rtt, t))
         self.seq += 1
-        b = pb.Batch(node_id=self.node_id, boot_id=f"boot-{self.node_id}", seq=self.seq, samples=samples,
-                     sent_unix_nano=t)
+        b = pb.Batch(node_id=self.node_id, boot_id=self.boot, seq=self.seq, samples=samples, sent_unix_nano=t)
         self.out.put(pb.AgentMessage(batch=b))
         ack = self.acks.get(timeout=10)
         assert ack.seq == self.seq and not ack.duplicate
-
-    def close(self):
-        self.out.put(None)
-        self.channel.close()
 
 
 CONFIG = """
