@@ -7,14 +7,13 @@ once the program is detached."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 
 import pytest
 from helpers import wait_until
-from test_driver_stats_netns import xdp_drop_program
+from netns_support import drop_every_frame
 
 from xpusense.agent.diagnosis.base import Context
 from xpusense.agent.diagnosis.engine import Diagnoser
@@ -38,19 +37,7 @@ def sh(*args):
 
 
 def test_frames_dropped_by_a_veths_driver_open_network_stack_for_the_interface_and_detaching_closes(veth_pair):
-    from pyroute2 import IPRoute
-    ns_a, if_a, _addr_a, ns_b, if_b, addr_b = veth_pair
-    for ns in (ns_a, ns_b):
-        sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
-    fd = xdp_drop_program()
-    try:
-        with IPRoute(netns=ns_b) as ipr:
-            [link] = ipr.get_links(ifname=if_b)
-            mac = link.get_attr("IFLA_ADDRESS")
-            ipr.link("set", index=link["index"], xdp_fd=fd)
-    finally:
-        os.close(fd)
-    sh("ip", "-n", ns_a, "neigh", "replace", addr_b, "lladdr", mac, "dev", if_a, "nud", "permanent")
+    ns_a, ns_b, if_b, addr_b = drop_every_frame(veth_pair)
     src = HostSource(netns=ns_b, driver_errors_per_interface=16)
     src.setup()
     sender = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-c", SEND, addr_b])

@@ -4,14 +4,12 @@ the test's own: a veth whose XDP program drops every frame counts them in its dr
 
 from __future__ import annotations
 
-import ctypes
-import os
-import struct
 import subprocess
 import sys
 
 import pytest
 from helpers import wait_until
+from netns_support import drop_every_frame
 
 from xpusense.agent.sources.base import NEARLINE
 from xpusense.agent.sources.driver_stats import DRIVER_ERRORS, DRIVER_ERRORS_OMITTED
@@ -25,20 +23,6 @@ s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 for _ in range(int(sys.argv[2])):
     s.sendto(b"x" * 100, (sys.argv[1], 9))
 """
-
-
-def xdp_drop_program() -> int:
-    """fd of a two-instruction XDP program that drops every frame (r0 = XDP_DROP; exit)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    insns = ctypes.create_string_buffer(struct.pack("<BBhi", 0xB7, 0, 0, 1) + struct.pack("<BBhi", 0x95, 0, 0, 0))
-    lic = ctypes.create_string_buffer(b"GPL")
-    attr = ctypes.create_string_buffer(128)
-    struct.pack_into("<IIQQ", attr, 0, 6, 2, ctypes.addressof(insns), ctypes.addressof(lic))  # BPF_PROG_TYPE_XDP
-    fd = libc.syscall(321 if os.uname().machine == "x86_64" else 280, 5, attr, 128)            # bpf(BPF_PROG_LOAD)
-    if fd < 0:
-        pytest.skip(f"cannot load an XDP program here: {os.strerror(ctypes.get_errno())}")
-    return int(fd)
 
 
 def sh(*args):
@@ -59,22 +43,8 @@ def driver_counters(src, device):
 
 @pytest.fixture
 def dropping_veth(veth_pair):
-    """veth_pair whose receiving end (if_b) drops every frame in XDP; ns_a knows if_b's MAC for good,
-    so every datagram sent to addr_b is one frame dropped (no ARP, no IPv6 chatter)."""
-    from pyroute2 import IPRoute
-    ns_a, if_a, _addr_a, ns_b, if_b, addr_b = veth_pair
-    for ns in (ns_a, ns_b):
-        sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
-    fd = xdp_drop_program()
-    try:
-        with IPRoute(netns=ns_b) as ipr:
-            [link] = ipr.get_links(ifname=if_b)
-            mac = link.get_attr("IFLA_ADDRESS")
-            ipr.link("set", index=link["index"], xdp_fd=fd)
-    finally:
-        os.close(fd)            # the link holds the program now
-    sh("ip", "-n", ns_a, "neigh", "replace", addr_b, "lladdr", mac, "dev", if_a, "nud", "permanent")
-    return ns_a, ns_b, if_b, addr_b
+    """(ns_a, ns_b, if_b, addr_b): veth_pair whose receiving end drops every frame in XDP."""
+    return drop_every_frame(veth_pair)
 
 
 def test_driver_drop_counter_of_a_veth_follows_frames_its_xdp_program_dropped(dropping_veth):
