@@ -10,19 +10,16 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
+from ebpf_support import own_cgroup, probe_sources
 from helpers import wait_until
 
 from xpusense.agent.diagnosis.base import Context
 from xpusense.agent.diagnosis.engine import Diagnoser
 from xpusense.agent.diagnosis.rules.cpu_starvation import RUNQUEUE_LATENCY, CpuStarvation
-from xpusense.agent.sources.base import NEARLINE, Unavailable
-from xpusense.agent.sources.ebpf import family
-from xpusense.agent.sources.ebpf.loader import EbpfLoader
-from xpusense.agent.sources.ebpf.procfs import cgroup2_root
+from xpusense.agent.sources.base import NEARLINE
 
 pytestmark = pytest.mark.privileged
 
@@ -35,40 +32,14 @@ HOG = "while True:\n    pass\n"
 
 @pytest.fixture
 def runqlat():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to load eBPF programs; CI runs tests/privileged as root")
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        pytest.skip("bcc's Python module is not importable: run scripts/setup.sh (links python3-bpfcc)")
-    try:
-        EbpfLoader(family.table_from()).check_environment()
-    except Unavailable as e:
-        pytest.skip(f"eBPF unavailable here: {e}")
-    [src] = family.build(family.table_from({"probes": ["runqlat"]}))
-    try:
-        try:
-            src.loader.plan("runqlat")
-        except Unavailable as e:
-            pytest.skip(f"runqlat cannot run on this kernel: {e}")
-        src.setup()
+    with probe_sources({"probes": ["runqlat"]}) as [src]:
         yield src
-    finally:
-        src.close()
 
 
 @pytest.fixture
 def job_cgroup():
-    root = cgroup2_root("/proc")
-    if not root:
-        pytest.skip("no cgroup2 mount (runqlat keys by cgroup v2 id)")
-    path = Path(root) / f"xps-test-starve-{uuid.uuid4().hex[:6]}"
-    path.mkdir()
-    try:
+    with own_cgroup("starve", "runqlat keys by cgroup v2 id") as path:
         yield path
-    finally:
-        wait_until(lambda: not (path / "cgroup.procs").read_text().strip(), what=f"{path} to empty")
-        path.rmdir()
 
 
 def start(code: str, cgroup: Path, cpu: int) -> subprocess.Popen:

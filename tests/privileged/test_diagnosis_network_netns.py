@@ -10,71 +10,21 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import time
-import uuid
-from pathlib import Path
 
 import pytest
+from ebpf_support import own_cgroup, probe_sources
 from helpers import record_figure, wait_until
+from netns_support import namespace_pair, tun_relay
 
 from xpusense.agent.diagnosis.base import Context
 from xpusense.agent.diagnosis.engine import Diagnoser
 from xpusense.agent.diagnosis.rules.network import NetworkStack
-from xpusense.agent.sources.base import NEARLINE, REALTIME, Unavailable
-from xpusense.agent.sources.ebpf import family
-from xpusense.agent.sources.ebpf.loader import EbpfLoader
-from xpusense.agent.sources.ebpf.procfs import cgroup2_root
+from xpusense.agent.sources.base import NEARLINE, REALTIME
 
 pytestmark = pytest.mark.privileged
-
-# A relay between two TUN devices; stdin lines "delay SECONDS" / "drop FRACTION" change it, EOF ends it.
-RELAY = """
-import fcntl, heapq, os, random, select, struct, sys, time
-def tun(name):
-    fd = os.open("/dev/net/tun", os.O_RDWR)
-    fcntl.ioctl(fd, 0x400454ca, struct.pack("16sH", name.encode(), 0x0001 | 0x1000))  # TUNSETIFF: IFF_TUN|IFF_NO_PI
-    return fd
-a, b = tun(sys.argv[1]), tun(sys.argv[2])
-peer = {a: b, b: a}
-delay, drop, n, queue, pending = 0.0, 0.0, 0, [], b""
-print("ready", flush=True)
-while True:
-    timeout = max(0.0, queue[0][0] - time.monotonic()) if queue else None
-    ready, _, _ = select.select([a, b, 0], [], [], timeout)
-    if 0 in ready:
-        got = os.read(0, 4096)
-        if not got:
-            break
-        pending += got
-        while b"\\n" in pending:
-            line, pending = pending.split(b"\\n", 1)
-            what, value = line.decode().split()
-            if what == "delay":
-                delay = float(value)
-            else:
-                drop = float(value)
-            print("set", what, value, flush=True)
-    for fd in ready:
-        if fd == 0:
-            continue
-        try:
-            pkt = os.read(fd, 65536)
-        except OSError:         # EIO while a device is down
-            continue
-        if random.random() >= drop:
-            heapq.heappush(queue, (time.monotonic() + delay, n, peer[fd], pkt))
-            n += 1
-    now = time.monotonic()
-    while queue and queue[0][0] <= now:
-        _, _, fd, pkt = heapq.heappop(queue)
-        try:
-            os.write(fd, pkt)
-        except OSError:
-            pass
-"""
 
 SERVER = """
 import socket, sys
@@ -97,86 +47,26 @@ while True:
 """
 
 
-def sh(*args, check=True):
-    return subprocess.run(args, check=check, capture_output=True, text=True)
-
-
 @pytest.fixture
 def relay_link():
     """(ns_a, addr_a, ns_b, addr_b, set(what, value)): namespaces joined through the relay."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root (network namespaces, eBPF); CI runs tests/privileged as root")
-    tag = uuid.uuid4().hex[:6]
-    ns_a, ns_b = f"xps-na-{tag}", f"xps-nb-{tag}"
-    net = f"10.{random.randint(232, 250)}.{random.randint(0, 255)}"   # not 10.231.0.0/30 (conftest's veth pair)
-    host = 4 * random.randint(0, 62) + 1
-    addr_a, addr_b = f"{net}.{host}", f"{net}.{host + 1}"
-    tun_a, tun_b = f"xna{tag}", f"xnb{tag}"
-    relay = subprocess.Popen([sys.executable, "-c", RELAY, tun_a, tun_b], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-
-    def setting(what: str, value: float) -> None:
-        relay.stdin.write(f"{what} {value}\n")
-        relay.stdin.flush()
-        assert relay.stdout.readline().split() == ["set", what, str(value)]
-
-    try:
-        assert relay.stdout.readline().strip() == "ready"
-        sh("ip", "netns", "add", ns_a)
-        sh("ip", "netns", "add", ns_b)
-        for ns, ifname, addr, peer in ((ns_a, tun_a, addr_a, addr_b), (ns_b, tun_b, addr_b, addr_a)):
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sh("ip", "link", "set", ifname, "netns", ns)
-            sh("ip", "-n", ns, "addr", "add", addr, "peer", peer, "dev", ifname)
-            sh("ip", "-n", ns, "link", "set", ifname, "up")
+    with namespace_pair("n") as (ns_a, addr_a, ns_b, addr_b, tag), \
+            tun_relay(ns_a, addr_a, ns_b, addr_b, f"xna{tag}", f"xnb{tag}") as setting:
         yield ns_a, addr_a, ns_b, addr_b, setting
-    finally:
-        relay.stdin.close()
-        relay.kill()
-        relay.wait()
-        sh("ip", "netns", "del", ns_a, check=False)
-        sh("ip", "netns", "del", ns_b, check=False)
 
 
 @pytest.fixture
 def probes(relay_link):
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        pytest.skip("bcc's Python module is not importable: run scripts/setup.sh (links python3-bpfcc)")
-    try:
-        EbpfLoader(family.table_from()).check_environment()
-    except Unavailable as e:
-        pytest.skip(f"eBPF unavailable here: {e}")
     _, _, _, addr_b, _ = relay_link
-    srcs = family.build(family.table_from({"probes": ["netio", "tcp_rtt"],
-                                           "tcp_rtt": {"regions": {f"{addr_b}/32": "peer-cloud"}}}))
-    try:
-        for src in srcs:
-            try:
-                src.loader.plan(src.probe)
-            except Unavailable as e:
-                pytest.skip(f"{src.probe} cannot run on this kernel: {e}")
-        for src in srcs:
-            src.setup()
+    with probe_sources({"probes": ["netio", "tcp_rtt"],
+                        "tcp_rtt": {"regions": {f"{addr_b}/32": "peer-cloud"}}}) as srcs:
         yield srcs
-    finally:
-        for src in srcs:
-            src.close()
 
 
 @pytest.fixture
 def sender_cgroup():
-    root = cgroup2_root("/proc")
-    if not root:
-        pytest.skip("no cgroup2 mount (netio keys by cgroup v2 id)")
-    path = Path(root) / f"xps-test-net-{uuid.uuid4().hex[:6]}"
-    path.mkdir()
-    try:
+    with own_cgroup("net", "netio keys by cgroup v2 id") as path:
         yield path
-    finally:
-        wait_until(lambda: not (path / "cgroup.procs").read_text().strip(), what=f"{path} to empty")
-        path.rmdir()
 
 
 def test_loss_and_delay_between_namespaces_open_network_stack_and_a_clean_link_closes_it(relay_link, probes,

@@ -11,6 +11,7 @@ tests/unit/test_ebpf_helpers.py.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import mmap
@@ -25,6 +26,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from ebpf_support import own_cgroup, probe_sources, require_ebpf
 from helpers import ROOT, wait_until
 
 from xpusense.agent.sources.base import HISTOGRAM, NEARLINE, REALTIME, Unavailable
@@ -41,39 +43,15 @@ FAKE_CUDA = ROOT / "tests" / "fakes" / "libcuda"
 
 # ------------------------------------------------------------------------------------------ helpers
 
-def require_ebpf():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to load eBPF programs; CI runs tests/privileged as root")
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        pytest.skip("bcc's Python module is not importable: run scripts/setup.sh (links python3-bpfcc)")
-    loader = EbpfLoader(family.table_from())
-    try:
-        loader.check_environment()
-    except Unavailable as e:
-        pytest.skip(f"eBPF unavailable here: {e}")
-
-
 @pytest.fixture
 def probe():
     """probe(name, **cfg) -> a set-up source; closed at the end of the test."""
-    opened = []
+    with contextlib.ExitStack() as opened:
+        def make(name, **cfg):
+            [src] = opened.enter_context(probe_sources({"probes": [name], **cfg}))
+            return src
 
-    def make(name, **cfg):
-        require_ebpf()
-        [src] = family.build(family.table_from({"probes": [name], **cfg}))
-        opened.append(src)
-        try:
-            src.loader.plan(name)
-        except Unavailable as e:   # a feature this kernel lacks: not a failure of ours
-            pytest.skip(f"probe {name} cannot run on this kernel: {e}")
-        src.setup()                # compile/verify/attach errors fail the test
-        return src
-
-    yield make
-    for src in opened:
-        src.close()
+        yield make
 
 
 def find(samples, name, **labels):
@@ -99,22 +77,12 @@ def sh(*args, **kw):
 @pytest.fixture
 def cgroup():
     """cgroup(name) -> (cgroup.procs path, label as the probes report it); removed at the end."""
-    root = cgroup2_root("/proc")
-    if not root:
-        pytest.skip("no cgroup2 mount (the per-cgroup probes key by cgroup v2 id)")
-    made = []
+    with contextlib.ExitStack() as made:
+        def make(name):
+            path = made.enter_context(own_cgroup(name, "the per-cgroup probes key by cgroup v2 id", timeout_s=10))
+            return str(path / "cgroup.procs"), "/" + path.name
 
-    def make(name):
-        path = Path(root) / f"xps-test-{name}-{uuid.uuid4().hex[:6]}"
-        path.mkdir()
-        made.append(path)
-        return str(path / "cgroup.procs"), "/" + path.name
-
-    yield make
-    for path in made:
-        # processes that exited may take a moment to leave the cgroup
-        wait_until(lambda path=path: not (path / "cgroup.procs").read_text().strip(), 10, what=f"{path} to empty")
-        path.rmdir()
+        yield make
 
 
 # Workload scripts take their cgroup as argv[1] ("-" for none) and join it themselves when run

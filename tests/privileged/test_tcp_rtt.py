@@ -10,54 +10,20 @@ connection within 20%.
 
 from __future__ import annotations
 
-import os
-import random
 import re
 import subprocess
 import sys
-import uuid
 
 import pytest
+from ebpf_support import probe_sources
 from helpers import record_figure, wait_until
+from netns_support import namespace_pair, sh, tun_relay
 
-from xpusense.agent.sources.base import HISTOGRAM, NEARLINE, REALTIME, Unavailable
-from xpusense.agent.sources.ebpf import family
-from xpusense.agent.sources.ebpf.loader import EbpfLoader
+from xpusense.agent.sources.base import HISTOGRAM, NEARLINE, REALTIME
 
 pytestmark = pytest.mark.privileged
 
 RTT = "xpusense.network.tcp.rtt"
-
-RELAY = """
-import fcntl, heapq, os, select, struct, sys, time
-delay = float(sys.argv[3])
-def tun(name):
-    fd = os.open("/dev/net/tun", os.O_RDWR)
-    fcntl.ioctl(fd, 0x400454ca, struct.pack("16sH", name.encode(), 0x0001 | 0x1000))  # TUNSETIFF: IFF_TUN|IFF_NO_PI
-    return fd
-a, b = tun(sys.argv[1]), tun(sys.argv[2])
-peer = {a: b, b: a}
-print("ready", flush=True)
-queue, n = [], 0
-while True:
-    timeout = max(0.0, queue[0][0] - time.monotonic()) if queue else None
-    ready, _, _ = select.select([a, b, sys.stdin], [], [], timeout)
-    if sys.stdin in ready:
-        break                       # the test closed our stdin
-    for fd in ready:
-        try:
-            heapq.heappush(queue, (time.monotonic() + delay, n, peer[fd], os.read(fd, 65536)))
-            n += 1
-        except OSError:         # EIO while a device is down
-            pass
-    now = time.monotonic()
-    while queue and queue[0][0] <= now:
-        _, _, fd, pkt = heapq.heappop(queue)
-        try:
-            os.write(fd, pkt)
-        except OSError:         # the other side not up yet: the packet is lost, as on a wire
-            pass
-"""
 
 SERVER = """
 import socket, sys
@@ -87,21 +53,6 @@ sys.stdin.readline()            # hold the connection open while ss looks at it
 """
 
 
-def sh(*args, check=True):
-    return subprocess.run(args, check=check, capture_output=True, text=True)
-
-
-def require_ebpf():
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        pytest.skip("bcc's Python module is not importable: run scripts/setup.sh (links python3-bpfcc)")
-    try:
-        EbpfLoader(family.table_from()).check_environment()
-    except Unavailable as e:
-        pytest.skip(f"eBPF unavailable here: {e}")
-
-
 def parse_ss_rtt(text: str) -> float:
     """`ss -ti` output for one connection -> its smoothed RTT in seconds (the X of rtt:X/Y, in ms)."""
     m = re.search(r"\brtt:([0-9.]+)/([0-9.]+)", text)
@@ -121,47 +72,21 @@ def test_parse_ss_rtt():
 def delayed_link():
     """Two namespaces joined by a link that delays packets 20 ms per round trip:
     (ns_a, addr_a, ns_b, addr_b, how)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root (network namespaces, eBPF); CI runs tests/privileged as root")
-    tag = uuid.uuid4().hex[:6]
-    ns_a, ns_b = f"xps-ra-{tag}", f"xps-rb-{tag}"
-    # addresses of this test only: another suite's namespaces on the host use 10.231.0.0/30
-    net = f"10.{random.randint(232, 250)}.{random.randint(0, 255)}"
-    host = 4 * random.randint(0, 62) + 1
-    addr_a, addr_b = f"{net}.{host}", f"{net}.{host + 1}"
-    relay = None
-    sh("ip", "netns", "add", ns_a)
-    sh("ip", "netns", "add", ns_b)
-    try:
-        for ns in (ns_a, ns_b):
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
+    with namespace_pair("r") as (ns_a, addr_a, ns_b, addr_b, tag):
         if_a, if_b = f"xra{tag}", f"xrb{tag}"
         sh("ip", "link", "add", if_a, "netns", ns_a, "type", "veth", "peer", "name", if_b, "netns", ns_b)
         netem = sh("tc", "-n", ns_a, "qdisc", "add", "dev", if_a, "root", "netem", "delay", "20ms", check=False)
         if netem.returncode == 0:
-            how = "veth + netem delay 20ms"
             for ns, ifname, addr in ((ns_a, if_a, addr_a), (ns_b, if_b, addr_b)):
                 sh("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", ifname)
                 sh("ip", "-n", ns, "link", "set", ifname, "up")
-        else:           # no sch_netem in this kernel: a TUN relay that holds each packet 10 ms each way
-            how = "tun relay 10ms each way (no netem: " + netem.stderr.strip()[:60] + ")"
-            sh("ip", "-n", ns_a, "link", "del", if_a)
-            tun_a, tun_b = f"xta{tag}", f"xtb{tag}"
-            relay = subprocess.Popen([sys.executable, "-c", RELAY, tun_a, tun_b, "0.010"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            assert relay.stdout.readline().strip() == "ready"
-            for ns, ifname, addr, peer in ((ns_a, tun_a, addr_a, addr_b), (ns_b, tun_b, addr_b, addr_a)):
-                sh("ip", "link", "set", ifname, "netns", ns)
-                sh("ip", "-n", ns, "addr", "add", addr, "peer", peer, "dev", ifname)
-                sh("ip", "-n", ns, "link", "set", ifname, "up")
-        yield ns_a, addr_a, ns_b, addr_b, how
-    finally:
-        if relay:
-            relay.stdin.close()
-            relay.kill()
-            relay.wait()
-        sh("ip", "netns", "del", ns_a, check=False)
-        sh("ip", "netns", "del", ns_b, check=False)
+            yield ns_a, addr_a, ns_b, addr_b, "veth + netem delay 20ms"
+            return
+        # no sch_netem in this kernel: a TUN relay that holds each packet 10 ms each way
+        how = "tun relay 10ms each way (no netem: " + netem.stderr.strip()[:60] + ")"
+        sh("ip", "-n", ns_a, "link", "del", if_a)
+        with tun_relay(ns_a, addr_a, ns_b, addr_b, f"xta{tag}", f"xtb{tag}", delay_s=0.010):
+            yield ns_a, addr_a, ns_b, addr_b, how
 
 
 def in_ns(ns, code, *args, **kw):
@@ -177,53 +102,46 @@ def region_hist(src, region):
 
 def test_tcp_rtt_agrees_with_ss_for_a_delayed_connection_between_namespaces(delayed_link):
     ns_a, addr_a, ns_b, addr_b, how = delayed_link
-    require_ebpf()
     regions = {f"{addr_b}/32": "test-server", f"{addr_a}/32": "test-client", "127.0.0.0/8": "loopback"}
-    [src] = family.build(family.table_from({"probes": ["tcp_rtt"], "tcp_rtt": {"regions": regions}}))
-    try:
-        src.loader.plan("tcp_rtt")
-    except Unavailable as e:
-        pytest.skip(f"tcp_rtt cannot run on this kernel: {e}")
-    src.setup()
-    server = client = None
-    try:
-        port, rounds = 9300, 60
-        server = in_ns(ns_b, SERVER, addr_b, port)
-        assert server.stdout.readline().strip() == "ready"
-        client = in_ns(ns_a, CLIENT, addr_b, port, rounds, stdin=subprocess.PIPE)
-        local_port = int(client.stdout.readline())       # the ping-pong is over, the connection open
-        ss_out = sh("ip", "netns", "exec", ns_a, "ss", "-tin", "state", "established",
-                    "dst", f"{addr_b}:{port}", "src", f"{addr_a}:{local_port}").stdout
-        ss_s = parse_ss_rtt(ss_out)
+    with probe_sources({"probes": ["tcp_rtt"], "tcp_rtt": {"regions": regions}}) as [src]:
+        server = client = None
+        try:
+            port, rounds = 9300, 60
+            server = in_ns(ns_b, SERVER, addr_b, port)
+            assert server.stdout.readline().strip() == "ready"
+            client = in_ns(ns_a, CLIENT, addr_b, port, rounds, stdin=subprocess.PIPE)
+            local_port = int(client.stdout.readline())       # the ping-pong is over, the connection open
+            ss_out = sh("ip", "netns", "exec", ns_a, "ss", "-tin", "state", "established",
+                        "dst", f"{addr_b}:{port}", "src", f"{addr_a}:{local_port}").stdout
+            ss_s = parse_ss_rtt(ss_out)
 
-        # every echo the client received is one tcp_probe event with the client's srtt (plus ACKs)
-        h = wait_until(lambda: (x := region_hist(src, "test-server")) and x.counts[-1] >= rounds and x,
-                       what=f"{rounds} RTT samples towards the server's region")
-        assert h.kind == HISTOGRAM and h.unit == "s"
-        assert h.labels == {"remote_region": "test-server"}
-        probe_s = h.value / h.counts[-1]
-        record_figure("tcp_rtt_vs_ss", link=how, probe_mean_ms=round(probe_s * 1e3, 3), ss_srtt_ms=round(ss_s * 1e3, 3),
-                      samples=h.counts[-1])
-        assert 0.018 <= ss_s, f"ss sees {ss_s * 1e3:.1f} ms over a link delayed 20 ms ({how})"
-        assert probe_s == pytest.approx(ss_s, rel=0.20), (probe_s, ss_s, ss_out)
-        # the bucket holding most samples is the one 20 ms falls in: [2^24, 2^25) ns = 16.8..33.6 ms
-        per_bucket = [b - a for a, b in zip((0, *h.counts), h.counts)]
-        assert per_bucket.index(max(per_bucket)) == 25, per_bucket
+            # every echo the client received is one tcp_probe event with the client's srtt (plus ACKs)
+            h = wait_until(lambda: (x := region_hist(src, "test-server")) and x.counts[-1] >= rounds and x,
+                           what=f"{rounds} RTT samples towards the server's region")
+            assert h.kind == HISTOGRAM and h.unit == "s"
+            assert h.labels == {"remote_region": "test-server"}
+            probe_s = h.value / h.counts[-1]
+            record_figure("tcp_rtt_vs_ss", link=how, probe_mean_ms=round(probe_s * 1e3, 3), ss_srtt_ms=round(ss_s * 1e3, 3),
+                          samples=h.counts[-1])
+            assert 0.018 <= ss_s, f"ss sees {ss_s * 1e3:.1f} ms over a link delayed 20 ms ({how})"
+            assert probe_s == pytest.approx(ss_s, rel=0.20), (probe_s, ss_s, ss_out)
+            # the bucket holding most samples is the one 20 ms falls in: [2^24, 2^25) ns = 16.8..33.6 ms
+            per_bucket = [b - a for a, b in zip((0, *h.counts), h.counts)]
+            assert per_bucket.index(max(per_bucket)) == 25, per_bucket
 
-        # the server's view of the same connection is labelled with the client's region
-        back = wait_until(lambda: region_hist(src, "test-client"), what="RTT samples towards the client's region")
-        assert back.value / back.counts[-1] == pytest.approx(ss_s, rel=0.5)
-        # loopback peers are never counted, whatever the table says
-        lo = sh("ip", "netns", "exec", ns_a, sys.executable, "-c",
-                "import socket; s = socket.create_server(('127.0.0.1', 0)); "
-                "c = socket.create_connection(s.getsockname()); a, _ = s.accept(); "
-                "[(c.sendall(b'x'), a.recv(1), a.sendall(b'y'), c.recv(1)) for _ in range(50)]")
-        assert lo.returncode == 0
-        assert region_hist(src, "loopback") is None
-        assert sum(s.value for s in src.collect(REALTIME) if s.name == "xpusense.network.tcp.rtt.untracked") == 0
-    finally:
-        for p in (client, server):
-            if p:
-                p.kill()
-                p.wait()
-        src.close()
+            # the server's view of the same connection is labelled with the client's region
+            back = wait_until(lambda: region_hist(src, "test-client"), what="RTT samples towards the client's region")
+            assert back.value / back.counts[-1] == pytest.approx(ss_s, rel=0.5)
+            # loopback peers are never counted, whatever the table says
+            lo = sh("ip", "netns", "exec", ns_a, sys.executable, "-c",
+                    "import socket; s = socket.create_server(('127.0.0.1', 0)); "
+                    "c = socket.create_connection(s.getsockname()); a, _ = s.accept(); "
+                    "[(c.sendall(b'x'), a.recv(1), a.sendall(b'y'), c.recv(1)) for _ in range(50)]")
+            assert lo.returncode == 0
+            assert region_hist(src, "loopback") is None
+            assert sum(s.value for s in src.collect(REALTIME) if s.name == "xpusense.network.tcp.rtt.untracked") == 0
+        finally:
+            for p in (client, server):
+                if p:
+                    p.kill()
+                    p.wait()
