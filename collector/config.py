@@ -41,8 +41,9 @@ COLLECTOR_SCHEMA = {
                                                      "history is shortened, then samples of new series are dropped, "
                                                      "counted and logged; 0: no budget"),
         "min_history_points": Key(int, 60, positive, help="the budget never cuts a series' history below this"),
-        "max_open_diagnoses_per_node": Key(int, 64, positive, help="open diagnoses kept per node (collector/diagnoses.py); "
-                                                                   "past it the oldest is let go, counted"),
+        "max_open_diagnoses_per_node": Key(int, 64, positive, help="open diagnoses kept per node (collector/diagnoses.py; "
+                                                                   "in cluster mode by the workers); past it the "
+                                                                   "oldest is let go, counted"),
     },
     "scheduler": SCHEDULER_SCHEMA,
     # Cluster mode (collector/cluster/, docs/scale.md): with urls set, serve is a gateway to NATS JetStream.

@@ -11,7 +11,9 @@ the node's agent starts again (a Hello, or the node's current boot storing a bat
 boot id) the earlier boot's diagnoses are closed (that agent is gone and will never send the
 close), counted as `diagnoses.closed_by_new_boot`. An open event of a boot other than the node's
 current one (a resend of an ended boot's batches) opens nothing.
-All of it runs on the collector's event loop thread, inside FleetState's hello/apply.
+All of it runs on the collector's event loop thread, inside FleetState's hello/apply. Cluster mode's
+workers (collector/cluster/worker.py) run the same on their NodeLatest, whose `diagnosis_counts`
+(counter key -> n) and `diagnoses_opened` (rule -> n) dicts count per node as well, for the summary.
 """
 
 from __future__ import annotations
@@ -94,15 +96,25 @@ class Diagnoses:
             return
         while len(held) >= self.max_open_per_node:
             held.popitem(last=False)
-            self.counters[BOUND_KEY] += 1
+            self._count(n, BOUND_KEY, 1)
         held[did] = kept
-        self.opened[e.attributes.get(RULE, "") or "unknown"] += 1
+        rule = e.attributes.get(RULE, "") or "unknown"
+        self.opened[rule] += 1
+        per_node = getattr(n, "diagnoses_opened", None)
+        if per_node is not None:
+            per_node[rule] = per_node.get(rule, 0) + 1
 
     def _new_boot(self, n, boot_id: str) -> None:
         if n.diagnoses:
-            self.counters[NEW_BOOT_KEY] += len(n.diagnoses)
+            self._count(n, NEW_BOOT_KEY, len(n.diagnoses))
             n.diagnoses.clear()
         n.diagnoses_boot = boot_id
+
+    def _count(self, n, key: str, k: int) -> None:
+        self.counters[key] += k
+        per_node = getattr(n, "diagnosis_counts", None)   # a cluster worker's node: counted in its summary too
+        if per_node is not None:
+            per_node[key] = per_node.get(key, 0) + k
 
     def configure(self, max_open_per_node: int) -> None:
         self.max_open_per_node = max(1, int(max_open_per_node))

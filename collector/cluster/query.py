@@ -6,6 +6,8 @@ read shared by the calls that come together; one node alone is one KV get), so i
 for it while nobody looks; a scheduler replica answers from the index it keeps by watching the
 bucket (scheduler.py). Both build the reply here, as FleetState.view does: nodes in id order, pages
 of at most `page_size` nodes and `max_reply_bytes` bytes, resumed with `page_token` (a node id).
+Each node's open diagnoses (NodeView.diagnoses) come from its summary, and the reply's `counters`
+add up the diagnosis counters of the nodes' summaries it was built from (summary.py: `dc`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def node_view(n: Any, name_prefix: str, boot_ids: bool) -> pb.NodeView:
                       time_unix_nano=ser.time_ns, rate=ser.rate())
     if "series_total" in _NODE_FIELDS:
         nv.series_total = len(nv.series)
+    if "diagnoses" in _NODE_FIELDS:
+        nv.diagnoses.extend(getattr(n, "diagnoses", {}).values())
     nv.events.extend(n.events)
     return nv
 
@@ -96,6 +100,11 @@ def list_nodes(nodes: dict[str, Any], request: pb.ListNodesRequest, max_bytes: i
                boot_ids: bool = True) -> pb.ListNodesReply:
     """A page of the fleet, as the single collector's ListNodes answers."""
     reply = pb.ListNodesReply(time_unix_nano=time.time_ns())
+    counters: dict[str, int] = {}
+    for n in list(nodes.values()):   # the diagnosis counters of each node's summary (few nodes have any)
+        for key, k in (getattr(n, "diagnosis_counts", None) or {}).items():
+            counters[key] = counters.get(key, 0) + k
+    reply.counters.update(counters)
     page_size = request.page_size if "page_size" in _REQ_FIELDS else 0
     start = request.page_token if "page_token" in _REQ_FIELDS else ""
     if start and " " in start:   # the single collector's token form: "<at> <node id>"

@@ -14,6 +14,7 @@ inventory rebuilds the node.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -42,11 +43,28 @@ class _Changes:
 _NO_CHANGES = _Changes([])
 
 
+class _Opened:
+    """What collector/prometheus.py reads of FleetState.diagnoses: `opened`, rule -> diagnoses
+    opened, here the sum of the nodes' summaries (each carried over worker takeovers)."""
+
+    def __init__(self, nodes: dict[str, MirrorNode]):
+        self.nodes = nodes
+
+    @property
+    def opened(self) -> collections.Counter[str]:
+        out: collections.Counter[str] = collections.Counter()
+        for n in list(self.nodes.values()):
+            if n.diagnoses_opened:
+                out.update(n.diagnoses_opened)
+        return out
+
+
 class FleetIndex:
     """The `fleet` bucket as a FleetState-like object for the scheduler core and the Query API."""
 
     def __init__(self, clock=time.time_ns):
         self.nodes: dict[str, MirrorNode] = {}
+        self.diagnoses = _Opened(self.nodes)
         self.watchers: list = []
         self.clock = clock
         self._inventory: dict[str, bytes] = {}
@@ -78,6 +96,7 @@ class FleetIndex:
         n.stored_up_to = dict(d.get("m") or {})
         n.batches_stored, n.batches_duplicate = d.get("bs", 0), d.get("bd", 0)
         n.set_series(d)
+        n.set_diagnoses(d)   # the core reads them at the refresh the change below asks for (fleet.py _diagnosed)
         rows = d.get("e") or ()
         known = self._events[nid]
         if len(rows) == len(known) and all(e[0] in known for e in rows):   # no new event: the usual case

@@ -12,10 +12,18 @@ partition over loads just its nodes):
     sk which series `s` holds, in that order (a checksum): a reader that has the same updates its
        series in place by position, without reading names and labels
     e  [[id, type, severity, device, message, attributes, time ns], ...]  recent events, newest first
+    dg the open diagnoses (collector/diagnoses.py): their open events as rows like `e`, oldest first
+    db the agent boot they belong to
+    dc {counter key: n}        diagnoses let go by the bound, closed by a new boot (this node's)
+    do {rule: n}               diagnoses opened on this node
     w  worker id               at written (ns)
 Kept series: the host's CPU, memory and network, and per accelerator utilisation, HBM used / limit /
 utilisation / bandwidth utilisation, power, temperature and health (no per-process or per-MIG-
 instance series): about 10 + 9 per accelerator, a few KB per node.
+
+The open diagnoses are kept by the worker as one collector keeps them (collector/diagnoses.py's
+Diagnoses runs on NodeLatest: `diagnoses`, `diagnoses_boot`, and the per-node counts) and bounded by
+the same `[state] max_open_diagnoses_per_node`; `dg`, `db`, `dc`, `do` are left out while empty.
 
 `NodeLatest` is the worker's side (built from batches, written as a summary); `MirrorNode` and
 `MirrorSeries` the readers' (decoded from a summary) with the attributes collector/scheduler and the
@@ -34,6 +42,7 @@ import msgpack
 from xpusense.common import metric_names as m
 from xpusense.v1 import telemetry_pb2 as pb
 
+from ..diagnoses import diagnosis_id
 from .marks import SeqWindow
 
 FORMAT = 1
@@ -49,6 +58,24 @@ _IGNORED = object()
 
 def fleet_key(part: int, node_token: str) -> str:
     return f"p{part}.{node_token}"
+
+
+def event_row(e: pb.Event) -> list:
+    return [e.id, e.type, e.severity, e.device, e.message, dict(e.attributes), e.time_unix_nano]
+
+
+def event_of(row) -> pb.Event:
+    return pb.Event(id=row[0], type=row[1], severity=row[2], device=row[3], message=row[4], attributes=row[5],
+                    time_unix_nano=row[6])
+
+
+def diagnoses_of(rows) -> collections.OrderedDict[str, pb.Event]:
+    """A summary's `dg` rows as the open diagnoses (diagnosis id -> open Event, oldest first)."""
+    out: collections.OrderedDict[str, pb.Event] = collections.OrderedDict()
+    for row in rows or ():
+        e = event_of(row)
+        out[diagnosis_id(e)] = e
+    return out
 
 
 class _Entry:
@@ -70,7 +97,8 @@ class _Entry:
 class NodeLatest:
     """What a worker keeps of one node: latest values of the kept series, inventory, recent events."""
     __slots__ = ("node_id", "part", "boot_id", "last_seen_ns", "sessions", "peer", "inventory", "windows",
-                 "batches_stored", "batches_duplicate", "series", "refs", "events", "event_ids", "dirty", "_layout")
+                 "batches_stored", "batches_duplicate", "series", "refs", "events", "event_ids", "dirty", "_layout",
+                 "diagnoses", "diagnoses_boot", "diagnosis_counts", "diagnoses_opened")
 
     def __init__(self, node_id: str, part: int):
         self.node_id, self.part = node_id, part
@@ -85,6 +113,11 @@ class NodeLatest:
         self.event_ids: set[str] = set()
         self.dirty = True
         self._layout: int | None = None
+        # Open diagnoses, kept by collector/diagnoses.py's Diagnoses (the worker's) as FleetState's NodeState.
+        self.diagnoses: collections.OrderedDict[str, pb.Event] = collections.OrderedDict()
+        self.diagnoses_boot = ""
+        self.diagnosis_counts: dict[str, int] = {}
+        self.diagnoses_opened: dict[str, int] = {}
 
     # -- from the stream --------------------------------------------------------------------------
     def hello(self, hello: pb.Hello, session: str, peer: str, t_ns: int) -> None:
@@ -175,7 +208,7 @@ class NodeLatest:
 
     # -- to and from the bucket -----------------------------------------------------------------------
     def encode(self, worker: str, now_ns: int) -> bytes:
-        return msgpack.packb({
+        d = {
             "v": FORMAT, "n": self.node_id, "b": self.boot_id, "t": self.last_seen_ns, "c": len(self.sessions),
             "p": self.peer, "ss": self.sessions, "i": self.inventory,
             "m": {boot: w.high for boot, w in self.windows.items()},
@@ -183,7 +216,12 @@ class NodeLatest:
             "s": [[e.name, e.unit, e.kind, e.labels, e.value, e.time_ns, e.rate()] for e in self.series.values()],
             "sk": self.layout(),
             "e": list(self.events), "w": worker, "at": now_ns,
-        }, use_bin_type=True)
+        }
+        if self.diagnoses or self.diagnoses_boot:
+            d.update(dg=[event_row(e) for e in self.diagnoses.values()], db=self.diagnoses_boot)
+        if self.diagnosis_counts or self.diagnoses_opened:
+            d.update(dc=self.diagnosis_counts, do=self.diagnoses_opened)
+        return msgpack.packb(d, use_bin_type=True)
 
     @classmethod
     def restore(cls, d: dict, part: int) -> NodeLatest:
@@ -201,6 +239,8 @@ class NodeLatest:
         for ev in reversed(d.get("e") or ()):
             n.events.appendleft(tuple(ev))
             n.event_ids.add(ev[0])
+        n.diagnoses, n.diagnoses_boot = diagnoses_of(d.get("dg")), d.get("db", "")
+        n.diagnosis_counts, n.diagnoses_opened = dict(d.get("dc") or {}), dict(d.get("do") or {})
         n.dirty = False
         return n
 
@@ -237,7 +277,7 @@ class MirrorNode:
     """A node of the `fleet` bucket, with the attributes readers use on FleetState's NodeState."""
     __slots__ = ("node_id", "boot_id", "streams", "last_seen_ns", "peer", "inventory", "stored_up_to",
                  "batches_stored", "batches_duplicate", "series", "series_list", "layout", "events", "revision",
-                 "written_ns", "worker")
+                 "written_ns", "worker", "diagnoses", "diagnosis_counts", "diagnoses_opened", "_diagnosis_rows")
 
     def __init__(self, d: dict, revision: int = 0):
         self.node_id: str = d["n"]
@@ -253,11 +293,24 @@ class MirrorNode:
         self.series_list: list[MirrorSeries] = []
         self.layout = -1
         self.set_series(d)
-        self.events = [pb.Event(id=e[0], type=e[1], severity=e[2], device=e[3], message=e[4], attributes=e[5],
-                                time_unix_nano=e[6]) for e in d.get("e") or ()]
+        self.events = [event_of(e) for e in d.get("e") or ()]
         self.revision = revision
         self.written_ns: int = d.get("at", 0)
         self.worker: str = d.get("w", "")
+        self._diagnosis_rows: Any = None
+        self.diagnoses: collections.OrderedDict[str, pb.Event] = collections.OrderedDict()
+        self.diagnosis_counts: dict[str, int] = {}
+        self.diagnoses_opened: dict[str, int] = {}
+        self.set_diagnoses(d)
+
+    def set_diagnoses(self, d: dict) -> None:
+        """The summary's open diagnoses (what FleetState's NodeState.diagnoses holds: the Query API's
+        NodeView.diagnoses, Prometheus and the scheduler read it) and the node's diagnosis counts."""
+        rows = d.get("dg") or []
+        if rows != self._diagnosis_rows:   # decoded again only when they changed
+            self._diagnosis_rows, self.diagnoses = rows, diagnoses_of(rows)
+        self.diagnosis_counts = d.get("dc") or {}
+        self.diagnoses_opened = d.get("do") or {}
 
     def set_series(self, d: dict) -> list[MirrorSeries]:
         """The summary's series into this node: in place when the layout is the one it has (the

@@ -8,6 +8,10 @@ Ownership: a partition has one owner at a time, by lease. In the `leases` bucket
 free partitions (create: only one can), lets one go when it has more; a dead worker's leases run
 out and the others take its partitions within `lease_s` + `summary_s`.
 
+Open diagnoses: each node's, as one collector keeps them (collector/diagnoses.py, the same code, on
+NodeLatest), bounded by `[state] max_open_diagnoses_per_node`, go into its summary; the bound hit
+and diagnoses closed by a new boot are counted there too (summary.py: `dc`).
+
 Exactly once into the summary: a new owner loads the partition's summaries from the bucket (the
 previous owner's state, marks included), resets the durable consumer to its ack floor (everything
 not yet covered by a written summary comes again) and drops by SeqWindow what was taken. Messages
@@ -18,6 +22,7 @@ them are written.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -34,6 +39,7 @@ from nats.js import api
 
 from xpusense.v1 import telemetry_pb2 as pb
 
+from ..diagnoses import Diagnoses
 from .engine import list_bucket
 from .subjects import KIND, node_of_subject, partition, partition_filter, stream_of, token
 from .summary import NodeLatest, decode, fleet_key
@@ -63,7 +69,7 @@ class _Partition:
 
 
 class Worker:
-    def __init__(self, js, buckets, ncfg: Any, worker_id: str = ""):
+    def __init__(self, js, buckets, ncfg: Any, worker_id: str = "", max_open_diagnoses_per_node: int = 64):
         self.js, self.buckets, self.ncfg = js, buckets, ncfg
         self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.nodes: dict[str, NodeLatest] = {}
@@ -73,6 +79,9 @@ class Worker:
         self.dropped = 0
         self.summaries_written = 0
         self.takeovers = 0
+        self.counters: collections.Counter[str] = collections.Counter()   # this worker's (each node's: its summary)
+        self.diagnoses = Diagnoses(self.counters)
+        self.diagnoses.configure(max_open_diagnoses_per_node)
 
     # -- leases -----------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -231,11 +240,16 @@ class Worker:
         headers = msg.headers or {}
         kind = headers.get(KIND)
         if kind is None:
-            if not node.apply(pb.Batch.FromString(msg.data), t):
+            batch = pb.Batch.FromString(msg.data)
+            if not node.apply(batch, t):
                 self.dropped += 1
+            elif batch.events or batch.boot_id != node.diagnoses_boot:
+                self.diagnoses.batch(node, batch)
             self.handled += 1
         elif kind == "hello":
-            node.hello(pb.Hello.FromString(msg.data), headers.get("Xps-Session", ""), headers.get("Xps-Peer", ""), t)
+            hello = pb.Hello.FromString(msg.data)
+            node.hello(hello, headers.get("Xps-Session", ""), headers.get("Xps-Peer", ""), t)
+            self.diagnoses.hello(node, hello.boot_id)   # a new agent boot: the last one's diagnoses end
         elif kind == "inventory":
             node.set_inventory(msg.data)
         elif kind == "bye":
@@ -281,7 +295,7 @@ async def run_worker(cfg: Any, stop: asyncio.Event) -> None:
     nc = await connect(ncfg, "xpusense-worker")
     js = nc.jetstream(timeout=ncfg.publish_timeout_s)
     buckets = await ensure(js, ncfg)
-    w = Worker(js, buckets, ncfg)
+    w = Worker(js, buckets, ncfg, max_open_diagnoses_per_node=cfg.state.max_open_diagnoses_per_node)
     log.info("worker %s: following %d partitions of the NATS cluster at %s", w.id, ncfg.partitions, ",".join(ncfg.urls))
     try:
         await w.run(stop)

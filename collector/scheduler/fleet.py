@@ -15,8 +15,8 @@ Per node: its accelerators' free HBM and free score from the latest readings, th
 or double-bit ECC event within xid_window_s, or a health state other than OK: the newer of the
 `xpusense.accelerator.health` series and the last `health` event, takes a device out; a checkpoint
 request from the HBM watch within hbm_watch_window_s, or a diagnosis open on it now (FleetState's
-NodeState.diagnoses, collector/diagnoses.py; for as long as it is open), keeps it, penalised, the
-same penalty and factor), its groups by type and
+NodeState.diagnoses, collector/diagnoses.py, or in cluster mode the node summary's; for as long as
+it is open), keeps it, penalised, the same penalty and factor), its groups by type and
 interconnect domain. Staleness is read from each NodeState's last_seen_ns when a node is looked at;
 `stale()` finds the stale nodes without a scan. Its `xpusense.network.tcp.rtt{remote_region}`
 histograms: a new point joins the node's window and its figure is filed under the region pair
@@ -400,7 +400,7 @@ class FleetView:
 def _diagnosed(node: Any, now: int) -> dict[str, str]:
     """Device -> the penalty's detail for the diagnoses open on it (node-wide ones, device "", name
     no device and penalise none)."""
-    held = getattr(node, "diagnoses", None)   # cluster mode's node state has none
+    held = getattr(node, "diagnoses", None)   # FleetState's NodeState, or cluster mode's MirrorNode (its summary's)
     if not held:
         return {}
     out: dict[str, list[str]] = {}
