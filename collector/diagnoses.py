@@ -21,15 +21,23 @@ from __future__ import annotations
 import collections
 import json
 
+from xpusense.common.diagnosis_event import (
+    CAUSE,
+    CLOSED,
+    EVIDENCE,
+    ID,
+    OPEN,
+    OPENED,
+    REMEDY,
+    RULE,
+    STATE,
+    SYMPTOM,
+    TYPE,
+)
 from xpusense.v1 import telemetry_pb2 as pb
 
-TYPE = "diagnosis"
-ID, STATE, RULE = "diagnosis.id", "diagnosis.state", "diagnosis.rule"
-SYMPTOM, CAUSE, REMEDY = "diagnosis.symptom", "diagnosis.cause", "diagnosis.remedy"
-EVIDENCE, OPENED = "diagnosis.evidence", "diagnosis.opened_unix_nano"
-OPEN, CLOSED = "open", "closed"
-RULES = ("pcie_contention", "numa_misplacement", "network_stack", "clocks_held_down", "device_memory_pressure",
-         "cpu_starvation")   # those of the agent now; any other rule name is taken as it is
+__all__ = ["CAUSE", "CLOSED", "EVIDENCE", "ID", "OPEN", "OPENED", "REMEDY", "RULE", "STATE", "SYMPTOM", "TYPE",
+           "Diagnoses", "diagnosis_id", "evidence", "opened_ns"]
 
 BOUND_KEY = "state.max_open_diagnoses_per_node"
 NEW_BOOT_KEY = "diagnoses.closed_by_new_boot"

@@ -22,14 +22,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 
+from xpusense.common import diagnosis_event as ev
+
 from ..sources.base import Event, Sample
 from .base import Finding, Rule
 from .recent import Recent
 
 log = logging.getLogger("xpusense.agent.diagnosis")
-
-EVENT_TYPE = "diagnosis"
-
 
 @dataclasses.dataclass
 class _Track:
@@ -92,7 +91,7 @@ class Diagnoser:
                 t.id, t.opened_ns = uuid.uuid4().hex, now
                 self.opened += 1
                 log.warning("diagnosis opened: %s %s: %s", f.rule, f.device or "node", _message(f))
-                events.append(_event(t, "open", now))
+                events.append(_event(t, ev.OPEN, now))
         for key, t in list(self._tracks.items()):
             if key in found:
                 continue
@@ -103,7 +102,7 @@ class Diagnoser:
                 self.closed += 1
                 log.info("diagnosis closed: %s %s (open %.0f s)", t.finding.rule, t.finding.device or "node",
                          (now - t.opened_ns) / 1e9)
-                events.append(_event(t, "closed", now))
+                events.append(_event(t, ev.CLOSED, now))
         return events
 
 
@@ -114,11 +113,10 @@ def _message(f: Finding) -> str:
 def _event(t: _Track, state: str, now: int) -> Event:
     f = t.finding
     attrs = {
-        "diagnosis.id": t.id, "diagnosis.state": state, "diagnosis.rule": f.rule,
-        "diagnosis.symptom": f.symptom, "diagnosis.cause": f.cause, "diagnosis.remedy": f.remedy,
-        "diagnosis.evidence": json.dumps([e.as_json() for e in f.evidence], separators=(",", ":")),
-        "diagnosis.opened_unix_nano": str(t.opened_ns), **dict(f.attributes),
+        ev.ID: t.id, ev.STATE: state, ev.RULE: f.rule, ev.SYMPTOM: f.symptom, ev.CAUSE: f.cause, ev.REMEDY: f.remedy,
+        ev.EVIDENCE: json.dumps([e.as_json() for e in f.evidence], separators=(",", ":")),
+        ev.OPENED: str(t.opened_ns), **dict(f.attributes),
     }
-    msg = _message(f) if state == "open" else f"resolved: {_message(f)}"
-    return Event(EVENT_TYPE, msg, "warning" if state == "open" else "info", f.device, attrs, now,
+    msg = _message(f) if state == ev.OPEN else f"resolved: {_message(f)}"
+    return Event(ev.TYPE, msg, "warning" if state == ev.OPEN else "info", f.device, attrs, now,
                  f"diag-{t.id}-{state}")
