@@ -220,7 +220,10 @@ class Agent:
             if self.watch is not None:
                 events = events + self.watch.observe(samples)
             if self.diagnoser is not None:
-                events = events + self.diagnoser.observe(samples)
+                found = self.diagnoser.observe(samples)
+                if self.pods is not None:   # [k8s]: the pod a diagnosis concerns
+                    found = [self.pods.label_event(e) for e in found]
+                events = events + found
             self.inventory_watch.check(events)
         if self.otlp is not None:
             self.otlp.put(samples)

@@ -38,7 +38,7 @@ import grpc
 
 from xpusense.podresources.v1 import api_pb2, api_pb2_grpc
 
-from .sources.base import GAUGE, Sample
+from .sources.base import GAUGE, Event, Sample
 
 log = logging.getLogger("xpusense.agent.pods")
 
@@ -301,23 +301,42 @@ class PodLabeler:
             return self.for_cgroup(path) if path else {}
         return self._cached(self._pids, pid, make)
 
+    def pod_of(self, pid: str | None, cgroup: str | None, device: str | None) -> dict[str, str]:
+        """Pod attributes of a process (else of a cgroup), completed from the kubelet's assignment of
+        `device` for a pod's process the runtime metadata does not name, or one that has ended."""
+        if pid is not None:
+            info = self.for_pid(pid)
+        elif cgroup is not None:
+            info = self.for_cgroup(cgroup)
+        else:
+            return {}
+        by_device = self._by_device
+        if POD_NAME not in info and device in by_device:
+            if not info or info.get(POD_UID):   # a pod's process, or one we cannot place
+                info = {**info, **by_device[device]}
+        return info
+
+    def label_event(self, e: Event) -> Event:
+        """Pod attributes on an event about a process or cgroup (a diagnosis: `process.pid`,
+        `cgroup`), else about a device the kubelet assigned to a pod (changed in place); the event's
+        own attributes win."""
+        a = e.attributes
+        info = self.pod_of(a.get("process.pid"), a.get("cgroup"), e.device)
+        if not info and "process.pid" not in a and "cgroup" not in a:
+            info = self._by_device.get(e.device, {})
+        if info:
+            e.attributes = {**info, **a}
+        return e
+
     def label(self, samples: list[Sample]) -> list[Sample]:
         """Pod labels on the samples that carry `pid` or `cgroup` (changed in place), plus the
         device assignment samples after each pod-resources refresh."""
-        by_device = self._by_device
         for s in samples:
             lb = s.labels
-            if "pid" in lb:
-                info = self.for_pid(lb["pid"])
-            elif "cgroup" in lb:
-                info = self.for_cgroup(lb["cgroup"])
-            else:
-                continue
-            if POD_NAME not in info and lb.get("device") in by_device:
-                if not info or info.get(POD_UID):   # a pod's process, or one we cannot place
-                    info = {**info, **by_device[lb["device"]]}
-            if info:
-                s.labels = {**lb, **info}
+            if "pid" in lb or "cgroup" in lb:
+                info = self.pod_of(lb.get("pid"), lb.get("cgroup"), lb.get("device"))
+                if info:
+                    s.labels = {**lb, **info}
         if self._assigned_new:
             with self._lock:
                 self._assigned_new = False

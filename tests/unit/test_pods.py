@@ -14,7 +14,7 @@ from helpers import ROOT
 
 from xpusense.agent import pods
 from xpusense.agent.config import load_agent
-from xpusense.agent.sources.base import COUNTER, Sample
+from xpusense.agent.sources.base import COUNTER, Event, Sample
 from xpusense.podresources.v1 import api_pb2, api_pb2_grpc
 
 FIX = ROOT / "tests/fixtures/cgroup"
@@ -230,3 +230,24 @@ def test_config_k8s_table_and_node_name_label(tmp_path, kubelet):
     off = load_agent(None, env={})
     assert off.k8s.enabled is False and pods.build_pod_labeler(off, lambda: []) is None
     assert os.path.isabs(off.k8s.pod_resources_socket)
+
+
+def test_a_diagnosis_names_the_pod_of_its_process_its_cgroup_or_its_device(kubelet):
+    _, sock = kubelet
+    p = pods.PodLabeler(procfs=str(FIX / "proc"), pod_resources_socket=sock, metadata_dirs=META,
+                        resources=lambda: RESOURCES)
+    p.refresh()
+
+    def diagnosis(device="", **attrs):
+        return Event("diagnosis", "m", "warning", device, {"diagnosis.rule": "r", **attrs})
+    by_pid = p.label_event(diagnosis("gpu0", **{"process.pid": "1001"})).attributes
+    assert (by_pid[pods.POD_NAME], by_pid[pods.NAMESPACE], by_pid[pods.CONTAINER]) == \
+        ("llama-train-0", "ml-research", "trainer")
+    cgroup = f"/kubepods/burstable/pod{'0a1b2c3d-4e5f-4061-8273-94a5b6c7d8e9'}/{'1' * 64}"
+    assert p.label_event(diagnosis(cgroup=cgroup)).attributes[pods.POD_NAME] == "vllm-7b-5d9c"
+    # About a device only (PCIe contention): the pod the kubelet assigned it to.
+    assert p.label_event(diagnosis("npu3-0")).attributes[pods.POD_NAME] == "infer-x"
+    # Nothing known: unchanged; the event's own attributes are never overwritten.
+    assert p.label_event(diagnosis("gpu1")).attributes == {"diagnosis.rule": "r"}
+    own = p.label_event(diagnosis("gpu0", **{"process.pid": "1001", pods.POD_NAME: "as-sent"})).attributes
+    assert own[pods.POD_NAME] == "as-sent" and own[pods.NAMESPACE] == "ml-research"
