@@ -374,7 +374,8 @@ def start_peers(probes: list[str], variants: dict, tmp: str, lib: str, procs: li
     bpftrace = shutil.which("bpftrace")
     pairs = {"io_start": ("block_io_start", "block_io_done"), "rq_issue": ("block_rq_issue", "block_rq_complete")}
     for probe, (what, text) in PEERS.items():
-        if probe not in probes or (probe == "netio" and variants.get("netio") != "sock"):
+        # The bpftrace peer sums sock_send/recv_length per cgroup: the hooks of both socket variants.
+        if probe not in probes or (probe == "netio" and variants.get("netio") not in ("sock", "sock_cgroup")):
             continue
         if not bpftrace:
             peers[probe] = (f"bpftrace {what}", None, "bpftrace not installed (apt-get install bpftrace)")
