@@ -275,7 +275,9 @@ class HbmWatch:
         done = []
         if "file" in self.actions:
             try:
-                req.file = write_atomically(self.request_dir, f"{req.id}.json", req.as_json())
+                # "signal": the job's helper pairs this file with the signal that follows it.
+                sig = signal_mod.Signals(self.signum).name if "signal" in self.actions else ""
+                req.file = write_atomically(self.request_dir, f"{req.id}.json", {**req.as_json(), "signal": sig})
                 done.append(f"file {req.file}")
             except OSError as e:
                 log.error("checkpoint request %s: cannot write to %s: %s", req.id, self.request_dir, e)

@@ -53,6 +53,11 @@ class CheckpointRequests:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._previous_handler: _Handler = None
+        # Signals received, and those accounted for: by a bare-signal request, or by a request file
+        # that says a signal comes with it ("signal" in the file). A signal that arrives after its
+        # file was already taken (the watcher thread read the file first) is then no new request.
+        self._signals = 0
+        self._signals_used = 0
 
     # -- set-up ------------------------------------------------------------------------------
     def install(self) -> CheckpointRequests:
@@ -79,7 +84,18 @@ class CheckpointRequests:
 
     # -- the training loop's side ------------------------------------------------------------
     def pending(self) -> bool:
-        return self._flag.is_set()
+        """Cheap while nothing is asked: a flag check. When the flag is set by a signal whose request
+        was already taken (its file read first), it is cleared here and nothing is pending."""
+        if not self._flag.is_set():
+            return False
+        if self._signals > self._signals_used:
+            return True
+        with self._lock:
+            self._scan_locked()
+            if self._queue:
+                return True
+        self._flag.clear()
+        return self._signals > self._signals_used   # one that landed meanwhile
 
     def take(self) -> dict:
         """The oldest pending request, {} for a bare signal; the flag stays set while more wait.
@@ -89,14 +105,20 @@ class CheckpointRequests:
         self._flag.clear()   # first: a signal that lands during take() sets it again
         with self._lock:
             self._scan_locked()
-            req = self._queue.pop(0) if self._queue else {}
+            if self._queue:
+                req = self._queue.pop(0)
+                if self._signals > self._signals_used or (req.get("signal") and self.signum is not None):
+                    self._signals_used += 1   # its signal: already here, or on its way (the file says so)
+            else:
+                req = {}
+                self._signals_used = min(self._signals, self._signals_used + 1)
             if self._queue:
                 self._flag.set()
         return req
 
     def at_safe_point(self, fn) -> bool:
         """Call fn(request) if a request is pending; returns whether it did."""
-        if not self._flag.is_set():
+        if not self.pending():
             return False
         req = self.take()
         result = fn(req)
@@ -118,7 +140,8 @@ class CheckpointRequests:
 
     # -- internals ----------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
-        self._flag.set()   # only a flag: no I/O, no locks, no user code in a signal handler
+        self._signals += 1   # only a count and a flag: no I/O, no locks, no user code in a signal handler
+        self._flag.set()
 
     def _names(self) -> list[str]:
         try:

@@ -55,3 +55,20 @@ def test_at_safe_point_calls_the_function_once(tmp_path):
         assert req.at_safe_point(calls.append) is False
     assert calls == [{}]
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # the previous handler is back
+
+
+def test_a_signal_after_its_file_was_taken_is_not_a_second_request(tmp_path):
+    """The watcher thread may read the request file before the agent's signal lands; that signal
+    belongs to the request already taken (the file says a signal comes with it)."""
+    with CheckpointRequests(str(tmp_path), signal.SIGUSR2, poll_s=0.02) as req:
+        (tmp_path / ".r1.tmp").write_text(json.dumps({"id": "r1", "pids": [os.getpid()], "signal": "SIGUSR2"}))
+        os.replace(tmp_path / ".r1.tmp", tmp_path / "r1.json")
+        wait_until(req.pending, what="the watcher to see the file")
+        assert req.take()["id"] == "r1"
+        os.kill(os.getpid(), signal.SIGUSR2)   # the agent's signal, late
+        wait_until(lambda: req._signals == 1, what="the signal to land")
+        assert not req.pending() and not req.pending()
+        # A signal of its own (no file) is still a request.
+        os.kill(os.getpid(), signal.SIGUSR2)
+        wait_until(req.pending, what="the bare signal")
+        assert req.take() == {} and not req.pending()
