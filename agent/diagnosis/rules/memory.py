@@ -15,7 +15,7 @@ from xpusense.common import metric_names as m
 from xpusense.common.config import Key, positive, ratio
 
 from ..base import DEVICE_MEMORY_PRESSURE, Context, Evidence, Finding, Rule, RuleFamily
-from ..recent import Recent
+from ..recent import Recent, covers
 
 PROCESS_MEMORY = "xpusense.accelerator.process.memory.usage"
 TOP_PROCESSES = 3
@@ -37,7 +37,7 @@ class MemoryPressure(Rule):
             is_open = (device, "") in held
             bar = self.clear_below if is_open else self.threshold
             # The whole window must be covered (not one high point after a gap) unless already open.
-            if not is_open and s.span_s < self.window_s * 0.9:
+            if not is_open and not covers(s, self.window_s):
                 continue
             if min(s.values) < bar:
                 continue

@@ -24,7 +24,7 @@ from xpusense.common import metric_names as m
 from xpusense.common.config import Key, positive, ratio
 
 from ..base import PCIE_CONTENTION, Context, Evidence, Finding, Rule, RuleFamily
-from ..recent import Recent, Series
+from ..recent import Recent, Series, covers
 
 MIN_POINTS = 3   # a coefficient of variation of fewer utilisation points says nothing
 
@@ -61,7 +61,7 @@ class PcieContention(Rule):
         return out + self._switches(links, flows, nodes, held)
 
     def _gpu(self, util: Series, link: Series, flows: list[Series], node: int | None, is_open: bool) -> Finding | None:
-        if len(util.points) < MIN_POINTS or (not is_open and util.span_s < self.window_s * 0.9):
+        if len(util.points) < MIN_POINTS or (not is_open and not covers(util, self.window_s)):
             return None
         mean = statistics.fmean(util.values)
         if mean < self.util_floor:
