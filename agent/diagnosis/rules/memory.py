@@ -45,17 +45,17 @@ class MemoryPressure(Rule):
         return out
 
     def _finding(self, recent: Recent, now_ns: int, device: str, s) -> Finding:
-        holders = sorted(((p.points[-1].value, p.labels.get("pid", "?"))
-                          for p in recent.latest(PROCESS_MEMORY, device=device)), reverse=True)[:TOP_PROCESSES]
-        who = ", ".join(f"pid {pid} {used / 2**30:.1f} GiB" for used, pid in holders) or "no process listed"
+        holders = sorted(recent.latest(PROCESS_MEMORY, device=device),
+                         key=lambda p: -p.points[-1].value)[:TOP_PROCESSES]   # the largest first
+        who = ", ".join(f"pid {p.labels.get('pid', '?')} {p.points[-1].value / 2**30:.1f} GiB" for p in holders)
         evidence = [Evidence.of(s, self.window_s, f"used/usable at least {min(s.values):.1%} for {s.span_s:.0f} s "
                                                   f"(threshold {self.threshold:.0%})")]
         evidence += [Evidence.of(p, 0.0, f"pid {p.labels.get('pid', '?')} holds {p.points[-1].value / 2**30:.2f} GiB")
-                     for p in recent.latest(PROCESS_MEMORY, device=device)
-                     if p.labels.get("pid") in {pid for _, pid in holders}]
-        attrs = {"process.pid": holders[0][1]} if holders else {}
+                     for p in holders]
+        attrs = {"process.pid": holders[0].labels.get("pid", "?")} if holders else {}
         return Finding(self.name, device, "out of device memory ahead",
-                       f"device memory at {s.values[-1]:.0%} of usable for {s.span_s:.0f} s; held by {who}",
+                       f"device memory at {s.values[-1]:.0%} of usable for {s.span_s:.0f} s; "
+                       f"held by {who or 'no process listed'}",
                        "a pooling allocator (fragmentation), a smaller batch, or move a job off this device",
                        tuple(evidence), attributes=attrs)
 
