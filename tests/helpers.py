@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
@@ -158,3 +160,19 @@ class InProcessCollector:
         self.call(self.server.stop(0))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+
+
+def validate_manifests(documents, folder: str) -> list[str]:
+    """Each (file name, document) of a deploy folder against the Kubernetes schemas (strict), failing
+    the test with the file, kind, name and path of the first error; the documents' kinds."""
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is a dev dependency (pip install -e '.[dev]')")
+    version = kv.latest_version()
+    kinds = []
+    for name, doc in documents:
+        try:
+            kv.validate(doc, version, strict=True)
+        except kv.ValidationError as e:
+            pytest.fail(f"{folder}/{name}: {doc['kind']} {doc['metadata']['name']}: {e.message} at {list(e.path)}")
+        kinds.append(doc["kind"])
+    return kinds
+

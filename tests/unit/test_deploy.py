@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ROOT
+from helpers import ROOT, validate_manifests
 
 from xpusense.agent.config import load_agent
 from xpusense.collector.config import load_collector
@@ -31,15 +31,7 @@ def documents():
 
 
 def test_manifests_validate_against_the_kubernetes_schemas():
-    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is a dev dependency (pip install -e '.[dev]')")
-    version = kv.latest_version()
-    kinds = []
-    for name, doc in documents():
-        try:
-            kv.validate(doc, version, strict=True)
-        except kv.ValidationError as e:
-            pytest.fail(f"deploy/{name}: {doc['kind']} {doc['metadata']['name']}: {e.message} at {list(e.path)}")
-        kinds.append(doc["kind"])
+    kinds = validate_manifests(documents(), "deploy")
     assert sorted(kinds) == sorted(["Namespace", "ConfigMap", "DaemonSet", "ConfigMap", "PersistentVolumeClaim",
                                     "Deployment", "Service"])
 

@@ -8,9 +8,8 @@ import os
 import re
 import subprocess
 
-import pytest
 import yaml
-from helpers import ROOT
+from helpers import ROOT, validate_manifests
 
 from xpusense.collector.cluster.localnats import nats_server_binary
 from xpusense.collector.config import load_collector
@@ -30,15 +29,7 @@ def by_kind(kind: str) -> dict:
 
 
 def test_cluster_manifests_validate_against_the_kubernetes_schemas():
-    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is a dev dependency (pip install -e '.[dev]')")
-    version = kv.latest_version()
-    kinds = []
-    for name, doc in documents():
-        try:
-            kv.validate(doc, version, strict=True)
-        except kv.ValidationError as e:
-            pytest.fail(f"deploy/cluster/{name}: {doc['kind']} {doc['metadata']['name']}: {e.message} at {list(e.path)}")
-        kinds.append(doc["kind"])
+    kinds = validate_manifests(documents(), "deploy/cluster")
     assert sorted(kinds) == sorted(["ConfigMap", "Service", "Service", "StatefulSet", "PodDisruptionBudget",
                                     "ConfigMap", "Deployment", "Service", "Service", "PodDisruptionBudget",
                                     "Deployment", "Deployment", "Service"])
