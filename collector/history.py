@@ -7,6 +7,10 @@ Appending is two C calls; points older than the window are let go in bulk, once 
 stays that of the append. Readers see only the points within the window (`points(cutoff)`), the
 newest `cap` at most. Points keep the order they arrived in (an agent clock stepping back appends
 an older point, as before).
+
+`dropped` counts every point let go from the front (prune, shrink): `dropped + len(t)` is how many
+points the series ever held, so a snapshot can write only the points appended since the last one
+(collector/store/image.py). Points leave only through these two methods.
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ POINT_BYTES = 17   # 16, and the arrays' spare room (CPython grows them by 1/16)
 
 
 class History:
-    __slots__ = ("t", "v", "due_t", "due_n")
+    __slots__ = ("t", "v", "due_t", "due_n", "dropped")
 
     def __init__(self) -> None:
         self.t = array("q")
         self.v = array("d")
         self.due_t = -1    # prune() once a point newer than this comes (set by the first prune)
         self.due_n = 0     # ...or once there are more points than this
+        self.dropped = 0   # points let go from the front so far
 
     def prune(self, cutoff: int, cap: int, window_ns: int, slack_ns: int) -> int:
         """Let go of the points before `cutoff` at the front and all but the newest `cap`; returns
@@ -38,6 +43,7 @@ class History:
         if i:
             del ts[:i]
             del self.v[:i]
+            self.dropped += i
         self.due_t = (ts[0] if len(ts) else cutoff) + window_ns + slack_ns
         self.due_n = cap + max(4, cap >> 3)
         return i
@@ -50,6 +56,7 @@ class History:
             return 0
         self.t = array("q", self.t[n - cap:])
         self.v = array("d", self.v[n - cap:])
+        self.dropped += n - cap
         self.due_n = cap + max(4, cap >> 3)
         return n - cap
 
