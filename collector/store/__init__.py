@@ -13,9 +13,11 @@ in memory within a bound, retried), not a crash.
 - writer.py: Store: group commit, the failing-disk state, segments and retention by history_s;
 - reader.py: StoreReader (the OTLP exporter's durable cursor), stored_batches (audits, tests);
 - metrics.py: the counters as Prometheus metrics;
-- image.py, snapshot.py, snapshotter.py: snapshots of the fleet state (the state as plain data; the
-  checksummed file written atomically and loaded at start, damage ignored; taking one while serving),
-  so a restart replays only the log after the newest good one ([store] snapshot_every_s).
+- image.py, snapfile.py, snapshot.py, snapshotter.py: snapshots of the fleet state (the state as
+  plain data and raw history arrays; the checksummed files, written atomically; which to load at
+  start, damage counted and fallen back from, which to keep; taking one while serving: a full one,
+  then diffs of what changed since it), so a restart replays only the log after the newest good
+  one ([store] snapshot_every_s).
 
 A new segment is started every `segment_s` or `segment_bytes` and begins with a checkpoint
 (every node's inventory and marks), so a segment older than the history kept can be deleted

@@ -1,17 +1,26 @@
-"""The fleet state as plain data, for a snapshot (snapshot.py): what the store's replay rebuilds.
+"""The fleet state as plain data and raw arrays, for a snapshot (snapshot.py): what the replay rebuilds.
 
 Per node: inventory, boot, the per-boot marks (stored_up_to, in order, and when each rose),
 counts, recent events, open diagnoses, and every series (latest and previous value, histogram,
-history arrays as bytes: `array.tobytes`, 16 bytes a point, copied at memcpy speed). Fleet-wide:
-the marks known from earlier runs (known_marks), the state's counters and diagnoses opened per
-rule. Nothing is pickled: lists, ints, floats, strings and bytes, for msgpack.
+history). Fleet-wide: the marks known from earlier runs (known_marks), the state's counters and
+diagnoses opened per rule. The metadata is msgpack (lists, ints, floats, strings, bytes); the
+history points are raw array bytes (`array.tobytes`, 8 bytes a time and 8 a value) in the frame's
+blob, read back with `array.frombytes` straight from the mapped file: no per-point work either way.
+The series of one source share their times: a node's time runs are written once each (`_Runs`).
 
-A node is captured on the event loop in one go (`node()`), so each node is consistent with itself;
-nodes are captured a chunk at a time (snapshotter.py) and may differ in time from one another. That
-is enough, because the replay after a snapshot tells what a node already holds by its marks: the
-marks captured are those of batches *applied*, so a batch accepted (mark raised) but not applied
-yet (not durable, or durable and its stream not resumed) is replayed from the log after the
-snapshot, and one applied is a duplicate there.
+A node is written one of two ways:
+- "F" (full): every series with its whole history (a full snapshot; in a diff, a node new since
+  its base or whose series changed);
+- "I" (incremental, in a diff only): series by position, the same History objects as in the base
+  snapshot, each with only the points appended since the base was captured (`History.dropped +
+  len` counts them), and how many points it holds now: the loader appends them to the base's
+  arrays and lets the oldest go down to that count, then checks the first and last time.
+
+A node is captured on the event loop in one go (`capture()`), so each node is consistent with
+itself; nodes are captured a chunk at a time (snapshotter.py) and may differ in time from one
+another. That is enough, because the replay after a snapshot tells what a node already holds by
+its marks: the marks captured are those of batches *applied*, so a batch accepted (mark raised) but
+not applied yet is replayed from the log after the snapshot, and one applied is a duplicate there.
 """
 
 from __future__ import annotations
@@ -25,32 +34,13 @@ from xpusense.v1 import telemetry_pb2 as pb
 from ..history import History
 from ..state import FleetState, NodeState, Series
 
-VERSION = 1
+VERSION = 2   # 1: one msgpack list a node, history bytes inside it (still read: restore_node_v1)
 
 
 def fleet(state: FleetState) -> list:
     """The fleet-wide part: [known_marks, counters, diagnoses opened per rule]."""
     return [[[nid, boot, seq] for (nid, boot), seq in state.known_marks.items()],
             dict(state.counters), dict(state.diagnoses.opened)]
-
-
-def node(n: NodeState, unapplied: dict[str, int] | None = None) -> list:
-    """One node; `unapplied`: boot -> the lowest sequence number accepted but not applied yet (its
-    mark is taken below it, so the batch is replayed from the log)."""
-    marks = []
-    for boot, seq in n.stored_up_to.items():
-        if unapplied and boot in unapplied:
-            seq = min(seq, unapplied[boot] - 1)
-        marks.append([boot, seq, n.mark_at.get(boot, 0)])
-    series = []
-    for ser in n.series.values():
-        h = ser.history
-        series.append([ser.name, ser.unit, ser.kind, ser.labels, ser.value, ser.time_ns, ser.prev_value,
-                       ser.prev_time_ns, ser.histogram.SerializeToString() if ser.histogram is not None else None,
-                       h.t.tobytes(), h.v.tobytes(), h.due_t, h.due_n])
-    return [n.node_id, n.boot_id, n.last_seen_ns, n.inventory.SerializeToString(), marks, n.batches_stored,
-            n.batches_duplicate, [e.SerializeToString() for e in n.events],
-            [[did, e.SerializeToString()] for did, e in n.diagnoses.items()], n.diagnoses_boot, series]
 
 
 def restore_fleet(state: FleetState, data: list) -> None:
@@ -61,8 +51,188 @@ def restore_fleet(state: FleetState, data: list) -> None:
     state.diagnoses.opened.update(opened)
 
 
-def restore_node(state: FleetState, data: list) -> None:
-    """One node into `state` (which does not hold it yet): not connected, no peer, as a replay leaves it."""
+class Base:
+    """What a diff is written against: per node the History objects of its series (in order; held,
+    so that `is` tells the same series) and how many points each had ever held at capture."""
+
+    __slots__ = ("nodes",)
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, tuple[tuple[History, ...], array]] = {}
+
+
+class _Runs:
+    """A node's distinct time runs, in the order first seen (most series share one with others)."""
+
+    __slots__ = ("runs", "index")
+
+    def __init__(self) -> None:
+        self.runs: list[bytes] = []
+        self.index: dict[tuple, list[int]] = {}
+
+    def ref(self, data: bytes) -> int:
+        key = (len(data), data[:8], data[-8:])
+        same = self.index.setdefault(key, [])
+        for i in same:
+            if self.runs[i] == data:
+                return i
+        same.append(len(self.runs))
+        self.runs.append(data)
+        return len(self.runs) - 1
+
+
+def _common(n: NodeState, unapplied: dict[str, int] | None) -> list:
+    """`unapplied`: boot -> the lowest sequence number accepted but not applied yet (its mark is
+    taken below it, so the batch is replayed from the log)."""
+    marks = []
+    for boot, seq in n.stored_up_to.items():
+        if unapplied and boot in unapplied:
+            seq = min(seq, unapplied[boot] - 1)
+        marks.append([boot, seq, n.mark_at.get(boot, 0)])
+    return [n.node_id, n.boot_id, n.last_seen_ns, n.inventory.SerializeToString(), marks, n.batches_stored,
+            n.batches_duplicate, [e.SerializeToString() for e in n.events],
+            [[did, e.SerializeToString()] for did, e in n.diagnoses.items()], n.diagnoses_boot]
+
+
+def _hist(ser: Series) -> bytes | None:
+    return ser.histogram.SerializeToString() if ser.histogram is not None else None
+
+
+def capture(n: NodeState, unapplied: dict[str, int] | None, parts: list[bytes], base: Base | None,
+            into: Base | None) -> list:
+    """One node's entry; its history bytes are appended to `parts` (the frame's blob). `base`: write
+    it incrementally against that base when it can ("I"), else whole ("F"). `into`: the base being
+    written, which records the node's series for later diffs."""
+    runs = _Runs()
+    values: list[bytes] = []
+    series: list[list] = []
+    prev = base.nodes.get(n.node_id) if base is not None else None
+    if prev is not None and _same_series(n, prev[0]):
+        for ser, was in zip(n.series.values(), prev[1]):
+            h = ser.history
+            held = len(h.t)
+            k = min(h.dropped + held - was, held)   # points appended since the base (the newest `held` at most)
+            if k < 0:   # fewer than the base had: not the same series after all
+                break
+            values.append(h.v[held - k:].tobytes())
+            series.append([ser.value, ser.time_ns, ser.prev_value, ser.prev_time_ns, _hist(ser), h.due_t, h.due_n,
+                           runs.ref(h.t[held - k:].tobytes()), k, held, h.t[0] if held else 0, h.t[-1] if held else 0])
+        else:
+            parts.extend(runs.runs)
+            parts.extend(values)
+            return [*_common(n, unapplied), "I", [len(r) >> 3 for r in runs.runs], series]
+        runs, values, series = _Runs(), [], []
+    hists, totals = [], array("q")
+    for ser in n.series.values():
+        h = ser.history
+        values.append(h.v.tobytes())
+        series.append([ser.name, ser.unit, ser.kind, ser.labels, ser.value, ser.time_ns, ser.prev_value,
+                       ser.prev_time_ns, _hist(ser), h.due_t, h.due_n, runs.ref(h.t.tobytes()), len(h.t)])
+        hists.append(h)
+        totals.append(h.dropped + len(h.t))
+    if into is not None:
+        into.nodes[n.node_id] = (tuple(hists), totals)
+    parts.extend(runs.runs)
+    parts.extend(values)
+    return [*_common(n, unapplied), "F", [len(r) >> 3 for r in runs.runs], series]
+
+
+def _same_series(n: NodeState, hists: tuple[History, ...]) -> bool:
+    return len(n.series) == len(hists) and all(s.history is h for s, h in zip(n.series.values(), hists))
+
+
+def restore(state: FleetState, entry: list, blob: memoryview, at: int) -> int:
+    """One node's entry into `state`, its history from blob[at:]; where the next node's bytes begin.
+    ValueError (or another error of shape) when it does not fit."""
+    (nid, boot_id, last_seen, inv, marks, stored, dup, events, diagnoses, diag_boot, mode, runs, series) = entry
+    starts = []
+    for r in runs:
+        starts.append(at)
+        at += r << 3
+    if at + (sum(s[12 if mode == "F" else 8] for s in series) << 3) > len(blob):
+        raise ValueError(f"node {nid!r}: its history runs past its frame")
+    if mode == "F":
+        old = state.nodes.get(nid)
+        if old is not None:   # a diff's node written whole replaces the base's
+            state.series_total -= len(old.series)
+            state.history_slots -= sum(len(s.history.t) for s in old.series.values())
+        n = state.nodes[nid] = NodeState(nid, state.events_kept)
+        at = _restore_full(state, n, series, runs, starts, blob, at)
+    elif mode == "I":
+        have = state.nodes.get(nid)
+        if have is None or len(have.series) != len(series):
+            raise ValueError(f"node {nid!r}: a diff on a base that does not hold it as it was")
+        n = have
+        at = _restore_incr(state, n, series, runs, starts, blob, at)
+    else:
+        raise ValueError(f"node {nid!r}: mode {mode!r}")
+    n.boot_id, n.last_seen_ns = boot_id, last_seen
+    n.inventory.ParseFromString(inv)
+    n.stored_up_to = collections.OrderedDict((boot, seq) for boot, seq, _ in marks)
+    n.mark_at = {boot: at_ for boot, _, at_ in marks if at_}
+    n.batches_stored, n.batches_duplicate = stored, dup
+    n.events.clear()
+    n.events.extend(pb.Event.FromString(e) for e in events[:state.events_kept])
+    n.diagnoses = collections.OrderedDict((did, pb.Event.FromString(e)) for did, e in diagnoses)
+    n.diagnoses_boot = diag_boot
+    return at
+
+
+def _restore_full(state: FleetState, n: NodeState, series: list, runs: list, starts: list, blob: memoryview,
+                  at: int) -> int:
+    slots = 0
+    for (name, unit, kind, labels, value, time_ns, prev_value, prev_time_ns, hist, due_t, due_n, r, k) in series:
+        if runs[r] != k:
+            raise ValueError(f"node {n.node_id!r} series {name!r}: {k} values on a run of {runs[r]} times")
+        ser = Series.__new__(Series)
+        ser.name, ser.unit, ser.kind, ser.labels = name, unit, kind, labels
+        ser.value, ser.time_ns = _float(value), time_ns
+        ser.prev_value, ser.prev_time_ns = _float(prev_value), prev_time_ns
+        ser.histogram = pb.Histogram.FromString(hist) if hist is not None else None
+        h = ser.history = History()
+        h.t.frombytes(blob[starts[r]:starts[r] + (k << 3)])
+        h.v.frombytes(blob[at:at + (k << 3)])
+        at += k << 3
+        h.due_t, h.due_n = due_t, due_n
+        slots += k
+        n.series[(name, tuple(sorted(labels.items())))] = ser
+    state.series_total += len(n.series)
+    state.history_slots += slots
+    return at
+
+
+def _restore_incr(state: FleetState, n: NodeState, series: list, runs: list, starts: list, blob: memoryview,
+                  at: int) -> int:
+    slots = 0
+    for ser, (value, time_ns, prev_value, prev_time_ns, hist, due_t, due_n, r, k, held, first, last) in zip(
+            n.series.values(), series):
+        if runs[r] != k:
+            raise ValueError(f"node {n.node_id!r} series {ser.name!r}: {k} values on a run of {runs[r]} times")
+        h = ser.history
+        before = len(h.t)
+        if k:
+            h.t.frombytes(blob[starts[r]:starts[r] + (k << 3)])
+            h.v.frombytes(blob[at:at + (k << 3)])
+            at += k << 3
+        extra = len(h.t) - held
+        if extra < 0:
+            raise ValueError(f"node {n.node_id!r} series {ser.name!r}: {len(h.t)} points, the diff says {held}")
+        if extra:
+            del h.t[:extra]
+            del h.v[:extra]
+        if held and (h.t[0] != first or h.t[-1] != last):
+            raise ValueError(f"node {n.node_id!r} series {ser.name!r}: the points do not follow on from the base's")
+        ser.value, ser.time_ns = _float(value), time_ns
+        ser.prev_value, ser.prev_time_ns = _float(prev_value), prev_time_ns
+        ser.histogram = pb.Histogram.FromString(hist) if hist is not None else None
+        h.due_t, h.due_n = due_t, due_n
+        slots += held - before
+    state.history_slots += slots
+    return at
+
+
+def restore_node_v1(state: FleetState, data: list) -> None:
+    """A node of a version 1 snapshot (written before this version): read, never written."""
     (nid, boot_id, last_seen, inv, marks, stored, dup, events, diagnoses, diag_boot, series) = data
     n = state.nodes[nid] = NodeState(nid, state.events_kept)
     n.boot_id, n.last_seen_ns = boot_id, last_seen
@@ -90,8 +260,6 @@ def restore_node(state: FleetState, data: list) -> None:
         n.series[(name, tuple(sorted(labels.items())))] = ser
     state.series_total += len(n.series)
     state.history_slots += slots
-    for w in state.watchers:
-        w(n, None)
 
 
 def _float(x) -> float:

@@ -1,163 +1,81 @@
-"""Snapshot files of the fleet state: what a restart loads before it replays only the log after them.
+"""Snapshots of the fleet state at start: which to load, loading them, damage, which to keep.
 
-`data_dir/snapshots/snapshot-SSSSSSSS-OOOOOOOOOOOO.snap` covers the store up to segment S, byte O:
-every record before that position is in it (image.py says how a node's marks make that exact).
-The file is SNAPSHOT_MAGIC, then frames in the store's own format (frames.py: magic, length,
-crc32, msgpack payload):
+A full snapshot covers the store up to its position (snapfile.py names it): every record before
+that position is in it (image.py says how a node's marks make that exact). A diff covers the store
+up to its own position and holds only what changed since the full snapshot it is written on (the
+history points appended since, the rest of every node as it is; image.py). A restart loads the
+newest full snapshot that reads back whole, then the newest of its diffs that does, and replays
+only the log after the one it ended with.
 
-    ["h", VERSION, segment, offset, created_unix_ns]   first
-    ["f", fleet]                                       known marks, counters (image.fleet)
-    ["n", [node, ...]]                                 nodes, a chunk at a time (image.node)
-    ["e", nodes, frames]                               last: how many nodes and frames came before it
-
-Written to a temporary file in the same directory, fsync'ed, renamed into place and the directory
-fsync'ed, so a snapshot is there whole or not at all. A snapshot that does not read back whole
-(a frame whose checksum fails, a cut file, no end record, a count that differs) is damaged: at
-start it is counted, logged and ignored, and the next older one is tried, else the whole log is
-replayed (the log is kept until a good snapshot covers it: writer.py retention). Temporary files
-left by a crash are removed at start (counted the same way).
+Every frame's checksum is checked as it is read. A full snapshot found damaged part-way is
+forgotten (`reset`) and the next older one tried; a diff is checked whole before anything of it is
+applied, and one that still does not fit (or fails part-way) costs a reload of its full snapshot
+without it. Damaged files are counted (`snapshot_damaged`), logged, moved to `data_dir/damaged/`
+and not tried again; with no good snapshot the whole log is replayed (the log is kept until a good
+snapshot covers it: writer.py retention, `prune`). Temporary files left by a crash are removed at
+start (counted the same way). A diff written on another full snapshot than the one of its name
+(one rewritten at the same position) is not applied.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
-import mmap
 import os
-import re
 import time
 from collections.abc import Iterator
 
-import msgpack
+from google.protobuf.message import DecodeError
 
-from .frames import HEADER_BYTES, frame, frame_at
-from .image import VERSION, restore_fleet, restore_node
+from .image import restore, restore_fleet, restore_node_v1
+from .snapfile import TMP_PREFIX, Damaged, Entry, Pos, Reader, SnapshotFile, entries, snapshot_name
 
 log = logging.getLogger("xpusense.collector.store")
 
-SNAPSHOT_MAGIC = b"XPSSNP\x00\x01"
-NAME = re.compile(r"^snapshot-(\d{8,})-(\d{12,})\.snap$")
-TMP_PREFIX = ".tmp-"
+__all__ = ["TMP_PREFIX", "Damaged", "SnapshotFile", "Snapshots", "listed", "records", "snapshot_name"]
+
+SHAPE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, DecodeError)
+DIFFS_KEPT = 2   # of the newest full snapshot (one to fall back on); one of each older full snapshot kept
 
 
-class Damaged(Exception):
-    pass
-
-
-def snapshot_name(pos: tuple[int, int]) -> str:
-    return f"snapshot-{pos[0]:08d}-{pos[1]:012d}.snap"
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class SnapshotFile:
-    """One snapshot being written (in a worker thread, never on the event loop)."""
-
-    def __init__(self, directory: str, pos: tuple[int, int], fsync: bool = True):
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        self.dir, self.pos, self.fsync = directory, pos, fsync
-        self.path = os.path.join(directory, snapshot_name(pos))
-        self.tmp = os.path.join(directory, f"{TMP_PREFIX}{snapshot_name(pos)}.{os.getpid()}")
-        self.f = open(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "wb")
-        self.frames = self.nodes = self.bytes = 0
-        self.f.write(SNAPSHOT_MAGIC)
-        self.add(["h", VERSION, pos[0], pos[1], time.time_ns()])
-
-    def add(self, record: list) -> None:
-        data = frame(record)
-        self.f.write(data)
-        self.frames += 1
-        self.bytes += len(data)
-        if record[0] == "n":
-            self.nodes += len(record[1])
-
-    def finish(self) -> str:
-        self.add(["e", self.nodes, self.frames])
-        self.f.flush()
-        if self.fsync:
-            os.fsync(self.f.fileno())
-        self.f.close()
-        os.replace(self.tmp, self.path)
-        if self.fsync:
-            _fsync_dir(self.dir)
-        return self.path
-
-    def abort(self) -> None:
-        try:
-            self.f.close()
-        finally:
-            try:
-                os.unlink(self.tmp)
-            except OSError:
-                pass
-
-
-def listed(directory: str) -> list[tuple[tuple[int, int], str]]:
-    """(position, path) of every snapshot file, newest (highest position) first."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    out = [((int(m.group(1)), int(m.group(2))), os.path.join(directory, name))
-           for name in names if (m := NAME.match(name))]
-    return sorted(out, reverse=True)
+def listed(directory: str) -> list[tuple[Pos, str]]:
+    """(position, path) of every snapshot file, full and diffs, newest first."""
+    return [(e.pos, e.path) for e in entries(directory)]
 
 
 def records(path: str) -> Iterator[list]:
-    """The records of a snapshot file in order; Damaged as soon as it does not read as a whole one."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < len(SNAPSHOT_MAGIC) + HEADER_BYTES:
-            raise Damaged(f"{size} bytes, too short for a snapshot")
-        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as buf:
-            if buf[:len(SNAPSHOT_MAGIC)] != SNAPSHOT_MAGIC:
-                raise Damaged("not a snapshot (magic)")
-            pos, frames, nodes = len(SNAPSHOT_MAGIC), 0, 0
-            while pos < size:
-                payload = frame_at(buf, pos, size)
-                if payload is None:
-                    raise Damaged(f"bytes from {pos} on are not a whole frame with a good checksum")
-                pos += HEADER_BYTES + len(payload)
-                try:
-                    rec = msgpack.unpackb(payload, raw=False)
-                except (ValueError, msgpack.UnpackException) as e:
-                    raise Damaged(f"a frame at {pos} is not msgpack ({e})") from None
-                if not isinstance(rec, list) or not rec:
-                    raise Damaged(f"a frame at {pos} is not a snapshot record")
-                if rec[0] == "e":
-                    if rec[1:] != [nodes, frames] or pos != size:
-                        raise Damaged(f"the end record says {rec[1:]} nodes and frames, read {[nodes, frames]}"
-                                      f"{'' if pos == size else f', and {size - pos} bytes follow it'}")
-                    return
-                if frames == 0 and (rec[0] != "h" or rec[1] != VERSION):
-                    raise Damaged(f"first record {rec[:2]!r}, not a version {VERSION} header")
-                frames += 1
-                nodes += len(rec[1]) if rec[0] == "n" else 0
-                yield rec
-    raise Damaged("cut short: no end record")
+    """The records of a snapshot file after its header (tests, inspection); Damaged as soon as it
+    does not read as a whole one."""
+    with Reader(path) as r:
+        for rec, _blob in r.records():
+            yield rec
 
 
-def load(path: str, state) -> tuple[int, int]:
-    """Load one snapshot into an empty `state`; its position. Damaged (the state then holds part of
-    it: see reset()) when it does not read back whole."""
-    pos = (0, 0)
-    for rec in records(path):
+def _apply(reader: Reader, state, recs) -> None:
+    for rec, blob in recs:
         try:
-            if rec[0] == "h":
-                pos = (int(rec[2]), int(rec[3]))
-            elif rec[0] == "f":
+            if rec[0] == "f":
                 restore_fleet(state, rec[1])
-            elif rec[0] == "n":
+            elif rec[0] == "n" and reader.version == 1:
                 for data in rec[1]:
-                    restore_node(state, data)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+                    restore_node_v1(state, data)
+            elif rec[0] == "n":
+                at = 0
+                for entry in rec[1]:
+                    at = restore(state, entry, blob, at)
+                if at != len(blob):
+                    raise ValueError(f"{len(blob) - at} bytes of history no node says are its")
+        except SHAPE_ERRORS as e:
             raise Damaged(f"a {rec[0]!r} record does not fit the fleet state ({e!r:.200})") from None
-    return pos
+        finally:
+            del blob
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError as e:
+        log.warning("store snapshot %s: cannot remove (%s)", path, e.strerror)
 
 
 def reset(state) -> None:
@@ -176,11 +94,13 @@ class Snapshots:
         self.dir = os.path.join(data_dir, "snapshots")
         self.keep = max(1, keep)
         self.figures: dict[str, float] = {"snapshot_loaded": 0, "snapshot_damaged": 0, "snapshot_load_ms": 0,
-                                          "snapshot_nodes": 0}
+                                          "snapshot_nodes": 0, "snapshot_diff_loaded": 0}
 
-    def load_newest(self, state) -> tuple[int, int] | None:
-        """Remove temporary files left by a crash; load the newest snapshot that reads back whole
-        (older ones are tried in turn); its position, or None (then the whole log is replayed)."""
+    def load_newest(self, state) -> Pos | None:
+        """Remove temporary files left by a crash; load the newest full snapshot that reads back whole
+        (older ones are tried in turn) and the newest good diff on it; the position loaded up to, or
+        None (then the whole log is replayed). The cyclic collector is off meanwhile: hundreds of
+        thousands of objects are made and none is garbage."""
         t0 = time.monotonic()
         try:
             names = os.listdir(self.dir)
@@ -195,21 +115,83 @@ class Snapshots:
                     os.unlink(os.path.join(self.dir, name))
                 except OSError:
                     pass
-        for _pos, path in listed(self.dir):
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return self._load(state, t0)
+        finally:
+            if was:
+                gc.enable()
+
+    def _load(self, state, t0: float) -> Pos | None:
+        skip: set[str] = set()   # found damaged (moved aside, or tried to be)
+        while True:
+            found = [e for e in entries(self.dir) if e.path not in skip]
+            for base in (e for e in found if e.base is None):
+                try:
+                    with Reader(base.path) as r:
+                        if r.pos != base.pos or r.base is not None:
+                            raise Damaged(f"its header says position {r.pos}, base {r.base}")
+                        _apply(r, state, r.records())
+                        base_id = r.id
+                except (Damaged, OSError) as e:
+                    reset(state)
+                    self._damaged(base.path, e, skip)
+                    continue
+                t1 = time.monotonic()
+                pos, diff = self._diff(state, base, base_id, found, skip)
+                if diff == "reload":
+                    reset(state)
+                    break
+                for n in state.nodes.values():
+                    for w in state.watchers:
+                        w(n, None)
+                loaded = os.path.basename(base.path) + (f"+{os.path.basename(diff)}" if diff else "")
+                self.figures.update(snapshot_loaded=1, snapshot_nodes=len(state.nodes), snapshot_diff_loaded=int(bool(diff)),
+                                    snapshot_load_ms=round((time.monotonic() - t0) * 1000))
+                log.info("store snapshot %s loaded: %d nodes in %.2f s (full %.2f s, diff %.2f s); replaying the log "
+                         "after segment %d byte %d", loaded, len(state.nodes), time.monotonic() - t0, t1 - t0,
+                         time.monotonic() - t1, *pos)
+                return pos
+            else:
+                return None
+
+    def _diff(self, state, base: Entry, base_id: int, found: list[Entry], skip: set[str]) -> tuple[Pos, str]:
+        """Apply the newest good diff on `base`: (the position loaded up to, its path or ""), or
+        (_, "reload") when one failed part-way (the base must be loaded again without it)."""
+        for d in (e for e in found if e.base == base.pos):
+            applying = stale = False
             try:
-                pos = load(path, state)
+                with Reader(d.path) as r:
+                    if r.base is None or r.pos != d.pos:
+                        raise Damaged(f"its header says position {r.pos}, base {r.base}")
+                    stale = r.base != (base.pos, base_id)
+                    if not stale:
+                        recs = list(r.records())   # every checksum checked before anything is applied
+                        applying = True
+                        try:
+                            _apply(r, state, recs)
+                        finally:
+                            del recs
             except (Damaged, OSError) as e:
-                reset(state)
-                self.figures["snapshot_damaged"] += 1
-                log.warning("store snapshot %s is damaged (%s): ignored, %s; trying an older one, else replaying "
-                            "the whole log (counted: snapshot_damaged)", path, e, self._set_aside(path))
+                self._damaged(d.path, e, skip)
+                if applying:
+                    return base.pos, "reload"
                 continue
-            self.figures.update(snapshot_loaded=1, snapshot_nodes=len(state.nodes),
-                                snapshot_load_ms=round((time.monotonic() - t0) * 1000))
-            log.info("store snapshot %s loaded: %d nodes in %.2f s; replaying the log after segment %d byte %d",
-                     path, len(state.nodes), time.monotonic() - t0, *pos)
-            return pos
-        return None
+            if stale:
+                skip.add(d.path)
+                log.info("store snapshot %s: written on an earlier full snapshot at the same position: not applied, "
+                         "removed", d.path)
+                _unlink(d.path)
+                continue
+            return d.pos, d.path
+        return base.pos, ""
+
+    def _damaged(self, path: str, e: Exception, skip: set[str]) -> None:
+        skip.add(path)
+        self.figures["snapshot_damaged"] += 1
+        log.warning("store snapshot %s is damaged (%s): ignored, %s; trying an older one, else replaying the log "
+                    "(counted: snapshot_damaged)", path, e, self._set_aside(path))
 
     def _set_aside(self, path: str) -> str:
         """A damaged snapshot goes to data_dir/damaged/ (not tried again, not counted as kept)."""
@@ -221,14 +203,18 @@ class Snapshots:
             return f"NOT moved aside ({e.strerror})"
         return f"moved to {dest}"
 
-    def prune(self) -> tuple[int, int] | None:
-        """Keep the newest `keep` snapshots; the oldest kept one's position (what the log must
-        still hold from: a damaged newest one falls back to it)."""
-        have = listed(self.dir)
-        for _, path in have[self.keep:]:
-            try:
-                os.unlink(path)
-            except OSError as e:
-                log.warning("store snapshot %s: cannot remove (%s)", path, e.strerror)
-        kept = have[:self.keep]
-        return kept[-1][0] if kept else None
+    def prune(self) -> Pos | None:
+        """Keep the newest `keep` full snapshots, the newest DIFFS_KEPT diffs of the newest one and
+        the newest diff of each older one; the oldest full snapshot's position (what the log must
+        still hold from: a damaged newest one falls back to an older one and the log after it)."""
+        have = entries(self.dir)
+        full = [e.pos for e in have if e.base is None][:self.keep]
+        room = {pos: DIFFS_KEPT if i == 0 else 1 for i, pos in enumerate(full)}
+        for e in have:
+            if e.base is None and e.pos in room:
+                continue
+            if e.base is not None and room.get(e.base, 0) > 0:
+                room[e.base] -= 1
+                continue
+            _unlink(e.path)
+        return full[-1] if full else None

@@ -1,14 +1,21 @@
 """Taking snapshots of the fleet state while the collector serves, without stalling ingest.
 
 Every `[store] snapshot_every_s` (and once more on a clean stop) the collector writes a snapshot
-(snapshot.py). The position it covers is fixed first: what is durable, or earlier, down to the
-lowest position of a batch accepted but not applied yet (Store.covered()). Then the nodes are
-captured on the event loop a chunk at a time (about `chunk_series` series: the history arrays are
-copied as bytes, milliseconds a chunk) and each chunk is packed, checksummed and written by a
-worker thread of the snapshotter's own while the loop goes on serving; the next chunk is captured
-once the last one is written, so a snapshot holds at most one chunk in memory besides the state.
-A failed write (full disk) removes the temporary file, is counted and logged, and is tried again at
-the next period: the log is kept meanwhile, so nothing is lost.
+(snapshot.py). Most are diffs: only what changed since the last full one (the history points
+appended since, and every node's small parts), a few percent of a full one, so they can be
+frequent (the log replayed after a crash is at most that period) without writing the whole
+history each time. A full one is written first after a start, and again once the last diff was
+1/DIFF_RATIO of the full one or more (diffs grow with the time since their full one; this keeps
+what is written per period near its least, whatever the fleet's size).
+
+The position a snapshot covers is fixed first: what is durable, or earlier, down to the lowest
+position of a batch accepted but not applied yet (Store.covered()). Then the nodes are captured on
+the event loop a chunk at a time (about `chunk_series` series: the history arrays are copied as
+bytes, milliseconds a chunk) and each chunk is packed, checksummed and written by a worker thread
+of the snapshotter's own while the loop goes on serving; the next chunk is captured once the last
+one is written, so a snapshot holds at most one chunk in memory besides the state. A failed write
+(full disk) removes the temporary file, is counted and logged, and is tried again at the next
+period: the log is kept meanwhile, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ import logging
 import time
 
 from . import image
-from .snapshot import SnapshotFile
+from .snapfile import SnapshotFile
+
+DIFF_RATIO = 8
 
 log = logging.getLogger("xpusense.collector.store")
 
@@ -32,7 +41,14 @@ class Snapshotter:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-snapshot")
         self._lock: asyncio.Lock | None = None   # one snapshot at a time (made on the loop)
         self.written = 0
+        self.full_written = 0
+        self.bytes_written = 0
         self.failures = 0
+        # The last full snapshot written by this process: (position, id), its size, what diffs need of it.
+        self.base: tuple[tuple[int, int], int] | None = None
+        self.base_image: image.Base | None = None
+        self.base_bytes = 0
+        self.diff_bytes = 0   # of the last diff
         self.last: dict[str, float] = {}
         store.snapshotter = self
 
@@ -46,36 +62,45 @@ class Snapshotter:
                 pass
             await self.take("periodic")
 
-    async def take(self, why: str) -> str | None:
-        """Write one snapshot (after the one being written, if any); its path, or None when it failed."""
+    async def take(self, why: str, full: bool | None = None) -> str | None:
+        """Write one snapshot (after the one being written, if any); its path, or None when it failed.
+        `full`: a full one, or a diff (when there is a full one to write it on); None: as the policy says."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            return await self._take(why)
+            return await self._take(why, full)
 
-    async def _take(self, why: str) -> str | None:
+    async def _take(self, why: str, full: bool | None) -> str | None:
         loop = asyncio.get_running_loop()
         t0, cpu_loop = time.monotonic(), 0.0
         f = None
+        if full is None:
+            full = self.diff_bytes * DIFF_RATIO >= self.base_bytes
+        full = full or self.base is None
+        base_image = None if full else self.base_image
+        into = image.Base() if full else None
         try:
             pos = self.store.covered()
-            f = await loop.run_in_executor(self._pool, SnapshotFile, self.store.snapshots.dir, pos, self.store.fsync)
+            f = await loop.run_in_executor(self._pool, SnapshotFile, self.store.snapshots.dir, pos, self.store.fsync,
+                                           None if full else self.base)
             await loop.run_in_executor(self._pool, f.add, ["f", image.fleet(self.state)])
             ids = list(self.state.nodes)
             i = 0
             while i < len(ids):
                 c0 = time.perf_counter()
                 unapplied = self.store.unapplied()
-                chunk, size = [], 0
+                chunk: list[list] = []
+                parts: list[bytes] = []
+                size = 0
                 while i < len(ids) and size < self.chunk_series:
                     n = self.state.nodes.get(ids[i])
                     i += 1
                     if n is not None:
-                        chunk.append(image.node(n, unapplied.get(n.node_id)))
+                        chunk.append(image.capture(n, unapplied.get(n.node_id), parts, base_image, into))
                         size += len(n.series) + 1
                 cpu_loop += time.perf_counter() - c0
-                await loop.run_in_executor(self._pool, f.add, ["n", chunk])
-                chunk = []
+                await loop.run_in_executor(self._pool, f.add, ["n", chunk], parts)
+                chunk, parts = [], []
             path = await loop.run_in_executor(self._pool, f.finish)
         except Exception as e:   # a full or failing disk: the log is kept; tried again next period
             self.failures += 1
@@ -85,17 +110,24 @@ class Snapshotter:
                 await loop.run_in_executor(self._pool, f.abort)
             return None
         self.written += 1
+        self.bytes_written += f.bytes
+        if full:
+            self.full_written += 1
+            self.base, self.base_image, self.base_bytes, self.diff_bytes = (pos, f.id), into, f.bytes, 0
+        else:
+            self.diff_bytes = f.bytes
         self.store.snapshot_written(pos)
-        self.last = {"snapshot_bytes": f.bytes, "snapshot_nodes_written": f.nodes,
+        self.last = {"snapshot_bytes": f.bytes, "snapshot_nodes_written": f.nodes, "snapshot_full": int(full),
                      "snapshot_write_ms": round((time.monotonic() - t0) * 1000),
                      "snapshot_loop_ms": round(cpu_loop * 1000)}
-        log.info("store snapshot (%s) %s: %d nodes, %.1f MB, covers segment %d byte %d; %.2f s (%.0f ms of it on "
-                 "the event loop)", why, path, f.nodes, f.bytes / 1e6, pos[0], pos[1], time.monotonic() - t0,
-                 cpu_loop * 1000)
+        log.info("store snapshot (%s) %s: %d nodes, %.1f MB, %s, covers segment %d byte %d; %.2f s (%.0f ms of it on "
+                 "the event loop)", why, path, f.nodes, f.bytes / 1e6, "full" if full else "a diff", pos[0], pos[1],
+                 time.monotonic() - t0, cpu_loop * 1000)
         return path
 
     def stats(self) -> dict[str, float]:
-        return {"snapshots_written": self.written, "snapshot_failures": self.failures, **self.last}
+        return {"snapshots_written": self.written, "snapshots_full_written": self.full_written,
+                "snapshot_bytes_written": self.bytes_written, "snapshot_failures": self.failures, **self.last}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
