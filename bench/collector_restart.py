@@ -13,6 +13,9 @@ Whole log (the default):
 3. `--tail-s` more seconds of batches are appended (a crash just before the next periodic snapshot
    leaves at most snapshot_every_s of them), and the collector starts again: it loads the snapshot
    and replays only that tail ("with snapshot").
+"Ready" is from exec to the collector answering Health.Check SERVING, polled every 20 ms with a
+fresh connection (before 2026-11-30 21:00 a gRPC channel waited for it and its reconnect backoff
+added up to seconds to the figure).
 
 --direct (no whole log: minutes instead of a quarter of an hour at 1,000 nodes): the fleet state is
 built in this process (one real batch a node, then `--minutes` of 1 s history put straight into its
@@ -36,12 +39,13 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-from _proc import free_port, stop, tool, wait_collector
+from _proc import free_port, stop, tool
 from collector_ingest import DEVICES, SERIES, SimAgent
 
 from xpusense.collector.store.frames import SEGMENT_MAGIC, frame, segment_name
@@ -100,6 +104,32 @@ def write_seconds(log: LogWriter, agents: list[SimAgent], start_ns: int, seconds
     log.close()
 
 
+def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Until the collector answers Health.Check SERVING: a fresh connection tried every 20 ms (a gRPC
+    channel waiting for the port backs off, 1 s, 1.6 s, 2.6 s...: up to seconds late)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the collector exited ({proc.returncode}) before serving")
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+        except OSError:
+            time.sleep(0.02)
+            continue
+        with grpc.insecure_channel(address) as ch:
+            try:
+                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+        time.sleep(0.02)
+    raise TimeoutError(f"the collector did not serve within {timeout_s} s")
+
+
 def run_collector(data: str, cfg: str, tmp: str, name: str) -> tuple[subprocess.Popen, float, str]:
     address = f"127.0.0.1:{free_port()}"
     log_path = os.path.join(tmp, f"{name}.log")
@@ -109,7 +139,7 @@ def run_collector(data: str, cfg: str, tmp: str, name: str) -> tuple[subprocess.
                                                               "--config", cfg, "--data-dir", data],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        wait_collector(address, 1800.0)
+        wait_serving(address, proc, 1800.0)
     except Exception:
         stop(proc)
         raise
