@@ -69,7 +69,7 @@ class FleetView:
         self.stale_ns = settings.stale_ns
         self.peak_tflops = PeakTflops(settings.peak_tflops)
         self.summaries: dict[str, NodeSummary] = {}
-        self.pools: tuple[Pool, ...] = tuple(Pool() for _ in range(POOLS))
+        self.pools: tuple[Pool, ...] = tuple(Pool(counted=i < len(ACCEL_TYPES)) for i in range(POOLS))
         self.seen_heap: list[tuple[int, str]] = []   # (last seen ns, node), see _seen
         self.seen_pushed: dict[str, int] = {}        # node -> time of its live entry in seen_heap
         self.stale_known: dict[str, NodeSummary] = {}

@@ -5,10 +5,13 @@ and Groups, with what a decision needs for any device count precomputed) and whe
 A Pool is what one kind of request walks: type GPU 0, NPU 1, any 2; +3 when the devices must share
 one interconnect domain. In it, per placement key (region, zone, province, encryption,
 attestation) a Bucket, whose part of the score is worked out once per request for all its nodes.
-For each node with one group to look at, the Bucket and the Pool hold a row of CMAX values (the
-free HBM of its c-th most free offered device, c = 1..CMAX), so that a decision counts what fits
-with C-speed passes over one column; and the Bucket files the node by the level of its compute
-part per count, so that a decision can rank best level first and stop early (search.py).
+A node with one group to look at has a row of CMAX values (its fit row: the free HBM of its c-th
+most free offered device, c = 1..CMAX). The Buckets of the two type pools (GPU, NPU: every node
+of the type, one group each) keep, per count, the fit rows' values sorted (ranked.py), so that a
+decision counts what fits per placement key in O(log n) whatever the pool (search.py works out
+the other pools' counts from these); the Pool keeps the rows once more, pool-wide, to find a few
+misfits to list at C speed. Every Bucket files its one-group nodes by the level of their compute
+part per count, so that a decision can rank best level first and stop early.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from xpusense.v1 import scheduler_pb2 as spb
 
+from .ranked import Ranked
 from .scoring import NO_READINGS_FREE, UNKNOWN_VALUE_NORM, value_norm, value_per_price
 
 ACCEL_TYPES = ("GPU", "NPU")
@@ -167,30 +171,31 @@ class NodeSummary:
 class Entry:
     """A node in one pool. `group`: its one group to look at there (the common case), or None with
     `groups` the several (types for `any`, domains for same_domain), evaluated one by one."""
-    __slots__ = ("summary", "state", "key", "group", "groups", "bucket_slot", "pool_slot", "levels")
+    __slots__ = ("summary", "state", "key", "group", "groups", "bucket_slot", "pool_slot", "levels", "row")
 
     def __init__(self, s: NodeSummary, key: tuple):
         self.summary, self.state, self.key = s, s.state, key
         self.group: Group | None = None
         self.groups: list[Group] = []
-        self.bucket_slot = -1          # row in its Bucket's fit (one-group nodes)
+        self.bucket_slot = -1          # place in its Bucket's one_group (one-group nodes)
         self.pool_slot = -1            # row in its Pool's fit
+        self.row = NO_FIT              # the fit row filed (its group's once set)
         self.levels = [-1] * (CMAX + 1)   # per count: its level in Bucket.by_level, -1 when not there
 
 
 class Bucket:
-    """The nodes of one placement key in a pool. For the one-group nodes (`one_group`, by slot), per
-    count c: fit[slot * CMAX + c - 1] = free HBM of the c-th most free offered device (or
-    FEWER_OFFERED / FEWER_AT_ALL), a column of which is read with C-speed slicing, map and sum;
-    by_level[c][level] = the nodes whose compute part for c devices is in that level, walked best
-    level first. `many_groups`: the nodes with several groups."""
-    __slots__ = ("key", "one_group", "many_groups", "fit", "by_level", "nonempty", "key_part")
+    """The nodes of one placement key in a pool: `one_group` (by slot) and `many_groups` (the nodes
+    with several groups). by_level[c][level] = the one-group nodes whose compute part for c
+    devices is in that level, walked best level first. In a type pool (`counts` not None):
+    counts[c - 1] = the values of its nodes' fit rows for count c (free HBM of the c-th most free
+    offered device, or FEWER_OFFERED / FEWER_AT_ALL), sorted."""
+    __slots__ = ("key", "one_group", "many_groups", "counts", "by_level", "nonempty", "key_part")
 
-    def __init__(self, key: tuple):
+    def __init__(self, key: tuple, counted: bool = False):
         self.key = key
         self.one_group: list[Entry] = []
         self.many_groups: dict[str, Entry] = {}
-        self.fit = array("d")   # row per slot: Group.fit_row (CMAX values)
+        self.counts: list[Ranked] | None = [Ranked() for _ in range(CMAX)] if counted else None
         self.by_level: list[list[dict[str, Entry]]] = [[]] + [[{} for _ in range(LEVELS)] for _ in range(CMAX)]
         self.nonempty = [0] * (CMAX + 1)   # per count: bit `level` set when by_level[c][level] has nodes
         self.key_part = 0.0     # during a decision: its placement key's part of the score
@@ -212,15 +217,21 @@ class Bucket:
                     self.nonempty[c] |= 1 << new
         e.levels = new_levels
 
+    def file_row(self, old: array, new: array) -> None:
+        """A node's fit row changed from `old` to `new`: the sorted values with it."""
+        if self.counts is not None:
+            Ranked.replace_each(self.counts, old, new)
+
     def remove_one_group(self, e: Entry) -> None:
-        """Take a one-group node out: its row (the last row moves into its place) and its levels."""
+        """Take a one-group node out: its slot (the last one moves into its place), its fit row's
+        values and its levels."""
         last = self.one_group.pop()
         if last is not e:
             self.one_group[e.bucket_slot] = last
-            row = e.bucket_slot * CMAX
-            self.fit[row:row + CMAX] = self.fit[-CMAX:]
             last.bucket_slot = e.bucket_slot
-        del self.fit[-CMAX:]
+        if self.counts is not None:
+            for c in range(CMAX):
+                self.counts[c].remove(e.row[c])
         nid = e.summary.node_id
         for c in range(1, CMAX + 1):
             if e.levels[c] >= 0:
@@ -236,11 +247,13 @@ class Bucket:
 
 class Pool:
     """What one kind of request walks: the nodes that have such devices, in Buckets by placement
-    key. `fit` and `one_group` hold every one-group node's fit row once more, pool-wide, so that a
-    decision counts the whole pool in one pass and only visits the buckets a filter removes."""
-    __slots__ = ("buckets", "entries", "with_devices_out", "fit", "one_group")
+    key. `fit` and `one_group` hold every one-group node's fit row once more, pool-wide (by pool
+    slot), so that a decision finds a few misfits to list at C speed. `counted`: a type pool,
+    whose Buckets keep the sorted fit values (Bucket.counts)."""
+    __slots__ = ("buckets", "entries", "with_devices_out", "fit", "one_group", "counted")
 
-    def __init__(self) -> None:
+    def __init__(self, counted: bool = False) -> None:
+        self.counted = counted
         self.buckets: dict[tuple, Bucket] = {}
         self.entries: dict[str, Entry] = {}
         self.with_devices_out: dict[str, Entry] = {}   # nodes with a device not offered now
@@ -253,11 +266,13 @@ class Pool:
         e = self.entries[nid] = Entry(s, key)
         b = self.buckets.get(key)
         if b is None:
-            b = self.buckets[key] = Bucket(key)
+            b = self.buckets[key] = Bucket(key, self.counted)
         if one_group:
             e.bucket_slot = len(b.one_group)
             b.one_group.append(e)
-            b.fit.extend(NO_FIT)
+            if b.counts is not None:
+                for c in range(CMAX):
+                    b.counts[c].add(NO_FIT[c])
             e.pool_slot = len(self.one_group)
             self.one_group.append(e)
             self.fit.extend(NO_FIT)
@@ -269,8 +284,9 @@ class Pool:
         """A one-group node's group after a refresh: its fit rows and its levels."""
         e.group = g
         b = self.buckets[e.key]
-        row = e.bucket_slot * CMAX
-        b.fit[row:row + CMAX] = g.fit_row
+        if b.counts is not None and e.row is not g.fit_row:
+            b.file_row(e.row, g.fit_row)
+        e.row = g.fit_row
         row = e.pool_slot * CMAX
         self.fit[row:row + CMAX] = g.fit_row
         if e.levels != g.levels:

@@ -22,7 +22,7 @@ from typing import Any
 from xpusense.v1 import scheduler_pb2 as spb
 
 from .fleet import FleetView
-from .index import CMAX, FEWER_AT_ALL, LEVELS, Bucket, Entry, Group, NodeSummary, Pool
+from .index import CMAX, FEWER_AT_ALL, FEWER_OFFERED, LEVELS, Bucket, Entry, Group, NodeSummary
 from .latency import Measured, MeasuredLatency
 from .scoring import RegionMatrix, compliance, data_affinity, disaster_tolerance
 
@@ -222,32 +222,55 @@ def scan(view: FleetView, q: Query) -> None:
 
 # -- the indexed search --------------------------------------------------------------------------------
 
-class _Walk:
-    """The working state of one indexed search over a pool. `fit_col`: per one-group node of the
-    pool (by pool slot) the free HBM of its count-th most free offered device (or FEWER_OFFERED /
-    FEWER_AT_ALL). The counts are of fresh one-group nodes in buckets no filter removes: `fitting`
-    (count devices fit), `too_few` (fewer than count devices at all), `one_group` (all of them)."""
-    __slots__ = ("pool", "mem", "fit_col", "fitting", "too_few", "one_group", "stale_by_key", "filtered_keys",
-                 "typefit_classified", "levels_heap", "pushed")
+TYPE_POOLS = ((0,), (1,), (0, 1), (0,), (1,), (0, 1))   # per pool: the type pools whose counts cover its nodes
 
-    def __init__(self, pool: Pool, q: Query):
-        self.pool, self.mem = pool, q.mem
-        self.fit_col = pool.fit[q.count - 1::CMAX]
-        self.fitting, self.too_few = column_counts(self.fit_col, q.mem)
-        self.one_group = len(pool.one_group)
+
+class _Walk:
+    """The working state of one indexed search over a pool. `type_pools`: the type pools (GPU,
+    NPU) whose sorted fit values (Bucket.counts) hold a value for each of this pool's nodes per
+    type it has: the pool's one-group nodes once, its many-group nodes once per type (taken out
+    again as they are met). The counts are of fresh one-group nodes in buckets no filter removes:
+    `fitting` (count devices fit), `too_few` (fewer than count devices at all), `one_group` (all)."""
+    __slots__ = ("pool", "type_pools", "col", "mem", "fitting", "too_few", "one_group", "stale_by_key",
+                 "filtered_keys", "typefit_classified", "levels_heap", "pushed")
+
+    def __init__(self, view: FleetView, q: Query):
+        self.pool, self.col, self.mem = view.pools[q.pool_index], q.count - 1, q.mem
+        self.type_pools = [view.pools[t] for t in TYPE_POOLS[q.pool_index]]
+        self.fitting = self.too_few = self.one_group = 0
         self.stale_by_key: dict[tuple, list[Entry]] = {}
         self.filtered_keys: set[tuple] = set()
         self.typefit_classified = 0   # same_domain: misfits classified one by one that fit as a type
         self.levels_heap: list[tuple] = []   # (-bound, push order, level, bucket): best level first
         self.pushed = 0
 
-    def drop_one_group(self, fit: float) -> None:
-        """Take one one-group node, whose fit-column value is `fit`, out of the counts."""
+    def add_key(self, key: tuple) -> None:
+        """Every node of the placement key in the type pools, counted from their sorted fit values."""
+        col, mem = self.col, self.mem
+        for tp in self.type_pools:
+            tb = tp.buckets.get(key)
+            if tb is not None and tb.counts is not None:
+                values = tb.counts[col]
+                self.fitting += values.at_least(mem)
+                self.too_few += values.size - values.at_least(FEWER_OFFERED)   # the rest are FEWER_AT_ALL
+                self.one_group += values.size
+
+    def drop_row(self, row: Any) -> None:
+        """Take one fit row (a node's, counted by add_key) out of the counts."""
         self.one_group -= 1
+        fit = row[self.col]
         if fit >= self.mem:
             self.fitting -= 1
         elif fit == FEWER_AT_ALL:
             self.too_few -= 1
+
+    def drop_many_groups(self, e: Entry) -> None:
+        """A node with several groups here: its rows in the type pools out of the one-group counts."""
+        nid = e.summary.node_id
+        for tp in self.type_pools:
+            te = tp.entries.get(nid)
+            if te is not None:
+                self.drop_row(te.row)
 
     def push_level(self, q: Query, b: Bucket, level: int) -> None:
         """Queue a bucket's level: no node in it can score above key_part + w_compute x its top."""
@@ -257,21 +280,22 @@ class _Walk:
                                               level, b))
 
 
-def column_counts(col: Any, mem: int) -> tuple[int, int]:
-    """(values >= mem, values == FEWER_AT_ALL) in a fit column, at C speed."""
-    return sum(map(operator.ge, col, repeat(mem))), col.count(FEWER_AT_ALL)
-
-
 def search(view: FleetView, q: Query) -> None:
-    """The indexed decision: counts from the pool-wide fit column, corrected for the stale nodes
-    and the buckets a filter removes; the ranking from the best compute levels down."""
-    walk = _Walk(view.pools[q.pool_index], q)
-    _take_out_stale(view, q, walk)
+    """The indexed decision: counts per placement key from the type pools' sorted fit values,
+    corrected for the stale nodes and those with several groups; the ranking from the best compute
+    levels down. No pass over every node: the work grows with the placement keys, the stale nodes,
+    the nodes with several groups or a device out, and the nodes the ranking looks at."""
+    walk = _Walk(view, q)
+    _find_stale(view, q, walk)
     for key, b in walk.pool.buckets.items():
         why = hard_filter(key, q.req, q.allowed) if q.filtering else None
         if why is not None:
             _filter_bucket(q, walk, b, why)
             continue
+        walk.add_key(key)
+        for e in walk.stale_by_key.get(key, ()):
+            if e.bucket_slot >= 0:
+                walk.drop_row(e.row)
         b.key_part = q.key_part(key)
         walk.push_level(q, b, b.nonempty[q.count].bit_length() - 1)   # its best non-empty level
         if b.many_groups:
@@ -288,21 +312,17 @@ def search(view: FleetView, q: Query) -> None:
     _list_fit_misfits(q, walk)
 
 
-def _take_out_stale(view: FleetView, q: Query, walk: _Walk) -> None:
-    """The pool's stale nodes, by placement key, out of the one-group counts."""
+def _find_stale(view: FleetView, q: Query, walk: _Walk) -> None:
+    """The pool's stale nodes, by placement key."""
     entries = walk.pool.entries
     for s in view.stale(q.cut):
         e = entries.get(s.node_id)
-        if e is None:
-            continue
-        walk.stale_by_key.setdefault(e.key, []).append(e)
-        if e.pool_slot >= 0:
-            walk.drop_one_group(walk.fit_col[e.pool_slot])
+        if e is not None:
+            walk.stale_by_key.setdefault(e.key, []).append(e)
 
 
 def _filter_bucket(q: Query, walk: _Walk, b: Bucket, why: str) -> None:
-    """A bucket a hard filter removes: its fresh nodes counted (and a few listed) under `why`, and
-    its fresh one-group nodes taken out of the pool-wide counts."""
+    """A bucket a hard filter removes: its fresh nodes counted (and a few listed) under `why`."""
     walk.filtered_keys.add(b.key)
     stale = walk.stale_by_key.get(b.key, [])
     n_fresh = b.size() - len(stale)
@@ -314,27 +334,14 @@ def _filter_bucket(q: Query, walk: _Walk, b: Bucket, why: str) -> None:
         stale_ids = {e.summary.node_id for e in stale}
         q.listed_filter += islice(((why, e.summary) for e in chain(b.one_group, b.many_groups.values())
                                    if e.summary.node_id not in stale_ids), room)
-    if b.one_group:
-        bucket_col = b.fit[q.count - 1::CMAX]
-        fitting, too_few = column_counts(bucket_col, q.mem)
-        one_group = len(b.one_group)
-        for e in stale:            # already taken out of the counts as stale
-            if e.bucket_slot >= 0:
-                one_group -= 1
-                fit = bucket_col[e.bucket_slot]
-                if fit >= q.mem:
-                    fitting -= 1
-                elif fit == FEWER_AT_ALL:
-                    too_few -= 1
-        walk.fitting -= fitting
-        walk.too_few -= too_few
-        walk.one_group -= one_group
 
 
 def _score_many_group_nodes(q: Query, walk: _Walk, b: Bucket) -> None:
-    """The bucket's fresh nodes with several groups, one by one: ranked, or classified as misfits."""
+    """The bucket's nodes with several groups, one by one: out of the one-group counts; the fresh
+    ones ranked, or classified as misfits."""
     cut = q.cut
     for e in b.many_groups.values():
+        walk.drop_many_groups(e)
         if e.state.last_seen_ns < cut:
             continue
         score, group = best_of_groups(q, e, b.key_part)
@@ -348,7 +355,7 @@ def _score_many_group_nodes(q: Query, walk: _Walk, b: Bucket) -> None:
 
 def _rank_by_levels(q: Query, walk: _Walk) -> None:
     """Best compute level first, across buckets, until the K-th best beats every level left."""
-    heap, fit_col, result = walk.levels_heap, walk.fit_col, q.result
+    heap, col, result = walk.levels_heap, walk.col, q.result
     count, mem, cut, limit = q.count, q.mem, q.cut, q.limit
     heapify, heappop = heapq.heapify, heapq.heappop
     heapify(heap)
@@ -358,7 +365,7 @@ def _rank_by_levels(q: Query, walk: _Walk) -> None:
             break
         key_part = b.key_part
         for e in b.by_level[count][level].values():
-            if fit_col[e.pool_slot] < mem or e.state.last_seen_ns < cut:
+            if e.row[col] < mem or e.state.last_seen_ns < cut:
                 continue
             g = e.group
             assert g is not None
@@ -370,11 +377,11 @@ def _count_fit_misfits(view: FleetView, q: Query, walk: _Walk) -> None:
     """The one-group nodes that passed the filters and are not feasible: those with a device out
     classified one by one (health first); the rest counted as domain (same_domain) or memory."""
     misfits = walk.one_group - walk.fitting - walk.too_few   # too few offered devices with the memory free
-    fit_col, mem, cut = walk.fit_col, q.mem, q.cut
+    col, mem, cut = walk.col, q.mem, q.cut
     for e in walk.pool.with_devices_out.values():
         if e.pool_slot < 0 or e.key in walk.filtered_keys or e.state.last_seen_ns < cut:
             continue
-        fit = fit_col[e.pool_slot]
+        fit = e.row[col]
         if fit >= mem or fit == FEWER_AT_ALL:
             continue
         q.note_misfit(classify(e.summary, q), e.summary)
@@ -396,7 +403,7 @@ def _list_fit_misfits(q: Query, walk: _Walk) -> None:
     if unlisted <= 0 or len(q.listed_fit) >= room:
         return
     shown = {s.node_id for _, s in q.listed_fit}
-    fit_col, one_group = walk.fit_col, walk.pool.one_group
+    fit_col, one_group = walk.pool.fit[walk.col::CMAX], walk.pool.one_group
     for slot in compress(range(len(fit_col)), map(operator.lt, fit_col, repeat(q.mem))):
         e = one_group[slot]
         if e.key in walk.filtered_keys or e.state.last_seen_ns < q.cut or e.summary.node_id in shown:
@@ -416,36 +423,30 @@ def _fits_as_type(s: NodeSummary, q: Query) -> bool:
 
 
 def _domain_misfits(view: FleetView, q: Query, walk: _Walk) -> int:
-    """same_domain: nodes whose devices fit as a type but not within one domain = the nodes that
-    fit at the type level (pool type_index) less those feasible in one domain."""
+    """same_domain: nodes whose devices fit as a type but not within one domain = the fresh nodes
+    of the buckets no filter removes that fit at the type level (pool type_index, counted from the
+    type pools' sorted fit values) less those feasible in one domain."""
     type_pool = view.pools[q.type_index]
-    mem, cut = q.mem, q.cut
-    type_col = type_pool.fit[q.count - 1::CMAX]
-    fit_as_type = sum(map(operator.ge, type_col, repeat(mem)))
-    for entries in walk.stale_by_key.values():
-        for e in entries:
-            te = type_pool.entries.get(e.summary.node_id)
-            if te is not None and te.pool_slot >= 0 and type_col[te.pool_slot] >= mem:
-                fit_as_type -= 1
+    col, mem, cut = walk.col, q.mem, q.cut
+    type_pools = [view.pools[t] for t in TYPE_POOLS[q.type_index]]
+    fit_as_type = 0
     for key, b in type_pool.buckets.items():
         if key in walk.filtered_keys:
-            fit_as_type -= _fresh_fitting_in_filtered(q, walk, type_pool, b)
             continue
-        for e in b.many_groups.values():
+        for tp in type_pools:
+            tb = tp.buckets.get(key)
+            if tb is not None and tb.counts is not None:
+                fit_as_type += tb.counts[col].at_least(mem)
+        for e in b.many_groups.values():   # counted once per type above; once here when fresh and a group fits
+            nid = e.summary.node_id
+            for tp in type_pools:
+                te = tp.entries.get(nid)
+                if te is not None and te.row[col] >= mem:
+                    fit_as_type -= 1
             if e.state.last_seen_ns >= cut and any(q.fits(g) for g in e.groups):
                 fit_as_type += 1
+        for e in walk.stale_by_key.get(key, ()):
+            te = type_pool.entries.get(e.summary.node_id)
+            if te is not None and te.bucket_slot >= 0 and te.row[col] >= mem:
+                fit_as_type -= 1
     return fit_as_type - q.feasible
-
-
-def _fresh_fitting_in_filtered(q: Query, walk: _Walk, type_pool: Pool, b: Bucket) -> int:
-    """The one-group nodes of a filtered type-pool bucket that fit as a type, less the stale ones
-    (already taken out)."""
-    if not b.one_group:
-        return 0
-    bucket_col = b.fit[q.count - 1::CMAX]
-    n = sum(map(operator.ge, bucket_col, repeat(q.mem)))
-    for e in walk.stale_by_key.get(b.key, ()):
-        te = type_pool.entries.get(e.summary.node_id)
-        if te is not None and te.bucket_slot >= 0 and bucket_col[te.bucket_slot] >= q.mem:
-            n -= 1
-    return n

@@ -1,0 +1,142 @@
+"""The scheduler index's sorted fit values (collector/scheduler/ranked.py, filed per placement key
+and count by index.py): the multiset against a plain sorted list, and the indexed search that
+counts from them against the full scan, with blocks small enough that a bucket has many."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sched_sim import KINDS, GiB, dev_id, event, inventory, readings
+
+from xpusense.collector.config import load_collector
+from xpusense.collector.scheduler import ranked
+from xpusense.collector.scheduler.core import Scheduler
+from xpusense.collector.scheduler.index import CMAX, FEWER_AT_ALL, FEWER_OFFERED
+from xpusense.collector.scheduler.ranked import Ranked
+from xpusense.collector.state import FleetState
+from xpusense.v1 import scheduler_pb2 as spb
+from xpusense.v1 import telemetry_pb2 as pb
+
+DEFAULTS = load_collector(None, env={})
+VALUES = st.sampled_from([FEWER_AT_ALL, FEWER_OFFERED, 0.0, 1.0, 2.5, 16.0, 40.0, 64.0]) | st.floats(0, 80)
+OPS = st.lists(st.tuples(st.sampled_from(["add", "remove", "replace", "replace_each"]), VALUES, st.integers(0, 10**6)),
+               max_size=300)
+
+
+@settings(max_examples=150, deadline=None)
+@given(load=st.sampled_from([1, 2, 3, 8]), ops=OPS, probes=st.lists(VALUES, max_size=6))
+def test_ranked_counts_as_a_sorted_list_does(load, ops, probes):
+    old_load, ranked.LOAD = ranked.LOAD, load
+    try:
+        r, ref = Ranked(), []
+        for op, v, pick in ops:
+            if op == "add" or not ref:
+                r.add(v)
+                ref.append(v)
+                continue
+            old = ref[pick % len(ref)]
+            ref.remove(old)
+            if op == "remove":
+                r.remove(old)
+            elif op == "replace":
+                r.replace(old, v)
+                ref.append(v)
+            else:
+                Ranked.replace_each([r], [old], [v])
+                ref.append(v)
+            assert r.maxes == [b[-1] for b in r.blocks] and all(0 < len(b) <= 2 * load for b in r.blocks)
+        assert r.values() == sorted(ref) and len(r) == len(ref)
+        for x in probes + [-3.0, 100.0] + ref[:5]:
+            assert r.at_least(x) == sum(1 for y in ref if y >= x)
+        with pytest.raises(ValueError):
+            r.remove(1000.0)
+        with pytest.raises(ValueError):
+            r.replace(-5.0, 1.0)
+    finally:
+        ranked.LOAD = old_load
+
+
+def check_index(sch: Scheduler) -> None:
+    """Each type pool bucket's sorted values per count are its nodes' fit rows, which are their
+    groups' as last refreshed."""
+    for pool in sch.view.pools[:2]:
+        for b in pool.buckets.values():
+            assert b.counts is not None and not b.many_groups
+            for e in b.one_group:
+                assert e.group is not None and e.row is e.group.fit_row
+            for c in range(CMAX):
+                assert b.counts[c].values() == sorted(e.row[c] for e in b.one_group)
+
+
+def test_indexed_search_answers_as_the_full_scan_does_with_many_blocks_per_bucket(monkeypatch):
+    """Few placement keys and blocks of 2-4 values: every bucket's sorted values span many blocks
+    that split and merge as readings, health, labels and inventories change; GPU, NPU, mixed
+    and several-domain nodes (910A: two HCCS rings; A100 PCIe: a domain per device); stale nodes."""
+    monkeypatch.setattr(ranked, "LOAD", 2)
+    rng = random.Random(16)
+    clock = [10**18]
+    st_ = FleetState(clock=lambda: clock[0])
+    sch = Scheduler(st_, DEFAULTS.scheduler, DEFAULTS.stale_s)
+    kinds = ["a100", "910b", "910b4", "910a", "a100pcie"]
+    nodes: dict[str, list] = {}
+
+    def hello(nid: str) -> None:
+        kind = rng.choice(kinds)
+        devices = rng.choice((4, 8, 8))
+        labels = {"region": rng.choice(["r1", "r2"]), "price": rng.choice(["1", "2.5", ""])}
+        if rng.random() < 0.3:
+            labels["encryption"] = "tdx"
+        inv = inventory(kind, devices, **{k: v for k, v in labels.items() if v})
+        if kind == "a100" and rng.random() < 0.15:   # GPUs and NPUs on one node
+            inv.resources.extend(inventory("910b", 4).resources[:4])
+        st_.hello(pb.Hello(node_id=nid, boot_id="b", inventory=inv))
+        nodes[nid] = [kind, devices, 0]
+
+    def feed(nid: str) -> None:
+        kind, devices, seq = nodes[nid]
+        nodes[nid][2] = seq = seq + 1
+        hbm = KINDS[kind][4] / GiB
+        used = {d: rng.choice((0.0, rng.random() * hbm, hbm * 0.5)) for d in range(devices)}
+        samples = readings(kind, devices, util={d: rng.random() for d in range(devices)}, used_gib=used,
+                           health={d: rng.choice(["OK"] * 15 + ["Alarm"]) for d in range(devices)}, t_ns=clock[0])
+        events = []
+        if rng.random() < 0.05:
+            events.append(event(rng.choice(["xid", "checkpoint_request"]), dev_id(kind, rng.randrange(devices)),
+                                clock[0]))
+        st_.ingest(pb.Batch(node_id=nid, boot_id="b", seq=seq, samples=samples, events=events))
+
+    for i in range(160):
+        hello(f"n{i:03d}")
+        feed(f"n{i:03d}")
+    silent = set(rng.sample(sorted(nodes), 12))
+    for step in range(4):
+        clock[0] += int(rng.choice((2, 4, 6)) * 1e9)
+        for nid in nodes:
+            if nid not in silent and rng.random() < 0.8:
+                feed(nid)
+        for nid in rng.sample(sorted(nodes), 6):   # new inventories: other labels, types, device counts
+            hello(nid)
+            feed(nid)
+        check_index(sch)
+        for _ in range(25):
+            req = spb.PlaceRequest(
+                accelerator=rng.choice([spb.ACCELERATOR_ANY, spb.ACCELERATOR_GPU, spb.ACCELERATOR_NPU]),
+                memory_bytes=int(rng.choice((0, 1, 16, 30, 32, 40, 60, 64, 79)) * GiB),
+                count=rng.choice((1, 2, 4, 5, 8)), same_domain=rng.random() < 0.3,
+                data_region=rng.choice(["", "r1"]), limit=rng.choice((1, 5)), max_excluded=400)
+            if rng.random() < 0.2:
+                req.allowed_regions.append("r2")
+            if rng.random() < 0.15:
+                req.require_encryption = True
+            fast, ref = sch.place(req), sch.place(req, scan=True)
+            where = f"step {step} request {req}"
+            assert fast.nodes_feasible == ref.nodes_feasible, where
+            assert dict(fast.excluded_counts) == dict(ref.excluded_counts), where
+            assert [(round(c.score, 9), c.node_id, list(c.devices)) for c in fast.candidates] == \
+                [(round(c.score, 9), c.node_id, list(c.devices)) for c in ref.candidates], where
+            assert sorted((e.node_id, e.reason) for e in fast.excluded) == \
+                sorted((e.node_id, e.reason) for e in ref.excluded), where
+    assert max(len(b.counts[0].blocks) for p in sch.view.pools[:2] for b in p.buckets.values() if b.counts) > 5
