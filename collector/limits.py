@@ -395,18 +395,29 @@ def _lenient(deserializer, size: _WireSize):
 
 
 class GuardedRequests:
-    """A streaming call's requests, read through the guard. `wire_bytes` is the size on the wire of
-    the message last returned (grpc reads and parses one message at a time, when it is asked for
-    it), so the servicer can bound what it holds in bytes without serializing anything again."""
+    """A streaming call's requests, read through the guard: a message that does not parse, or a
+    Hello with a bad id, raises MalformedRequest. `wire_bytes` is the size on the wire of the
+    message last returned (grpc reads and parses one message at a time, when it is asked for it),
+    so the servicer can bound what it holds in bytes without serializing anything again. No
+    generator of its own: nothing here holds the last message between reads, and a read costs
+    one await less."""
 
-    def __init__(self, gen, size: _WireSize):
-        self._gen, self._size = gen, size
+    __slots__ = ("_next", "_context", "_guard", "_size")
+
+    def __init__(self, it, context, guard: _MalformedInput, size: _WireSize):
+        self._next = it.__aiter__().__anext__
+        self._context, self._guard, self._size = context, guard, size
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
-        return await self._gen.__anext__()
+        m = await self._next()
+        if type(m) is _Malformed:
+            raise self._guard._refuse(self._context, m.why)
+        if type(m) is pb.AgentMessage and m.HasField("hello") and (why := check_hello(m.hello)):
+            raise self._guard._refuse(self._context, why)
+        return m
 
     @property
     def wire_bytes(self) -> int:
@@ -434,27 +445,17 @@ class _MalformedInput(grpc.aio.ServerInterceptor):
         fn = h.stream_stream or h.stream_unary or h.unary_stream or h.unary_unary
         if not (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)):
             return h   # a synchronous handler: left as it is
-        guard = self
-
-        async def requests(it, context):
-            async for m in it:
-                if isinstance(m, _Malformed):
-                    raise guard._refuse(context, m.why)
-                if type(m) is pb.AgentMessage and m.HasField("hello") and (why := check_hello(m.hello)):
-                    raise guard._refuse(context, why)
-                yield m
-
-        return _guarded_handler(h, requests, guard)
+        return _guarded_handler(h, self)
 
 
-def _guarded_handler(h, requests, guard: _MalformedInput):
-    """The same kind of handler as `h`, reading its requests through `requests` (which raises
+def _guarded_handler(h, guard: _MalformedInput):
+    """The same kind of handler as `h`, reading its requests through GuardedRequests (which raises
     MalformedRequest on a malformed message: the call is aborted here, in the handler's task)."""
     behavior: Callable[..., Any]   # an async generator function (streamed replies) or a coroutine function
     size = _WireSize()   # this handler serves one call
     if h.stream_stream:
         async def stream_stream(it, context):
-            reqs = GuardedRequests(requests(it, context), size)
+            reqs = GuardedRequests(it, context, guard, size)
             try:
                 async for out in h.stream_stream(reqs, context):
                     yield out
@@ -468,7 +469,7 @@ def _guarded_handler(h, requests, guard: _MalformedInput):
     elif h.stream_unary:
         async def stream_unary(it, context):
             try:
-                return await h.stream_unary(requests(it, context), context)
+                return await h.stream_unary(GuardedRequests(it, context, guard, size), context)
             except MalformedRequest as e:
                 await guard._abort(context, e)
         behavior, make = stream_unary, grpc.stream_unary_rpc_method_handler

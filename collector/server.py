@@ -75,25 +75,43 @@ class _Window:
 
 
 class _Reclaim:
-    """Collect garbage cycles soon after a stream ended (at most one run pending): an aborted
-    call's exception and traceback keep its frames, and the last message read, in a cycle that
-    reference counting does not free. Cheap in `serve`, where the long-lived state is frozen
-    (cli.freeze_long_lived): only what is young is looked at."""
+    """Collect garbage cycles soon after a stream ended: an aborted call's exception and traceback
+    keep its frames, and the last message read, in a cycle that reference counting does not free.
+    Twice: `delay_s` after the end, and `late_s` after that (gRPC may still hold the call then),
+    again if another stream ended meanwhile. Cheap in `serve`, where the long-lived state is
+    frozen (cli.freeze_long_lived, which does not freeze while runs are due, `reclaim_pending()`:
+    a cycle frozen would be kept until its next sweep): only what is not frozen yet is looked at."""
 
-    def __init__(self, delay_s: float = 0.05):
-        self.delay_s = delay_s
-        self.pending = False
+    waiting = 0   # instances with runs due, in this process
+
+    def __init__(self, delay_s: float = 0.05, late_s: float = 1.0):
+        self.delay_s, self.late_s = delay_s, late_s
+        self.pending = False   # runs are due
+        self.again = False     # a stream ended after the first run
         self.runs = 0
 
     def soon(self) -> None:
-        if not self.pending:
-            self.pending = True
-            asyncio.get_running_loop().call_later(self.delay_s, self._run)
+        if self.pending:
+            self.again = True
+            return
+        self.pending = True
+        _Reclaim.waiting += 1
+        asyncio.get_running_loop().call_later(self.delay_s, self._run, True)
 
-    def _run(self) -> None:
-        self.pending = False
+    def _run(self, first: bool) -> None:
         self.runs += 1
         gc.collect()
+        if first or self.again:
+            self.again = False
+            asyncio.get_running_loop().call_later(self.late_s, self._run, False)
+        else:
+            self.pending = False
+            _Reclaim.waiting -= 1
+
+
+def reclaim_pending() -> bool:
+    """Whether a collection after a stream's end is due: garbage that a freeze now would keep."""
+    return _Reclaim.waiting > 0
 
 
 class IngestServicer(pb_grpc.IngestServicer):
