@@ -35,6 +35,7 @@ Prints a table, then one line of JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -290,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         figures: dict = {"nodes": args.nodes, "minutes": args.minutes, "tail_s": args.tail_s,
                          "load": os.getloadavg()[0]}
         figures.update(direct(args, data) if args.direct else whole_log(args, tmp, data, cfg))
+        gc.collect()   # this process's copy of the fleet gone (--direct), what it wrote on disk: the restart alone
+        os.sync()
         proc, ready_snap, path = run_collector(data, cfg, tmp, "snap")
         stop(proc, timeout_s=600)
         text = open(path).read()
