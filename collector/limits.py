@@ -159,10 +159,11 @@ class Limits:
         return cls(**{k: getattr(limits_cfg, k) for k in DEFAULTS}, **kw)
 
     # -- the check
-    def check(self, node_id: str, batch: pb.Batch, state=None) -> Violation | None:
+    def check(self, node_id: str, batch: pb.Batch, state=None, refs: list[int] | None = None) -> Violation | None:
         """None, or why the batch is refused. With `state` (the FleetState) also the bounds on
-        sequence numbers and on series per node."""
-        v = self._check(node_id, batch, state)
+        sequence numbers and on series per node. `refs`: the samples' series_ref, in order, when
+        the caller has read them already (state.rows)."""
+        v = self._check(node_id, batch, state, refs)
         if v is not None:
             self.count(v)
             self.log.warning("node %r: %s", node_id[:128], v.message)
@@ -192,7 +193,7 @@ class Limits:
         return Violation(grpc.StatusCode.INVALID_ARGUMENT,
                          f"batch rejected: {what}, more than the collector's limits.{key} = {limit}", key)
 
-    def _check(self, node_id: str, batch: pb.Batch, state) -> Violation | None:
+    def _check(self, node_id: str, batch: pb.Batch, state, refs: list[int] | None = None) -> Violation | None:
         n = len(batch.samples)
         if n > self.max_samples_per_batch:
             return self._bad(f"{n} samples", "max_samples_per_batch", self.max_samples_per_batch)
@@ -205,7 +206,7 @@ class Limits:
         for e in batch.events:
             if (v := self._check_event(e)) is not None:
                 return v
-        return self._check_samples(node_id, batch, state)
+        return self._check_samples(node_id, batch, state, refs)
 
     def _check_seq(self, node_id: str, batch: pb.Batch, state) -> Violation | None:
         ceiling = state.seq_ceiling(node_id, batch.boot_id, self.max_seq_jump, self.batches_per_s)
@@ -217,7 +218,8 @@ class Limits:
                          f"limits.batches_per_s = {self.batches_per_s:g} allow after what it stored of that boot; "
                          f"resend later (the bound grows with time)", "max_seq_jump")
 
-    def _check_samples(self, node_id: str, batch: pb.Batch, state=None) -> Violation | None:
+    def _check_samples(self, node_id: str, batch: pb.Batch, state=None,
+                       refs: list[int] | None = None) -> Violation | None:
         """Each series of this boot is checked once (by its series_ref); a new one counts against
         max_series_per_boot. With the state: the series the batch would add to its node (by name
         and labels, references or not) count against max_series_per_node."""
@@ -228,7 +230,8 @@ class Limits:
         else:
             self._checked.move_to_end(key)
         samples = batch.samples
-        refs = [s.series_ref for s in samples]
+        if refs is None:
+            refs = [s.series_ref for s in samples]
         if checked and checked.issuperset(refs):   # the usual batch: every series known (0 never is)
             return None
         new: list[int] = []

@@ -19,6 +19,7 @@ import functools
 import gc
 import ipaddress
 import logging
+import operator
 import os
 import re
 import socket
@@ -35,11 +36,12 @@ from .limits import DEFAULTS as LIMITS
 from .limits import MalformedRequest, Violation, read_hello, short_boot
 from .scheduler.service import SCHEDULER_SERVICE
 from .scheduler.service import add_to_server as add_scheduler
-from .state import FleetState
+from .state import FleetState, rows
 from .store import StoreError
 
 log = logging.getLogger("xpusense.collector")
 
+_FIRST = operator.itemgetter(0)
 INGEST_SERVICE = pb.DESCRIPTOR.services_by_name["Ingest"].full_name
 QUERY_SERVICE = pb.DESCRIPTOR.services_by_name["Query"].full_name
 
@@ -200,7 +202,7 @@ class IngestServicer(pb_grpc.IngestServicer):
                     break
                 if isinstance(item, Violation):   # aborted here, in the handler's own task
                     await context.abort(item.code, item.message)
-                b, previous, durable = item
+                b, previous, durable, b_rows = item
                 if durable is not None:
                     try:   # shielded: if the stream ends meanwhile, _apply_later still sees how it went
                         await asyncio.shield(durable)
@@ -212,7 +214,7 @@ class IngestServicer(pb_grpc.IngestServicer):
                         item = None
                         await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
                 if previous is not None:
-                    self.state.apply(b)
+                    self.state.apply(b, b_rows)
                     if durable is not None:
                         self.store.untrack(durable)   # a snapshot now holds it (store/snapshotter.py)
                 item = None
@@ -278,7 +280,9 @@ class IngestServicer(pb_grpc.IngestServicer):
                         pending.put_nowait(Violation(grpc.StatusCode.PERMISSION_DENIED,
                                                     f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}"))
                         return
-                    if self.limits is not None and (why := self.limits.check(node_id, b, self.state)):
+                    b_rows = rows(b)   # read once, for the limits and the state
+                    if self.limits is not None and (why := self.limits.check(node_id, b, self.state,
+                                                                             list(map(_FIRST, b_rows)))):
                         pending.put_nowait(Violation(why.code, why.message))
                         return
                     if self.store is not None:   # a slow or failing disk: this stream waits, unread
@@ -294,7 +298,7 @@ class IngestServicer(pb_grpc.IngestServicer):
                             key = (node_id, b.boot_id)
                             self.undurable[key] = self.undurable.get(key, 0) + 1
                             durable.add_done_callback(functools.partial(self._settled, key))
-                    pending.put_nowait((b, previous, durable))
+                    pending.put_nowait((b, previous, durable, b_rows))
                     if durable is not None and durable.done() and durable.exception() is not None:
                         return   # refused: nothing after it may be stored before it (the handler ends the stream)
                     if window is not None:

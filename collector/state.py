@@ -29,6 +29,7 @@ import hashlib
 import itertools
 import logging
 import math
+import operator
 import time
 
 from xpusense.v1 import telemetry_pb2 as pb
@@ -37,6 +38,16 @@ from .diagnoses import Diagnoses
 from .history import POINT_BYTES, History
 
 log = logging.getLogger("xpusense.collector")
+HISTOGRAM = pb.HISTOGRAM
+# A sample's (series_ref, time_unix_nano, value): read once a batch (`rows`), by the limits and here.
+_ROW = operator.attrgetter("series_ref", "time_unix_nano", "value")
+
+
+def rows(batch: pb.Batch) -> list[tuple[int, int, float]]:
+    """(series_ref, time, value) of each of the batch's samples, in order. Reading a protobuf
+    message from Python is the costly part of ingest (a wrapper object per sample, a lookup per
+    field): the server reads them once, for Limits.check and FleetState.apply both."""
+    return list(map(_ROW, batch.samples))
 
 MAX_BOOTS_REMEMBERED = 8
 # What a series and a node hold besides their history's slots, measured with tracemalloc
@@ -332,45 +343,51 @@ class FleetState:
             self.series_total += 1
         return ser
 
-    def apply(self, batch: pb.Batch) -> None:
-        """The batch's samples and events into the fleet state (after accept)."""
+    def apply(self, batch: pb.Batch, batch_rows: list[tuple[int, int, float]] | None = None) -> None:
+        """The batch's samples and events into the fleet state (after accept); `batch_rows` is
+        rows(batch) when the caller has it already."""
         n = self._node(batch.node_id)
         n.batches_stored += 1
         if batch.boot_id != n.boot_id and batch.boot_id in n.live:   # a boot that streams and is stored now
             n.boot_id = batch.boot_id
         series = n.series
-        refs = n.refs.get(batch.boot_id)
-        if refs is None:
-            refs = n.refs[batch.boot_id] = {}
+        refs = n.refs.setdefault(batch.boot_id, {})
         room = self.max_series_per_node
         hist_ns, cap = self.history_ns, self.history_cap
         slack_ns = hist_ns >> 5
-        grown = 0
-        for s in batch.samples:
-            # Reading a protobuf map from Python is the costly part of ingest: do it once per series.
-            ref = s.series_ref
-            ser = refs.get(ref) if ref else None
+        samples = batch.samples
+        if batch_rows is None:
+            batch_rows = rows(batch)
+        grown = len(batch_rows)
+        known = refs.get
+        # Per sample, the common case (a known series_ref, a newer point): the latest value and two
+        # appends to the history. The sample itself is read again only for a new series (its
+        # name and map of labels) or a histogram.
+        for i, (ref, t, v) in enumerate(batch_rows):
+            ser = known(ref) if ref else None
             if ser is None:
-                ser = self._series_for(series, s, room)
+                ser = self._series_for(series, samples[i], room)
                 if ser is None:
+                    grown -= 1
                     continue
                 if ref:
                     refs[ref] = ser
                 cap = self.history_cap   # a new series may have shortened the history (max_memory)
-            t, v = s.time_unix_nano, s.value
             if t >= ser.time_ns:   # an older point (agent clock stepped back) only joins the history
-                ser.prev_value, ser.prev_time_ns = ser.value, ser.time_ns
-                ser.value, ser.time_ns = v, t
-                if s.kind == pb.HISTOGRAM:   # a copy: a sub-message would keep the whole batch alive
+                ser.prev_value = ser.value
+                ser.prev_time_ns = ser.time_ns
+                ser.value = v
+                ser.time_ns = t
+                if ser.kind == HISTOGRAM:   # a copy: a sub-message would keep the whole batch alive
                     ser.histogram = hg = pb.Histogram()
-                    hg.CopyFrom(s.histogram)
+                    hg.CopyFrom(samples[i].histogram)
             # Age is measured on the agent's clock (the series' newest point), so a skewed
             # agent clock cannot empty the history.
             h = ser.history
-            h.t.append(t)
+            ts = h.t
+            ts.append(t)
             h.v.append(v)
-            grown += 1
-            if t > h.due_t or len(h.t) > h.due_n:
+            if t > h.due_t or len(ts) > h.due_n:
                 grown -= h.prune(ser.time_ns - hist_ns, cap, hist_ns, slack_ns)
         if grown:
             self.history_slots += grown
