@@ -30,10 +30,12 @@ COLLECTOR_SCHEMA = {
         "retry_s": Key((int, float), 1.0, positive, help="while the disk cannot be written, how often to try again"),
         "damaged_keep_bytes": Key(int, 256 * 2**20, positive,
                                   help="damaged bytes found at start are copied into data_dir/damaged/ up to this"),
-        "snapshot_every_s": Key((int, float), 30.0, non_negative,
+        "snapshot_every_s": Key((int, float), 10.0, non_negative,
                                 help="a snapshot of the fleet state this often (and on a clean stop), so a restart "
-                                     "replays only the log after it; 0: none, the whole log is replayed"),
-        "snapshot_keep": Key(int, 2, positive, help="snapshots kept (the log is kept from the oldest one on)"),
+                                     "replays only the log after it; most are diffs on the last full one; 0: none, "
+                                     "the whole log is replayed"),
+        "snapshot_keep": Key(int, 2, positive, help="full snapshots kept, with the diffs a fallback needs (the log "
+                                                    "is kept from the oldest one on)"),
     },
     # The fleet state's memory (collector/state.py): history is shortened first, then new series refused.
     "state": {
