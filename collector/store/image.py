@@ -1,12 +1,13 @@
 """The fleet state as plain data and raw arrays, for a snapshot (snapshot.py): what the replay rebuilds.
 
 Per node: inventory, boot, the per-boot marks (stored_up_to, in order, and when each rose),
-counts, recent events, open diagnoses, and every series (latest and previous value, histogram,
-history). Fleet-wide: the marks known from earlier runs (known_marks), the state's counters and
-diagnoses opened per rule. The metadata is msgpack (lists, ints, floats, strings, bytes); the
-history points are raw array bytes (`array.tobytes`, 8 bytes a time and 8 a value) in the frame's
-blob, read back with `array.frombytes` straight from the mapped file: no per-point work either way.
-The series of one source share their times: a node's time runs are written once each (`_Runs`).
+counts, recent events, open diagnoses, every series (latest and previous value, histogram,
+history) and the agent's series_ref of each, per boot. Fleet-wide: the marks known from earlier
+runs (known_marks), the state's counters and diagnoses opened per rule. The metadata is msgpack
+(lists, ints, floats, strings, bytes); the history points are raw array bytes (`array.tobytes`,
+8 bytes a time and 8 a value) in the frame's blob, read back with `array.frombytes` straight from
+the mapped file: no per-point work either way. The series of one source share their times: a
+node's time runs are written once each (`_Runs`).
 
 A node is written one of two ways:
 - "F" (full): every series with its whole history (a full snapshot; in a diff, a node new since
@@ -120,7 +121,7 @@ def capture(n: NodeState, unapplied: dict[str, int] | None, parts: list[bytes], 
         else:
             parts.extend(runs.runs)
             parts.extend(values)
-            return [*_common(n, unapplied), "I", [len(r) >> 3 for r in runs.runs], series]
+            return [*_common(n, unapplied), "I", [len(r) >> 3 for r in runs.runs], series, _refs(n)]
         runs, values, series = _Runs(), [], []
     hists, totals = [], array("q")
     for ser in n.series.values():
@@ -134,7 +135,24 @@ def capture(n: NodeState, unapplied: dict[str, int] | None, parts: list[bytes], 
         into.nodes[n.node_id] = (tuple(hists), totals)
     parts.extend(runs.runs)
     parts.extend(values)
-    return [*_common(n, unapplied), "F", [len(r) >> 3 for r in runs.runs], series]
+    return [*_common(n, unapplied), "F", [len(r) >> 3 for r in runs.runs], series, _refs(n)]
+
+
+def _refs(n: NodeState) -> list:
+    """The agent's series_ref of each series, per boot (stable for a boot): [[boot, [ref, position, ...]], ...],
+    so the first batches after a restart find their series without reading labels."""
+    if not n.refs:
+        return []
+    at = {id(ser): i for i, ser in enumerate(n.series.values())}
+    out = []
+    for boot, refs in n.refs.items():
+        flat = []
+        for ref, ser in refs.items():
+            i = at.get(id(ser))
+            if i is not None:   # (a series let go since is not in n.series: its ref goes with it)
+                flat += (ref, i)
+        out.append([boot, flat])
+    return out
 
 
 def _same_series(n: NodeState, hists: tuple[History, ...]) -> bool:
@@ -144,7 +162,7 @@ def _same_series(n: NodeState, hists: tuple[History, ...]) -> bool:
 def restore(state: FleetState, entry: list, blob: memoryview, at: int) -> int:
     """One node's entry into `state`, its history from blob[at:]; where the next node's bytes begin.
     ValueError (or another error of shape) when it does not fit."""
-    (nid, boot_id, last_seen, inv, marks, stored, dup, events, diagnoses, diag_boot, mode, runs, series) = entry
+    (nid, boot_id, last_seen, inv, marks, stored, dup, events, diagnoses, diag_boot, mode, runs, series, refs) = entry
     starts = []
     for r in runs:
         starts.append(at)
@@ -175,6 +193,11 @@ def restore(state: FleetState, entry: list, blob: memoryview, at: int) -> int:
     n.events.extend(pb.Event.FromString(e) for e in events[:state.events_kept])
     n.diagnoses = collections.OrderedDict((did, pb.Event.FromString(e)) for did, e in diagnoses)
     n.diagnoses_boot = diag_boot
+    n.refs = {}
+    if refs:
+        have = list(n.series.values())
+        for boot, flat in refs:
+            n.refs[boot] = {flat[j]: have[flat[j + 1]] for j in range(0, len(flat), 2)}
     return at
 
 

@@ -125,7 +125,9 @@ def picture(st: FleetState) -> dict:
             "history": {(s.name, tuple(sorted(s.labels.items()))): [(p.time_unix_nano, p.value) for p in
                                                                     st.history(n.node_id, s.name, dict(s.labels)).points]
                         for s in n.series},
-            "diagnoses": list(node.diagnoses), "boot": (node.boot_id, node.diagnoses_boot)}
+            "diagnoses": list(node.diagnoses), "boot": (node.boot_id, node.diagnoses_boot),
+            "refs": {boot: {ref: (ser.name, tuple(sorted(ser.labels.items()))) for ref, ser in refs.items()}
+                     for boot, refs in node.refs.items() if refs}}
     return out
 
 

@@ -88,6 +88,8 @@ def test_full_and_diff_give_the_state_of_a_full_replay(tmp_path):
     assert [t for t, _ in want["A"]["history"][("x", (("device", "0"),))]] == [T0 + s * 10**9 for s in range(1, 18)]
     assert ("y", (("device", "1"),)) in want["B"]["history"] and want["A"]["diagnoses"] == ["d1"]
     assert picture(live.state)["A"]["history"] == want["A"]["history"]
+    assert got["A"]["refs"] == {"a1": {1: ("x", (("device", "0"),)), 2: ("c", ()), 3: ("h", ())}}
+    assert set(got["B"]["refs"]["b1"]) == {1, 2, 3, 4}
 
 
 def test_points_let_go_between_full_and_diff(tmp_path):
@@ -124,6 +126,7 @@ def test_history_shortened_by_the_memory_budget_between_full_and_diff(tmp_path):
         got = st.nodes["A"].series[key].history
         assert ser.history.dropped > 0 and list(got.t) == list(ser.history.t) and list(got.v) == list(ser.history.v)
     assert st.history_slots == live.state.history_slots
+    assert picture(st)["A"]["refs"] == picture(live.state)["A"]["refs"] != {}   # from the snapshot: nothing replayed
 
 
 def test_a_diff_holds_only_what_changed(tmp_path):
