@@ -146,7 +146,7 @@ def _refs(n: NodeState) -> list:
     at = {id(ser): i for i, ser in enumerate(n.series.values())}
     out = []
     for boot, refs in n.refs.items():
-        flat = []
+        flat: list[int] = []
         for ref, ser in refs.items():
             i = at.get(id(ser))
             if i is not None:   # (a series let go since is not in n.series: its ref goes with it)
@@ -195,9 +195,9 @@ def restore(state: FleetState, entry: list, blob: memoryview, at: int) -> int:
     n.diagnoses_boot = diag_boot
     n.refs = {}
     if refs:
-        have = list(n.series.values())
+        order = list(n.series.values())
         for boot, flat in refs:
-            n.refs[boot] = {flat[j]: have[flat[j + 1]] for j in range(0, len(flat), 2)}
+            n.refs[boot] = {flat[j]: order[flat[j + 1]] for j in range(0, len(flat), 2)}
     return at
 
 
