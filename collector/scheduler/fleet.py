@@ -3,8 +3,9 @@ FleetState (called on the event loop after every Hello, inventory and stored bat
 the index (index.py) after every change.
 
 Off the ingest path: a stored batch only marks its node dirty (with when, on the monotonic clock);
-dirty nodes are refreshed in bulk by a timer on the loop at most `refresh_ns` after they were marked,
-in slices of at most SLICE_S so acks are not held up, and by `catch_up()` before every decision for
+dirty nodes are refreshed in bulk by a timer on the loop TIMER_SHARE x `refresh_ns` after the first
+of them was marked (early, so that a decision seldom finds one due when the loop runs late), in
+slices of at most SLICE_S so acks are not held up, and by `catch_up()` before every decision for
 the nodes the timer has not reached yet: a Place answer never uses a node's summary that misses a
 batch stored more than `refresh_ns` before it. A node that sends many batches in that time is
 refreshed once. Hello, inventory, the first batch after them and events are followed at once
@@ -48,7 +49,8 @@ UTIL, USED, LIMIT, BANDWIDTH, HEALTH = ("hw.gpu.utilization", "hw.gpu.memory.usa
                                         "xpusense.accelerator.hbm.bandwidth.utilization",
                                         "xpusense.accelerator.health")
 SLICE_S = 0.005   # a bulk refresh gives the loop back after this long (acks waiting behind it)
-PLACE_EXTRA_S = 0.0003   # a decision refreshes dirty nodes not yet due for this long at most (catch_up)
+PLACE_EXTRA_S = 0.0001   # a decision refreshes dirty nodes not yet due for this long at most (catch_up)
+TIMER_SHARE = 0.5        # the bulk refresh runs this share of refresh_ns after the first node was marked
 _DEVICE_SERIES = {UTIL: "util", USED: "used", LIMIT: "limit", BANDWIDTH: "bandwidth"}   # name -> Device attribute
 
 
@@ -129,11 +131,12 @@ class FleetView:
             loop = asyncio.get_running_loop()
         except RuntimeError:   # no loop (in-process use): catch_up() before each decision does it
             return
-        self.timer = loop.call_later((self.refresh_ns if delay_ns is None else delay_ns) / 1e9, self._on_timer)
+        delay_ns = int(self.refresh_ns * TIMER_SHARE) if delay_ns is None else delay_ns
+        self.timer = loop.call_later(delay_ns / 1e9, self._on_timer)
 
     def _on_timer(self) -> None:
         self.timer = None
-        done = self.refresh_dirty(None, SLICE_S)   # all of them: the oldest came due
+        done = self.refresh_dirty(None, SLICE_S)   # all of them: the oldest is nearly due
         if not done and self.dirty:   # the rest once the loop has served what waits behind this slice
             self._arm(0)
 

@@ -205,16 +205,18 @@ class Bucket:
 
     def move_levels(self, e: Entry, new_levels: list[int]) -> None:
         """File a one-group node under its group's levels (per count) instead of its old ones."""
-        nid = e.summary.node_id
-        old_levels = e.levels
+        nid, by_level, nonempty, old_levels = e.summary.node_id, self.by_level, self.nonempty, e.levels
         for c in range(1, CMAX + 1):
             old, new = old_levels[c], new_levels[c]
             if new != old:
-                if old >= 0:
-                    self._unfile(c, old, nid)
+                if old >= 0:   # _unfile, inlined: this runs for every pool of every node refreshed
+                    nodes = by_level[c][old]
+                    del nodes[nid]
+                    if not nodes:
+                        nonempty[c] &= ~(1 << old)
                 if new >= 0:
-                    self.by_level[c][new][nid] = e
-                    self.nonempty[c] |= 1 << new
+                    by_level[c][new][nid] = e
+                    nonempty[c] |= 1 << new
         e.levels = new_levels
 
     def file_row(self, old: array, new: array) -> None:
