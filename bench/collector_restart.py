@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 
-from _proc import free_port, stop, tool
+from _proc import cpu_s, free_port, stop, tool
 from collector_ingest import DEVICES, SERIES, SimAgent
 
 from xpusense.collector.store.frames import SEGMENT_MAGIC, frame, segment_name
@@ -144,7 +144,10 @@ def run_collector(data: str, cfg: str, tmp: str, name: str) -> tuple[subprocess.
     except Exception:
         stop(proc)
         raise
-    return proc, time.monotonic() - t0, log_path
+    ready_s = time.monotonic() - t0
+    print(f"{name}: serving {ready_s:.2f} s after exec, {cpu_s(proc.pid):.2f} s of CPU by then "
+          f"(load {os.getloadavg()[0]:.1f})", flush=True)
+    return proc, ready_s, log_path
 
 
 def replay_line(text: str) -> dict:
@@ -255,7 +258,11 @@ def direct(args, data: str) -> dict:
         shots.append(take("periodic"))
         print(f"  t={sec:5d} s  {shots[-1]}", flush=True)
     store.close()
-    written = sum(s["mb"] for s in shots[1:])
+    # The write rate over one cycle: the diffs after the first full snapshot and the next full one
+    # (without --full-cycle: every snapshot after the first, over the time they cover).
+    ends = [i for i, s in enumerate(shots) if i and s["kind"] == "full"]
+    cycle = shots[1:ends[0] + 1] if ends else shots[1:]
+    cycle_s = (ends[0] if ends else len(shots) - 1) * every
     tail = LogWriter(data, seg[0] + 1)
     write_seconds(tail, agents, start_ns + (seconds + sec + 1) * 10**9, args.tail_s, args.segment_s)
     print(f"built and simulated in {time.process_time() - c0:.0f} s of CPU ({ingest_cpu / (sec * args.nodes) * 1e6:.0f} us "
@@ -265,7 +272,8 @@ def direct(args, data: str) -> dict:
             "diff_write_s_max": max((s["write_s"] for s in shots if s["kind"] == "diff"), default=None),
             "diff_loop_ms_max": max((s["loop_ms"] for s in shots if s["kind"] == "diff"), default=None),
             "full_write_s": shots[0]["write_s"], "full_loop_ms": shots[0]["loop_ms"],
-            "write_mb_s": round(written / sec, 1), "snapshot_every_s": every}
+            "write_mb_s": round(sum(s["mb"] for s in cycle) / cycle_s, 1), "cycle_s": cycle_s,
+            "snapshot_every_s": every}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(every {figures['snapshot_every_s']} s), {figures['full_snapshots']} full; "
                   f"full {figures['full_mb']:.0f} MB "
                   f"in {figures['full_write_s']:.1f} s ({figures['full_loop_ms']} ms on the loop); last diff "
-                  f"{figures['last_diff_mb']} MB; written {figures['write_mb_s']} MB per s of data")
+                  f"{figures['last_diff_mb']} MB; written {figures['write_mb_s']} MB per s of data "
+                  f"(over {figures['cycle_s']} s)")
         else:
             print(f"{'restart without snapshot':34} ready in {figures['ready_without_snapshot_s']:.1f} s "
                   f"(replay {figures['replay_without_snapshot_s']:.1f} s)")
