@@ -1,7 +1,11 @@
 """The one scheduling loop: every tier's rounds from time.monotonic() deadlines, no thread per tier.
 
 Each source runs its collect() in a worker thread of its own, so a slow source never delays the
-loop or another source. A round of a source that is still busy with its previous round of that tier is skipped
+loop, and another source only a little: the rounds of one tier run one after the other, each
+waiting for the one before it at most `chain_wait_ratio` of the period (CHAIN_WAIT_MAX_S at most).
+A dozen sources started at the same instant fight for the GIL at every ctypes call and bpf syscall
+they make, and those hand-offs (futex waits, context switches) cost more CPU than the reads.
+A round of a source that is still busy with its previous round of that tier is skipped
 and counted (never queued behind); a round that finishes later than its timeout (a share of the
 tier's period) is discarded and counted as a timeout. The loop records, for every source, its last
 duration and success as samples of its own (`xpusense.agent.source.*`).
@@ -34,6 +38,7 @@ log = logging.getLogger("xpusense.agent.tiers")
 
 Sink = Callable[[list[Sample], list[Event]], None]
 JOIN_POLL_S = 0.2   # how often the loop looks for sources that finished setting up late
+CHAIN_WAIT_MAX_S = 0.05   # the longest a round waits for the one before it (see the module's text)
 
 
 class SourceState:
@@ -95,8 +100,10 @@ def setup_sources(sources: list[Source]) -> tuple[list[SourceState], list[Event]
 
 class TierLoop:
     def __init__(self, states: list[SourceState], periods_s: dict[str, float], sink: Sink,
-                 timeout_ratio: float = 0.8, clock: Callable[[], float] = time.monotonic):
+                 timeout_ratio: float = 0.8, clock: Callable[[], float] = time.monotonic,
+                 chain_wait_ratio: float = 0.05):
         self.states = [s for s in states if s.state == "running"]
+        self.chain_wait_ratio = chain_wait_ratio
         self.periods_s = periods_s
         self.sink = sink
         self.timeout_ratio = timeout_ratio
@@ -105,6 +112,7 @@ class TierLoop:
         self.rounds = {t: 0 for t in TIERS}
         self._lock = threading.Lock()
         self._pending: set[concurrent.futures.Future] = set()
+        self.chain_waits_cut = 0   # rounds that stopped waiting for a slow round before them
         self.joining = 0     # sources still setting up, to be add()ed; the loop looks for them often
         for st in self.states:
             self._give_pool(st)
@@ -130,8 +138,10 @@ class TierLoop:
         """Start one round of `tier` on every source that has it; never blocks."""
         now_ns = time.time_ns()
         timeout_s = self.periods_s[tier] * self.timeout_ratio
+        chain_wait_s = min(CHAIN_WAIT_MAX_S, self.periods_s[tier] * self.chain_wait_ratio)
         self.rounds[tier] += 1
         futures = []
+        before: threading.Event | None = None   # the round before this one in the chain
         with self._lock:
             states = self.states
         for st in states:
@@ -145,7 +155,9 @@ class TierLoop:
                     continue
                 st.busy.add(tier)
             assert st.pool is not None   # every state is given its pool in __init__
-            fut = st.pool.submit(self._run, st, tier, now_ns, timeout_s)
+            done = threading.Event()
+            fut = st.pool.submit(self._run, st, tier, now_ns, timeout_s, before, chain_wait_s, done)
+            before = done
             futures.append(fut)
             with self._lock:
                 self._pending.add(fut)
@@ -156,7 +168,18 @@ class TierLoop:
         with self._lock:
             self._pending.discard(fut)
 
-    def _run(self, st: SourceState, tier: str, now_ns: int, timeout_s: float) -> None:
+    def _run(self, st: SourceState, tier: str, now_ns: int, timeout_s: float,
+             before: threading.Event | None = None, chain_wait_s: float = 0.0,
+             done: threading.Event | None = None) -> None:
+        if before is not None and not before.wait(chain_wait_s):
+            self.chain_waits_cut += 1     # the round before is slow: this one goes on beside it
+        try:
+            self._collect_round(st, tier, now_ns, timeout_s)
+        finally:
+            if done is not None:
+                done.set()
+
+    def _collect_round(self, st: SourceState, tier: str, now_ns: int, timeout_s: float) -> None:
         t0 = time.perf_counter()
         samples: list[Sample] = []
         events: list[Event] = []

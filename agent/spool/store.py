@@ -18,8 +18,10 @@ is logged once, failed writes are counted, and the caller keeps the batch in mem
 append that succeeds puts the spool back to `ok` (in a new segment if a tail could not be cut back).
 
 Durability (`fsync`): `batch` fsyncs each record before the batch is sent; `interval` (default)
-every `fsync_interval_s`; `never` leaves it to the kernel. A written record survives a killed agent
-in every mode; a power loss can take the last interval's batches in `interval` mode.
+every `fsync_interval_s`, unless every batch of the open segment was acknowledged by then (the
+collector holds them: nothing on disk is needed; a healthy stream never fsyncs); `never` leaves it to
+the kernel. A written record survives a killed agent in every mode; a power loss can take the last
+interval's unacknowledged batches in `interval` mode.
 
 Budgets: over `max_bytes` on disk, or `max_batches` unacknowledged, the oldest segments are deleted
 and every batch and sample in them is counted as dropped and reported: loss is never silent.
@@ -258,7 +260,8 @@ class Spool:
         if fd is not None:
             self._fd = None
             try:
-                os.fsync(fd)
+                if old is None or old.unacked:   # all acknowledged: it is deleted below, no fsync
+                    os.fsync(fd)
             finally:
                 os.close(fd)
             self._tainted = False
@@ -463,6 +466,11 @@ class Spool:
 
     def _flush_once(self) -> None:
         with self._lock:
+            if self._dirty and self._cur is not None and not self._cur.unacked:
+                # Everything written to the open segment was acknowledged already: the collector has
+                # it, so nothing on disk is needed any more and there is nothing to fsync (a healthy
+                # stream's every second; the fsync was most of this thread's CPU).
+                self._dirty = False
             if self._dirty and self._fd is not None and self.fsync == "interval":
                 try:
                     os.fsync(self._fd)

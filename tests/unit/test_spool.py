@@ -307,3 +307,27 @@ def test_a_full_disk_taken_by_acknowledged_records_of_the_open_segment_is_given_
         assert loc is not None and sp.state == "ok" and sp.read(loc) == b"retried"
         assert [p.name for p in (mnt / "spool").glob("*.seg")] == [f"{loc.segment:08d}.seg"]
         sp.close()
+
+
+def test_interval_fsync_only_while_something_is_unacknowledged(tmp_path, monkeypatch):
+    """What the collector acknowledged needs no disk: a healthy stream's flushes do not fsync; a
+    batch still waiting for its ack is fsynced at the next interval."""
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    sp = Spool(str(tmp_path), fsync="interval", fsync_interval_s=3600)
+    sp.open()
+    try:
+        locs = fill(sp, "b1", [1, 2])
+        sp.ack("b1", 1, locs[1])
+        sp._flush_once()
+        assert len(synced) == 1            # seq 2 is not acknowledged: on disk it must be
+        locs.update(fill(sp, "b1", [3]))
+        sp.ack("b1", 2, locs[2])
+        sp.ack("b1", 3, locs[3])
+        synced.clear()
+        sp._flush_once()
+        assert synced == []                 # everything written was acknowledged: nothing to fsync
+        assert not sp._dirty
+    finally:
+        sp.close()

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from helpers import InProcessCollector, free_port, record_figure, wait_until
 
-from xpusense.agent.sources.base import Sample
+from xpusense.agent.sources.base import COUNTER, HISTOGRAM, Sample
 from xpusense.agent.stream import StreamClient
 from xpusense.collector import server as server_mod
 from xpusense.collector.state import FleetState
@@ -363,6 +363,56 @@ def test_a_batch_the_collector_refuses_for_good_is_set_aside_not_resent_forever(
         assert [p.value for p in hist.points] == [1.0, 3.0]
         assert client.set_aside == 1 and client.dropped_batches == 1 and client.reconnects == 2
         assert "limits.max_label_value_len" in client.last_error
+    finally:
+        client.stop(drain_s=0)
+        coll.stop()
+
+
+def test_a_rounds_samples_put_moments_apart_go_out_as_one_batch(client_factory):
+    """The batcher cuts flush_s after the first samples came, not on a clock of its own: the sources
+    of one round, which finish milliseconds apart, cost one spool record, one message, one ack."""
+    coll = InProcessCollector()
+    client = client_factory(coll.addr, flush_s=0.5)
+    client.start()
+    try:
+        for part in range(3):   # three sources finishing one after the other within the window
+            client.put([Sample("test.part", float(part), "1", {"source": str(part)}, time_ns=1_000_000_000 + part)])
+        wait_until(lambda: client.acked >= 1, what="the round's batch acknowledged")
+        assert client.last_seq() == 1
+        node = coll.on_loop(lambda: coll.state.view().nodes[0])
+        assert sorted(s.labels["source"] for s in node.series if s.name == "test.part") == ["0", "1", "2"]
+        # Asleep while nothing comes, the batcher still ticks (the watchdog's progress()).
+        ticks = client.progress()
+        wait_until(lambda: client.progress() > ticks, what="an idle tick of the batcher")
+        assert client.last_seq() == 1
+    finally:
+        client.stop(drain_s=0)
+        coll.stop()
+
+
+def test_series_templates_keep_each_series_ref_and_fields(client_factory):
+    """Each sample is built from its series' template (name, unit, kind, labels, ref); a histogram
+    gets its own buckets, and a cleared template cache keeps the refs of this boot."""
+    coll = InProcessCollector()
+    client = client_factory(coll.addr, max_samples_per_batch=2)
+    client.max_templates = 2
+    client.start()
+    try:
+        hist = Sample("test.lat", 3.0, "s", {"k": "h"}, kind=HISTOGRAM, bounds=[1.0, 2.0], counts=[1, 2, 3],
+                      time_ns=1_000_000_003)
+        client.put([Sample("test.a", 1.0, "1", {"k": "a"}, time_ns=1_000_000_001),
+                    Sample("test.b", 2.0, "By", {"k": "b"}, kind=COUNTER, time_ns=1_000_000_002), hist])
+        client.put([Sample("test.a", 4.0, "1", {"k": "a"}, time_ns=2_000_000_001)])
+        client.flush()
+        wait_until(lambda: client.pending() == 0 and client.acked >= 2, what="the batches acknowledged")
+        assert client._series == {("test.a", (("k", "a"),)): 1, ("test.b", (("k", "b"),)): 2,
+                                  ("test.lat", (("k", "h"),)): 3}
+        points = coll.on_loop(lambda: coll.state.history("node-a", "test.a", {"k": "a"}))
+        assert [p.value for p in points.points] == [1.0, 4.0]
+        node = coll.on_loop(lambda: coll.state.view().nodes[0])
+        by_name = {s.name: s for s in node.series}
+        assert by_name["test.b"].unit == "By" and by_name["test.b"].value == 2.0
+        assert list(by_name["test.lat"].histogram.counts) == [1, 2, 3]
     finally:
         client.stop(drain_s=0)
         coll.stop()

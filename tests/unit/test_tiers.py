@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from helpers import wait_until
 
+from xpusense.agent import tiers as tiers_mod
 from xpusense.agent.sources.base import NEARLINE, REALTIME, Sample, Source, SourceError, Unavailable
 from xpusense.agent.tiers import TierLoop, setup_sources
 
@@ -170,3 +172,75 @@ def test_rounds_follow_monotonic_deadlines_without_drift():
     assert rt[11:] == [float(i) for i in range(16, 16 + len(rt) - 11)] and rt[-1] >= 39
     assert loop.missed_rounds[REALTIME] == 5  # rounds due at 11..15 were skipped, not run in a burst
     loop.close()
+
+
+class Timed(Source):
+    """Records when each of its realtime rounds ran (a few ms of work each)."""
+    tiers = (REALTIME,)
+
+    def __init__(self, name, log, lock):
+        self.name, self.log, self.lock = name, log, lock
+
+    def collect(self, tier):
+        start = time.monotonic()
+        while time.monotonic() - start < 0.003:   # work, not waiting: the GIL is held
+            pass
+        with self.lock:
+            self.log.append((self.name, start, time.monotonic()))
+        return [Sample("test.timed", 1, "1", {"src": self.name})]
+
+
+class HungRealtime(Source):
+    """A realtime source whose first round hangs until released (a stuck driver call)."""
+    name = "hung"
+    tiers = (REALTIME,)
+
+    def __init__(self):
+        self.release, self.started = threading.Event(), threading.Event()
+
+    def collect(self, tier):
+        if not self.started.is_set():
+            self.started.set()
+            self.release.wait(30)
+        return []
+
+
+def test_a_tiers_rounds_run_one_after_the_other(monkeypatch):
+    """The rounds of one tier form a chain, each starting when the one before it is done: started
+    together, a dozen sources fight for the GIL at every ctypes call (futex waits, context switches)."""
+    monkeypatch.setattr(tiers_mod, "CHAIN_WAIT_MAX_S", 10.0)    # the chain never given up here: only order
+    log, lock = [], threading.Lock()
+    sources = [Timed(n, log, lock) for n in ("a", "b", "c")]
+    states, _ = setup_sources(sources)
+    loop = TierLoop(states, {REALTIME: 1.0, NEARLINE: 15.0, "offline": 300.0}, lambda s, e: None,
+                    timeout_ratio=1.0, chain_wait_ratio=1.0)
+    try:
+        for _ in range(3):
+            for f in loop.dispatch(REALTIME):
+                f.result(timeout=30)
+        with lock:
+            rounds = list(log)
+        assert len(rounds) == 9
+        for k in range(3):
+            one = rounds[3 * k: 3 * k + 3]
+            assert [r[0] for r in one] == ["a", "b", "c"]
+            assert one[0][2] <= one[1][1] and one[1][2] <= one[2][1], one   # no overlap
+        assert loop.chain_waits_cut == 0
+    finally:
+        loop.close()
+
+
+def test_a_hung_round_holds_the_next_in_its_chain_only_briefly(loop_factory):
+    hung, fast = HungRealtime(), Counting()
+    loop, states, _, sink, stop, t = loop_factory([hung, fast], {REALTIME: 0.05, NEARLINE: 1, "offline": 100},
+                                                  timeout_ratio=1.0)
+    t.start()
+    try:
+        assert hung.started.wait(30)
+        at_hang = fast.rounds
+        # The fast source behind the hung one in the chain waits for it at most a share of the
+        # period, then runs beside it: its rounds go on, and the cut waits are counted.
+        wait_until(lambda: fast.rounds >= at_hang + 10, what="10 rounds of the source behind the hung one")
+        assert loop.chain_waits_cut >= 1
+    finally:
+        hung.release.set()
