@@ -24,6 +24,7 @@ JetStream's default sync policy), then, one after the other:
    the memory of worker and scheduler state from the per-node figures.
 
     .venv/bin/python bench/fleet_scale.py                 # ~4 min on a 2-core VM
+    .venv/bin/python bench/fleet_scale.py --place-only    # step 5 alone, ~1.5 min
 
 Prints a table, then one line of JSON.
 """
@@ -254,7 +255,7 @@ async def place_from_bucket(urls: list[str], data: list[bytes], seconds: float, 
     await sched.close()
     await nc.close()
     return {"put_s": put_s, "list_s": list_s, "listed": listed, "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99),
-            "cpu_p99_ms": pct(cpu, 0.99), "n": len(lat), "followed_s": followed}
+            "cpu_p50_ms": pct(cpu, 0.5), "cpu_p99_ms": pct(cpu, 0.99), "n": len(lat), "followed_s": followed}
 
 
 def place_over_grpc(tmp: str, urls: list[str], data: list[bytes], seconds: float, updates_s: float) -> dict:
@@ -305,6 +306,25 @@ async def _refresh_for(urls: list[str], data: list[bytes], updates_s: float, sec
     await nc.close()
 
 
+def place_only(args: argparse.Namespace) -> int:
+    """Step 5 alone: Place in process and over gRPC from a replica following the fleet bucket."""
+    from xpusense.collector.cluster.localnats import LocalCluster
+    tmp = tempfile.mkdtemp(prefix="xpusense-fleet-")
+    with LocalCluster(3, os.path.join(tmp, "nats")) as cluster:
+        print(f"5. Place at {args.place_nodes} nodes from the fleet bucket ...", flush=True)
+        big, _ = summaries(args.place_nodes, seed=11)
+        inproc = asyncio.run(place_from_bucket(cluster.urls, big, args.seconds, args.updates_s))
+        over = place_over_grpc(tmp, cluster.urls, big, args.seconds, args.updates_s)
+    print(f"Place at {inproc['listed']:,} nodes, {inproc['followed_s']:,.0f} summary updates/s followed: in process "
+          f"p50 {inproc['p50_ms']:.3f} ms, p99 {inproc['p99_ms']:.3f} ms (goal <= 1; CPU p50 {inproc['cpu_p50_ms']:.3f}, "
+          f"p99 {inproc['cpu_p99_ms']:.3f} ms; {inproc['n']} decisions); over gRPC p50 {over['p50_ms']:.3f} ms, "
+          f"p99 {over['p99_ms']:.3f} ms (goal <= 5; {over['n']} calls); load average {os.getloadavg()[0]:.2f}")
+    print(json.dumps({"bench": "fleet_scale", "place_only": True, "place_nodes": inproc["listed"],
+                      "place_inproc": {k: round(v, 3) if isinstance(v, float) else v for k, v in inproc.items()},
+                      "place_grpc": {k: round(v, 3) if isinstance(v, float) else v for k, v in over.items()}}))
+    return 0
+
+
 def _rss_kb(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
@@ -320,8 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--place-nodes", type=int, default=10000, help="nodes in the fleet bucket for Place (default 10000)")
     p.add_argument("--updates-s", type=float, default=1000.0,
                    help="summary updates/s the index follows while Place is measured (default 1000)")
+    p.add_argument("--place-only", action="store_true", help="only step 5, Place from the fleet bucket")
     args = p.parse_args(argv)
     raise_nofile()
+    if args.place_only:
+        return place_only(args)
     from xpusense.collector.cluster.localnats import LocalCluster
     cpus = sorted(os.sched_getaffinity(0))
     gw_cpu, gen_cpus = cpus[0], cpus[1:] or cpus
