@@ -38,7 +38,7 @@ from xpusense.v1 import scheduler_pb2 as spb
 
 from .. import diagnoses as dg
 from .config import Settings
-from .index import ACCEL_TYPES, INF, POOLS, Device, Group, NodeSummary, Pool, file_node
+from .index import ACCEL_TYPES, INF, POOLS, Device, Group, NodeSummary, Pool, file_node, mark_stale
 from .inventory import PeakTflops, device_memory, interconnect_domain, price
 from .latency import MeasuredLatency, RttWindow
 from .scoring import capable, free_score
@@ -226,8 +226,9 @@ class FleetView:
         node is in `stale_known` or has one live entry (time, node) in `seen_heap` with a time at
         or before its last_seen_ns (renewed at most every stale_s / 2, and when it comes due)."""
         nid = node.node_id
-        if nid in self.stale_known:
-            del self.stale_known[nid]
+        back = self.stale_known.pop(nid, None)
+        if back is not None:
+            mark_stale(self.pools, back, False)
         t = node.last_seen_ns
         pushed = self.seen_pushed.get(nid)
         if pushed is None or t - pushed > self.stale_ns // 2:
@@ -236,6 +237,13 @@ class FleetView:
 
     def stale(self, cut: int) -> list[NodeSummary]:
         """Every node last heard from before `cut`, as its NodeState says now."""
+        self.find_stale(cut)
+        return list(self.stale_known.values())
+
+    def find_stale(self, cut: int) -> None:
+        """`stale_known` = the nodes last heard from before `cut`, as their NodeStates say now, each
+        marked stale in the index (index.mark_stale: out of the counts a decision reads) when it
+        joins and unmarked when it leaves; a node joins or leaves once per time it goes silent."""
         heap, known, pushed = self.seen_heap, self.stale_known, self.seen_pushed
         while heap and heap[0][0] < cut:
             t, nid = heapq.heappop(heap)
@@ -248,18 +256,16 @@ class FleetView:
             if seen < cut:
                 known[nid] = s
                 del pushed[nid]
+                mark_stale(self.pools, s, True)
             else:                 # heard from since: follow it on from there
                 heapq.heappush(heap, (seen, nid))
                 pushed[nid] = seen
-        out = []
-        for nid, s in list(known.items()):
-            if s.state.last_seen_ns < cut:
-                out.append(s)
-            else:                 # back (a resend refreshes last_seen without a stored batch)
-                del known[nid]
-                heapq.heappush(heap, (s.state.last_seen_ns, nid))
-                pushed[nid] = s.state.last_seen_ns
-        return out
+        for s in [s for s in known.values() if s.state.last_seen_ns >= cut]:
+            nid = s.node_id           # back (a resend refreshes last_seen without a stored batch)
+            del known[nid]
+            heapq.heappush(heap, (s.state.last_seen_ns, nid))
+            pushed[nid] = s.state.last_seen_ns
+            mark_stale(self.pools, s, False)
 
     # -- readings and events ---------------------------------------------------------------------------
     def _map_series(self, s: NodeSummary) -> None:

@@ -142,7 +142,7 @@ class NodeSummary:
     __slots__ = ("state", "node_id", "labels", "region", "zone", "province", "encryption", "attestation",
                  "price", "placement_key", "devices", "by_type", "pool_groups", "expires_ns", "series_seen",
                  "xid_events", "health_events", "checkpoint_requests", "not_offered", "best_value",
-                 "base_candidate", "layout", "rtt_series", "rtt")
+                 "base_candidate", "layout", "rtt_series", "rtt", "stale")
 
     def __init__(self, state: Any):
         self.state = state                  # FleetState's NodeState, read in place (last_seen_ns...)
@@ -166,12 +166,13 @@ class NodeSummary:
         self.layout: list[tuple] = []       # (type index, type, devices, {domain: devices} or None)
         self.rtt_series: dict[str, Any] = {}   # remote region -> its xpusense.network.tcp.rtt Series
         self.rtt: dict[str, Any] = {}          # remote region -> its latency.RttWindow
+        self.stale = False                     # found stale by the last decision (FleetView.stale, mark_stale)
 
 
 class Entry:
     """A node in one pool. `group`: its one group to look at there (the common case), or None with
     `groups` the several (types for `any`, domains for same_domain), evaluated one by one."""
-    __slots__ = ("summary", "state", "key", "group", "groups", "bucket_slot", "pool_slot", "levels", "row")
+    __slots__ = ("summary", "state", "key", "group", "groups", "bucket_slot", "pool_slot", "levels", "row", "stale")
 
     def __init__(self, s: NodeSummary, key: tuple):
         self.summary, self.state, self.key = s, s.state, key
@@ -180,6 +181,7 @@ class Entry:
         self.bucket_slot = -1          # place in its Bucket's one_group (one-group nodes)
         self.pool_slot = -1            # row in its Pool's fit
         self.row = NO_FIT              # the fit row filed (its group's once set)
+        self.stale = False             # in its Bucket's `stale`, its row out of Bucket.counts
         self.levels = [-1] * (CMAX + 1)   # per count: its level in Bucket.by_level, -1 when not there
 
 
@@ -188,14 +190,16 @@ class Bucket:
     with several groups). by_level[c][level] = the one-group nodes whose compute part for c
     devices is in that level, walked best level first. In a type pool (`counts` not None):
     counts[c - 1] = the values of its nodes' fit rows for count c (free HBM of the c-th most free
-    offered device, or FEWER_OFFERED / FEWER_AT_ALL), sorted."""
-    __slots__ = ("key", "one_group", "many_groups", "counts", "by_level", "nonempty", "key_part")
+    offered device, or FEWER_OFFERED / FEWER_AT_ALL), sorted, of the nodes not marked stale
+    (`stale`: those found stale by the last decision, mark_stale)."""
+    __slots__ = ("key", "one_group", "many_groups", "counts", "by_level", "nonempty", "key_part", "stale")
 
     def __init__(self, key: tuple, counted: bool = False):
         self.key = key
         self.one_group: list[Entry] = []
         self.many_groups: dict[str, Entry] = {}
         self.counts: list[Ranked] | None = [Ranked() for _ in range(CMAX)] if counted else None
+        self.stale: dict[str, Entry] = {}
         self.by_level: list[list[dict[str, Entry]]] = [[]] + [[{} for _ in range(LEVELS)] for _ in range(CMAX)]
         self.nonempty = [0] * (CMAX + 1)   # per count: bit `level` set when by_level[c][level] has nodes
         self.key_part = 0.0     # during a decision: its placement key's part of the score
@@ -231,7 +235,7 @@ class Bucket:
         if last is not e:
             self.one_group[e.bucket_slot] = last
             last.bucket_slot = e.bucket_slot
-        if self.counts is not None:
+        if self.counts is not None and not e.stale:
             for c in range(CMAX):
                 self.counts[c].remove(e.row[c])
         nid = e.summary.node_id
@@ -280,13 +284,33 @@ class Pool:
             self.fit.extend(NO_FIT)
         else:
             b.many_groups[nid] = e
+        if s.stale:
+            self.mark_stale(e, True)
         return e
+
+    def mark_stale(self, e: Entry, stale: bool) -> None:
+        """A node found stale (True) or back (False): in or out of its Bucket's `stale`, its fit row
+        out of or back into the Bucket's sorted values."""
+        if e.stale == stale:
+            return
+        e.stale = stale
+        b = self.buckets[e.key]
+        if stale:
+            b.stale[e.summary.node_id] = e
+        else:
+            del b.stale[e.summary.node_id]
+        if b.counts is not None and e.bucket_slot >= 0:
+            for values, v in zip(b.counts, e.row):
+                if stale:
+                    values.remove(v)
+                else:
+                    values.add(v)
 
     def set_group(self, e: Entry, g: Group) -> None:
         """A one-group node's group after a refresh: its fit rows and its levels."""
         e.group = g
         b = self.buckets[e.key]
-        if b.counts is not None and e.row is not g.fit_row:
+        if b.counts is not None and e.row is not g.fit_row and not e.stale:
             b.file_row(e.row, g.fit_row)
         e.row = g.fit_row
         row = e.pool_slot * CMAX
@@ -309,10 +333,22 @@ class Pool:
             e.pool_slot = -1
         else:
             del b.many_groups[nid]
+        if e.stale:
+            del b.stale[nid]
+            e.stale = False
         del self.entries[nid]
         self.with_devices_out.pop(nid, None)
         if not b.size():
             del self.buckets[e.key]
+
+
+def mark_stale(pools: tuple[Pool, ...], s: NodeSummary, stale: bool) -> None:
+    """The node found stale (True) or back (False), in every pool."""
+    s.stale = stale
+    for pool in pools:
+        e = pool.entries.get(s.node_id)
+        if e is not None:
+            pool.mark_stale(e, stale)
 
 
 def file_node(pools: tuple[Pool, ...], s: NodeSummary) -> None:

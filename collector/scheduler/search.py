@@ -227,18 +227,18 @@ TYPE_POOLS = ((0,), (1,), (0, 1), (0,), (1,), (0, 1))   # per pool: the type poo
 
 class _Walk:
     """The working state of one indexed search over a pool. `type_pools`: the type pools (GPU,
-    NPU) whose sorted fit values (Bucket.counts) hold a value for each of this pool's nodes per
-    type it has: the pool's one-group nodes once, its many-group nodes once per type (taken out
-    again as they are met). The counts are of fresh one-group nodes in buckets no filter removes:
-    `fitting` (count devices fit), `too_few` (fewer than count devices at all), `one_group` (all)."""
-    __slots__ = ("pool", "type_pools", "col", "mem", "fitting", "too_few", "one_group", "stale_by_key",
+    NPU) whose sorted fit values (Bucket.counts) hold a value for each of this pool's fresh nodes
+    per type it has: the pool's one-group nodes once, its many-group nodes once per type (taken
+    out again as they are met). The counts are of fresh one-group nodes in buckets no filter
+    removes: `fitting` (count devices fit), `too_few` (fewer than count devices at all),
+    `one_group` (all). Stale nodes are in their Buckets' `stale`, marked by FleetView.find_stale."""
+    __slots__ = ("pool", "type_pools", "col", "mem", "fitting", "too_few", "one_group",
                  "filtered_keys", "typefit_classified", "levels_heap", "pushed")
 
     def __init__(self, view: FleetView, q: Query):
         self.pool, self.col, self.mem = view.pools[q.pool_index], q.count - 1, q.mem
         self.type_pools = [view.pools[t] for t in TYPE_POOLS[q.pool_index]]
         self.fitting = self.too_few = self.one_group = 0
-        self.stale_by_key: dict[tuple, list[Entry]] = {}
         self.filtered_keys: set[tuple] = set()
         self.typefit_classified = 0   # same_domain: misfits classified one by one that fit as a type
         self.levels_heap: list[tuple] = []   # (-bound, push order, level, bucket): best level first
@@ -265,7 +265,7 @@ class _Walk:
             self.too_few -= 1
 
     def drop_many_groups(self, e: Entry) -> None:
-        """A node with several groups here: its rows in the type pools out of the one-group counts."""
+        """A fresh node with several groups here: its rows in the type pools out of the one-group counts."""
         nid = e.summary.node_id
         for tp in self.type_pools:
             te = tp.entries.get(nid)
@@ -282,20 +282,24 @@ class _Walk:
 
 def search(view: FleetView, q: Query) -> None:
     """The indexed decision: counts per placement key from the type pools' sorted fit values,
-    corrected for the stale nodes and those with several groups; the ranking from the best compute
-    levels down. No pass over every node: the work grows with the placement keys, the stale nodes,
-    the nodes with several groups or a device out, and the nodes the ranking looks at."""
+    corrected for the nodes with several groups (stale nodes are out of them); the ranking from the
+    best compute levels down. No pass over every node: the work grows with the placement keys, the
+    nodes going stale or coming back, those with several groups or a device out, and the nodes the
+    ranking looks at."""
+    view.find_stale(q.cut)   # marks them in the index
     walk = _Walk(view, q)
-    _find_stale(view, q, walk)
+    n_stale = 0
     for key, b in walk.pool.buckets.items():
+        if b.stale:
+            n_stale += len(b.stale)
+            room = q.max_listed - len(q.listed_health)
+            if room > 0:
+                q.listed_health += [("stale", e.summary) for e in islice(b.stale.values(), room)]
         why = hard_filter(key, q.req, q.allowed) if q.filtering else None
         if why is not None:
             _filter_bucket(q, walk, b, why)
             continue
         walk.add_key(key)
-        for e in walk.stale_by_key.get(key, ()):
-            if e.bucket_slot >= 0:
-                walk.drop_row(e.row)
         b.key_part = q.key_part(key)
         walk.push_level(q, b, b.nonempty[q.count].bit_length() - 1)   # its best non-empty level
         if b.many_groups:
@@ -303,47 +307,33 @@ def search(view: FleetView, q: Query) -> None:
     q.feasible += walk.fitting
     if walk.too_few:
         q.count_reason("count", walk.too_few)
-    if walk.stale_by_key:
-        stale = [e for entries in walk.stale_by_key.values() for e in entries]
-        q.count_reason("stale", len(stale))
-        q.listed_health += [("stale", e.summary) for e in stale[:q.max_listed]]
+    if n_stale:
+        q.count_reason("stale", n_stale)
     _rank_by_levels(q, walk)
     _count_fit_misfits(view, q, walk)
     _list_fit_misfits(q, walk)
 
 
-def _find_stale(view: FleetView, q: Query, walk: _Walk) -> None:
-    """The pool's stale nodes, by placement key."""
-    entries = walk.pool.entries
-    for s in view.stale(q.cut):
-        e = entries.get(s.node_id)
-        if e is not None:
-            walk.stale_by_key.setdefault(e.key, []).append(e)
-
-
 def _filter_bucket(q: Query, walk: _Walk, b: Bucket, why: str) -> None:
     """A bucket a hard filter removes: its fresh nodes counted (and a few listed) under `why`."""
     walk.filtered_keys.add(b.key)
-    stale = walk.stale_by_key.get(b.key, [])
-    n_fresh = b.size() - len(stale)
+    n_fresh = b.size() - len(b.stale)
     if not n_fresh:
         return
     q.count_reason(why, n_fresh)
     room = q.max_listed - len(q.listed_filter)
     if room > 0:
-        stale_ids = {e.summary.node_id for e in stale}
         q.listed_filter += islice(((why, e.summary) for e in chain(b.one_group, b.many_groups.values())
-                                   if e.summary.node_id not in stale_ids), room)
+                                   if not e.stale), room)
 
 
 def _score_many_group_nodes(q: Query, walk: _Walk, b: Bucket) -> None:
-    """The bucket's nodes with several groups, one by one: out of the one-group counts; the fresh
-    ones ranked, or classified as misfits."""
-    cut = q.cut
+    """The bucket's fresh nodes with several groups, one by one: out of the one-group counts, then
+    ranked, or classified as misfits."""
     for e in b.many_groups.values():
-        walk.drop_many_groups(e)
-        if e.state.last_seen_ns < cut:
+        if e.stale:
             continue
+        walk.drop_many_groups(e)
         score, group = best_of_groups(q, e, b.key_part)
         if group is None:
             q.note_misfit(classify(e.summary, q), e.summary)
@@ -427,7 +417,7 @@ def _domain_misfits(view: FleetView, q: Query, walk: _Walk) -> int:
     of the buckets no filter removes that fit at the type level (pool type_index, counted from the
     type pools' sorted fit values) less those feasible in one domain."""
     type_pool = view.pools[q.type_index]
-    col, mem, cut = walk.col, q.mem, q.cut
+    col, mem = walk.col, q.mem
     type_pools = [view.pools[t] for t in TYPE_POOLS[q.type_index]]
     fit_as_type = 0
     for key, b in type_pool.buckets.items():
@@ -437,16 +427,14 @@ def _domain_misfits(view: FleetView, q: Query, walk: _Walk) -> int:
             tb = tp.buckets.get(key)
             if tb is not None and tb.counts is not None:
                 fit_as_type += tb.counts[col].at_least(mem)
-        for e in b.many_groups.values():   # counted once per type above; once here when fresh and a group fits
+        for e in b.many_groups.values():   # counted once per type above; once here when a group fits
+            if e.stale:
+                continue
             nid = e.summary.node_id
             for tp in type_pools:
                 te = tp.entries.get(nid)
                 if te is not None and te.row[col] >= mem:
                     fit_as_type -= 1
-            if e.state.last_seen_ns >= cut and any(q.fits(g) for g in e.groups):
+            if any(q.fits(g) for g in e.groups):
                 fit_as_type += 1
-        for e in walk.stale_by_key.get(key, ()):
-            te = type_pool.entries.get(e.summary.node_id)
-            if te is not None and te.bucket_slot >= 0 and te.row[col] >= mem:
-                fit_as_type -= 1
     return fit_as_type - q.feasible

@@ -60,15 +60,23 @@ def test_ranked_counts_as_a_sorted_list_does(load, ops, probes):
 
 
 def check_index(sch: Scheduler) -> None:
-    """Each type pool bucket's sorted values per count are its nodes' fit rows, which are their
-    groups' as last refreshed."""
-    for pool in sch.view.pools[:2]:
+    """Each type pool bucket's sorted values per count are its fresh nodes' fit rows, which are
+    their groups' as last refreshed; a node is marked stale in every pool when the last decision
+    found it stale (FleetView.stale_known), and only then."""
+    view = sch.view
+    for pool in view.pools:
+        for b in pool.buckets.values():
+            entries = b.one_group + list(b.many_groups.values())
+            assert b.stale == {e.summary.node_id: e for e in entries if e.stale}
+            for e in entries:
+                assert e.stale == e.summary.stale == (e.summary.node_id in view.stale_known)
+    for pool in view.pools[:2]:
         for b in pool.buckets.values():
             assert b.counts is not None and not b.many_groups
             for e in b.one_group:
                 assert e.group is not None and e.row is e.group.fit_row
             for c in range(CMAX):
-                assert b.counts[c].values() == sorted(e.row[c] for e in b.one_group)
+                assert b.counts[c].values() == sorted(e.row[c] for e in b.one_group if not e.stale)
 
 
 def test_indexed_search_answers_as_the_full_scan_does_with_many_blocks_per_bucket(monkeypatch):
@@ -82,6 +90,7 @@ def test_indexed_search_answers_as_the_full_scan_does_with_many_blocks_per_bucke
     sch = Scheduler(st_, DEFAULTS.scheduler, DEFAULTS.stale_s)
     kinds = ["a100", "910b", "910b4", "910a", "a100pcie"]
     nodes: dict[str, list] = {}
+    last: dict[str, pb.Batch] = {}
 
     def hello(nid: str) -> None:
         kind = rng.choice(kinds)
@@ -106,21 +115,28 @@ def test_indexed_search_answers_as_the_full_scan_does_with_many_blocks_per_bucke
         if rng.random() < 0.05:
             events.append(event(rng.choice(["xid", "checkpoint_request"]), dev_id(kind, rng.randrange(devices)),
                                 clock[0]))
-        st_.ingest(pb.Batch(node_id=nid, boot_id="b", seq=seq, samples=samples, events=events))
+        last[nid] = pb.Batch(node_id=nid, boot_id="b", seq=seq, samples=samples, events=events)
+        st_.ingest(last[nid])
 
     for i in range(160):
         hello(f"n{i:03d}")
         feed(f"n{i:03d}")
     silent = set(rng.sample(sorted(nodes), 12))
     for step in range(4):
-        clock[0] += int(rng.choice((2, 4, 6)) * 1e9)
+        clock[0] += int(rng.choice((5, 6, 7)) * 1e9)   # stale_s 10: the silent ones stale from step 1 or 2
         for nid in nodes:
             if nid not in silent and rng.random() < 0.8:
                 feed(nid)
         for nid in rng.sample(sorted(nodes), 6):   # new inventories: other labels, types, device counts
             hello(nid)
             feed(nid)
-        check_index(sch)
+        if step == 2:   # silent ones back: a resend (last seen now, nothing stored, no watcher called), a batch
+            back = rng.sample(sorted(silent), 4)
+            assert not st_.ingest(last[back[0]]) and not st_.ingest(last[back[1]])
+            feed(back[2])
+            silent -= set(back)
+        if step:
+            check_index(sch)
         for _ in range(25):
             req = spb.PlaceRequest(
                 accelerator=rng.choice([spb.ACCELERATOR_ANY, spb.ACCELERATOR_GPU, spb.ACCELERATOR_NPU]),
@@ -139,4 +155,8 @@ def test_indexed_search_answers_as_the_full_scan_does_with_many_blocks_per_bucke
                 [(round(c.score, 9), c.node_id, list(c.devices)) for c in ref.candidates], where
             assert sorted((e.node_id, e.reason) for e in fast.excluded) == \
                 sorted((e.node_id, e.reason) for e in ref.excluded), where
+            check_index(sch)
+        cut = clock[0] - sch.settings.stale_ns
+        assert set(sch.view.stale_known) == {nid for nid in nodes if st_.nodes[nid].last_seen_ns < cut}
+        assert step < 2 or silent & set(sch.view.stale_known)
     assert max(len(b.counts[0].blocks) for p in sch.view.pools[:2] for b in p.buckets.values() if b.counts) > 5
