@@ -136,6 +136,9 @@ class FleetView:
 
     def _on_timer(self) -> None:
         self.timer = None
+        # The stale nodes as of now, so that the next decision only looks at those since: most of
+        # that work is dropping the heap's superseded entries, one per node every stale_s / 2.
+        self.find_stale(self.state.clock() - self.stale_ns)
         done = self.refresh_dirty(None, SLICE_S)   # all of them: the oldest is nearly due
         if not done and self.dirty:   # the rest once the loop has served what waits behind this slice
             self._arm(0)
