@@ -30,6 +30,7 @@ from .engine import list_bucket
 from .summary import MirrorNode, decode
 
 log = logging.getLogger("xpusense.collector.cluster.scheduler")
+YIELD_EVERY = 16   # changes applied from the watch before the loop serves others (Place, Query)
 
 
 class _Changes:
@@ -137,10 +138,14 @@ class FleetIndex:
         log.info("fleet index: %d nodes listed; watching", len(self.nodes))
         self.ready.set()
         w = await kv.watchall()
+        applied = 0
         try:
             async for e in w:
                 if e is not None and e.operation is None and e.value:
                     self.apply(e.value, e.revision or 0)
+                    applied += 1
+                    if not applied % YIELD_EVERY:   # a burst of queued changes does not hold Place calls up
+                        await asyncio.sleep(0)
         finally:
             with contextlib.suppress(Exception):
                 await w.stop()

@@ -48,7 +48,7 @@ log = logging.getLogger("xpusense.collector.scheduler")
 UTIL, USED, LIMIT, BANDWIDTH, HEALTH = ("hw.gpu.utilization", "hw.gpu.memory.usage", "hw.gpu.memory.limit",
                                         "xpusense.accelerator.hbm.bandwidth.utilization",
                                         "xpusense.accelerator.health")
-SLICE_S = 0.005   # a bulk refresh gives the loop back after this long (acks waiting behind it)
+SLICE_S = 0.002   # a bulk refresh gives the loop back after this long (acks and Place calls waiting)
 PLACE_EXTRA_S = 0.0001   # a decision refreshes dirty nodes not yet due for this long at most (catch_up)
 TIMER_SHARE = 0.5        # the bulk refresh runs this share of refresh_ns after the first node was marked
 _DEVICE_SERIES = {UTIL: "util", USED: "used", LIMIT: "limit", BANDWIDTH: "bandwidth"}   # name -> Device attribute
