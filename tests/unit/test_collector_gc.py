@@ -1,0 +1,120 @@
+"""cli.freeze_long_lived: what is alive is frozen, no automatic full collections meanwhile, a cycle
+frozen as garbage is freed by the sweep, and nothing is frozen while server._Reclaim has a run due."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+import weakref
+
+from xpusense.collector.cli import freeze_long_lived
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other: Node | None = None
+
+
+def cycle() -> weakref.ref:
+    """A reference cycle, garbage at once (only the collector frees it); a weak reference to it."""
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return weakref.ref(a)
+
+
+async def until(cond, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+def test_frozen_garbage_waits_for_the_sweep_and_the_thresholds_come_back():
+    before = gc.get_threshold()
+
+    async def main() -> tuple:
+        stop = asyncio.Event()
+        gc.collect()
+        gc.disable()   # no collection of our own in between: only what freeze_long_lived does
+        try:
+            task = asyncio.get_running_loop().create_task(freeze_long_lived(stop, every_s=0.01, sweep_s=3600.0))
+            ref = cycle()
+            frozen = await until(lambda: gc.get_freeze_count() > 0)
+            during = gc.get_threshold()
+            gc.collect()   # a full collection does not look at frozen objects: the cycle stays
+            kept = ref() is not None
+            stop.set()
+            await task
+        finally:
+            gc.enable()
+        return frozen, during, kept, ref
+
+    try:
+        frozen, during, kept, ref = asyncio.run(main())
+        assert frozen, "nothing was frozen"
+        assert during[:2] == before[:2] and during[2] >= 2**30, during   # automatic full collections off
+        assert kept, "the frozen cycle was collected without a sweep"
+        assert gc.get_threshold() == before
+        # The sweep: unfreeze, collect, freeze again.
+        async def sweep() -> bool:
+            stop = asyncio.Event()
+            task = asyncio.get_running_loop().create_task(freeze_long_lived(stop, every_s=0.01, sweep_s=0.0))
+            freed = await until(lambda: ref() is None)
+            stop.set()
+            await task
+            return freed
+        assert asyncio.run(sweep()), "the sweep did not free the frozen cycle"
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+
+
+def test_no_freeze_while_a_reclaim_is_due():
+    before = gc.get_threshold()
+    gc.unfreeze()
+    due, asked = [True], [0]
+
+    def postpone() -> bool:
+        asked[0] += 1
+        return due[0]
+
+    async def main() -> tuple[int, int]:
+        stop = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(
+            freeze_long_lived(stop, every_s=0.01, sweep_s=3600.0, postpone=postpone))
+        assert await until(lambda: asked[0] >= 5), "freeze_long_lived did not tick"
+        while_due = gc.get_freeze_count()
+        due[0] = False
+        await until(lambda: gc.get_freeze_count() > 0)
+        after = gc.get_freeze_count()
+        stop.set()
+        await task
+        return while_due, after
+
+    try:
+        while_due, after = asyncio.run(main())
+        assert while_due == 0, "frozen while a reclaim was due"
+        assert after > 0, "not frozen once the reclaim was done"
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+
+
+def test_reclaim_runs_twice_and_again_for_a_stream_that_ended_meanwhile():
+    from xpusense.collector.server import _Reclaim, reclaim_pending
+
+    async def main() -> list:
+        r = _Reclaim(delay_s=0.01, late_s=0.05)
+        seen = [reclaim_pending()]
+        r.soon()
+        seen.append(reclaim_pending())
+        assert await until(lambda: r.runs == 1)
+        r.soon()   # another stream ended after the first run: one more late run
+        assert await until(lambda: not r.pending)
+        seen += [reclaim_pending(), r.runs]
+        return seen
+
+    assert asyncio.run(main()) == [False, True, False, 3]
