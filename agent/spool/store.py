@@ -2,10 +2,11 @@
 collector has acknowledged it, so batches survive a collector outage and a `kill -9` of the agent.
 
 Layout: segments `NNNNNNNN.seg`, each a sequence of checksummed records (records.py), and
-`acked.json`: the highest acknowledged seq per agent boot and the batches set aside (written every
-`fsync_interval_s`; a lagging one only means a few batches are sent again, and the collector drops
-them). A segment is deleted once all its batches are acknowledged. On start, the unacknowledged
-records of earlier boots are handed back, in order, to be sent with their own boot id and seq.
+`acked.json`: the highest acknowledged seq per agent boot and the batches set aside (written at
+most every ACKS_SAVE_S while batches are only acknowledged, at the next flush after one is set aside,
+and at close; a lagging one only means a few batches are sent again, and the collector drops them).
+A segment is deleted once all its batches are acknowledged. On start, the unacknowledged records of
+earlier boots are handed back, in order, to be sent with their own boot id and seq.
 
 Damage: at start, a record whose framing, checksum or content (`validate`) does not check out is
 skipped, counted (`damaged_records`), logged with its segment and byte offset, and copied to
@@ -35,6 +36,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import TextIO
 
@@ -44,6 +46,7 @@ from .aside import Aside
 log = logging.getLogger("xpusense.agent.spool")
 
 _SEGMENT = re.compile(r"^(\d{8,12})\.seg$")
+ACKS_SAVE_S = 10.0          # acked.json at most this often for acknowledgements alone (module text)
 _LOGGED_PER_START = 20      # damaged spans logged one by one at start; the rest in the summary
 
 
@@ -100,6 +103,8 @@ class Spool:
         self._lockf: TextIO | None = None
         self._dirty = False
         self._acks_dirty = False
+        self._aside_dirty = False          # a batch set aside since acked.json was last written
+        self._acks_saved_at = 0.0          # time.monotonic() of that write
         self._acks_error = ""
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
@@ -407,7 +412,7 @@ class Spool:
                 finally:
                     os.close(fd)
             self.set_aside_keys[key] = seg.id
-            self._acks_dirty = True
+            self._acks_dirty = self._aside_dirty = True
             self._forget(seg, key)
 
     # -- acknowledgements ----------------------------------------------------------------------
@@ -443,7 +448,8 @@ class Spool:
                             "again (the collector drops them)", self.dir, e.strerror or e)
             self._acks_error = str(e)
             return
-        self._acks_dirty = False
+        self._acks_dirty = self._aside_dirty = False
+        self._acks_saved_at = time.monotonic()
         self._acks_error = ""
 
     def bytes_used(self) -> int:
@@ -480,7 +486,7 @@ class Spool:
                     # to a new segment, and the ones in this one are checked when read back.
                     self._tainted = True
                     self._failed(e, "fsync")
-            if self._acks_dirty:
+            if self._acks_dirty and (self._aside_dirty or time.monotonic() - self._acks_saved_at >= ACKS_SAVE_S):
                 self._save_acked()
 
     def close(self) -> None:

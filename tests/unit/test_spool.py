@@ -331,3 +331,30 @@ def test_interval_fsync_only_while_something_is_unacknowledged(tmp_path, monkeyp
         assert not sp._dirty
     finally:
         sp.close()
+
+
+def test_acknowledgements_alone_are_recorded_at_most_every_acks_save_s(tmp_path, monkeypatch):
+    """acked.json only saves resending batches after a restart (the collector drops repeats): for
+    acknowledgements alone it is rewritten at most every ACKS_SAVE_S; a batch set aside at once."""
+    from xpusense.agent.spool import store as store_mod
+    sp = Spool(str(tmp_path), fsync_interval_s=3600)
+    sp.open()
+    try:
+        locs = fill(sp, "b1", [1, 2, 3])
+        sp.ack("b1", 1, locs[1])
+        sp._flush_once()
+        assert json.loads((tmp_path / "acked.json").read_text())["acked"] == {"b1": 1}
+        sp.ack("b1", 2, locs[2])
+        sp._flush_once()
+        assert json.loads((tmp_path / "acked.json").read_text())["acked"] == {"b1": 1}   # not yet
+        sp.set_aside(("b1", 3), locs[3], "test")
+        sp._flush_once()
+        saved = json.loads((tmp_path / "acked.json").read_text())
+        assert saved["acked"] == {"b1": 2} and saved["aside"] == [["b1", 3, locs[3].segment]]
+        monkeypatch.setattr(store_mod, "ACKS_SAVE_S", 0.0)
+        locs = fill(sp, "b1", [4])
+        sp.ack("b1", 4, locs[4])
+        sp._flush_once()
+        assert json.loads((tmp_path / "acked.json").read_text())["acked"] == {"b1": 4}
+    finally:
+        sp.close()
