@@ -38,6 +38,7 @@ log = logging.getLogger("xpusense.agent.tiers")
 
 Sink = Callable[[list[Sample], list[Event]], None]
 JOIN_POLL_S = 0.2   # how often the loop looks for sources that finished setting up late
+OWN_RESEND_S = 15.0   # the loop's own samples of a source (up, errors...): sent on change, else this often
 CHAIN_WAIT_MAX_S = 0.05   # the longest a round waits for the one before it (see the module's text)
 
 
@@ -59,6 +60,7 @@ class SourceState:
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         resend = source.resend_unchanged_s
         self.changes = ChangeFilter(resend) if resend is not None else None   # unchanged series held back
+        self.own_changes = ChangeFilter(OWN_RESEND_S)   # for the loop's own samples of this source
 
     def as_dict(self) -> dict:
         return {
@@ -217,9 +219,10 @@ class TierLoop:
                 Sample("xpusense.agent.source.errors", st.errors, "{error}", {"source": st.name}, COUNTER),
                 Sample("xpusense.agent.source.timeouts", st.timeouts, "{round}", {"source": st.name}, COUNTER),
             ]
-        out = samples + own
         if st.changes is not None:
-            out = st.changes.keep(out, time.monotonic())
+            out = st.changes.keep(samples + own, time.monotonic())
+        else:   # the loop's own samples of every source: up, errors, timeouts seldom change
+            out = samples + st.own_changes.keep(own, time.monotonic())
         self.sink(stamp(out, now_ns), stamp_events(events))
 
     def run(self, stop: threading.Event) -> None:

@@ -244,3 +244,37 @@ def test_a_hung_round_holds_the_next_in_its_chain_only_briefly(loop_factory):
         assert loop.chain_waits_cut >= 1
     finally:
         hung.release.set()
+
+
+class FailsLater(Source):
+    name = "later"
+    tiers = (REALTIME,)
+
+    def __init__(self):
+        self.rounds = 0
+
+    def collect(self, tier):
+        self.rounds += 1
+        if self.rounds > 3:
+            raise SourceError("device gone", [])
+        return [Sample("test.later", self.rounds, "1")]
+
+
+def test_the_loops_own_samples_go_out_when_they_change():
+    """duration every round; up, errors and timeouts on their first round, when they change, and
+    every OWN_RESEND_S: a third of the agent's 1 s samples were these, mostly unchanged."""
+    sink = Sink()
+    states, _ = setup_sources([FailsLater()])
+    loop = TierLoop(states, {REALTIME: 1.0, NEARLINE: 15.0, "offline": 300.0}, sink, timeout_ratio=1.0)
+    try:
+        for _ in range(5):
+            for f in loop.dispatch(REALTIME):
+                f.result(timeout=30)
+        assert len(sink.named("xpusense.agent.source.duration", source="later")) == 5
+        # (a change is sent once more in the next round: a rate from the last two points is then 0)
+        assert [s.value for s in sink.named("xpusense.agent.source.up", source="later")] == [1.0, 0.0, 0.0]
+        assert [s.value for s in sink.named("xpusense.agent.source.errors", source="later")] == [0, 1, 2]
+        assert [s.value for s in sink.named("xpusense.agent.source.timeouts", source="later")] == [0]
+        assert len(sink.named("test.later")) == 3
+    finally:
+        loop.close()
