@@ -80,7 +80,8 @@ class GpmStream:
             raise
         finally:
             nv.nvmlGpmSampleFree(prev)
-        return [(mg.metrics[i].metricId, mg.metrics[i].nvmlReturn, mg.metrics[i].value) for i in range(len(self.ids))]
+        metrics = mg.metrics   # pynvml's structures answer every attribute through Python: once
+        return [(m.metricId, m.nvmlReturn, m.value) for m in (metrics[i] for i in range(len(self.ids)))]
 
     def reset(self) -> None:
         if self.prev is not None:
