@@ -8,10 +8,12 @@ import math
 from xpusense.v1 import scheduler_pb2 as spb
 
 from .fleet import FleetView
-from .index import TYPE_NAMES, Group, NodeSummary
+from .index import TYPE_NAMES, Device, Group, NodeSummary
 from .latency import Measured
 from .scoring import RegionMatrix, compliance, compute_efficiency, data_affinity, disaster_tolerance, replicas_in_zone
 from .search import Query
+
+EXPLAINED_MAX = 8   # request shapes (count, memory) kept per group
 
 
 def gib(n: float) -> str:
@@ -33,23 +35,17 @@ def candidate(view: FleetView, q: Query, c: spb.Candidate, score: float, g: Grou
     """One candidate: its devices, each dimension's score and detail, penalties, devices out.
     `dims_by_key`: the three dimensions a placement key decides, made once per key and answer."""
     s = g.node
-    chosen, mean_free, _ = g.choose(q.count, q.mem)
+    chosen, ids, mean_free, free_text = chosen_devices(g, q.count, q.mem)
     c.CopyFrom(s.base_candidate)
     c.score = score
-    c.devices.extend([d.id for d in chosen])
+    c.devices.extend(ids)
     c.accelerator_type = g.type
     c.model = g.model
     if q.same_domain:
         c.domain = g.domain
-    utils = [d.readings[0] for d in chosen if d.readings and d.readings[0] == d.readings[0]]   # not NaN
-    bandwidths = [d.readings[3] for d in chosen if d.readings and d.readings[3] == d.readings[3]]
-    reads = (f"util {sum(utils) / len(utils):.0%}" if utils else "util -",
-             f"HBM free >= {gib(min(d.free for d in chosen))}",
-             f"HBM bandwidth {sum(bandwidths) / len(bandwidths):.0%}" if bandwidths else "HBM bandwidth -")
     compute = compute_efficiency(g.value_norm, mean_free)
     c.dimensions.add(dimension="compute", score=compute, weight=weights["compute"],
-                     weighted=compute * weights["compute"],
-                     detail=f"{value_text(view, g)}; x free {mean_free:.2f} (the chosen: {', '.join(reads)})")
+                     weighted=compute * weights["compute"], detail=value_text(view, g) + free_text)
     rest = dims_by_key.get(s.placement_key)
     if rest is None:   # the same for every node of this placement key
         rest = dims_by_key[s.placement_key] = key_dimensions(s, q, weights, view.settings.regions)
@@ -61,6 +57,26 @@ def candidate(view: FleetView, q: Query, c: spb.Candidate, score: float, g: Grou
     for d in s.not_offered:
         if d.type == g.type and d.excluded:
             c.excluded_devices.add(device=d.id, reason=d.excluded[0], detail=d.excluded[1])
+
+
+def chosen_devices(g: Group, count: int, memory: int) -> tuple[list[Device], list[str], float, str]:
+    """The devices chosen on the group (Group.choose), their ids, mean free score and the compute
+    detail's part on them; kept on the group, whose devices' readings are fixed for its lifetime
+    (a refresh makes new groups), so that a request shape asked again costs a lookup."""
+    done = g.explained.get((count, memory))
+    if done is not None:
+        return done
+    chosen, mean_free, _ = g.choose(count, memory)
+    utils = [d.readings[0] for d in chosen if d.readings and d.readings[0] == d.readings[0]]   # not NaN
+    bandwidths = [d.readings[3] for d in chosen if d.readings and d.readings[3] == d.readings[3]]
+    reads = (f"util {sum(utils) / len(utils):.0%}" if utils else "util -",
+             f"HBM free >= {gib(min(d.free for d in chosen))}",
+             f"HBM bandwidth {sum(bandwidths) / len(bandwidths):.0%}" if bandwidths else "HBM bandwidth -")
+    done = (chosen, [d.id for d in chosen], mean_free, f"; x free {mean_free:.2f} (the chosen: {', '.join(reads)})")
+    if len(g.explained) >= EXPLAINED_MAX:
+        g.explained.clear()
+    g.explained[(count, memory)] = done
+    return done
 
 
 def key_dimensions(s: NodeSummary, q: Query, weights: dict[str, float],

@@ -71,7 +71,7 @@ class Group:
     penalty[count] (the penalty factor) are the answer in O(1); otherwise `choose` walks the devices."""
     __slots__ = ("node", "type", "domain", "devices", "free_desc", "min_free", "mean_free", "penalty", "compute",
                  "value_norm", "tflops", "value", "model", "free_all_desc", "n_all", "fit_row", "levels",
-                 "value_text")
+                 "value_text", "explained")
 
     def __init__(self, node: NodeSummary, rtype: str, domain: str, devs: list[Device], factor: float):
         self.node, self.type, self.domain = node, rtype, domain
@@ -104,6 +104,7 @@ class Group:
         self.value_norm = UNKNOWN_VALUE_NORM
         self.compute: list[float] = mean_free   # set by rescale()
         self.value_text = ""
+        self.explained: dict[tuple, tuple] = {}   # explain.py's per (count, memory), for this group's lifetime
         # The row the index files (Bucket.fit, Pool.fit): per count c = 1..CMAX the free HBM of the
         # c-th most free offered device, or FEWER_OFFERED / FEWER_AT_ALL.
         n = len(offered)
