@@ -209,9 +209,7 @@ def _restore_full(state: FleetState, n: NodeState, series: list, runs: list, sta
             raise ValueError(f"node {n.node_id!r} series {name!r}: {k} values on a run of {runs[r]} times")
         ser = Series.__new__(Series)
         ser.name, ser.unit, ser.kind, ser.labels = name, unit, kind, labels
-        ser.value, ser.time_ns = _float(value), time_ns
-        ser.prev_value, ser.prev_time_ns = _float(prev_value), prev_time_ns
-        ser.histogram = pb.Histogram.FromString(hist) if hist is not None else None
+        _set_latest(ser, value, time_ns, prev_value, prev_time_ns, hist)
         h = ser.history = History()
         h.t.frombytes(blob[starts[r]:starts[r] + (k << 3)])
         h.v.frombytes(blob[at:at + (k << 3)])
@@ -245,9 +243,7 @@ def _restore_incr(state: FleetState, n: NodeState, series: list, runs: list, sta
             del h.v[:extra]
         if held and (h.t[0] != first or h.t[-1] != last):
             raise ValueError(f"node {n.node_id!r} series {ser.name!r}: the points do not follow on from the base's")
-        ser.value, ser.time_ns = _float(value), time_ns
-        ser.prev_value, ser.prev_time_ns = _float(prev_value), prev_time_ns
-        ser.histogram = pb.Histogram.FromString(hist) if hist is not None else None
+        _set_latest(ser, value, time_ns, prev_value, prev_time_ns, hist)
         h.due_t, h.due_n = due_t, due_n
         slots += held - before
     state.history_slots += slots
@@ -270,9 +266,7 @@ def restore_node_v1(state: FleetState, data: list) -> None:
     for (name, unit, kind, labels, value, time_ns, prev_value, prev_time_ns, hist, tb, vb, due_t, due_n) in series:
         ser = Series.__new__(Series)
         ser.name, ser.unit, ser.kind, ser.labels = name, unit, kind, labels
-        ser.value, ser.time_ns = _float(value), time_ns
-        ser.prev_value, ser.prev_time_ns = _float(prev_value), prev_time_ns
-        ser.histogram = pb.Histogram.FromString(hist) if hist is not None else None
+        _set_latest(ser, value, time_ns, prev_value, prev_time_ns, hist)
         h = ser.history = History()
         h.t = array("q", tb)
         h.v = array("d", vb)
@@ -283,6 +277,13 @@ def restore_node_v1(state: FleetState, data: list) -> None:
         n.series[(name, tuple(sorted(labels.items())))] = ser
     state.series_total += len(n.series)
     state.history_slots += slots
+
+
+def _set_latest(ser: Series, value, time_ns: int, prev_value, prev_time_ns: int, hist: bytes | None) -> None:
+    """A series' latest and previous values as a snapshot holds them (None: NaN)."""
+    ser.value, ser.time_ns = _float(value), time_ns
+    ser.prev_value, ser.prev_time_ns = _float(prev_value), prev_time_ns
+    ser.histogram = pb.Histogram.FromString(hist) if hist is not None else None
 
 
 def _float(x) -> float:
