@@ -50,6 +50,7 @@ UTIL, USED, LIMIT, BANDWIDTH, HEALTH = ("hw.gpu.utilization", "hw.gpu.memory.usa
                                         "xpusense.accelerator.health")
 SLICE_S = 0.002   # a bulk refresh gives the loop back after this long (acks and Place calls waiting)
 PLACE_EXTRA_S = 0.0001   # a decision refreshes dirty nodes not yet due for this long at most (catch_up)
+EXTRA_NODES = 4          # ... when no more than this many are dirty
 TIMER_SHARE = 0.5        # the bulk refresh runs this share of refresh_ns after the first node was marked
 _DEVICE_SERIES = {UTIL: "util", USED: "used", LIMIT: "limit", BANDWIDTH: "bandwidth"}   # name -> Device attribute
 
@@ -167,11 +168,12 @@ class FleetView:
 
     def catch_up(self) -> None:
         """Before a decision: every node changed more than refresh_ns ago (all of them when no timer
-        runs) is refreshed now; then, for at most `extra_s`, the next ones, oldest first (work the
-        timer would do anyway: a small fleet's answer follows every stored batch)."""
+        runs) is refreshed now; then, when at most EXTRA_NODES are left, those too, for at most
+        `extra_s` (work the timer would do anyway: a small fleet's answer follows every stored batch;
+        a large one's, whose dirty nodes never run out, is not slowed down by it)."""
         if self.dirty:
             self.refresh_dirty(None if self.timer is None else self.mono() - self.refresh_ns)
-        if self.dirty and self.extra_s > 0:
+        if self.dirty and self.extra_s > 0 and len(self.dirty) <= EXTRA_NODES:
             self.refresh_dirty(None, self.extra_s, every=1)
 
     # -- a new inventory -----------------------------------------------------------------------------
