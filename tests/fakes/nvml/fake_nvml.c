@@ -193,6 +193,7 @@ static struct nvmlDevice_st dev_handles[MAX_GPUS];
 static struct nvmlDevice_st mig_handles[MAX_GPUS][MAX_MIG];
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t waiters = PTHREAD_COND_INITIALIZER;   /* event waits: woken by shutdown, set free */
 static int loaded;          /* scenario parsed */
 static int refcount;        /* nvmlInit minus nvmlShutdown */
 static double T0;           /* unix time of t = 0 */
@@ -924,6 +925,7 @@ API nvmlReturn_t nvmlShutdown(void)
     ENTER("nvmlShutdown");
     REQUIRE_INIT();
     if (--refcount == 0) flush_calls();
+    pthread_cond_broadcast(&waiters);
     LEAVE(NVML_SUCCESS);
 }
 
@@ -1824,14 +1826,12 @@ static nvmlReturn_t event_wait(const char *fn, nvmlEventSet_t set, nvmlEventData
         for (int k = 0; k < S.gpu_count; k++)
             if (set->mask[k] && S.gpu[k].lost_at + T0 < until) until = S.gpu[k].lost_at + T0;
         /* The driver blocks until something happens: the fake sleeps until the next thing it knows
-         * of (an event, a GPU falling off the bus, the deadline), not in short polls whose wake-ups
-         * the agent's CPU figures would pay for (bench/footprint.py). */
-        double nap = until - now;
-        if (nap < 0.0005) nap = 0.0005;
-        pthread_mutex_unlock(&mu);             /* other threads keep calling NVML meanwhile */
-        struct timespec ts = { (time_t)nap, (long)((nap - (double)(time_t)nap) * 1e9) };
-        nanosleep(&ts, NULL);
-        pthread_mutex_lock(&mu);
+         * of (an event, a GPU falling off the bus, the deadline) or until nvmlShutdown or
+         * nvmlEventSetFree wakes it, not in short polls whose wake-ups the agent's CPU figures would
+         * pay for (bench/footprint.py). Other threads keep calling NVML meanwhile (mu is released). */
+        if (until < now + 0.0005) until = now + 0.0005;
+        struct timespec ts = { (time_t)until, (long)((until - (double)(time_t)until) * 1e9) };
+        pthread_cond_timedwait(&waiters, &mu, &ts);
         if (refcount <= 0) LEAVE(NVML_ERROR_UNINITIALIZED);
         if (set->magic != SET_MAGIC) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
     }
@@ -1845,6 +1845,7 @@ API nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
     if (!set || set->magic != SET_MAGIC) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
     set->magic = 0;
     free(set);
+    pthread_cond_broadcast(&waiters);
     LEAVE(NVML_SUCCESS);
 }
 
