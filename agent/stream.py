@@ -57,20 +57,24 @@ def sample_to_proto(s: Sample, series_ref: int = 0) -> pb.Sample:
     m = pb.Sample(name=s.name, unit=s.unit, kind=KINDS[s.kind], labels=s.labels, value=s.value,
                   time_unix_nano=s.time_ns, series_ref=series_ref)
     if s.kind == HISTOGRAM:
-        m.histogram.bounds.extend(s.bounds)
-        m.histogram.counts.extend(s.counts)
-        m.histogram.sum = s.value
-        m.histogram.count = s.counts[-1] if s.counts else 0
+        fill_histogram(m.histogram, s)
     return m
+
+
+def fill_histogram(h: pb.Histogram, s: Sample) -> None:
+    h.bounds.extend(s.bounds)
+    h.counts.extend(s.counts)
+    h.sum, h.count = s.value, (s.counts[-1] if s.counts else 0)
 
 
 def quiet_grpc_waits(every_s: float = GRPC_WAKE_S) -> None:
     """grpc's synchronous API wakes each thread blocked on a call every 100 ms
     (grpc._common.MAXIMUM_WAIT_TIMEOUT) only so that a signal handler can run on the main thread; the
     agent's calls wait in threads of their own and its signals are handled on the main thread, so
-    those wake-ups buy nothing and cost the 1 s path about a third of its CPU (measured with
-    bench/footprint.py). Deadlines and completions do not depend on it: the waits are on conditions
-    that grpc notifies. Left alone when a grpc release no longer has the setting."""
+    those wake-ups buy nothing and cost the stream's sender thread nearly all of its CPU, a tenth of
+    the agent's (per-thread CPU under bench/footprint.py). Deadlines and completions do not depend
+    on it: the waits are on conditions that grpc notifies. Left alone when a grpc release no longer
+    has the setting."""
     import grpc._common as grpc_common
     if isinstance(getattr(grpc_common, "MAXIMUM_WAIT_TIMEOUT", None), float):
         grpc_common.MAXIMUM_WAIT_TIMEOUT = max(grpc_common.MAXIMUM_WAIT_TIMEOUT, every_s)
@@ -163,7 +167,7 @@ class StreamClient:
         self.spool = spool
         self._seq = 0
         self._series: dict[tuple, int] = {}  # series (name, labels) -> series_ref, for this boot
-        self._refs: dict[tuple, pb.Sample] = {}   # (name, unit, kind, labels) -> its template (_template)
+        self._templates: dict[tuple, pb.Sample] = {}   # (name, unit, kind, labels) -> its template (_template)
         self.max_templates = 4 * max_samples_per_batch
         self._inventory_dirty = False
         self._stop = threading.Event()
@@ -216,10 +220,7 @@ class StreamClient:
                     m.CopyFrom(self._template(s))     # name, unit, kind, labels, ref: one C copy
                     m.value, m.time_unix_nano = s.value, s.time_ns
                     if s.kind == HISTOGRAM:
-                        h = m.histogram
-                        h.bounds.extend(s.bounds)
-                        h.counts.extend(s.counts)
-                        h.sum, h.count = s.value, (s.counts[-1] if s.counts else 0)
+                        fill_histogram(m.histogram, s)
                 except (TypeError, ValueError, KeyError) as e:   # a source's bug must not take the batch
                     del b.samples[-1]
                     self.unencodable_samples += 1
@@ -310,15 +311,15 @@ class StreamClient:
         """The series' fixed part (name, unit, kind, labels, its series_ref for this boot), built once:
         copying it costs a third of building a Sample from its fields (the agent's 1 s path)."""
         key = (s.name, s.unit, s.kind, tuple(sorted(s.labels.items())))
-        tmpl = self._refs.get(key)
+        tmpl = self._templates.get(key)
         if tmpl is None:
             ref = self._series.get(key[:1] + key[3:])
             if ref is None:
                 ref = self._series[key[:1] + key[3:]] = len(self._series) + 1
             tmpl = pb.Sample(name=s.name, unit=s.unit, kind=KINDS[s.kind], labels=s.labels, series_ref=ref)
-            if len(self._refs) >= self.max_templates:   # series come and go (pids, pods): start again
-                self._refs.clear()
-            self._refs[key] = tmpl
+            if len(self._templates) >= self.max_templates:   # series come and go (pids, pods): start again
+                self._templates.clear()
+            self._templates[key] = tmpl
         return tmpl
 
     def pending(self) -> int:
