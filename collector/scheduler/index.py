@@ -11,7 +11,10 @@ of the type, one group each) keep, per count, the fit rows' values sorted (ranke
 decision counts what fits per placement key in O(log n) whatever the pool (search.py works out
 the other pools' counts from these); the Pool keeps the rows once more, pool-wide, to find a few
 misfits to list at C speed. Every Bucket files its one-group nodes by the level of their compute
-part per count, so that a decision can rank best level first and stop early.
+part per count, so that a decision can rank best level first and stop early; within a level, by
+their tie key (Group.ties: what their score and fit for that count depend on), so that many alike
+nodes (a homogeneous fleet, idle) score once per decision and only the first few by id (Alike)
+are offered to the top K.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ POOLS = 6          # type index (0..2) + 3 when the devices must share a domain
 INF = 1 << 62
 CMAX = 8           # device counts the index serves; a larger count is answered by a scan
 LEVELS = 32        # levels of the compute part, for the top-K search
+SETTLE_NS = 3 * 10**9   # a node filed by id whose group a decision finds unchanged this long: by tie key
 FEWER_OFFERED = -1.0   # in a fit row: fewer than c devices offered (some are out)
 FEWER_AT_ALL = -2.0    # in a fit row: fewer than c devices on the node at all
 NO_FIT = array("d", [FEWER_AT_ALL] * CMAX)
@@ -71,7 +75,7 @@ class Group:
     penalty[count] (the penalty factor) are the answer in O(1); otherwise `choose` walks the devices."""
     __slots__ = ("node", "type", "domain", "devices", "free_desc", "min_free", "mean_free", "penalty", "compute",
                  "value_norm", "tflops", "value", "model", "free_all_desc", "n_all", "fit_row", "levels",
-                 "value_text", "explained")
+                 "value_text", "explained", "ties")
 
     def __init__(self, node: NodeSummary, rtype: str, domain: str, devs: list[Device], factor: float):
         self.node, self.type, self.domain = node, rtype, domain
@@ -112,6 +116,7 @@ class Group:
                                     (FEWER_OFFERED if c <= self.n_all else FEWER_AT_ALL))
                                    for c in range(1, CMAX + 1)])
         self.levels: list[int] = []
+        self.ties: list[tuple | None] = []
 
     def rescale(self, inv_best_value: float) -> None:
         """The fleet's best value per price is 1 / inv_best_value: the compute dimension per count,
@@ -122,6 +127,14 @@ class Group:
         n = len(compute) - 1
         self.levels = [-1] + [(LEVELS - 1 if compute[c] >= 1.0 else int(compute[c] * LEVELS)) if c <= n else -1
                               for c in range(1, CMAX + 1)]
+        # Per count c offered: (compute, penalty factor, least free HBM of the first c devices, free HBM
+        # of the c-th most free): nodes of one Bucket with the same tie key score the same for every
+        # request for c devices that their first c devices fit (search._rank_by_levels).
+        # None where the count is not filed (level -1).
+        fit_row, min_free, penalty, levels = self.fit_row, self.min_free, self.penalty, self.levels
+        ties: list[tuple | None] = [None]
+        self.ties = ties + [(compute[c], penalty[c], min_free[c], fit_row[c - 1]) if levels[c] >= 0 else None
+                            for c in range(1, CMAX + 1)]
 
     def choose(self, count: int, memory: int) -> tuple[list[Device], float, float]:
         """The first `count` devices in choice order that have `memory` free: (devices, mean free
@@ -173,7 +186,8 @@ class NodeSummary:
 class Entry:
     """A node in one pool. `group`: its one group to look at there (the common case), or None with
     `groups` the several (types for `any`, domains for same_domain), evaluated one by one."""
-    __slots__ = ("summary", "state", "key", "group", "groups", "bucket_slot", "pool_slot", "levels", "row", "stale")
+    __slots__ = ("summary", "state", "key", "group", "groups", "bucket_slot", "pool_slot", "levels", "ties", "row",
+                 "stale", "settled", "walked", "walked_ns")
 
     def __init__(self, s: NodeSummary, key: tuple):
         self.summary, self.state, self.key = s, s.state, key
@@ -184,12 +198,37 @@ class Entry:
         self.row = NO_FIT              # the fit row filed (its group's once set)
         self.stale = False             # in its Bucket's `stale`, its row out of Bucket.counts
         self.levels = [-1] * (CMAX + 1)   # per count: its level in Bucket.by_level, -1 when not there
+        self.ties: list[tuple | None] = [None] * (CMAX + 1)   # per count: its group's tie key (Group.ties)
+        self.settled: bool | None = None   # filed by tie key (True) or by id (False); None: not filed yet
+        self.walked: Group | None = None   # filed by id: its group when a decision first looked at it...
+        self.walked_ns = 0                 # ... and when (search settles it when unchanged long enough)
+
+
+class Alike:
+    """The nodes of one level and tie key in a Bucket when more than one node has had it (O(1) in
+    and out; it stays when fewer are left), and their ids sorted, made when a decision first needs
+    them after a change (the order search takes the top K in)."""
+    __slots__ = ("members", "order")
+
+    def __init__(self, members: dict[str, Entry]) -> None:
+        self.members = members
+        self.order: list[str] | None = None
+
+    def ids_sorted(self) -> list[str]:
+        if self.order is None:
+            self.order = sorted(self.members)
+        return self.order
 
 
 class Bucket:
     """The nodes of one placement key in a pool: `one_group` (by slot) and `many_groups` (the nodes
     with several groups). by_level[c][level] = the one-group nodes whose compute part for c
-    devices is in that level, walked best level first. In a type pool (`counts` not None):
+    devices is in that level, walked best level first: a node whose tie key (Group.ties[c]) did not
+    change at its last refresh, or whose group a decision found unchanged for SETTLE_NS (`settled`:
+    idle, or not refreshed), under its tie key, with the
+    node or the nodes (Alike, when more than one has had it) that have it; a node whose tie key
+    changed (busy: its readings move) under its id, so that its refreshes cost what a level move
+    does. In a type pool (`counts` not None):
     counts[c - 1] = the values of its nodes' fit rows for count c (free HBM of the c-th most free
     offered device, or FEWER_OFFERED / FEWER_AT_ALL), sorted, of the nodes not marked stale
     (`stale`: those found stale by the last decision, mark_stale)."""
@@ -201,20 +240,45 @@ class Bucket:
         self.many_groups: dict[str, Entry] = {}
         self.counts: list[Ranked] | None = [Ranked() for _ in range(CMAX)] if counted else None
         self.stale: dict[str, Entry] = {}
-        self.by_level: list[list[dict[str, Entry]]] = [[]] + [[{} for _ in range(LEVELS)] for _ in range(CMAX)]
+        self.by_level: list[list[dict[tuple | str, Entry | Alike]]] = \
+            [[]] + [[{} for _ in range(LEVELS)] for _ in range(CMAX)]
         self.nonempty = [0] * (CMAX + 1)   # per count: bit `level` set when by_level[c][level] has nodes
         self.key_part = 0.0     # during a decision: its placement key's part of the score
 
     def size(self) -> int:
         return len(self.one_group) + len(self.many_groups)
 
-    def move_levels(self, e: Entry, new_levels: list[int]) -> None:
-        """File a one-group node under its group's levels (per count) instead of its old ones."""
+    def refile(self, e: Entry, g: Group) -> None:
+        """File a one-group node under its new group's levels: by tie key when the tie keys are
+        those of its last refresh (or on its first filing), else by id. O(1) per count moved; a
+        node that stays settled or stays busy in its levels is not moved."""
+        same = e.ties == g.ties
+        if e.settled is None:
+            self._file(e, g.levels, g.ties, True)
+        elif e.settled:
+            if not same:
+                self._unfile(e)
+                self._file(e, g.levels, g.ties, False)
+        elif same:
+            self._unfile(e)
+            self._file(e, g.levels, g.ties, True)
+        elif e.levels != g.levels:
+            self._move_by_id(e, g.levels)
+        e.levels, e.ties = g.levels, g.ties
+
+    def settle(self, e: Entry) -> None:
+        """A node filed by id whose group has not changed for a while (search): by tie key."""
+        if e.settled is False:
+            self._unfile(e)
+            self._file(e, e.levels, e.ties, True)
+
+    def _move_by_id(self, e: Entry, new_levels: list[int]) -> None:
+        """A busy node filed by id: under its new levels instead of its old ones."""
         nid, by_level, nonempty, old_levels = e.summary.node_id, self.by_level, self.nonempty, e.levels
         for c in range(1, CMAX + 1):
             old, new = old_levels[c], new_levels[c]
             if new != old:
-                if old >= 0:   # _unfile, inlined: this runs for every pool of every node refreshed
+                if old >= 0:
                     nodes = by_level[c][old]
                     del nodes[nid]
                     if not nodes:
@@ -222,7 +286,45 @@ class Bucket:
                 if new >= 0:
                     by_level[c][new][nid] = e
                     nonempty[c] |= 1 << new
-        e.levels = new_levels
+
+    def _file(self, e: Entry, levels: list[int], ties: list[tuple | None], settled: bool) -> None:
+        nid, by_level, nonempty = e.summary.node_id, self.by_level, self.nonempty
+        for c in range(1, CMAX + 1):
+            level = levels[c]
+            if level < 0:
+                continue
+            nodes = by_level[c][level]
+            key = ties[c] if settled else nid
+            alike = nodes.get(key)   # type: ignore[arg-type]
+            if alike is None:
+                nodes[key] = e   # type: ignore[index]
+                nonempty[c] |= 1 << level
+            elif alike.__class__ is Entry:
+                nodes[key] = Alike({alike.summary.node_id: alike, nid: e})   # type: ignore[index]
+            else:
+                alike.members[nid] = e   # type: ignore[union-attr]
+                alike.order = None       # type: ignore[union-attr]
+        e.settled = settled
+
+    def _unfile(self, e: Entry) -> None:
+        nid, by_level, nonempty, levels, ties = e.summary.node_id, self.by_level, self.nonempty, e.levels, e.ties
+        for c in range(1, CMAX + 1):
+            level = levels[c]
+            if level < 0:
+                continue
+            nodes = by_level[c][level]
+            key = ties[c] if e.settled else nid
+            alike = nodes[key]   # type: ignore[index]
+            if alike is not e:
+                members = alike.members   # type: ignore[union-attr]
+                del members[nid]
+                alike.order = None        # type: ignore[union-attr]
+                if members:
+                    continue
+            del nodes[key]   # type: ignore[arg-type]
+            if not nodes:
+                nonempty[c] &= ~(1 << level)
+        e.settled = None
 
     def file_row(self, old: array, new: array) -> None:
         """A node's fit row changed from `old` to `new`: the sorted values with it."""
@@ -239,17 +341,9 @@ class Bucket:
         if self.counts is not None and not e.stale:
             for c in range(CMAX):
                 self.counts[c].remove(e.row[c])
-        nid = e.summary.node_id
-        for c in range(1, CMAX + 1):
-            if e.levels[c] >= 0:
-                self._unfile(c, e.levels[c], nid)
+        if e.settled is not None:
+            self._unfile(e)
         e.bucket_slot = -1
-
-    def _unfile(self, count: int, level: int, nid: str) -> None:
-        nodes = self.by_level[count][level]
-        del nodes[nid]
-        if not nodes:
-            self.nonempty[count] &= ~(1 << level)
 
 
 class Pool:
@@ -316,8 +410,7 @@ class Pool:
         e.row = g.fit_row
         row = e.pool_slot * CMAX
         self.fit[row:row + CMAX] = g.fit_row
-        if e.levels != g.levels:
-            b.move_levels(e, g.levels)
+        b.refile(e, g)
 
     def remove(self, e: Entry) -> None:
         nid = e.summary.node_id

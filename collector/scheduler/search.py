@@ -22,11 +22,13 @@ from typing import Any
 from xpusense.v1 import scheduler_pb2 as spb
 
 from .fleet import FleetView
-from .index import CMAX, FEWER_AT_ALL, FEWER_OFFERED, LEVELS, Bucket, Entry, Group, NodeSummary
+from .index import CMAX, FEWER_AT_ALL, FEWER_OFFERED, LEVELS, SETTLE_NS, Alike, Bucket, Entry, Group, NodeSummary
 from .latency import Measured, MeasuredLatency
 from .scoring import RegionMatrix, compliance, data_affinity, disaster_tolerance
 
 HEALTH_REASONS = ("xid", "unhealthy")
+ALIKE_WALKED = 8   # alike nodes (one tie key in a level) up to this many are offered without sorting
+SETTLED_PER_DECISION = 128   # nodes filed by id that a decision moves under their tie key, at most
 FIT_REASONS = ("count", "domain", "memory")
 
 
@@ -77,9 +79,10 @@ class Query:
         self.tolerance_by_zone: dict[str, float] = {}
         self.filtering = bool(self.allowed or req.residency or req.require_encryption or req.require_attestation)
 
-    def offer(self, score: float, nid: str, g: Group) -> None:
+    def offer(self, score: float, nid: str, g: Group) -> bool:
         """Keep the best `limit`: higher score first, then the lower node id (so that the answer
-        does not depend on the order nodes are looked at)."""
+        does not depend on the order nodes are looked at). False when not kept: then no node of
+        the same score and a higher id would be."""
         r = self.result
         if len(r) < self.limit:
             heapq.heappush(r, (score, _Later(nid), g))
@@ -88,6 +91,9 @@ class Query:
         elif score > self.threshold or (score == self.threshold and nid < r[0][1].s):
             heapq.heapreplace(r, (score, _Later(nid), g))
             self.threshold = r[0][0]
+        else:
+            return False
+        return True
 
     def count_reason(self, reason: str, n: int) -> None:
         self.counts[reason] = self.counts.get(reason, 0) + n
@@ -345,22 +351,70 @@ def _score_many_group_nodes(q: Query, walk: _Walk, b: Bucket) -> None:
 
 def _rank_by_levels(q: Query, walk: _Walk) -> None:
     """Best compute level first, across buckets, until the K-th best beats every level left."""
-    heap, col, result = walk.levels_heap, walk.col, q.result
-    count, mem, cut, limit = q.count, q.mem, q.cut, q.limit
-    heapify, heappop = heapq.heapify, heapq.heappop
-    heapify(heap)
+    heap, col, result, count, limit = walk.levels_heap, walk.col, q.result, q.count, q.limit
+    settle: list[Entry] = []
+    heapq.heapify(heap)
     while heap:
-        neg_bound, _, level, b = heappop(heap)
+        neg_bound, _, level, b = heapq.heappop(heap)
         if len(result) >= limit and -neg_bound < q.threshold:
             break
-        key_part = b.key_part
-        for e in b.by_level[count][level].values():
+        _rank_level(q, b, b.by_level[count][level], col, settle)
+        if settle:   # not refreshed for a while: by tie key from now on
+            for e in settle:
+                b.settle(e)
+            settle.clear()
+        walk.push_level(q, b, (b.nonempty[count] & ((1 << level) - 1)).bit_length() - 1)   # next level down
+
+
+def _rank_level(q: Query, b: Bucket, nodes: dict, col: int, settle: list[Entry]) -> None:
+    """The nodes of one level of a bucket offered to the top K. Those filed by id one by one (the
+    ones whose group a decision finds unchanged for SETTLE_NS noted in `settle`); per tie key
+    (compute, penalty, least free HBM of the first `count` devices, free HBM of the count-th most
+    free): none fits when the latter is short of the memory, else _offer_alike."""
+    mem, cut, now, key_part, offer = q.mem, q.cut, q.now, b.key_part, q.offer
+    for key, alike in nodes.items():
+        if key.__class__ is str:   # a busy node, filed by id
+            e = alike
             if e.row[col] < mem or e.state.last_seen_ns < cut:
                 continue
             g = e.group
+            if e.walked is not g:
+                e.walked, e.walked_ns = g, now
+            elif now - e.walked_ns >= SETTLE_NS and len(settle) < SETTLED_PER_DECISION:
+                settle.append(e)
+            offer(group_score(q, g, key_part), key, g)
+        elif key[3] >= mem:
+            if alike.__class__ is Entry:   # the one node with this tie key
+                g = alike.group
+                if alike.state.last_seen_ns >= cut and g is not None:
+                    offer(group_score(q, g, key_part), alike.summary.node_id, g)
+            else:
+                _offer_alike(q, alike, key, key_part)
+
+
+def _offer_alike(q: Query, alike: Alike, key: tuple, key_part: float) -> None:
+    """Nodes of one tie key whose count-th most free device has the memory: when their first
+    `count` devices all have it they score alike (group_score's first case), offered by id until
+    one is not kept (none after it would be); else one by one."""
+    compute, penalty, first_free, _ = key
+    members, cut, offer = alike.members, q.cut, q.offer
+    if first_free >= q.mem:
+        score = (key_part + q.w_compute * compute) * penalty
+        if len(members) <= ALIKE_WALKED:
+            for nid, e in members.items():
+                if e.state.last_seen_ns >= cut:
+                    offer(score, nid, e.group)   # type: ignore[arg-type]
+            return
+        for nid in alike.ids_sorted():
+            e = members[nid]
+            if e.state.last_seen_ns >= cut and not offer(score, nid, e.group):   # type: ignore[arg-type]
+                return
+        return
+    for nid, e in members.items():
+        if e.state.last_seen_ns >= cut:
+            g = e.group
             assert g is not None
-            q.offer(group_score(q, g, key_part), e.summary.node_id, g)
-        walk.push_level(q, b, (b.nonempty[count] & ((1 << level) - 1)).bit_length() - 1)   # next level down
+            offer(group_score(q, g, key_part), nid, g)
 
 
 def _count_fit_misfits(view: FleetView, q: Query, walk: _Walk) -> None:

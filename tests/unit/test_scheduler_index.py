@@ -14,7 +14,7 @@ from sched_sim import KINDS, GiB, dev_id, event, inventory, readings
 from xpusense.collector.config import load_collector
 from xpusense.collector.scheduler import ranked
 from xpusense.collector.scheduler.core import Scheduler
-from xpusense.collector.scheduler.index import CMAX, FEWER_AT_ALL, FEWER_OFFERED
+from xpusense.collector.scheduler.index import CMAX, FEWER_AT_ALL, FEWER_OFFERED, SETTLE_NS, Entry
 from xpusense.collector.scheduler.ranked import Ranked
 from xpusense.collector.state import FleetState
 from xpusense.v1 import scheduler_pb2 as spb
@@ -77,6 +77,27 @@ def check_index(sch: Scheduler) -> None:
                 assert e.group is not None and e.row is e.group.fit_row
             for c in range(CMAX):
                 assert b.counts[c].values() == sorted(e.row[c] for e in b.one_group if not e.stale)
+    # Every one-group node filed once per count it offers: under its tie key when settled, else
+    # under its id, at its group's level; an Alike's members are the nodes of its tie key.
+    for pool in view.pools:
+        for b in pool.buckets.values():
+            for c in range(1, CMAX + 1):
+                filed = {}
+                for level, nodes in enumerate(b.by_level[c]):
+                    assert bool(nodes) == bool(b.nonempty[c] >> level & 1)
+                    for key, v in nodes.items():
+                        members = [v] if isinstance(v, Entry) else list(v.members.values())
+                        assert members and (isinstance(v, Entry) or v.order in (None, sorted(v.members)))
+                        for e in members:
+                            assert e.summary.node_id not in filed
+                            filed[e.summary.node_id] = (level, key)
+                expected = {}
+                for e in b.one_group:
+                    assert e.group is not None and e.levels is e.group.levels and e.ties is e.group.ties
+                    if e.levels[c] >= 0:
+                        key = e.ties[c] if e.settled else e.summary.node_id
+                        expected[e.summary.node_id] = (e.levels[c], key)
+                assert filed == expected
 
 
 def test_indexed_search_answers_as_the_full_scan_does_with_many_blocks_per_bucket(monkeypatch):
@@ -170,3 +191,85 @@ def test_indexed_search_answers_as_the_full_scan_does_with_many_blocks_per_bucke
         assert set(sch.view.stale_known) == {nid for nid in nodes if st_.nodes[nid].last_seen_ns < cut}
         assert step < 2 or silent & set(sch.view.stale_known)
     assert max(len(b.counts[0].blocks) for p in sch.view.pools[:2] for b in p.buckets.values() if b.counts) > 5
+
+
+def same_answer(sch: Scheduler, req: spb.PlaceRequest, where: str) -> spb.PlaceReply:
+    """The indexed answer and the full scan's: the same counts, candidates in the same order (ties
+    by node id), the same excluded nodes."""
+    fast = sch.place(req)
+    ref = sch.place(req, scan=True)
+    assert fast.nodes_feasible == ref.nodes_feasible, where
+    assert dict(fast.excluded_counts) == dict(ref.excluded_counts), where
+    assert [(c.score, c.node_id, list(c.devices)) for c in fast.candidates] == \
+        [(c.score, c.node_id, list(c.devices)) for c in ref.candidates], where
+    assert sorted((e.node_id, e.reason) for e in fast.excluded) == sorted((e.node_id, e.reason) for e in ref.excluded)
+    return fast
+
+
+def test_many_identical_nodes_rank_as_the_full_scan_does():
+    """Hundreds of nodes with the same inventory, labels and readings (a homogeneous fleet, idle):
+    they score alike, so the top K among them is by node id. Some keep sending the same readings
+    (settled at their next refresh), some send once (settled by a decision once unchanged for
+    SETTLE_NS), some start to differ or go stale, some come back alike; varied nodes beside them.
+    The indexed answer is the scan's throughout, and alike nodes end up filed by tie key."""
+    rng = random.Random(21)
+    clock = [10**18]
+    st_ = FleetState(clock=lambda: clock[0])
+    sch = Scheduler(st_, DEFAULTS.scheduler, DEFAULTS.stale_s)
+    seq: dict[str, int] = {}
+
+    def send(nid: str, kind: str, used, util=0.0, health=None) -> None:
+        seq[nid] = seq.get(nid, 0) + 1
+        st_.ingest(pb.Batch(node_id=nid, boot_id="b", seq=seq[nid], samples=readings(
+            kind, 8, util=util, used_gib=used, health=health, t_ns=clock[0])))
+
+    alike = [f"a{i:03d}" for i in rng.sample(range(400), 300)]   # ids not in the order they come in
+    for nid in alike:
+        st_.hello(pb.Hello(node_id=nid, boot_id="b", inventory=inventory("a100", 8, region="r1", price="2")))
+        send(nid, "a100", 0.0)
+    varied = [f"v{i:03d}" for i in range(60)]
+    for nid in varied:
+        kind = rng.choice(["a100", "910b"])
+        st_.hello(pb.Hello(node_id=nid, boot_id="b", inventory=inventory(kind, 8, region=rng.choice(["r1", "r2"]),
+                                                                        price=rng.choice(["1", "2"]))))
+        seq[nid] = 0
+        send(nid, kind, {d: rng.random() * 60 for d in range(8)}, util={d: rng.random() for d in range(8)})
+    kinds = {nid: "a100" for nid in alike} | {nid: st_.nodes[nid].inventory.resources[0].vendor == "nvidia" and
+                                                "a100" or "910b" for nid in varied}
+    reqs = [spb.PlaceRequest(accelerator=spb.ACCELERATOR_GPU, memory_bytes=40 * GiB, count=2, limit=5),
+            spb.PlaceRequest(accelerator=spb.ACCELERATOR_ANY, memory_bytes=16 * GiB, count=8, same_domain=True,
+                             limit=20, data_region="r1"),
+            spb.PlaceRequest(accelerator=spb.ACCELERATOR_ANY, memory_bytes=60 * GiB, count=1, limit=1,
+                             allowed_regions=["r1"]),
+            spb.PlaceRequest(accelerator=spb.ACCELERATOR_GPU, memory_bytes=79 * GiB, count=4, limit=3)]
+    repeating = set(alike[:100])
+    silent = set(alike[250:])
+    for r in reqs:
+        r.max_excluded = 1000   # all listed: which few are listed is not an order the ranking sets
+    for step in range(8):
+        clock[0] += SETTLE_NS // 2
+        for nid in alike:
+            if nid in silent:
+                continue
+            if nid in repeating:
+                send(nid, "a100", 0.0)
+            elif rng.random() < 0.1:   # busy for a while: its readings move, then alike again
+                send(nid, "a100", {d: rng.random() * 80 for d in range(8)}, util=rng.random())
+            elif rng.random() < 0.3:
+                send(nid, "a100", 0.0, health={0: "Alarm"} if rng.random() < 0.1 else None)
+        for nid in varied:
+            send(nid, kinds[nid], {d: rng.random() * 60 for d in range(8)}, util={d: rng.random() for d in range(8)})
+        if step == 5:   # the silent ones back, alike
+            for nid in silent:
+                send(nid, "a100", 0.0)
+            silent = set()
+        for req in reqs:
+            same_answer(sch, req, f"step {step} request {req}")
+        check_index(sch)
+    gpu = sch.view.pools[0]
+    settled = [e for e in gpu.entries.values() if e.summary.node_id.startswith("a") and e.settled]
+    assert len(settled) > 200
+    top = same_answer(sch, spb.PlaceRequest(accelerator=spb.ACCELERATOR_GPU, memory_bytes=79 * GiB, count=4,
+                                            limit=50, max_excluded=1000), "end")
+    assert len(top.candidates) == 50 and len({c.score for c in top.candidates}) == 1   # alike nodes only
+    assert [c.node_id for c in top.candidates] == sorted(c.node_id for c in top.candidates)
