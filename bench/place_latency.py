@@ -25,6 +25,7 @@ Ingest achieved (batches/s against the target) is printed too, so an overloaded 
 
     .venv/bin/python bench/place_latency.py                      # 1,000 and 10,000 nodes, ~100 s
     .venv/bin/python bench/place_latency.py --nodes 1000 --seconds 10
+    .venv/bin/python bench/place_latency.py --nodes 10000 --identical 1000   # + 1,000 nodes alike
 
 Prints a table, then one line of JSON.
 """
@@ -109,12 +110,16 @@ def config():
 
 
 class Fleet:
-    def __init__(self, n: int, rng: random.Random):
+    """n varied nodes, then `identical` nodes alike in everything but their id: node 0's inventory
+    and labels, and always its first batch's values (a homogeneous fleet, idle)."""
+
+    def __init__(self, n: int, rng: random.Random, identical: int = 0):
         from xpusense.v1 import telemetry_pb2 as pb
         self.pb = pb
-        self.n = n
+        self.varied = n
+        self.n = n = n + identical
         self.ids = [f"node-{i:05d}" for i in range(n)]
-        self.kind = [i % 3 for i in range(n)]
+        self.kind = [i % 3 if i < self.varied else 0 for i in range(n)]
         self.seq = [0] * n
         self.templates = [[self._batch(k, rng) for _ in range(TEMPLATES)] for k in range(len(KINDS))]
         self.rng = rng
@@ -122,6 +127,7 @@ class Fleet:
 
     def inventory(self, i: int):
         pb = self.pb
+        hostname, i = self.ids[i], i if i < self.varied else 0
         rtype, vendor, model, mem, _, link, pattern = KINDS[self.kind[i]]
         region = REGIONS[i % len(REGIONS)]
         labels = {"cloud": "bench", "region": region, "zone": f"{region}-{'abc'[(i // 4) % 3]}",
@@ -130,7 +136,7 @@ class Fleet:
             labels["encryption"] = "tdx"
         if i % 10 == 0:
             labels["attestation"] = "tpm2"
-        inv = pb.Inventory(hostname=self.ids[i], labels=labels)
+        inv = pb.Inventory(hostname=hostname, labels=labels)
         for d in range(DEVICES):
             r = inv.resources.add(type=rtype, vendor=vendor, model=model, id=pattern.format(d),
                                   attributes={"memory": mem, **({"nvlink_count": "12"} if rtype == "GPU" else {})})
@@ -159,13 +165,16 @@ class Fleet:
         """The next batch of node i: a template stamped with node, seq and now (ingest is synchronous,
         so one template object can serve many nodes in turn)."""
         self.seq[i] += 1
-        b = self.templates[self.kind[i]][self.seq[i] % TEMPLATES]
+        alike = i >= self.varied
+        b = self.templates[self.kind[i]][0 if alike else self.seq[i] % TEMPLATES]
         b.node_id, b.boot_id, b.seq = self.ids[i], "bench-boot", self.seq[i]
         t = time.time_ns()
         b.sent_unix_nano = t
         for s in b.samples:
             s.time_unix_nano = t
         del b.events[:]
+        if alike:
+            return b
         r = self.rng.random()
         if r < 0.001:      # about one node in a thousand per second: an XID, or the HBM watch firing
             kind, pattern = KINDS[self.kind[i]][0], KINDS[self.kind[i]][6]
@@ -200,7 +209,8 @@ def grpc_client(addr: str, seconds: float, pause_s: float, conn) -> None:
     conn.close()
 
 
-async def run_size(n: int, seconds: float, warmup_s: float, interval_ms: float, seed: int) -> dict:
+async def run_size(n: int, seconds: float, warmup_s: float, interval_ms: float, seed: int,
+                   identical: int = 0) -> dict:
     from xpusense.collector.cli import freeze_long_lived
     from xpusense.collector.server import start_server
     from xpusense.collector.state import FleetState
@@ -213,7 +223,8 @@ async def run_size(n: int, seconds: float, warmup_s: float, interval_ms: float, 
     sched = server.scheduler
     stop = asyncio.Event()
     asyncio.get_running_loop().create_task(freeze_long_lived(stop))
-    fleet = Fleet(n, rng)
+    fleet = Fleet(n, rng, identical)
+    n = fleet.n   # the identical nodes stream too
     t_setup = time.perf_counter()
     for i in range(n):
         state.hello(fleet.hello(i))
@@ -288,7 +299,7 @@ async def run_size(n: int, seconds: float, warmup_s: float, interval_ms: float, 
     inproc_steady = inproc[len(reqs):]   # the first round of each shape is not in the figures
     cpu_steady = inproc_cpu[len(reqs):]
     return {
-        "nodes": n, "devices": n * DEVICES, "setup_s": round(setup_s, 2),
+        "nodes": n - identical, "identical": identical, "devices": n * DEVICES, "setup_s": round(setup_s, 2),
         "ingest_target_batches_s": n, "ingest_batches_s": round(batches_s, 1),
         "ingest_lag_p99_ms": round(pct(lag_ms, 0.99), 2),
         "inproc": summary(inproc_steady), "inproc_cpu": summary(cpu_steady), "grpc": summary(over_grpc),
@@ -308,13 +319,15 @@ def main() -> int:
     p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument("--interval-ms", type=float, default=10.0, help="pause between in-process decisions")
     p.add_argument("--seed", type=int, default=9)
+    p.add_argument("--identical", type=int, default=0,
+                   help="nodes alike in everything but their id, besides each size's varied nodes (default 0)")
     args = p.parse_args()
     sizes = [int(x) for x in args.nodes.split(",") if x]
     results = []
     for n in sizes:
         # Fewer in-process decisions at 10,000 nodes, so the loop still has room to ingest.
         interval = args.interval_ms * max(1.0, n / 2000)
-        results.append(asyncio.run(run_size(n, args.seconds, args.warmup_s, interval, args.seed)))
+        results.append(asyncio.run(run_size(n, args.seconds, args.warmup_s, interval, args.seed, args.identical)))
     head = (f"{'nodes':>6} {'path':<10} {'decisions':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8}"
             "  ingest batches/s (target)")
     print(head)
