@@ -131,9 +131,10 @@ class Group:
         # of the c-th most free): nodes of one Bucket with the same tie key score the same for every
         # request for c devices that their first c devices fit (search._rank_by_levels).
         # None where the count is not filed (level -1).
-        fit_row, min_free, penalty, levels = self.fit_row, self.min_free, self.penalty, self.levels
+        # free_desc[c - 1] is fit_row's value where c is offered, and no new float.
+        free_desc, min_free, penalty, levels = self.free_desc, self.min_free, self.penalty, self.levels
         ties: list[tuple | None] = [None]
-        self.ties = ties + [(compute[c], penalty[c], min_free[c], fit_row[c - 1]) if levels[c] >= 0 else None
+        self.ties = ties + [(compute[c], penalty[c], min_free[c], free_desc[c - 1]) if levels[c] >= 0 else None
                             for c in range(1, CMAX + 1)]
 
     def choose(self, count: int, memory: int) -> tuple[list[Device], float, float]:
