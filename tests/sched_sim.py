@@ -62,3 +62,14 @@ def readings(kind: str, devices: int = 8, util=0.0, used_gib=0.0, bw=0.0, health
 def event(kind: str, device: str, t_ns=None, **attrs) -> pb.Event:
     return pb.Event(id=f"{kind}-{device}-{time.monotonic_ns()}", type=kind, severity="critical", device=device,
                     message=f"{kind} on {device}", attributes=attrs, time_unix_nano=t_ns or time.time_ns())
+
+
+def assert_same_answer(fast, ref, where: str) -> None:
+    """The indexed search's PlaceReply against the scan's (the reference): counts, candidates in
+    order with their scores and devices, and the excluded nodes."""
+    assert fast.nodes_feasible == ref.nodes_feasible, where
+    assert dict(fast.excluded_counts) == dict(ref.excluded_counts), where
+    assert [(round(c.score, 9), c.node_id, list(c.devices)) for c in fast.candidates] == \
+        [(round(c.score, 9), c.node_id, list(c.devices)) for c in ref.candidates], where
+    assert sorted((e.node_id, e.reason) for e in fast.excluded) == \
+        sorted((e.node_id, e.reason) for e in ref.excluded), where

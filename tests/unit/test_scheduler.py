@@ -11,7 +11,7 @@ import time
 
 import pytest
 from helpers import ROOT
-from sched_sim import KINDS, GiB, dev_id, event, inventory, readings
+from sched_sim import KINDS, GiB, assert_same_answer, dev_id, event, inventory, readings
 
 from xpusense.collector.config import load_collector
 from xpusense.collector.scheduler import inventory as sched_inventory
@@ -471,12 +471,7 @@ def test_indexed_search_answers_as_the_full_scan_does():
                     req.require_encryption = True
                 fast, ref = sch.place(req), sch.place(req, scan=True)
                 where = f"round {round_} step {step} request {req}"
-                assert fast.nodes_feasible == ref.nodes_feasible, where
-                assert dict(fast.excluded_counts) == dict(ref.excluded_counts), where
-                assert [(round(c.score, 9), c.node_id, list(c.devices)) for c in fast.candidates] == \
-                    [(round(c.score, 9), c.node_id, list(c.devices)) for c in ref.candidates], where
-                assert sorted((e.node_id, e.reason) for e in fast.excluded) == \
-                    sorted((e.node_id, e.reason) for e in ref.excluded), where
+                assert_same_answer(fast, ref, where)
 
 
 # -- the four dimensions, as pure functions ----------------------------------------------------------------

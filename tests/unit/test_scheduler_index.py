@@ -9,7 +9,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sched_sim import KINDS, GiB, dev_id, event, inventory, readings
+from sched_sim import KINDS, GiB, assert_same_answer, dev_id, event, inventory, readings
 
 from xpusense.collector.config import load_collector
 from xpusense.collector.scheduler import ranked
@@ -174,12 +174,7 @@ def test_indexed_search_answers_as_the_full_scan_does_with_many_blocks_per_bucke
                     g.explained.clear()
             ref = sch.place(req, scan=True)
             where = f"step {step} request {req}"
-            assert fast.nodes_feasible == ref.nodes_feasible, where
-            assert dict(fast.excluded_counts) == dict(ref.excluded_counts), where
-            assert [(round(c.score, 9), c.node_id, list(c.devices)) for c in fast.candidates] == \
-                [(round(c.score, 9), c.node_id, list(c.devices)) for c in ref.candidates], where
-            assert sorted((e.node_id, e.reason) for e in fast.excluded) == \
-                sorted((e.node_id, e.reason) for e in ref.excluded), where
+            assert_same_answer(fast, ref, where)
             # The candidates' details, kept on the groups for the next request (explain.chosen_devices)
             # in the indexed answer, afresh in the reference: the same words.
             assert [[(d.dimension, d.detail) for d in c.dimensions] + [p.detail for p in c.penalties]
@@ -198,11 +193,7 @@ def same_answer(sch: Scheduler, req: spb.PlaceRequest, where: str) -> spb.PlaceR
     by node id), the same excluded nodes."""
     fast = sch.place(req)
     ref = sch.place(req, scan=True)
-    assert fast.nodes_feasible == ref.nodes_feasible, where
-    assert dict(fast.excluded_counts) == dict(ref.excluded_counts), where
-    assert [(c.score, c.node_id, list(c.devices)) for c in fast.candidates] == \
-        [(c.score, c.node_id, list(c.devices)) for c in ref.candidates], where
-    assert sorted((e.node_id, e.reason) for e in fast.excluded) == sorted((e.node_id, e.reason) for e in ref.excluded)
+    assert_same_answer(fast, ref, where)
     return fast
 
 
