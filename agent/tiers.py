@@ -174,7 +174,8 @@ class TierLoop:
              before: threading.Event | None = None, chain_wait_s: float = 0.0,
              done: threading.Event | None = None) -> None:
         if before is not None and not before.wait(chain_wait_s):
-            self.chain_waits_cut += 1     # the round before is slow: this one goes on beside it
+            with self._lock:   # the round before is slow: this one goes on beside it
+                self.chain_waits_cut += 1
         try:
             self._collect_round(st, tier, now_ns, timeout_s)
         finally:

@@ -80,8 +80,8 @@ class GpmStream:
             raise
         finally:
             nv.nvmlGpmSampleFree(prev)
-        metrics = mg.metrics   # pynvml's structures answer every attribute through Python: once
-        return [(m.metricId, m.nvmlReturn, m.value) for m in (metrics[i] for i in range(len(self.ids)))]
+        # pynvml's structures answer every attribute through Python: the array is looked up once
+        return [(m.metricId, m.nvmlReturn, m.value) for m in mg.metrics[:len(self.ids)]]
 
     def reset(self) -> None:
         if self.prev is not None:
