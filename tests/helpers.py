@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,8 +54,9 @@ def record_figure(test: str, **figures) -> None:
     FIGURES.append({"test": test, **figures})
 
 
-def wait_until(cond, timeout_s: float = 60.0, interval_s: float = 0.05, what: str = "condition"):
-    """Poll `cond` until it returns a truthy value or the deadline passes (then fail the test)."""
+def wait_until(cond, timeout_s: float = 60.0, interval_s: float = 0.05, what: str | Callable[[], str] = "condition"):
+    """Poll `cond` until it returns a truthy value or the deadline passes (then fail the test,
+    saying `what`: a callable is called then, to tell the state the condition was waiting on)."""
     deadline = time.monotonic() + timeout_s
     last_exc = None
     while time.monotonic() < deadline:
@@ -65,6 +67,8 @@ def wait_until(cond, timeout_s: float = 60.0, interval_s: float = 0.05, what: st
         except Exception as e:  # the thing polled may not be ready yet
             last_exc = e
         time.sleep(interval_s)
+    if callable(what):
+        what = what()
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
 
 

@@ -20,6 +20,7 @@ import logging
 import time
 from typing import Any
 
+from xpusense.common.backoff import backoff_delays
 from xpusense.v1 import scheduler_pb2 as spb
 from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
 from xpusense.v1 import telemetry_pb2 as pb
@@ -31,6 +32,7 @@ from .summary import MirrorNode, decode
 
 log = logging.getLogger("xpusense.collector.cluster.scheduler")
 YIELD_EVERY = 16   # changes applied from the watch before the loop serves others (Place, Query)
+WATCH_BACKOFF_S = (0.5, 5.0)   # first and longest wait before the bucket is listed and watched again
 
 
 class _Changes:
@@ -72,6 +74,7 @@ class FleetIndex:
         self._events: dict[str, dict[str, pb.Event]] = {}
         self.ready = asyncio.Event()
         self.updates = 0
+        self.watch_restarts = 0   # times the list-then-watch started again (follow)
 
     def apply(self, data: bytes, revision: int = 0) -> None:
         d = decode(data)
@@ -132,7 +135,26 @@ class FleetIndex:
 
     async def follow(self, js, kv, bucket: str) -> None:
         """List then watch the bucket until cancelled. The watch starts with every key's latest
-        value again (older than what the list gave: ignored), so nothing between the two is missed."""
+        value again (older than what the list gave: ignored), so nothing between the two is missed.
+        Whatever ends a round (the watch cannot start on a busy server: its consumer info times out;
+        the connection goes), the next lists and watches again, after a backoff: a replica whose
+        watch died would answer Place from an index nobody updates, every node going stale."""
+        delays = backoff_delays(WATCH_BACKOFF_S[0], WATCH_BACKOFF_S[1])
+        while True:
+            try:
+                await self._list_and_watch(js, kv, bucket)
+                why = "the watch ended"
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                why = f"{type(e).__name__}: {e}"
+            self.watch_restarts += 1
+            delay = next(delays)
+            log.warning("fleet index: cannot follow bucket %s (%s); listing and watching again in %.1f s "
+                        "(%d restarts)", bucket, why or "no detail", delay, self.watch_restarts)
+            await asyncio.sleep(delay)
+
+    async def _list_and_watch(self, js, kv, bucket: str) -> None:
         for _key, value, revision in await list_bucket(js, bucket):
             self.apply(value, revision)
         log.info("fleet index: %d nodes listed; watching", len(self.nodes))

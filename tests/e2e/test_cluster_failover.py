@@ -132,7 +132,9 @@ def test_done_when_leader_gateway_and_worker_die_mid_stream(nats_cluster, procs,
     probe.start()
     # At some moment every node is fresh in the replica's index (one may lag a round on a loaded machine).
     wait_until(lambda: any(feasible == AGENTS for _, _, feasible in probe.answers), 180,
-               what="Place: 20 feasible nodes")
+               what=lambda: f"Place: 20 feasible nodes (last answers (t, total, feasible): {probe.answers[-5:]}, "
+                            f"{len(probe.errors)} errors, last: {probe.errors[-3:]}; scheduler log tail: "
+                            f"{sched.output()[-3000:]})")
 
     # 1. The leader of a stream dies: a new one is elected, writes go on, nothing acked is lost.
     stream = stream_name("xpusense", 0)

@@ -93,3 +93,76 @@ compat_names = true
     for a in agents.values():
         a.close()
     assert s2.p.poll() is None
+
+
+class _FlakyBucket:
+    """A real KV bucket whose first watch cannot start (as when the consumer info times out on a busy
+    server) and whose second watch the test ends from outside (as a lost subscription does)."""
+
+    def __init__(self, kv):
+        self.kv, self.watches, self.live = kv, 0, None
+
+    async def watchall(self, **kw):
+        self.watches += 1
+        if self.watches == 1:
+            import nats.errors
+            raise nats.errors.TimeoutError
+        self.live = await self.kv.watchall(**kw)
+        return self.live
+
+
+def test_fleet_index_lists_and_watches_again_when_its_watch_fails_or_ends(nats_cluster):  # noqa: F811
+    """The replica's index keeps following the bucket: a watch that cannot start, then one that
+    ends, are each followed by a new list and watch, and a summary written after each is seen."""
+    import asyncio
+
+    import nats
+    from cluster_support import run
+
+    from xpusense.collector.cluster import scheduler as cluster_scheduler
+    from xpusense.collector.cluster.scheduler import FleetIndex
+    from xpusense.collector.cluster.summary import NodeLatest
+    from xpusense.v1 import telemetry_pb2 as pb
+
+    def summary(nid: str) -> bytes:
+        n = NodeLatest(nid, 0)
+        n.hello(pb.Hello(node_id=nid, boot_id="b", inventory=pb.Inventory(hostname=nid)), "gw", "", 1)
+        return n.encode("w", 1)
+
+    async def until(cond, what):
+        for _ in range(600):
+            if cond():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    async def scenario():
+        nc = await nats.connect(servers=nats_cluster.urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        js = nc.jetstream(timeout=10)
+        kv = await js.create_key_value(bucket="fleet-flaky", history=1, replicas=3)
+        await kv.put("n1", summary("n1"))
+        cluster_scheduler.WATCH_BACKOFF_S = (0.05, 0.2)
+        idx, bucket = FleetIndex(), _FlakyBucket(kv)
+        task = asyncio.get_running_loop().create_task(idx.follow(js, bucket, "fleet-flaky"))
+        try:
+            await until(lambda: bucket.live is not None, "a second watch after the first could not start")
+            assert "n1" in idx.nodes and idx.watch_restarts == 1
+            await kv.put("n2", summary("n2"))
+            await until(lambda: "n2" in idx.nodes, "n2 through the second watch")
+            first_live = bucket.live
+            await first_live.stop()
+            await until(lambda: bucket.watches == 3, "a third watch after the second ended")
+            await kv.put("n3", summary("n3"))
+            await until(lambda: "n3" in idx.nodes, "n3 through the third watch")
+            return idx.watch_restarts, sorted(idx.nodes)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await nc.close()
+
+    saved = cluster_scheduler.WATCH_BACKOFF_S
+    try:
+        restarts, nodes = run(scenario(), 120)
+    finally:
+        cluster_scheduler.WATCH_BACKOFF_S = saved
+    assert restarts == 2 and nodes == ["n1", "n2", "n3"]
