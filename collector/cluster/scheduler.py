@@ -32,6 +32,7 @@ from .summary import MirrorNode, decode
 
 log = logging.getLogger("xpusense.collector.cluster.scheduler")
 YIELD_EVERY = 16   # changes applied from the watch before the loop serves others (Place, Query)
+API_TIMEOUT_S = 10.0   # a replica's JetStream API calls (it publishes nothing: no publish timeout to keep)
 WATCH_BACKOFF_S = (0.5, 5.0)   # first and longest wait before the bucket is listed and watched again
 
 
@@ -218,7 +219,9 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
     from .rpc import SERVING, bind, grpc_server
     ncfg = cfg.nats
     nc = await connect(ncfg, "xpusense-scheduler")
-    js = nc.jetstream(timeout=ncfg.publish_timeout_s)
+    # The replica publishes nothing: its JetStream API calls (the watch's consumer info, the list)
+    # get a bound fit for a busy cluster, not the publish timeout.
+    js = nc.jetstream(timeout=max(ncfg.publish_timeout_s, API_TIMEOUT_S))
     buckets = await ensure(js, ncfg)
     server = grpc_server(security, None, cfg.max_message_bytes)
     sched = await add_scheduler(server, js, buckets.fleet, cfg)
