@@ -25,6 +25,8 @@ JetStream's default sync policy), then, one after the other:
 
     .venv/bin/python bench/fleet_scale.py                 # ~4 min on a 2-core VM
     .venv/bin/python bench/fleet_scale.py --place-only    # step 5 alone, ~1.5 min
+    .venv/bin/python bench/fleet_scale.py --ack-only      # step 2 alone (ack p99 at --fleet agents), ~1.5 min
+    .venv/bin/python bench/fleet_scale.py --ack-only --seconds 10 --spy /path/to/py-spy   # + the gateway's stacks
 
 Prints a table, then one line of JSON.
 """
@@ -37,6 +39,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -70,8 +73,9 @@ def collector_toml(tmp: str, urls: list[str], top: str = "") -> str:
 
 
 def load(address: str, agents: int, rate: float, window: int, seconds: float, warmup_s: float,
-         gen_cpus: list[int], watch_pid: int, procs: int) -> dict:
-    """collector_ingest's simulated agents against `address`; the figures and watch_pid's CPU."""
+         gen_cpus: list[int], watch_pid: int, procs: int, also_pids: tuple[int, ...] = ()) -> dict:
+    """collector_ingest's simulated agents against `address`; the figures, watch_pid's CPU and the
+    summed CPU of also_pids (the nats-servers) in the window."""
     ctx = mp.get_context("spawn")
     shared = ctx.Array("d", 3, lock=False)
     ready_q, out_q = ctx.Queue(), ctx.Queue()
@@ -93,9 +97,9 @@ def load(address: str, agents: int, rate: float, window: int, seconds: float, wa
         shared[1], shared[2] = t0, t1
         shared[0] = go
         time.sleep(max(0.0, t0 - time.monotonic()))
-        c0, w0 = cpu_s(watch_pid), time.monotonic()
+        c0, o0, w0 = cpu_s(watch_pid), sum(map(cpu_s, also_pids)), time.monotonic()
         time.sleep(max(0.0, t1 - time.monotonic()))
-        c1, w1 = cpu_s(watch_pid), time.monotonic()
+        c1, o1, w1 = cpu_s(watch_pid), sum(map(cpu_s, also_pids)), time.monotonic()
         results = [out_q.get(timeout=120) for _ in workers]
     finally:
         shared[2] = shared[2] or -1.0
@@ -106,7 +110,8 @@ def load(address: str, agents: int, rate: float, window: int, seconds: float, wa
     wall = w1 - w0
     lat = sorted(x for r in results for x in r["latencies_ms"])
     acked = sum(r["window_acked"] for r in results)
-    return {"batches_s": acked / wall, "cpu": (c1 - c0) / wall, "p50_ms": percentile(lat, 0.5),
+    return {"batches_s": acked / wall, "cpu": (c1 - c0) / wall, "others_cpu": (o1 - o0) / wall,
+            "p50_ms": percentile(lat, 0.5), "p90_ms": percentile(lat, 0.9),
             "p99_ms": percentile(lat, 0.99), "max_ms": percentile(lat, 1.0),
             "errors": [f for r in results for f in r["fails"]], "sent": sum(r["sent"] for r in results)}
 
@@ -325,6 +330,68 @@ def place_only(args: argparse.Namespace) -> int:
     return 0
 
 
+def gateway_proc(tmp: str, urls: list[str], cpu: int) -> tuple[subprocess.Popen, str, str]:
+    """A `serve --nats` gateway process pinned to `cpu`, serving: (process, address, log path)."""
+    cfg_path = collector_toml(tmp, urls)
+    address = f"127.0.0.1:{free_port()}"
+    log_path = os.path.join(tmp, "gateway.log")
+    with open(log_path, "w") as log:
+        gw = subprocess.Popen([sys.executable, "-m", "xpusense.collector.cluster", "serve", "--config", cfg_path,
+                               "--listen", address, "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+    os.sched_setaffinity(gw.pid, {cpu})   # pinned from here (no preexec_fn next to gRPC's threads)
+    try:
+        wait_collector(address, 60)
+    except Exception:
+        stop(gw)
+        print(tail(log_path), file=sys.stderr)
+        raise
+    return gw, address, log_path
+
+
+def ack_only(args: argparse.Namespace) -> int:
+    """Step 2 alone: --fleet agents x 1 batch/s through one gateway; ack p50/p90/p99/max, the
+    gateway's CPU and the nats-servers' CPU in the window, the load average; with --spy PY_SPY a
+    py-spy profile of the gateway over the run (raw/collapsed stacks, for flame graphs)."""
+    from xpusense.collector.cluster.localnats import LocalCluster
+    cpus = sorted(os.sched_getaffinity(0))
+    gw_cpu, gen_cpus = cpus[0], cpus[1:] or cpus
+    tmp = tempfile.mkdtemp(prefix="xpusense-fleet-")
+    spy = None
+    with LocalCluster(3, os.path.join(tmp, "nats")) as cluster:
+        servers = tuple(s.proc.pid for s in cluster.servers if s.proc is not None)
+        gw, address, log_path = gateway_proc(tmp, cluster.urls, gw_cpu)
+        try:
+            if args.spy:
+                out_path = os.path.join(tmp, "gateway.spy.txt")
+                spy = subprocess.Popen([args.spy, "record", "--pid", str(gw.pid), "--format", "raw", "--rate", "200",
+                                        "--output", out_path, "--nonblocking"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            print(f"2. gateway at 1 s: {args.fleet} agents x 1 batch/s, {args.seconds:g} s ...", flush=True)
+            la0 = os.getloadavg()[0]
+            fleet = load(address, args.fleet, 1.0, 8, args.seconds, 5.0, gen_cpus, gw.pid, 4, servers)
+            la1 = os.getloadavg()[0]
+        except Exception:
+            print(tail(log_path), file=sys.stderr)
+            raise
+        finally:
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(30)
+            stop(gw)
+    print(f"ack at {args.fleet} agents x 1/s through one gateway: p50 {fleet['p50_ms']:.1f} ms, p90 "
+          f"{fleet['p90_ms']:.1f} ms, p99 {fleet['p99_ms']:.1f} ms (goal <= 100), max {fleet['max_ms']:.1f} ms; "
+          f"{fleet['batches_s']:,.0f} acked/s; gateway CPU {100 * fleet['cpu']:.0f}% "
+          f"({1e6 * fleet['cpu'] / max(1.0, fleet['batches_s']):.0f} us a batch), 3 nats-servers' CPU "
+          f"{100 * fleet['others_cpu']:.0f}%; load average {la0:.2f} before, {la1:.2f} after"
+          + (f"; {len(fleet['errors'])} agent errors, e.g. {fleet['errors'][0]}" if fleet["errors"] else ""))
+    if spy is not None:
+        print(f"py-spy profile of the gateway: {out_path}")
+    print(json.dumps({"bench": "fleet_scale", "ack_only": True, "fleet": args.fleet,
+                      **{k: round(v, 3) for k, v in fleet.items() if isinstance(v, float)},
+                      "load_average": [round(la0, 2), round(la1, 2)], "errors": len(fleet["errors"])}))
+    return 0
+
+
 def _rss_kb(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
@@ -341,10 +408,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updates-s", type=float, default=1000.0,
                    help="summary updates/s the index follows while Place is measured (default 1000)")
     p.add_argument("--place-only", action="store_true", help="only step 5, Place from the fleet bucket")
+    p.add_argument("--ack-only", action="store_true",
+                   help="only step 2, ack latency of --fleet agents x 1 batch/s through one gateway")
+    p.add_argument("--spy", metavar="PY_SPY", default="",
+                   help="with --ack-only: the py-spy binary to profile the gateway with (raw stacks)")
     args = p.parse_args(argv)
     raise_nofile()
     if args.place_only:
         return place_only(args)
+    if args.ack_only:
+        return ack_only(args)
     from xpusense.collector.cluster.localnats import LocalCluster
     cpus = sorted(os.sched_getaffinity(0))
     gw_cpu, gen_cpus = cpus[0], cpus[1:] or cpus
@@ -352,15 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"cpus": len(cpus), "samples_per_batch": DEVICES * len(SERIES)}
     with LocalCluster(3, os.path.join(tmp, "nats")) as cluster:
         urls = cluster.urls
-        cfg_path = collector_toml(tmp, urls)
-        address = f"127.0.0.1:{free_port()}"
-        log_path = os.path.join(tmp, "gateway.log")
-        with open(log_path, "w") as log:
-            gw = subprocess.Popen([sys.executable, "-m", "xpusense.collector.cluster", "serve", "--config", cfg_path,
-                                   "--listen", address, "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
-        os.sched_setaffinity(gw.pid, {gw_cpu})   # pinned from here (no preexec_fn next to gRPC's threads)
+        gw, address, log_path = gateway_proc(tmp, urls, gw_cpu)
         try:
-            wait_collector(address, 60)
             print(f"1. gateway saturation: {args.agents} agents, {args.seconds:g} s ...", flush=True)
             sat = load(address, args.agents, 0.0, 8, args.seconds, 3.0, gen_cpus, gw.pid, min(args.agents, 4))
             print(f"2. gateway at 1 s: {args.fleet} agents x 1 batch/s, {args.seconds:g} s ...", flush=True)
