@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import time
 
 import grpc
 import pytest
@@ -22,9 +21,11 @@ TRAIN = ROOT / "examples/train_with_checkpoint.py"
 NPU_FAKE = ROOT / "tests/fakes/npu-smi/npu-smi"
 NPU_SCENARIO = ROOT / "tests/fixtures/npu-smi/scenario-8x910B4"
 WINDOW_S = 5.0
-# Scenario second 0 lies this far ahead, so a ramp at t = 5 is not over before an agent that starts
-# slowly (a loaded 2-core machine: trainer, collector and agent all start first) reads it.
-LEAD_S = 8.0
+# Scenario second 0 lies this far after the agent's first nvmlInit (the fake's FAKE_NVML_T0=init+S),
+# or after the agent is seen streaming (the npu-smi ramp), so a ramp at t = 5 is not over before an
+# agent that starts slowly reads it: on a loaded 2-core machine, starting the trainer, the
+# collector and the agent took 35 s once, past a timeline fixed before them.
+LEAD_S = 3.0
 
 CONFIG = """
 [tiers]
@@ -80,6 +81,17 @@ def requests(req):
     return [json.loads(p.read_text()) for p in req.glob("*.json") if not p.name.endswith(".done.json")]
 
 
+def nvml_env(libdir, tmp_path, scn):
+    """The fake NVML with scenario second 0 LEAD_S after the agent's first nvmlInit."""
+    return fakenvml.env(libdir, scn, t0=fakenvml.after_init(LEAD_S), procs=tmp_path / "procs",
+                        t0_file=tmp_path / "t0")
+
+
+def scenario_t0(tmp_path) -> float:
+    """The unix time of scenario second 0, once the agent's fake library resolved it."""
+    return wait_until(lambda: fakenvml.read_t0(tmp_path / "t0"), 120, what="the agent's first nvmlInit")
+
+
 def run_agent(procs, tmp_path, addr, req, env, extra=()):
     cfg = tmp_path / "agent.toml"
     cfg.write_text(CONFIG.format(req=req))
@@ -92,10 +104,9 @@ def test_nvml_ramp_one_request_checkpoint_in_time_second_ramp_in_cooldown(libdir
     (tmp_path / "procs").write_text(f"0 {trainer.p.pid} 8589934592\n")
     # 40% -> 92% at t=5 for 8 s -> 40%; again 92% from t=15 to 23 (inside the 10 min cooldown).
     scn = ramp_scenario(tmp_path, "0:40 5:40 5:92 13:92 13:40 15:40 15:92 23:92 23:40")
-    t0 = time.time() + LEAD_S
     addr = start_collector(procs)
-    agent = run_agent(procs, tmp_path, addr, req,
-                      fakenvml.env(libdir, scn, t0=t0, procs=tmp_path / "procs"))
+    agent = run_agent(procs, tmp_path, addr, req, nvml_env(libdir, tmp_path, scn))
+    t0 = scenario_t0(tmp_path)
 
     wait_until(lambda: checkpoints(ckpt), what="the trainer's checkpoint")
     labels = {"device": "gpu0", "vendor": "nvidia"}
@@ -110,8 +121,9 @@ def test_nvml_ramp_one_request_checkpoint_in_time_second_ramp_in_cooldown(libdir
     # Crossed: the first 1 s sample at or above 85%, as the collector stored it.
     crossed = next(t for t, v in history(addr, "watch-node", name, labels) if v >= 0.85)
     assert r["crossed_time"] == pytest.approx(crossed, abs=1e-6)
-    # JITTER_NS (agent/hbm_watch.py): the sample due at the window's end may be stamped 50 ms early.
-    assert crossed + WINDOW_S - 0.05 <= cp["time"] <= crossed + WINDOW_S + 1.5
+    # Sent at the window's end (JITTER_NS, agent/hbm_watch.py: the sample due then may be stamped
+    # 50 ms early), while the ramp was still on (it ends at t = 13); the checkpoint after it.
+    assert crossed + WINDOW_S - 0.05 <= r["time"] < t0 + 13 and cp["time"] >= r["time"]
     node = next(n for n in nodes_json(addr)["nodes"] if n["node_id"] == "watch-node")
     evs = [e for e in node["events"] if e["type"] == "checkpoint_request"]
     assert [e["attributes"]["request_id"] for e in evs] == [r["id"]] and evs[0]["device"] == "gpu0"
@@ -124,9 +136,9 @@ def test_dip_below_the_lower_mark_inside_the_window_does_not_fire_early(libdir, 
     (tmp_path / "procs").write_text(f"0 {trainer.p.pid} 8589934592\n")
     # above from t=5, one second at 60% at t=7..8, above again until 16
     scn = ramp_scenario(tmp_path, "0:40 5:40 5:92 7:92 7:60 8:60 8:92 16:92 16:40")
-    t0 = time.time() + LEAD_S
     addr = start_collector(procs)
-    run_agent(procs, tmp_path, addr, req, fakenvml.env(libdir, scn, t0=t0, procs=tmp_path / "procs"))
+    run_agent(procs, tmp_path, addr, req, nvml_env(libdir, tmp_path, scn))
+    t0 = scenario_t0(tmp_path)
     wait_until(lambda: checkpoints(ckpt), what="the checkpoint")
     r = requests(req)[0]
     # The window restarted after the dip: crossed no earlier than t=8, fired no earlier than t=13.
@@ -142,17 +154,22 @@ def test_npu_smi_ramp_sends_one_request(procs, tmp_path):
         "| No running processes found in NPU 0                                                            |",
         f"| 0       0                 | {trainer.p.pid:<13} | python3                  | 2048                    |")
     (scenario / "info.txt").write_text(info)
-    t0 = time.time() + LEAD_S
-    (scenario / "ramp.json").write_text(json.dumps({"type": "usages", "key": "HBM Bandwidth Usage Rate(%)",
-                                                    "npus": [0], "points": [[0, 40], [0.01, 92], [8, 92], [8.01, 40]]}))
     addr = start_collector(procs)
     cfg_extra = ("--npu-smi", str(NPU_FAKE))
-    run_agent(procs, tmp_path, addr, req, {"FAKE_NPU_SMI_DIR": str(scenario), "FAKE_NPU_SMI_T0": repr(t0),
-                                           "LD_LIBRARY_PATH": "/nonexistent"}, cfg_extra)
+    run_agent(procs, tmp_path, addr, req, {"FAKE_NPU_SMI_DIR": str(scenario), "LD_LIBRARY_PATH": "/nonexistent"},
+              cfg_extra)
+    wait_until(lambda: any(n["node_id"] == "watch-node" for n in nodes_json(addr)["nodes"]), 120,
+               what="the agent streaming")
+    # The ramp starts LEAD_S after it is written (the fake's second 0 is ramp.json's mtime).
+    (scenario / "ramp.json").write_text(json.dumps({"type": "usages", "key": "HBM Bandwidth Usage Rate(%)",
+                                                    "npus": [0], "points": [[0, 40], [LEAD_S, 40], [LEAD_S + 0.01, 92],
+                                                                            [LEAD_S + 8, 92], [LEAD_S + 8.01, 40]]}))
+    t0 = (scenario / "ramp.json").stat().st_mtime + LEAD_S
     wait_until(lambda: checkpoints(ckpt), what="the checkpoint on the NPU")
     r = requests(req)[0]
     assert r["accelerator"] == "npu0-0" and r["vendor"] == "huawei" and r["pids"] == [trainer.p.pid]
-    assert checkpoints(ckpt)[0]["time"] <= r["crossed_time"] + WINDOW_S + 1.5
+    # Sent at the window's end, while the ramp was still on (it ends 8 s after it began at t0).
+    assert r["crossed_time"] + WINDOW_S - 0.05 <= r["time"] < t0 + 8 and checkpoints(ckpt)[0]["time"] >= r["time"]
     node = wait_until(lambda: next((n for n in nodes_json(addr)["nodes"] if n["node_id"] == "watch-node"
                                     and any(e["type"] == "checkpoint_request" for e in n["events"])), None),
                       what="the event at the collector")
@@ -170,9 +187,9 @@ def test_nan_from_the_driver_never_sends_a_checkpoint_request(libdir, procs, tmp
     # NaN read as "not below the threshold" would complete the 5 s window at t=10.
     scn = ramp_scenario(tmp_path, "0:40 5:40 5:92 7:92 7:40")
     scn.write_text(scn.read_text() + "gpm_nan = 10 7 12\n")
-    t0 = time.time() + LEAD_S
     addr = start_collector(procs)
-    agent = run_agent(procs, tmp_path, addr, req, fakenvml.env(libdir, scn, t0=t0, procs=tmp_path / "procs"))
+    agent = run_agent(procs, tmp_path, addr, req, nvml_env(libdir, tmp_path, scn))
+    t0 = scenario_t0(tmp_path)
     labels = {"device": "gpu0", "vendor": "nvidia"}
     name = "xpusense.accelerator.hbm.bandwidth.utilization"
     wait_until(lambda: any(t > t0 + 13 and v < 0.5 for t, v in history(addr, "watch-node", name, labels)),
@@ -192,9 +209,8 @@ def test_a_misread_process_list_never_names_a_wrong_pid(libdir, procs, tmp_path)
     scn = ramp_scenario(tmp_path, "0:40 5:40 5:92 13:92 13:40")
     scn.write_text("process_info_size = 32\nmissing_symbols = nvmlDeviceGetRunningProcessDetailList\n"
                    + scn.read_text())
-    t0 = time.time() + LEAD_S
     addr = start_collector(procs)
-    agent = run_agent(procs, tmp_path, addr, req, fakenvml.env(libdir, scn, t0=t0, procs=tmp_path / "procs"))
+    agent = run_agent(procs, tmp_path, addr, req, nvml_env(libdir, tmp_path, scn))
     wait_until(lambda: checkpoints(ckpt), what="the trainer's checkpoint")
     reqs = requests(req)
     assert len(reqs) == 1 and reqs[0]["pids"] == [trainer.p.pid], reqs

@@ -6,8 +6,8 @@
  * README.md beside this file. Struct layouts follow nvidia-ml-py 13.615.71 (pynvml.py); each one
  * names the pynvml class it mirrors. C11, libc + libm + pthread only.
  *
- * Time: t = seconds since $FAKE_NVML_T0 (unix epoch, float) or, when unset, since the first
- * successful nvmlInit in this process. Every value that changes is a function of t, so a test
+ * Time: t = seconds since $FAKE_NVML_T0 (unix epoch, float, or "init+S": S seconds after the
+ * first successful nvmlInit) or, when unset, since that first nvmlInit in this process. Every value that changes is a function of t, so a test
  * places itself on a scenario's timeline with FAKE_NVML_T0 instead of sleeping.
  */
 #define _GNU_SOURCE
@@ -906,11 +906,27 @@ static nvmlReturn_t do_init(const char *fn)
     }
     if (S.init_error) LEAVE(S.init_error);
     if (!t0_set) {
+        /* FAKE_NVML_T0: a unix time, or "init+S": S seconds after this first nvmlInit (a test that
+         * cannot know when a loaded machine gets the process this far). FAKE_NVML_T0_FILE: where
+         * the resolved t = 0 is written, for such a test to read. */
         const char *e = getenv("FAKE_NVML_T0");
+        int after_init = e && !strncmp(e, "init+", 5);
+        const char *num = after_init ? e + 5 : e;
         char *end = NULL;
-        double v = e && *e ? strtod(e, &end) : 0;
-        T0 = (e && *e && end && !*end) ? v : wall_now();
+        double v = num && *num ? strtod(num, &end) : 0;
+        int ok = num && *num && end && !*end;
+        T0 = after_init ? wall_now() + (ok ? v : 0) : ok ? v : wall_now();
         t0_set = 1;
+        const char *out = getenv("FAKE_NVML_T0_FILE");
+        if (out && *out) {
+            char tmp[4096];
+            snprintf(tmp, sizeof tmp, "%s.tmp", out);
+            FILE *f = fopen(tmp, "w");
+            if (f) {
+                fprintf(f, "%.6f\n", T0);
+                if (fclose(f) == 0) rename(tmp, out);
+            }
+        }
     }
     refcount++;
     LEAVE(NVML_SUCCESS);

@@ -23,7 +23,7 @@ BUILD_SH = HERE / "build.sh"
 SCENARIOS = HERE / "scenarios"
 LIBNAME = "libnvidia-ml.so.1"
 _STAMP = ".fake_nvml.sha256"
-_VARS = ("FAKE_NVML_SCENARIO", "FAKE_NVML_T0", "FAKE_NVML_PROCS", "FAKE_NVML_CALLS")
+_VARS = ("FAKE_NVML_SCENARIO", "FAKE_NVML_T0", "FAKE_NVML_T0_FILE", "FAKE_NVML_PROCS", "FAKE_NVML_CALLS")
 
 
 class BuildError(RuntimeError):
@@ -104,14 +104,30 @@ def t0_at(t: float) -> float:
     return time.time() - t
 
 
-def env(libdir: str | os.PathLike, scenario_path: str | os.PathLike, t0: float | None = None, *,
+def after_init(seconds: float) -> str:
+    """A FAKE_NVML_T0 that puts scenario second 0 `seconds` after the process's first nvmlInit:
+    for a test whose timeline must not start before a slowly starting process reads it (the
+    resolved time is written to `t0_file`, see env and read_t0)."""
+    return f"init+{float(seconds)!r}"
+
+
+def read_t0(path: str | os.PathLike) -> float | None:
+    """The scenario's second 0 (unix time) the library wrote to FAKE_NVML_T0_FILE; None before."""
+    try:
+        return float(Path(path).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def env(libdir: str | os.PathLike, scenario_path: str | os.PathLike, t0: float | str | None = None, *,
         procs: str | os.PathLike | None = None, calls: str | os.PathLike | None = None,
-        base: dict | None = None) -> dict:
+        t0_file: str | os.PathLike | None = None, base: dict | None = None) -> dict:
     """A complete environment for a subprocess that loads the fake through pynvml.
 
     `base` (default os.environ) is copied; libdir goes first on LD_LIBRARY_PATH; FAKE_NVML_SCENARIO
-    names the scenario; t0 (unix time of scenario second 0) sets FAKE_NVML_T0, else the library
-    starts its clock at its first nvmlInit; procs sets FAKE_NVML_PROCS (processes file re-read on
+    names the scenario; t0 (unix time of scenario second 0, or after_init(S)) sets FAKE_NVML_T0,
+    else the library starts its clock at its first nvmlInit; t0_file sets FAKE_NVML_T0_FILE (where
+    the library writes the second 0 it resolved); procs sets FAKE_NVML_PROCS (processes file re-read on
     every call); calls sets FAKE_NVML_CALLS (per-function call counts written there). A scenario
     with `missing_symbols` gets a library built without them (once, under libdir). FAKE_NVML_*
     variables not given here are removed, so an outer setting never leaks into a test.
@@ -127,7 +143,9 @@ def env(libdir: str | os.PathLike, scenario_path: str | os.PathLike, t0: float |
     e["LD_LIBRARY_PATH"] = str(Path(libdir).resolve()) + (os.pathsep + old if old else "")
     e["FAKE_NVML_SCENARIO"] = str(Path(scenario_path).resolve())
     if t0 is not None:
-        e["FAKE_NVML_T0"] = repr(float(t0))
+        e["FAKE_NVML_T0"] = t0 if isinstance(t0, str) else repr(float(t0))
+    if t0_file is not None:
+        e["FAKE_NVML_T0_FILE"] = str(Path(t0_file).resolve())
     if procs is not None:
         e["FAKE_NVML_PROCS"] = str(Path(procs).resolve())
     if calls is not None:
