@@ -158,6 +158,57 @@ def status_kb(pid: int, key: str) -> int:
     return 0
 
 
+def thread_ns(pid: int) -> dict[str, tuple[int, int]]:
+    """Per thread of `pid`: tid:name -> (ns on CPU, times it was scheduled in), from
+    /proc/PID/task/*/schedstat and comm. A thread gone between listing and reading is left out."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for t in tids:
+        try:
+            with open(f"/proc/{pid}/task/{t}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                run_ns, _wait_ns, slices = (int(x) for x in f.read().split())
+        except (OSError, ValueError):
+            continue
+        out[f"{t}:{name}"] = (run_ns, slices)
+    return out
+
+
+def python_thread_names(pid: int) -> dict[str, str]:
+    """tid -> Python thread name (the agent's threads all carry the process's comm), from py-spy
+    next to this interpreter; {} without it."""
+    spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.access(spy, os.X_OK):
+        return {}
+    try:
+        got = subprocess.run([spy, "dump", "--pid", str(pid), "--json"], capture_output=True, text=True, timeout=30)
+        return {str(t["os_thread_id"]): str(t["thread_name"]) for t in json.loads(got.stdout)
+                if t.get("os_thread_id") and t.get("thread_name")}
+    except (OSError, ValueError, subprocess.TimeoutExpired, KeyError, TypeError):
+        return {}
+
+
+def thread_groups(before: dict, after: dict, wall: float, names: dict[str, str]) -> dict[str, dict]:
+    """Threads grouped by name (the Python name where py-spy told it) without its trailing number:
+    ms of CPU and wake-ups per second of wall, and how many threads, biggest first."""
+    groups: dict[str, list] = {}
+    for key, (ns1, n1) in after.items():
+        ns0, n0 = before.get(key, (0, 0))
+        tid, comm = key.split(":", 1)
+        name = re.sub(r"[_-]?\d+$", "", names.get(tid, comm)) or "?"
+        g = groups.setdefault(name, [0, 0, 0])
+        g[0] += ns1 - ns0
+        g[1] += n1 - n0
+        g[2] += 1
+    rows = {k: {"ms_per_s": round(v[0] / 1e6 / wall, 3), "wakeups_per_s": round(v[1] / wall, 1), "threads": v[2]}
+            for k, v in groups.items()}
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]["ms_per_s"]))
+
+
 def machine_ticks() -> tuple[int, int]:
     """(busy, total) jiffies of all CPUs from /proc/stat."""
     with open("/proc/stat") as f:
@@ -293,6 +344,7 @@ def loader_line(log_path: str) -> dict:
 
 def quiet_window(agent: subprocess.Popen, ne: subprocess.Popen, ne_url: str, seconds: float) -> dict:
     sampler = Sampler(ne_url, {"agent": agent.pid, "node_exporter": ne.pid})
+    t0 = thread_ns(agent.pid)
     a0, n0, m0, w0 = cpu_s(agent.pid), cpu_s(ne.pid), machine_ticks(), time.monotonic()
     sampler.thread.start()
     time.sleep(seconds)
@@ -300,6 +352,7 @@ def quiet_window(agent: subprocess.Popen, ne: subprocess.Popen, ne_url: str, sec
     sampler.thread.join(10)
     a1, n1, m1, w1 = cpu_s(agent.pid), cpu_s(ne.pid), machine_ticks(), time.monotonic()
     wall = w1 - w0
+    t1 = thread_ns(agent.pid)
     out = {"seconds": round(wall, 1), "scrapes": sampler.scrapes, "scrape_errors": sampler.scrape_errors,
            "scrape_kb": round(sampler.scrape_bytes / max(1, sampler.scrapes) / 1024, 1),
            "machine_busy_pct": round(100 * (m1[0] - m0[0]) / max(1, m1[1] - m0[1]), 1)}
@@ -309,6 +362,7 @@ def quiet_window(agent: subprocess.Popen, ne: subprocess.Popen, ne_url: str, sec
                      "rss_max_mb": round(max(rss), 1), "rss_peak_mb": round(status_kb(proc.pid, "VmHWM") / 1024, 1),
                      "threads": len(os.listdir(f"/proc/{proc.pid}/task"))}
     out["cpu_ratio"] = round(out["agent"]["cpu_pct"] / max(1e-9, out["node_exporter"]["cpu_pct"]), 2)
+    out["agent_threads"] = thread_groups(t0, t1, wall, python_thread_names(agent.pid))
     out["rss_ratio"] = round(out["agent"]["rss_steady_mb"] / max(1e-9, out["node_exporter"]["rss_steady_mb"]), 2)
     return out
 
@@ -563,6 +617,9 @@ def report(r: dict) -> None:
         print(f"  {k:16} {v['cpu_pct']:7.3f} {v['rss_steady_mb']:9.1f}MB {v['rss_max_mb']:6.1f}MB "
               f"{v['rss_peak_mb']:5.1f}MB {v['threads']:8}")
     print(f"  agent / node_exporter: CPU {q['cpu_ratio']}x, RSS {q['rss_ratio']}x")
+    print(f"  agent threads (schedstat), per second: {'ms CPU':>7} {'wake-ups':>9} {'threads':>8}")
+    for name, v in q.get("agent_threads", {}).items():
+        print(f"    {name:40} {v['ms_per_s']:7.3f} {v['wakeups_per_s']:9.1f} {v['threads']:8}")
     if "load" in r:
         ld, pw = r["load"], r["load"]["peers_window"]
         print(f"load windows {ld['seconds']} s each, the same workload: agent alone {ld['context_switches_per_s']} "
