@@ -1,6 +1,7 @@
 """The one scheduling loop: every tier's rounds from time.monotonic() deadlines, no thread per tier.
 
-Each source runs its collect() in a worker thread of its own, so a slow source never delays the
+Each source runs its collect() in a worker thread of its own (sources naming the same
+`Source.worker` share one per tier, for rounds that never block), so a slow source never delays the
 loop, and another source only a little: the rounds of one tier run one after the other, each
 waiting for the one before it at most `chain_wait_ratio` of the period (CHAIN_WAIT_MAX_S at most).
 A dozen sources started at the same instant fight for the GIL at every ctypes call and bpf syscall
@@ -58,6 +59,7 @@ class SourceState:
         self.timeouts = 0
         self.skipped = 0
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.tier_pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}   # a shared worker's, by tier
         resend = source.resend_unchanged_s
         self.changes = ChangeFilter(resend) if resend is not None else None   # unchanged series held back
         self.own_changes = ChangeFilter(OWN_RESEND_S)   # for the loop's own samples of this source
@@ -116,13 +118,23 @@ class TierLoop:
         self._pending: set[concurrent.futures.Future] = set()
         self.chain_waits_cut = 0   # rounds that stopped waiting for a slow round before them
         self.joining = 0     # sources still setting up, to be add()ed; the loop looks for them often
+        self._shared: dict[tuple[str, str], concurrent.futures.ThreadPoolExecutor] = {}   # (worker, tier)
         for st in self.states:
             self._give_pool(st)
 
-    @staticmethod
-    def _give_pool(st: SourceState) -> None:
+    def _give_pool(self, st: SourceState) -> None:
         # One worker per tier: a slow 15 s round of a source never holds up its 1 s round.
-        st.pool = concurrent.futures.ThreadPoolExecutor(len(st.source.tiers) or 1, thread_name_prefix=f"src-{st.name}")
+        group = st.source.worker
+        if not group:
+            st.pool = concurrent.futures.ThreadPoolExecutor(len(st.source.tiers) or 1,
+                                                            thread_name_prefix=f"src-{st.name}")
+            return
+        with self._lock:    # one thread per (worker, tier), in submission order: the chain's order
+            for t in st.source.tiers:
+                if (group, t) not in self._shared:
+                    self._shared[group, t] = concurrent.futures.ThreadPoolExecutor(
+                        1, thread_name_prefix=f"src-{group}-{t}")
+                st.tier_pools[t] = self._shared[group, t]
 
     def add(self, st: SourceState) -> None:
         """A source whose setup finished after the loop started joins it (its tiers from the next
@@ -156,9 +168,10 @@ class TierLoop:
                                       {"source": st.name}, COUNTER, now_ns)], [])
                     continue
                 st.busy.add(tier)
-            assert st.pool is not None   # every state is given its pool in __init__
+            pool = st.tier_pools.get(tier) or st.pool
+            assert pool is not None   # every state is given its pool in __init__ or add()
             done = threading.Event()
-            fut = st.pool.submit(self._run, st, tier, now_ns, timeout_s, before, chain_wait_s, done)
+            fut = pool.submit(self._run, st, tier, now_ns, timeout_s, before, chain_wait_s, done)
             before = done
             futures.append(fut)
             with self._lock:
@@ -260,6 +273,9 @@ class TierLoop:
         for st in states:
             if st.pool:
                 st.pool.shutdown(wait=False, cancel_futures=True)
+        for pool in list(self._shared.values()):
+            pool.shutdown(wait=False, cancel_futures=True)
+        for st in states:
             try:
                 st.source.close()
             except Exception:

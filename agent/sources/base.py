@@ -67,6 +67,11 @@ class Source:
     # when it differs from the last one sent (then once more when it stops changing, so a rate read
     # from the last two points falls to 0), or when that one is this many seconds old (tiers.py).
     resend_unchanged_s: ClassVar[float | None] = None
+    # "": the source's rounds run in worker threads of its own (one per tier). A name: every source
+    # with that name shares one worker thread per tier, its rounds of a tier run one after the other
+    # there; for sources whose rounds never block (eBPF map reads), where waking a thread per source
+    # costs more than the reads (tiers.py).
+    worker: ClassVar[str] = ""
 
     def setup(self) -> None:
         """Raise Unavailable(reason) when this source cannot run here."""

@@ -278,3 +278,43 @@ def test_the_loops_own_samples_go_out_when_they_change():
         assert len(sink.named("test.later")) == 3
     finally:
         loop.close()
+
+
+class SharedTimed(Timed):
+    """Timed, in a shared worker group, noting the thread each round ran in."""
+    worker = "group"
+    tiers = (REALTIME, NEARLINE)
+
+    def collect(self, tier):
+        with self.lock:
+            self.log.append((self.name, tier, threading.get_ident()))
+        return [Sample("test.shared", 1, "1", {"src": self.name})]
+
+
+def test_sources_of_one_worker_group_share_one_thread_per_tier():
+    """Sources naming the same `worker` (the eBPF probes): every round of a tier in one thread, in the
+    chain's order, each source still counted and reported on its own; other sources keep theirs."""
+    log, lock = [], threading.Lock()
+    shared = [SharedTimed(n, log, lock) for n in ("a", "b", "c")]
+    alone = Timed("alone", log, lock)
+    sink = Sink()
+    states, _ = setup_sources([*shared, alone])
+    loop = TierLoop(states, {REALTIME: 1.0, NEARLINE: 15.0, "offline": 300.0}, sink, timeout_ratio=1.0)
+    try:
+        for _ in range(3):
+            for tier in (REALTIME, NEARLINE):
+                for f in loop.dispatch(tier):
+                    f.result(timeout=30)
+        with lock:
+            rounds = [r for r in log if len(r) == 3 and r[1] in (REALTIME, NEARLINE)]
+        assert len(rounds) == 18
+        threads = {tier: {r[2] for r in rounds if r[1] == tier} for tier in (REALTIME, NEARLINE)}
+        assert len(threads[REALTIME]) == 1 and len(threads[NEARLINE]) == 1
+        assert threads[REALTIME] != threads[NEARLINE]     # a slow 15 s round never holds up the 1 s one
+        assert [r[0] for r in rounds if r[1] == REALTIME] == ["a", "b", "c"] * 3
+        assert all(st.rounds == 6 for st in states[:3]) and states[3].rounds == 3
+        assert states[3].pool is not None and not states[3].tier_pools
+        for name in ("a", "b", "c"):
+            assert len(sink.named("xpusense.agent.source.duration", source=name)) == 6
+    finally:
+        loop.close()

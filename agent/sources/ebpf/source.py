@@ -94,6 +94,9 @@ class EbpfSource(Source):
     # Most of a probe's series stand still between rounds (an idle disk, a process between
     # launches, the probe's own up/errors): the tier loop sends those again only every 15 s.
     resend_unchanged_s = RESEND_UNCHANGED_S
+    # A round is a few bpf syscalls that never block: the probes' rounds of a tier run one after the
+    # other in one thread of the tier loop (7 probes: 2 threads, not 14 each woken every second).
+    worker = "ebpf"
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
@@ -111,6 +114,8 @@ class EbpfSource(Source):
         self._cgroups: CgroupNames | None = None
         self._forgot: dict[str, float] = {}             # map -> when its dead keys were last dropped
         self._prog_stats = ProgStats()
+        self._reads_by_tier: dict[str, list[tuple[str, str, list[tuple[specs.Metric, dict]]]]] = {}
+        self._nearline_maps: set[str] | None = None      # maps with metrics of the nearline tier
         loader.register(self.probe, self._plan)
 
     @property
@@ -146,6 +151,7 @@ class EbpfSource(Source):
         self.loader.check_environment()
         self.loader.prestart()          # it imports bcc while the probes are planned
         self.plan_ = self.loader.plan(self.probe)
+        self._reads_by_tier, self._nearline_maps = {}, None
         self.handle = self.loader.acquire(self.probe)
         self._attached = list(self.handle.attached)
         try:
@@ -304,31 +310,41 @@ class EbpfSource(Source):
             for slot in freed:
                 free.push(ctypes.c_uint32(slot))
 
+    def _reads(self, tier: str) -> list[tuple[str, str, list[tuple[specs.Metric, dict]]]]:
+        """(map, key decoder, [(metric, its own labels)]) of a tier, in the specs' order; worked out
+        from the plan once per tier, not every round."""
+        got = self._reads_by_tier.get(tier)
+        if got is None:
+            metrics = self.planned.metrics(tier)
+            decoders = dict(self.spec.maps)
+            got = [(map_name, decoders[map_name], [(m, dict(m.labels)) for m in metrics if m.map == map_name])
+                   for map_name in dict.fromkeys(m.map for m in metrics)]
+            self._reads_by_tier[tier] = got
+        return got
+
     def read_maps(self, tier: str) -> list[Sample]:
-        metrics = self.planned.metrics(tier)
-        decoders = dict(self.spec.maps)
         out: list[Sample] = []
-        for map_name in dict.fromkeys(m.map for m in metrics):
-            mine = [m for m in metrics if m.map == map_name]
+        for map_name, decoder, mine in self._reads(tier):
             table = self.table(map_name)
-            entries = self.entries(decoders[map_name], table)
+            entries = self.entries(decoder, table)
             for _key, value, labels in entries:
-                for m in mine:
-                    lab = {**labels, **dict(m.labels)}
+                for m, own in mine:
+                    lab = {**labels, **own}
                     if m.kind == HISTOGRAM:
                         out.append(hist_sample(m.name, m.unit, lab, getattr(value, m.field),
                                                float(_field(value, m.sum_field)), m.scale))
                     else:
                         out.append(Sample(m.name, float(_field(value, m.field)) * m.scale, m.unit, lab, m.kind))
             if self._forget_now(map_name, tier):
-                self.forget_dead(decoders[map_name], table, entries)
+                self.forget_dead(decoder, table, entries)
         return out
 
     def _forget_now(self, map_name: str, tier: str) -> bool:
         """Dead keys are dropped in a round that has just reported all of the map's metrics: its
         nearline round when it has nearline ones, else a realtime round at most every FORGET_EVERY_S."""
-        tiers = {m.tier for m in self.planned.metrics() if m.map == map_name}
-        if NEARLINE in tiers:
+        if self._nearline_maps is None:
+            self._nearline_maps = {m.map for m in self.planned.metrics(NEARLINE)}
+        if map_name in self._nearline_maps:
             return tier == NEARLINE
         now = time.monotonic()
         if now - self._forgot.get(map_name, -1e9) < FORGET_EVERY_S:
