@@ -38,14 +38,15 @@ _BATCH = struct.Struct("=QQQQIIQQ")      # in_batch, out_batch, keys, values, co
 _libc = ctypes.PyDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
+_syscall.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint]
+_NR = BPF_SYSCALL_NR.get(platform.machine())     # asked once: every round makes dozens of calls
 
 
 def bpf(cmd: int, attr: ctypes.Array) -> int:
     """bpf(cmd, attr, sizeof attr); raises OSError with the kernel's errno on failure."""
-    nr = BPF_SYSCALL_NR.get(platform.machine())
-    if nr is None:
+    if _NR is None:
         raise OSError(errno.ENOSYS, f"no bpf syscall number known for {platform.machine()}")
-    ret = _syscall(ctypes.c_long(nr), ctypes.c_int(cmd), attr, ctypes.c_uint(len(attr)))
+    ret = _syscall(_NR, cmd, attr, len(attr))
     if ret < 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e) if e != ENOTSUPP else "operation not supported")
@@ -74,6 +75,7 @@ def parse_cpu_list(text: str) -> int:
 _INFO = struct.Struct("=IIQ")           # bpf_fd, info_len, info
 PROG_INFO_LEN = 208                     # struct bpf_prog_info up to run_cnt (Linux 5.1+)
 _PROG_ID_AT, _RUN_TIME_AT, _RUN_CNT_AT = 4, 192, 200
+_PROG_ID, _RUN = struct.Struct("=I"), struct.Struct("=QQ")     # prog id; run_time_ns, run_cnt
 
 
 class ProgStats:
@@ -88,9 +90,8 @@ class ProgStats:
         ctypes.memset(self._info, 0, PROG_INFO_LEN)
         _INFO.pack_into(self._attr, 0, fd, PROG_INFO_LEN, ctypes.addressof(self._info))
         bpf(BPF_OBJ_GET_INFO_BY_FD, self._attr)
-        raw = self._info.raw
-        return (struct.unpack_from("=I", raw, _PROG_ID_AT)[0], struct.unpack_from("=Q", raw, _RUN_CNT_AT)[0],
-                struct.unpack_from("=Q", raw, _RUN_TIME_AT)[0])
+        run_time_ns, run_cnt = _RUN.unpack_from(self._info, _RUN_TIME_AT)
+        return _PROG_ID.unpack_from(self._info, _PROG_ID_AT)[0], run_cnt, run_time_ns
 
 
 # ------------------------------------------------------------------------------------------ C types
