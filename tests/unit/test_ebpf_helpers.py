@@ -224,6 +224,27 @@ def test_struct_offsets_and_functions_come_from_btf(tmp_path):
         btf.Btf(str(tmp_path / "none"))
 
 
+def test_btf_is_walked_only_as_far_as_a_question_needs_and_answers_as_a_full_walk(tmp_path):
+    """A plan asks a few names: the walk stops at the first type that answers, goes on from there
+    for the next question, and gives the first id of a name as a walk of every type does."""
+    with btf.Btf(synthetic_btf(tmp_path / "vmlinux")) as b:
+        assert b.find(btf.STRUCT, "inner") == 2 and len(b._index) == 3      # ids 0..2 walked, no more
+        assert not b.has(btf.STRUCT, "nope") and len(b._index) == 3        # a name not in the strings
+        assert b.member_offset("outer", "inner_m.b") == 24
+        assert b.find(btf.FUNC, "bpf_helper") == 8
+    if not os.path.exists(btf.VMLINUX):
+        return
+    full = btf.Btf()
+    full._walk()
+    n = len(full._index)
+    fresh = btf.Btf()
+    for tid in range(1, n, max(1, n // 300)):
+        key = full._named[tid]
+        if key >> 5:
+            first = full._named.index(key)
+            assert fresh.find(key & 31, full.name(key >> 5)) == first, (tid, full.name(key >> 5))
+
+
 def test_runqlat_falls_back_to_tracepoints_without_the_schedulers_accounting(tmp_path):
     tfs = fake_tracefs(tmp_path / "tracing", "sched:sched_wakeup", "sched:sched_wakeup_new", "sched:sched_switch")
     (tmp_path / "proc" / "self").mkdir(parents=True)

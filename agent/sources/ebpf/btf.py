@@ -49,13 +49,18 @@ class Btf:
         self._types_end = self._types + type_len
         self._strs = hdr_len + str_off
         self._strs_end = self._strs + str_len
-        self._index: array.array | None = None    # type id -> byte offset of its record (id 0 is void)
-        self._named = array.array("Q")              # type id -> name offset << 5 | kind
+        # Walked as far as a question needs (a plan asks a few names: most are found long before the
+        # end of ~130k types), resumed from where it stopped: type id -> byte offset of its record
+        # (id 0 is void), and type id -> name offset << 5 | kind.
+        self._index = array.array("I", [0])
+        self._named = array.array("Q", [0])
+        self._pos = self._types                     # where the walk goes on
 
     def close(self) -> None:
         self._data = b""
-        self._index = None
-        self._named = array.array("Q")
+        self._index = array.array("I", [0])
+        self._named = array.array("Q", [0])
+        self._pos = self._types_end = self._types
 
     def __enter__(self) -> Btf:
         return self
@@ -80,44 +85,57 @@ class Btf:
             out.add(0)
         return out
 
-    def _walk(self) -> array.array:
-        """One pass over every type: where each record is (index[id]), and its name and kind
-        (named[id] = name offset << 5 | kind) for find(). Compact arrays, not Python ints: ~130k types
-        in a distribution kernel, and the agent's memory should not keep their trace."""
-        if self._index is None:
-            d, pos, end = self._data, self._types, self._types_end
-            index = array.array("I", [0])
-            named = array.array("Q", [0])
-            unpack = struct.Struct("<II").unpack_from
-            extra = _EXTRA
-            while pos < end:
-                index.append(pos)
-                name_off, info = unpack(d, pos)
-                kind = (info >> 24) & 0x1F
-                named.append(name_off << 5 | kind)
-                fixed, per = extra.get(kind, (0, 0))
-                pos += 12 + fixed + per * (info & 0xFFFF)
-            self._index, self._named = index, named
-        return self._index
+    def _walk(self, until_id: int | None = None, until_named: set[int] | None = None) -> int | None:
+        """The pass over the types, from where it last stopped: where each record is (index[id]),
+        and its name and kind (named[id] = name offset << 5 | kind) for find(). It stops once type id
+        `until_id` is walked, or at the first type whose named entry is in `until_named` (that id is
+        returned), else at the end (None). Compact arrays, not Python ints: ~130k types in a
+        distribution kernel, and the agent's memory should not keep their trace."""
+        d, pos, end = self._data, self._pos, self._types_end
+        index, named = self._index, self._named
+        unpack = struct.Struct("<II").unpack_from
+        extra = _EXTRA
+        want = until_named or ()
+        found = None
+        while pos < end and (until_id is None or len(index) <= until_id):
+            index.append(pos)
+            name_off, info = unpack(d, pos)
+            kind = (info >> 24) & 0x1F
+            key = name_off << 5 | kind
+            named.append(key)
+            fixed, per = extra.get(kind, (0, 0))
+            pos += 12 + fixed + per * (info & 0xFFFF)
+            if key in want:
+                found = len(named) - 1
+                break
+        self._pos = pos
+        return found
 
     def _record(self, tid: int) -> tuple[int, int, int, int, int]:
         """(kind, name_off, size_or_type, vlen, offset of its items) of type id `tid`."""
-        pos = self._walk()[tid]
+        if tid >= len(self._index):
+            self._walk(until_id=tid)
+            if tid >= len(self._index):
+                raise BtfError(f"type id {tid} is beyond the kernel's BTF ({len(self._index) - 1} types)")
+        pos = self._index[tid]
         name_off, info, size_type = struct.unpack_from("<III", self._data, pos)
         kind = (info >> 24) & 0x1F
         return kind, name_off, size_type, info & 0xFFFF, pos + 12 + _EXTRA.get(kind, (0, 0))[0]
 
     def find(self, kind: int, name: str) -> int:
         """The id of the first type of `kind` named `name`; BtfError when there is none."""
-        self._walk()
+        keys = {off << 5 | kind for off in self._name_offsets(name)}
         found = []
-        for off in self._name_offsets(name):
+        for key in keys:        # among the types walked so far
             try:
-                found.append(self._named.index(off << 5 | kind))     # a linear search, in C
+                found.append(self._named.index(key))     # a linear search, in C
             except ValueError:
                 pass
         if found:
             return min(found)
+        got = self._walk(until_named=keys) if keys else None     # a name not in the strings: no type has it
+        if got is not None:
+            return got
         raise BtfError(f"the kernel's BTF has no {_KIND_NAMES.get(kind, kind)} {name}")
 
     def has(self, kind: int, name: str) -> bool:
@@ -158,7 +176,7 @@ class Btf:
         kind, _n, _s, vlen, items = self._record(self._resolve(tid))
         if kind not in (STRUCT, UNION):
             return None
-        kflag = struct.unpack_from("<I", self._data, self._walk()[self._resolve(tid)] + 4)[0] >> 31
+        kflag = struct.unpack_from("<I", self._data, self._index[self._resolve(tid)] + 4)[0] >> 31
         for i in range(vlen):
             m_name, m_type, m_off = struct.unpack_from("<III", self._data, items + 12 * i)
             bits = m_off & 0xFFFFFF if kflag else m_off
