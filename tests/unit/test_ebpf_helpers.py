@@ -15,7 +15,7 @@ import tempfile
 import pytest
 
 from xpusense.agent.sources.base import COUNTER, HISTOGRAM, Sample, Unavailable
-from xpusense.agent.sources.ebpf import bpfmap, btf, family, handoff, handover, loader, procfs
+from xpusense.agent.sources.ebpf import bpfmap, btf, family, handoff, handover, links, loader, procfs
 from xpusense.agent.sources.ebpf.loader import render_c
 from xpusense.agent.sources.ebpf.source import EbpfSource, hist_sample, sum_percpu
 from xpusense.agent.tiers import ChangeFilter
@@ -243,6 +243,24 @@ def test_btf_is_walked_only_as_far_as_a_question_needs_and_answers_as_a_full_wal
         if key >> 5:
             first = full._named.index(key)
             assert fresh.find(key & 31, full.name(key >> 5)) == first, (tid, full.name(key >> 5))
+
+
+def test_links_come_from_one_rtnetlink_dump():
+    """tc_traffic's plan: each link's name, index, kind and loopback flag, without pyroute2."""
+    def rta(kind, body):
+        return struct.pack("=HH", 4 + len(body), kind) + body + b"\0" * (-len(body) % 4)
+    body = struct.pack("=BxHiII", 0, 1, 7, 0x1043, 0) + rta(links.IFLA_IFNAME, b"veth7\0") + \
+        rta(links.IFLA_LINKINFO | 0x8000, rta(links.IFLA_INFO_KIND, b"veth\0"))
+    assert links.parse_link(body, 0, len(body)) == {"ifname": "veth7", "index": 7, "kind": "veth", "loopback": False}
+    lo = struct.pack("=BxHiII", 0, 772, 1, 0x49, 0) + rta(links.IFLA_IFNAME, b"lo\0")
+    assert links.parse_link(lo, 0, len(lo)) == {"ifname": "lo", "index": 1, "kind": None, "loopback": True}
+    got = links.list_links("")
+    assert sorted(link["ifname"] for link in got) == sorted(os.listdir("/sys/class/net"))
+    for link in got:
+        with open(f"/sys/class/net/{link['ifname']}/ifindex") as f:
+            assert int(f.read()) == link["index"]
+    with pytest.raises(links.LinksError, match="No such file"):
+        links.list_links("/nonexistent/netns")
 
 
 def test_runqlat_falls_back_to_tracepoints_without_the_schedulers_accounting(tmp_path):

@@ -18,6 +18,7 @@ Modules, each importing only those above it:
 - procfs: pure /proc, /sys and header helpers; cgroup id and dev_t names; device path prefixes
 - bpf_stats: turning bpf_stats on and off (BPF_ENABLE_STATS, or the sysctl)
 - bpfmap: maps through the bpf syscall (batch reads), ctypes types from bcc's descriptions
+- links: the interfaces of a network namespace (one rtnetlink dump, no pyroute2 in the agent)
 - handoff: JSON messages with fds (SCM_RIGHTS) between the agent and the loader process
 - handover: starting the loader process, its failures as Unavailable, ProbeHandle (a probe's fds)
 - loader: Plan (feature tests), render_c, EbpfLoader (one loader process for all probes)

@@ -16,6 +16,7 @@ from typing import Any
 from xpusense.probes import specs
 
 from ..base import Unavailable
+from .links import LinksError, list_links, netns_path
 from .loader import EbpfLoader, Plan
 from .procfs import physical_links
 from .source import EbpfSource
@@ -24,7 +25,6 @@ log = logging.getLogger("xpusense.agent.sources.ebpf")
 
 TC_PARENTS = {"ingress": 0xFFFFFFF2, "egress": 0xFFFFFFF3}   # clsact's ingress and egress hooks
 DIRECTIONS_TC = ("receive", "transmit")
-IFF_LOOPBACK = 0x8
 EEXIST = 17
 
 
@@ -32,7 +32,7 @@ def open_ipr(netns: str) -> Any:
     """An IPRoute in `netns` (a name under /run/netns or a path; "" for our own)."""
     from pyroute2 import IPRoute
     if netns:
-        path = netns if "/" in netns else os.path.join("/run/netns", netns)
+        path = netns_path(netns)
         if not os.path.exists(path):   # pyroute2 would create it
             raise Unavailable(f"tc_traffic: network namespace {netns!r} does not exist (no {path}); "
                               f"fix [sources.ebpf] tc_netns")
@@ -161,21 +161,13 @@ class TcTrafficSource(EbpfSource):
         self._done: dict | None = None     # what the loader's attach_filters did, for detach
 
     def plan_extra(self, plan: Plan) -> None:
+        if self.netns and not os.path.exists(path := netns_path(self.netns)):
+            raise Unavailable(f"tc_traffic: network namespace {self.netns!r} does not exist (no {path}); "
+                              f"fix [sources.ebpf] tc_netns")
         try:
-            ipr = open_ipr(self.netns)
-        except Unavailable:
-            raise
-        except Exception as e:
-            raise Unavailable(f"tc_traffic: cannot open rtnetlink: {e}") from e
-        try:
-            links = []
-            for m in ipr.get_links():
-                info = m.get_attr("IFLA_LINKINFO")
-                links.append({"ifname": m.get_attr("IFLA_IFNAME"), "index": m["index"],
-                              "kind": info.get_attr("IFLA_INFO_KIND") if info is not None else None,
-                              "loopback": bool(m["flags"] & IFF_LOOPBACK)})
-        finally:
-            ipr.close()
+            links = list_links(self.netns)      # one rtnetlink dump, without importing pyroute2 here
+        except LinksError as e:
+            raise Unavailable(f"tc_traffic: cannot list the interfaces over rtnetlink: {e}") from e
         by_name = {link["ifname"]: link["index"] for link in links}
         wanted = list(self.cfg.tc_interfaces or [])
         where = f"network namespace {self.netns!r}" if self.netns else "this host"
