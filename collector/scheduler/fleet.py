@@ -8,8 +8,9 @@ of them was marked (early, so that a decision seldom finds one due when the loop
 slices of at most SLICE_S so acks are not held up, and by `catch_up()` before every decision for
 the nodes the timer has not reached yet: a Place answer never uses a node's summary that misses a
 batch stored more than `refresh_ns` before it. A node that sends many batches in that time is
-refreshed once. Hello, inventory, the first batch after them and events are followed at once
-(rare, and they carry what a decision must not miss). `refresh_ns` 0, or no running loop to time it: refreshed on every batch
+refreshed once. Hello, inventory, the first batch after them (unless the state's nodes come with
+their readings, `readings_with_inventory`) and events are followed at once (rare, and they carry
+what a decision must not miss). `refresh_ns` 0, or no running loop to time it: refreshed on every batch
 (unit tests, the reference) or, without a loop, by catch_up() before each decision.
 
 Per node: its accelerators' free HBM and free score from the latest readings, their health (an XID
@@ -65,6 +66,9 @@ class FleetView:
         self.mono = mono
         self.dirty: dict[str, int] = {}    # node -> when (mono ns) it was first changed since its refresh
         self.first: set[str] = set()       # nodes whose next batch is their first since a Hello or inventory
+        # A state whose nodes come with their readings (cluster mode's FleetIndex: a summary has the
+        # inventory and the latest values at once): the batch after an inventory is one like any other.
+        self.readings_with_inventory = bool(getattr(state, "readings_with_inventory", False))
         self.timer: asyncio.TimerHandle | asyncio.Handle | None = None
         self.extra_s = PLACE_EXTRA_S
         self.refreshes = self.deferred = 0   # summaries refreshed; batches that only marked their node
@@ -104,7 +108,8 @@ class FleetView:
             if s is None or batch is None:
                 s = self._summary(node)
                 self.dirty.pop(nid, None)
-                self.first.add(nid)
+                if not self.readings_with_inventory:
+                    self.first.add(nid)
                 self._rebuild(s)
                 if batch is None:
                     return
