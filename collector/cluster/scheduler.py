@@ -32,7 +32,7 @@ from .engine import list_bucket
 from .summary import MirrorNode, decode
 
 log = logging.getLogger("xpusense.collector.cluster.scheduler")
-YIELD_EVERY = 16   # changes applied from the watch before the loop serves others (Place, Query)
+YIELD_S = 0.0005   # the watch's changes are applied for this long before the loop serves others (Place, Query)
 API_TIMEOUT_S = 10.0   # a replica's JetStream API calls (it publishes nothing: no publish timeout to keep)
 WATCH_BACKOFF_S = (0.5, 5.0)   # first and longest wait before the bucket is listed and watched again
 GC_FREEZE_S = 0.1     # a replica freezes what is alive this often (hold_collections)
@@ -166,14 +166,17 @@ class FleetIndex:
         log.info("fleet index: %d nodes listed; watching", len(self.nodes))
         self.ready.set()
         w = await kv.watchall()
-        applied = 0
+        clock = time.perf_counter
+        t_yield = clock() + YIELD_S
         try:
             async for e in w:
                 if e is not None and e.operation is None and e.value:
                     self.apply(e.value, e.revision or 0)
-                    applied += 1
-                    if not applied % YIELD_EVERY:   # a burst of queued changes does not hold Place calls up
+                    # A burst of queued changes does not hold a Place call up for more than YIELD_S
+                    # (measured: ~40 us a change, 0.7 ms at p99 on a busy machine, so no fixed count).
+                    if clock() > t_yield:
                         await asyncio.sleep(0)
+                        t_yield = clock() + YIELD_S
         finally:
             with contextlib.suppress(Exception):
                 await w.stop()

@@ -39,7 +39,7 @@ from xpusense.v1 import scheduler_pb2 as spb
 
 from .. import diagnoses as dg
 from .config import Settings
-from .index import ACCEL_TYPES, INF, POOLS, Device, Group, NodeSummary, Pool, file_node, mark_stale
+from .index import ACCEL_TYPES, INF, POOLS, SETTLE_NS, Device, Group, NodeSummary, Pool, file_node, mark_stale, settle_node
 from .inventory import PeakTflops, device_memory, interconnect_domain, price
 from .latency import MeasuredLatency, RttWindow
 from .scoring import capable, free_score
@@ -49,10 +49,11 @@ log = logging.getLogger("xpusense.collector.scheduler")
 UTIL, USED, LIMIT, BANDWIDTH, HEALTH = ("hw.gpu.utilization", "hw.gpu.memory.usage", "hw.gpu.memory.limit",
                                         "xpusense.accelerator.hbm.bandwidth.utilization",
                                         "xpusense.accelerator.health")
-SLICE_S = 0.002   # a bulk refresh gives the loop back after this long (acks and Place calls waiting)
+SLICE_S = 0.0005  # a bulk refresh gives the loop back after this long (acks and Place calls waiting)
 PLACE_EXTRA_S = 0.0001   # a decision refreshes dirty nodes not yet due for this long at most (catch_up)
 EXTRA_NODES = 4          # ... when no more than this many are dirty
 TIMER_SHARE = 0.5        # the bulk refresh runs this share of refresh_ns after the first node was marked
+SETTLE_EVERY_S = 0.5     # the settling timer (settle_quiet) runs at most this often
 _DEVICE_SERIES = {UTIL: "util", USED: "used", LIMIT: "limit", BANDWIDTH: "bandwidth"}   # name -> Device attribute
 
 
@@ -70,6 +71,12 @@ class FleetView:
         # inventory and the latest values at once): the batch after an inventory is one like any other.
         self.readings_with_inventory = bool(getattr(state, "readings_with_inventory", False))
         self.timer: asyncio.TimerHandle | asyncio.Handle | None = None
+        # Nodes filed by id in some pool (busy: their tie key changed at their last refresh) -> when
+        # (state clock) they were last refreshed, oldest first: settled on `settle_timer` once quiet
+        # for SETTLE_NS (settle_quiet), so that no decision walks them one by one.
+        self.busy: dict[str, int] = {}
+        self.settle_timer: asyncio.TimerHandle | None = None
+        self.settled = 0   # nodes moved under their tie keys by settle_quiet
         self.extra_s = PLACE_EXTRA_S
         self.refreshes = self.deferred = 0   # summaries refreshed; batches that only marked their node
         self.settings = settings
@@ -149,7 +156,7 @@ class FleetView:
         if not done and self.dirty:   # the rest once the loop has served what waits behind this slice
             self._arm(0)
 
-    def refresh_dirty(self, upto_ns: int | None = None, budget_s: float = 0.0, every: int = 16) -> bool:
+    def refresh_dirty(self, upto_ns: int | None = None, budget_s: float = 0.0, every: int = 4) -> bool:
         """Refresh the dirty nodes marked at or before `upto_ns` (None: all), oldest first, for at
         most `budget_s` (0: no bound). True when all of those were done."""
         dirty, summaries, now = self.dirty, self.summaries, self.state.clock()
@@ -175,11 +182,63 @@ class FleetView:
         """Before a decision: every node changed more than refresh_ns ago (all of them when no timer
         runs) is refreshed now; then, when at most EXTRA_NODES are left, those too, for at most
         `extra_s` (work the timer would do anyway: a small fleet's answer follows every stored batch;
-        a large one's, whose dirty nodes never run out, is not slowed down by it)."""
+        a large one's, whose dirty nodes never run out, is not slowed down by it). Without a loop
+        to time it, the quiet nodes are settled here too."""
         if self.dirty:
             self.refresh_dirty(None if self.timer is None else self.mono() - self.refresh_ns)
         if self.dirty and self.extra_s > 0 and len(self.dirty) <= EXTRA_NODES:
             self.refresh_dirty(None, self.extra_s, every=1)
+        if self.busy and self.settle_timer is None and not self._arm_settle():
+            self.settle_quiet(self.state.clock())
+
+    # -- settling quiet nodes off the decision path ----------------------------------------------------
+    def _filed(self, s: NodeSummary, now: int) -> None:
+        """File the node's groups in the index; a node filed by id is noted busy as of `now`."""
+        nid = s.node_id
+        self.busy.pop(nid, None)
+        if file_node(self.pools, s):
+            self.busy[nid] = now
+            if self.settle_timer is None:
+                self._arm_settle()
+
+    def _arm_settle(self) -> bool:
+        """The settling timer, when the oldest busy node falls due (at least SETTLE_EVERY_S from
+        now); False without a running loop."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        oldest = next(iter(self.busy.values()))
+        delay_s = max(SETTLE_EVERY_S, (oldest + SETTLE_NS - self.state.clock()) / 1e9)
+        self.settle_timer = loop.call_later(delay_s, self._on_settle_timer)
+        return True
+
+    def _on_settle_timer(self) -> None:
+        self.settle_timer = None
+        done = self.settle_quiet(self.state.clock(), SLICE_S)
+        if not done:   # the rest once the loop has served what waits behind this slice
+            self.settle_timer = asyncio.get_running_loop().call_later(0, self._on_settle_timer)
+        elif self.busy:
+            self._arm_settle()
+
+    def settle_quiet(self, now: int, budget_s: float = 0.0, every: int = 4) -> bool:
+        """The busy nodes not refreshed for SETTLE_NS, oldest first, under their tie keys, for at
+        most `budget_s` (0: no bound): what a decision reads of them is the same either way
+        (index.Bucket), only how many it walks one by one. True when all those due were done."""
+        busy, pools, cut = self.busy, self.pools, now - SETTLE_NS
+        t_end = time.perf_counter() + budget_s if budget_s else 0.0
+        k = 0
+        while busy:
+            nid, t = next(iter(busy.items()))
+            if t > cut:
+                return True
+            del busy[nid]
+            settle_node(pools, nid)
+            self.settled += 1
+            k += 1
+            if t_end and not k % every and time.perf_counter() > t_end:
+                return not busy or next(iter(busy.values())) > cut
+        return True
 
     # -- a new inventory -----------------------------------------------------------------------------
     def _rebuild(self, s: NodeSummary, initial: bool = False) -> None:
@@ -225,10 +284,11 @@ class FleetView:
         """The fleet's best value moved: every group's value_norm and compute levels with it."""
         self.best_value = max((x.best_value for x in self.summaries.values()), default=0.0)
         self.inv_best_value = 1.0 / self.best_value if self.best_value > 0 else 0.0
+        now = self.state.clock()
         for x in self.summaries.values():
             for g in {id(g): g for gs in x.pool_groups for g in gs}.values():
                 g.rescale(self.inv_best_value)
-            file_node(self.pools, x)
+            self._filed(x, now)
 
     # -- staleness -------------------------------------------------------------------------------------
     def _seen(self, node: Any) -> None:
@@ -348,7 +408,7 @@ class FleetView:
             s.expires_ns = expires
             if expires < INF:
                 heapq.heappush(self.expiries, (expires, s.node_id))
-        file_node(self.pools, s)
+        self._filed(s, now)
 
     def _measure(self, s: NodeSummary, now: int) -> None:
         """The node's RTT histograms: a new point of one joins its window (latency.py), and the

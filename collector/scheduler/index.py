@@ -35,7 +35,7 @@ POOLS = 6          # type index (0..2) + 3 when the devices must share a domain
 INF = 1 << 62
 CMAX = 8           # device counts the index serves; a larger count is answered by a scan
 LEVELS = 32        # levels of the compute part, for the top-K search
-SETTLE_NS = 3 * 10**9   # a node filed by id whose group a decision finds unchanged this long: by tie key
+SETTLE_NS = 3 * 10**9   # a node filed by id not refreshed for this long: by tie key (fleet.py settle_quiet)
 FEWER_OFFERED = -1.0   # in a fit row: fewer than c devices offered (some are out)
 FEWER_AT_ALL = -2.0    # in a fit row: fewer than c devices on the node at all
 NO_FIT = array("d", [FEWER_AT_ALL] * CMAX)
@@ -188,7 +188,7 @@ class Entry:
     """A node in one pool. `group`: its one group to look at there (the common case), or None with
     `groups` the several (types for `any`, domains for same_domain), evaluated one by one."""
     __slots__ = ("summary", "state", "key", "group", "groups", "bucket_slot", "pool_slot", "levels", "ties", "row",
-                 "stale", "settled", "walked", "walked_ns")
+                 "stale", "settled")
 
     def __init__(self, s: NodeSummary, key: tuple):
         self.summary, self.state, self.key = s, s.state, key
@@ -201,8 +201,6 @@ class Entry:
         self.levels = [-1] * (CMAX + 1)   # per count: its level in Bucket.by_level, -1 when not there
         self.ties: list[tuple | None] = [None] * (CMAX + 1)   # per count: its group's tie key (Group.ties)
         self.settled: bool | None = None   # filed by tie key (True) or by id (False); None: not filed yet
-        self.walked: Group | None = None   # filed by id: its group when a decision first looked at it...
-        self.walked_ns = 0                 # ... and when (search settles it when unchanged long enough)
 
 
 class Alike:
@@ -225,8 +223,8 @@ class Bucket:
     """The nodes of one placement key in a pool: `one_group` (by slot) and `many_groups` (the nodes
     with several groups). by_level[c][level] = the one-group nodes whose compute part for c
     devices is in that level, walked best level first: a node whose tie key (Group.ties[c]) did not
-    change at its last refresh, or whose group a decision found unchanged for SETTLE_NS (`settled`:
-    idle, or not refreshed), under its tie key, with the
+    change at its last refresh, or that has not been refreshed for SETTLE_NS (`settled`: idle, or
+    quiet; FleetView settles those on its timer, off the decision path), under its tie key, with the
     node or the nodes (Alike, when more than one has had it) that have it; a node whose tie key
     changed (busy: its readings move) under its id, so that its refreshes cost what a level move
     does. In a type pool (`counts` not None):
@@ -268,7 +266,7 @@ class Bucket:
         e.levels, e.ties = g.levels, g.ties
 
     def settle(self, e: Entry) -> None:
-        """A node filed by id whose group has not changed for a while (search): by tie key."""
+        """A node filed by id whose group has not changed for a while (FleetView.settle_quiet): by tie key."""
         if e.settled is False:
             self._unfile(e)
             self._file(e, e.levels, e.ties, True)
@@ -446,9 +444,10 @@ def mark_stale(pools: tuple[Pool, ...], s: NodeSummary, stale: bool) -> None:
             pool.mark_stale(e, stale)
 
 
-def file_node(pools: tuple[Pool, ...], s: NodeSummary) -> None:
-    """Index the node's current groups in every pool (after every refresh)."""
-    nid = s.node_id
+def file_node(pools: tuple[Pool, ...], s: NodeSummary) -> bool:
+    """Index the node's current groups in every pool (after every refresh). True when it is filed
+    by id in some pool (busy: its tie key changed; to be settled once it has been quiet)."""
+    nid, by_id = s.node_id, False
     for pool, groups in zip(pools, s.pool_groups):
         e = pool.entries.get(nid)
         if not groups:
@@ -462,9 +461,19 @@ def file_node(pools: tuple[Pool, ...], s: NodeSummary) -> None:
             e = pool.add(s, one)
         if one:
             pool.set_group(e, groups[0])
+            by_id = by_id or e.settled is False
         else:
             e.groups = groups
         if s.not_offered:
             pool.with_devices_out[nid] = e
         else:
             pool.with_devices_out.pop(nid, None)
+    return by_id
+
+
+def settle_node(pools: tuple[Pool, ...], nid: str) -> None:
+    """The node's entries filed by id, under their tie keys (it has been quiet for SETTLE_NS)."""
+    for pool in pools:
+        e = pool.entries.get(nid)
+        if e is not None and e.settled is False:
+            pool.buckets[e.key].settle(e)

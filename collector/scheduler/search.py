@@ -22,13 +22,12 @@ from typing import Any
 from xpusense.v1 import scheduler_pb2 as spb
 
 from .fleet import FleetView
-from .index import CMAX, FEWER_AT_ALL, FEWER_OFFERED, LEVELS, SETTLE_NS, Alike, Bucket, Entry, Group, NodeSummary
+from .index import CMAX, FEWER_AT_ALL, FEWER_OFFERED, LEVELS, Alike, Bucket, Entry, Group, NodeSummary
 from .latency import Measured, MeasuredLatency
 from .scoring import RegionMatrix, compliance, data_affinity, disaster_tolerance
 
 HEALTH_REASONS = ("xid", "unhealthy")
 ALIKE_WALKED = 8   # alike nodes (one tie key in a level) up to this many are offered without sorting
-SETTLED_PER_DECISION = 128   # nodes filed by id that a decision moves under their tie key, at most
 FIT_REASONS = ("count", "domain", "memory")
 
 
@@ -352,36 +351,26 @@ def _score_many_group_nodes(q: Query, walk: _Walk, b: Bucket) -> None:
 def _rank_by_levels(q: Query, walk: _Walk) -> None:
     """Best compute level first, across buckets, until the K-th best beats every level left."""
     heap, col, result, count, limit = walk.levels_heap, walk.col, q.result, q.count, q.limit
-    settle: list[Entry] = []
     heapq.heapify(heap)
     while heap:
         neg_bound, _, level, b = heapq.heappop(heap)
         if len(result) >= limit and -neg_bound < q.threshold:
             break
-        _rank_level(q, b, b.by_level[count][level], col, settle)
-        if settle:   # not refreshed for a while: by tie key from now on
-            for e in settle:
-                b.settle(e)
-            settle.clear()
+        _rank_level(q, b, b.by_level[count][level], col)
         walk.push_level(q, b, (b.nonempty[count] & ((1 << level) - 1)).bit_length() - 1)   # next level down
 
 
-def _rank_level(q: Query, b: Bucket, nodes: dict, col: int, settle: list[Entry]) -> None:
-    """The nodes of one level of a bucket offered to the top K. Those filed by id one by one (the
-    ones whose group a decision finds unchanged for SETTLE_NS noted in `settle`); per tie key
-    (compute, penalty, least free HBM of the first `count` devices, free HBM of the count-th most
-    free): none fits when the latter is short of the memory, else _offer_alike."""
-    mem, cut, now, key_part, offer = q.mem, q.cut, q.now, b.key_part, q.offer
+def _rank_level(q: Query, b: Bucket, nodes: dict, col: int) -> None:
+    """The nodes of one level of a bucket offered to the top K. Those filed by id one by one; per
+    tie key (compute, penalty, least free HBM of the first `count` devices, free HBM of the
+    count-th most free): none fits when the latter is short of the memory, else _offer_alike."""
+    mem, cut, key_part, offer = q.mem, q.cut, b.key_part, q.offer
     for key, alike in nodes.items():
         if key.__class__ is str:   # a busy node, filed by id
             e = alike
             if e.row[col] < mem or e.state.last_seen_ns < cut:
                 continue
             g = e.group
-            if e.walked is not g:
-                e.walked, e.walked_ns = g, now
-            elif now - e.walked_ns >= SETTLE_NS and len(settle) < SETTLED_PER_DECISION:
-                settle.append(e)
             offer(group_score(q, g, key_part), key, g)
         elif key[3] >= mem:
             if alike.__class__ is Entry:   # the one node with this tie key

@@ -4,7 +4,9 @@ counts from them against the full scan, with blocks small enough that a bucket h
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -264,3 +266,49 @@ def test_many_identical_nodes_rank_as_the_full_scan_does():
                                             limit=50, max_excluded=1000), "end")
     assert len(top.candidates) == 50 and len({c.score for c in top.candidates}) == 1   # alike nodes only
     assert [c.node_id for c in top.candidates] == sorted(c.node_id for c in top.candidates)
+
+
+def test_quiet_busy_nodes_settle_on_the_timer(monkeypatch):
+    """Alike nodes whose readings moved at their last refresh are filed by id (busy); once quiet for
+    SETTLE_NS the view's settling timer on the loop files them by tie key, with no decision needed
+    for it, and the indexed answer is the scan's before and after (with SETTLE_NS short here)."""
+    from xpusense.collector.scheduler import fleet
+    monkeypatch.setattr(fleet, "SETTLE_NS", 200_000_000)
+    monkeypatch.setattr(fleet, "SETTLE_EVERY_S", 0.05)
+
+    async def run() -> None:
+        st_ = FleetState()
+        sch = Scheduler(st_, DEFAULTS.scheduler, DEFAULTS.stale_s, refresh_ms=0)   # refreshed at each batch
+        seq: dict[str, int] = {}
+
+        def send(nid: str, used) -> None:
+            seq[nid] = seq.get(nid, 0) + 1
+            st_.ingest(pb.Batch(node_id=nid, boot_id="b", seq=seq[nid], samples=readings("a100", 8, used_gib=used)))
+
+        alike = [f"a{i:03d}" for i in range(150)]
+        for nid in alike:
+            st_.hello(pb.Hello(node_id=nid, boot_id="b", inventory=inventory("a100", 8, region="r1", price="2")))
+            send(nid, 0.0)
+            send(nid, 5.0)   # its readings moved: busy, filed by id
+            send(nid, {0: 9.0})
+        gpu = sch.view.pools[0]
+        assert all(gpu.entries[nid].settled is False for nid in alike) and len(sch.view.busy) == len(alike)
+        reqs = [spb.PlaceRequest(accelerator=spb.ACCELERATOR_GPU, memory_bytes=40 * GiB, count=2, limit=5,
+                                 max_excluded=1000),
+                spb.PlaceRequest(accelerator=spb.ACCELERATOR_ANY, memory_bytes=16 * GiB, count=8, same_domain=True,
+                                 limit=20, max_excluded=1000)]
+        for req in reqs:
+            same_answer(sch, req, f"busy {req}")
+        deadline = time.monotonic() + 60
+        while sch.view.busy and time.monotonic() < deadline:   # the timer's work, on this loop
+            await asyncio.sleep(0.01)
+        assert not sch.view.busy and sch.view.settled >= len(alike)
+        assert all(gpu.entries[nid].settled for nid in alike)
+        for req in reqs:
+            top = same_answer(sch, req, f"settled {req}")
+            assert [c.node_id for c in top.candidates] == sorted(c.node_id for c in top.candidates)
+        check_index(sch)
+        send(alike[0], 30.0)   # busy again: noted, with the timer armed for it
+        assert alike[0] in sch.view.busy and sch.view.settle_timer is not None
+
+    asyncio.run(run())

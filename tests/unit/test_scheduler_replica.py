@@ -1,0 +1,69 @@
+"""The scheduler replica's own parts (collector/cluster/scheduler.py) with the core over them: a
+listed node's next summary update is deferred like any other (a summary carries its readings, so
+there is no first batch to wait for), and the garbage collector policy it runs under."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+
+from sched_sim import GiB, inventory, readings
+
+from xpusense.collector.cluster.scheduler import FleetIndex, hold_collections
+from xpusense.collector.cluster.summary import NodeLatest
+from xpusense.collector.config import load_collector
+from xpusense.collector.scheduler.core import Scheduler
+from xpusense.v1 import scheduler_pb2 as spb
+from xpusense.v1 import telemetry_pb2 as pb
+
+DEFAULTS = load_collector(None, env={})
+
+
+def _node(nid: str, used: float) -> NodeLatest:
+    n = NodeLatest(nid, 0)
+    n.hello(pb.Hello(node_id=nid, boot_id="b", inventory=inventory("a100", 8, region="r1", price="2")), "s", "", 1)
+    n.apply(pb.Batch(node_id=nid, boot_id="b", seq=1, samples=readings("a100", 8, used_gib=used)), time.time_ns())
+    return n
+
+
+def test_update_after_a_listed_node_is_deferred_and_answered_with():
+    idx = FleetIndex()
+    nodes = {nid: _node(nid, 10.0) for nid in ("n1", "n2")}
+    for i, n in enumerate(nodes.values()):
+        idx.apply(n.encode("w", time.time_ns()), revision=i + 1)
+    sch = Scheduler(idx, DEFAULTS.scheduler, DEFAULTS.stale_s, refresh_ms=1000.0)
+    view = sch.view
+    n1 = sch.view.summaries["n1"]
+    assert n1.devices[0].free == 70 * GiB                      # the listed readings, without a batch
+    nodes["n1"].apply(pb.Batch(node_id="n1", boot_id="b", seq=2, samples=readings("a100", 8, used_gib=75.0)),
+                      time.time_ns())
+    before = view.refreshes
+    idx.apply(nodes["n1"].encode("w", time.time_ns()), revision=3)
+    assert "n1" in view.dirty and not view.first and view.refreshes == before   # marked, not refreshed at once
+    req = spb.PlaceRequest(accelerator=spb.ACCELERATOR_GPU, memory_bytes=40 * GiB, count=1, limit=5, max_excluded=10)
+    reply = sch.place(req)                                     # no loop: catch_up refreshes it first
+    assert [c.node_id for c in reply.candidates] == ["n2"] and not view.dirty
+    assert n1.devices[0].free == 5 * GiB
+
+
+def test_hold_collections_turns_full_collections_off_and_back():
+    async def run() -> None:
+        before = gc.get_threshold()
+        task = asyncio.get_running_loop().create_task(hold_collections(every_s=0.01, sweep_s=3600.0))
+        deadline = time.monotonic() + 30
+        while gc.get_threshold()[2] != 2**30 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert gc.get_threshold()[:2] == before[:2] and gc.get_threshold()[2] == 2**30
+        assert gc.get_freeze_count() > 0                      # what was alive is out of the collections' reach
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        assert gc.get_threshold() == before
+
+    try:
+        asyncio.run(run())
+    finally:
+        gc.unfreeze()
