@@ -43,6 +43,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from types import SimpleNamespace
@@ -73,7 +74,7 @@ def collector_toml(tmp: str, urls: list[str], top: str = "") -> str:
 
 
 def load(address: str, agents: int, rate: float, window: int, seconds: float, warmup_s: float,
-         gen_cpus: list[int], watch_pid: int, procs: int, also_pids: tuple[int, ...] = ()) -> dict:
+         gen_cpus: list[int], watch_pid: int, procs: int, also_pids: tuple[int, ...] = (), on_window=None) -> dict:
     """collector_ingest's simulated agents against `address`; the figures, watch_pid's CPU and the
     summed CPU of also_pids (the nats-servers) in the window."""
     ctx = mp.get_context("spawn")
@@ -97,9 +98,12 @@ def load(address: str, agents: int, rate: float, window: int, seconds: float, wa
         shared[1], shared[2] = t0, t1
         shared[0] = go
         time.sleep(max(0.0, t0 - time.monotonic()))
-        c0, o0, w0 = cpu_s(watch_pid), sum(map(cpu_s, also_pids)), time.monotonic()
+        if on_window is not None:
+            on_window()
+        gens = tuple(w.pid for w in workers if w.pid is not None)
+        c0, o0, g0, w0 = cpu_s(watch_pid), sum(map(cpu_s, also_pids)), sum(map(cpu_s, gens)), time.monotonic()
         time.sleep(max(0.0, t1 - time.monotonic()))
-        c1, o1, w1 = cpu_s(watch_pid), sum(map(cpu_s, also_pids)), time.monotonic()
+        c1, o1, g1, w1 = cpu_s(watch_pid), sum(map(cpu_s, also_pids)), sum(map(cpu_s, gens)), time.monotonic()
         results = [out_q.get(timeout=120) for _ in workers]
     finally:
         shared[2] = shared[2] or -1.0
@@ -110,7 +114,7 @@ def load(address: str, agents: int, rate: float, window: int, seconds: float, wa
     wall = w1 - w0
     lat = sorted(x for r in results for x in r["latencies_ms"])
     acked = sum(r["window_acked"] for r in results)
-    return {"batches_s": acked / wall, "cpu": (c1 - c0) / wall, "others_cpu": (o1 - o0) / wall,
+    return {"batches_s": acked / wall, "cpu": (c1 - c0) / wall, "others_cpu": (o1 - o0) / wall, "gen_cpu": (g1 - g0) / wall,
             "p50_ms": percentile(lat, 0.5), "p90_ms": percentile(lat, 0.9),
             "p99_ms": percentile(lat, 0.99), "max_ms": percentile(lat, 1.0),
             "errors": [f for r in results for f in r["fails"]], "sent": sum(r["sent"] for r in results)}
@@ -348,6 +352,29 @@ def gateway_proc(tmp: str, urls: list[str], cpu: int) -> tuple[subprocess.Popen,
     return gw, address, log_path
 
 
+def publish_probe(urls: list[str], every_s: float, stop_ev, out: list[float]) -> None:
+    """JetStream's own publish-ack latency meanwhile (the servers' share of the ack): one R3
+    publish every `every_s`, to each stream in turn, from this process (idle but for this), timed
+    here; a node id no agent has. Runs in a thread until stop_ev is set."""
+    from xpusense.collector.cluster.engine import connect
+    from xpusense.collector.cluster.subjects import node_subject
+    n = nats_cfg(urls).nats
+
+    async def run() -> None:
+        nc = await connect(n, "bench-probe")
+        js = nc.jetstream(timeout=10)
+        i = 0
+        while not stop_ev.is_set():
+            i += 1
+            t0 = time.perf_counter()
+            await js.publish(node_subject(n.prefix, "probe", i % n.partitions, "bench-probe"), b"x",
+                             headers={"Nats-Msg-Id": f"bench-probe:{i}"})
+            out.append(1e3 * (time.perf_counter() - t0))
+            await asyncio.sleep(every_s)
+        await nc.close()
+    asyncio.run(run())
+
+
 def ack_only(args: argparse.Namespace) -> int:
     """Step 2 alone: --fleet agents x 1 batch/s through one gateway; ack p50/p90/p99/max, the
     gateway's CPU and the nats-servers' CPU in the window, the load average; with --spy PY_SPY a
@@ -367,9 +394,18 @@ def ack_only(args: argparse.Namespace) -> int:
                                         "--output", out_path, "--nonblocking"],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             print(f"2. gateway at 1 s: {args.fleet} agents x 1 batch/s, {args.seconds:g} s ...", flush=True)
+            probed: list[float] = []
+            probe_stop = threading.Event()
+            probe = threading.Thread(target=publish_probe, args=(cluster.urls, 0.05, probe_stop, probed), daemon=True)
             la0 = os.getloadavg()[0]
-            fleet = load(address, args.fleet, 1.0, 8, args.seconds, 5.0, gen_cpus, gw.pid, 4, servers)
+            try:
+                fleet = load(address, args.fleet, 1.0, 8, args.seconds, 5.0, gen_cpus, gw.pid, 4, servers,
+                             on_window=probe.start)
+            finally:
+                probe_stop.set()
             la1 = os.getloadavg()[0]
+            probe.join(30)
+            probed.sort()
         except Exception:
             print(tail(log_path), file=sys.stderr)
             raise
@@ -382,13 +418,18 @@ def ack_only(args: argparse.Namespace) -> int:
           f"{fleet['p90_ms']:.1f} ms, p99 {fleet['p99_ms']:.1f} ms (goal <= 100), max {fleet['max_ms']:.1f} ms; "
           f"{fleet['batches_s']:,.0f} acked/s; gateway CPU {100 * fleet['cpu']:.0f}% "
           f"({1e6 * fleet['cpu'] / max(1.0, fleet['batches_s']):.0f} us a batch), 3 nats-servers' CPU "
-          f"{100 * fleet['others_cpu']:.0f}%; load average {la0:.2f} before, {la1:.2f} after"
+          f"{100 * fleet['others_cpu']:.0f}%, the agents' (load generator) {100 * fleet['gen_cpu']:.0f}%; "
+          f"load average {la0:.2f} before, {la1:.2f} after; JetStream's own publish ack meanwhile (a probe "
+          f"publishing 20/s from the bench process): p50 {percentile(probed, 0.5):.1f} ms, p99 "
+          f"{percentile(probed, 0.99):.1f} ms, max {percentile(probed, 1.0):.1f} ms ({len(probed)} publishes)"
           + (f"; {len(fleet['errors'])} agent errors, e.g. {fleet['errors'][0]}" if fleet["errors"] else ""))
     if spy is not None:
         print(f"py-spy profile of the gateway: {out_path}")
     print(json.dumps({"bench": "fleet_scale", "ack_only": True, "fleet": args.fleet,
                       **{k: round(v, 3) for k, v in fleet.items() if isinstance(v, float)},
-                      "load_average": [round(la0, 2), round(la1, 2)], "errors": len(fleet["errors"])}))
+                      "load_average": [round(la0, 2), round(la1, 2)], "errors": len(fleet["errors"]),
+                      "probe_p50_ms": round(percentile(probed, 0.5), 2), "probe_p99_ms": round(percentile(probed, 0.99), 2),
+                      "probe_n": len(probed)}))
     return 0
 
 

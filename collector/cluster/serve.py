@@ -9,7 +9,9 @@ watched index, scheduler.py) and gRPC health (Ingest NOT_SERVING while the NATS 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import time
 from typing import Any
 
 import grpc
@@ -46,6 +48,7 @@ async def start_gateway(cfg: Any, security=None, limits=None, credentials=None, 
     js = nc.jetstream(timeout=ncfg.publish_timeout_s)
     buckets = await ensure(js, ncfg)
     gw = Gateway(nc, js, buckets, ncfg)
+    await gw.start()
     server = grpc_server(security, limits, cfg.max_message_bytes)
     pb_grpc.add_IngestServicer_to_server(ClusterIngestServicer(gw, security, limits), server)
     snapshot = FleetSnapshot(js, buckets.fleet, ncfg.fleet_bucket, ncfg.snapshot_s, ncfg.partitions)
@@ -66,14 +69,49 @@ async def start_gateway(cfg: Any, security=None, limits=None, credentials=None, 
     await server.start()
     for svc in services:
         await hs.set(svc, SERVING)
-    return server, gw, closers + [nc.drain]
+    return server, gw, closers + [gw.close, nc.drain]
+
+
+async def young_only_gc(stop: asyncio.Event, every_s: float = 0.1, sweep_s: float = 300.0) -> None:
+    """Keep full garbage collections out of the ack latency (the policy of collector/cli.py's
+    freeze_long_lived, which this package cannot import: that module imports this one).
+
+    At 1,000 agent streams a gateway holds every stream's call, tasks and buffers; CPython's
+    automatic full collections walked them all, 110-120 ms each, several a minute, and every batch
+    in flight waited (measured: bench/fleet_scale.py --ack-only). So whatever is alive
+    is frozen every `every_s` (gc.freeze, O(1)), the young generations are collected as CPython
+    decides, automatic full collections are off, and every `sweep_s` one full collection frees the
+    cycles that were frozen meanwhile (an aborted stream's frame and its exception; logged)."""
+    t0, t1, t2 = gc.get_threshold()
+    gc.set_threshold(t0, t1, 2**30)
+    last_sweep = time.monotonic()
+    try:
+        while not stop.is_set():
+            if time.monotonic() - last_sweep >= sweep_s:
+                last_sweep, started = time.monotonic(), time.process_time()
+                gc.unfreeze()
+                freed = gc.collect()
+                gc.freeze()
+                log.info("garbage collector sweep: %d objects freed in %.0f ms of CPU, %d kept", freed,
+                         1e3 * (time.process_time() - started), gc.get_freeze_count())
+            else:
+                gc.freeze()
+            try:
+                await asyncio.wait_for(stop.wait(), every_s)
+            except TimeoutError:
+                pass
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(t0, t1, t2)
 
 
 async def run_gateway(cfg: Any, stop: asyncio.Event, security=None, limits=None, credentials=None) -> None:
     server, gw, closers = await start_gateway(cfg, security, limits, credentials)
+    gc_task = asyncio.get_running_loop().create_task(young_only_gc(stop))
     log.info("gateway %s listening on %s, publishing to the NATS cluster at %s", gw.id, cfg.listen,
              ",".join(cfg.nats.urls))
     await stop.wait()
+    await gc_task
     await server.stop(grace=2.0)
     await gw.marks.flush_all()
     for close in closers:
