@@ -12,7 +12,7 @@ import sys
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "tests/fakes/nvml"))
-from driving import drive, h100s, pick, write_scenario  # noqa: E402
+from driving import drive, fakenvml, h100s, pick, write_scenario  # noqa: E402
 
 BW = "xpusense.accelerator.hbm.bandwidth.utilization"
 
@@ -92,3 +92,16 @@ mem_temp_c = 4294967295   # all-ones garbage
     assert "not a number" in dropped["gpu0/xpusense.accelerator.hbm.bandwidth.utilization"]
     assert "nvbug 4300930" in dropped["gpu0/hw.temperature{sensor=hbm}"]
     assert "outside" in dropped["gpu1/hw.temperature{sensor=hbm}"]
+
+
+def test_two_samples_per_gpu_take_turns_and_are_freed_on_close(libdir, tmp_path):
+    """A round fills the older of two samples allocated once (no alloc and free per round), and the
+    metrics still come from consecutive samples; closing the source frees both."""
+    calls = tmp_path / "calls.txt"
+    out = drive(libdir, write_scenario(tmp_path, h100s(2)), "realtime", gap_s=0.15, until_t=1.5, calls=calls)
+    assert out["errors"] == []
+    with_bw = [r for r in out["rounds"] if pick(r, BW)]
+    assert len(with_bw) >= 5 and all(pick(r, BW) == {"gpu0": 0.5, "gpu1": 0.5} for r in with_bw)
+    n = fakenvml.read_calls(calls)
+    assert n["nvmlGpmSampleGet"] >= 2 * (len(with_bw) + 1)
+    assert n["nvmlGpmSampleAlloc"] == 4 and n["nvmlGpmSampleFree"] == 4, n

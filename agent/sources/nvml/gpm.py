@@ -38,7 +38,9 @@ def supported(nv: Any, handle: Any) -> bool:
 class GpmStream:
     """Consecutive GPM samples of one device (a GPU, or one GPU instance of a MIG GPU).
 
-    `take(sample)` fills an allocated sample (nvmlGpmSampleGet or nvmlGpmMigSampleGet).
+    `take(sample)` fills an allocated sample (nvmlGpmSampleGet or nvmlGpmMigSampleGet). Two samples
+    are allocated once and take turns (the newer one is kept, the older one is filled next), and the
+    metrics request is built once: a round makes two NVML calls per device, not four.
     """
 
     def __init__(self, nv: Any, take: Callable[[Any], Any], ids: list[int]):
@@ -46,8 +48,10 @@ class GpmStream:
         self.take = take
         self.ids = ids
         self.prev: Any = None
+        self.spare: Any = None   # the other allocated sample, filled next
         self.prev_t = 0.0
         self.too_soon = 0      # rounds that came under MIN_INTERVAL_S after the last sample
+        self._mg: Any = None     # the nvmlGpmMetricsGet_t request, metric ids set once
 
     def read(self, now: float) -> list[tuple[int, int, float]] | None:
         """(metric id, NVML return code, value) per metric since the previous sample; None when there
@@ -57,7 +61,9 @@ class GpmStream:
         if self.prev is not None and now - self.prev_t < MIN_INTERVAL_S:
             self.too_soon += 1
             return None
-        sample = nv.nvmlGpmSampleAlloc()
+        sample, self.spare = self.spare, None
+        if sample is None:
+            sample = nv.nvmlGpmSampleAlloc()
         try:
             self.take(sample)
         except nv.NVMLError:
@@ -67,26 +73,35 @@ class GpmStream:
         prev, self.prev, self.prev_t = self.prev, sample, now
         if prev is None:
             return None
+        self.spare = prev        # the older sample is filled again next round
         try:
-            mg = nv.c_nvmlGpmMetricsGet_t()
-            mg.version = nv.NVML_GPM_METRICS_GET_VERSION
+            mg = self._request()
             mg.sample1, mg.sample2 = prev, sample
-            mg.numMetrics = len(self.ids)
-            for i, mid in enumerate(self.ids):
-                mg.metrics[i].metricId = mid
             nv.nvmlGpmMetricsGet(mg)
         except nv.NVMLError:
             self.reset()
             raise
-        finally:
-            nv.nvmlGpmSampleFree(prev)
         # pynvml's structures answer every attribute through Python: the array is looked up once
         return [(m.metricId, m.nvmlReturn, m.value) for m in mg.metrics[:len(self.ids)]]
 
+    def _request(self) -> Any:
+        if self._mg is None:
+            nv = self.nv
+            mg = nv.c_nvmlGpmMetricsGet_t()
+            mg.version = nv.NVML_GPM_METRICS_GET_VERSION
+            mg.numMetrics = len(self.ids)
+            for i, mid in enumerate(self.ids):
+                mg.metrics[i].metricId = mid
+            self._mg = mg
+        return self._mg
+
     def reset(self) -> None:
-        if self.prev is not None:
-            try:
-                self.nv.nvmlGpmSampleFree(self.prev)
-            except self.nv.NVMLError:
-                pass
-            self.prev = None
+        """Both samples freed: the next pair starts afresh (after a failed call, or on close)."""
+        for name in ("prev", "spare"):
+            got = getattr(self, name)
+            setattr(self, name, None)
+            if got is not None:
+                try:
+                    self.nv.nvmlGpmSampleFree(got)
+                except self.nv.NVMLError:
+                    pass

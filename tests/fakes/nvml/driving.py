@@ -38,10 +38,11 @@ def write_scenario(tmp_path: Path, text: str, name: str = "test.scn") -> Path:
 
 def drive(libdir, scenario, rounds: str = "realtime", *, t0_at: float | None = 0.0, gap_s: float = 0.25,
           until_t: float | None = None, until_event: str = "", deadline_s: float = 40.0, extra=(),
-          procs=None, timeout_s: float = 120.0) -> dict:
-    """Run drive_source.py with the fake playing `scenario` (a path or a shipped name); return its JSON."""
+          procs=None, timeout_s: float = 120.0, calls: Path | None = None) -> dict:
+    """Run drive_source.py with the fake playing `scenario` (a path or a shipped name); return its JSON.
+    `calls`: where the fake writes its per-function call counts (fakenvml.read_calls)."""
     path = scenario if isinstance(scenario, Path) else fakenvml.scenario(scenario)
-    env = fakenvml.env(libdir, path, t0=None if t0_at is None else fakenvml.t0_at(t0_at), procs=procs)
+    env = fakenvml.env(libdir, path, t0=None if t0_at is None else fakenvml.t0_at(t0_at), procs=procs, calls=calls)
     args = [sys.executable, str(DRIVER), rounds, "--gap-s", str(gap_s), "--deadline-s", str(deadline_s), *extra]
     if until_t is not None:
         args += ["--until-t", str(until_t)]
