@@ -115,3 +115,59 @@ def test_cluster_mode_commands_say_what_is_wrong(tmp_path):
     out = subprocess.run([col, "worker", "--nats", f"127.0.0.1:{free_port()}"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 1 and "cannot reach the NATS cluster" in out.stderr
+
+
+def test_pipelined_publish_acks_duplicates_times_out_and_gives_up(nats_cluster, tmp_path):  # noqa: F811
+    """The gateway's pipelined first publish (one ack inbox, one timeout sweeper), against the real
+    cluster: a new msg id is stored, the same id again is a duplicate; a publish nobody answers
+    is failed by the sweeper (counted), sent again, and given up as PublishFailed; a subject no
+    stream holds is given up the same way."""
+    from xpusense.collector.cluster.cli import load_config
+    from xpusense.collector.cluster.engine import connect, ensure
+    from xpusense.collector.cluster.gateway import Gateway, PublishFailed
+    from xpusense.collector.cluster.subjects import MSG_ID, node_subject, partition
+
+    cfg = load_config(str(cluster_config(tmp_path, nats_cluster)), {}, env={})
+    n = cfg.nats
+    n.publish_timeout_s, n.publish_give_up_s = 0.5, 1.5
+
+    async def scenario():
+        nc = await connect(n, "test-gateway")
+        try:
+            gw = Gateway(nc, nc.jetstream(timeout=10), await ensure(nc.jetstream(timeout=10), n), n)
+            await gw.start()
+            subject = node_subject(n.prefix, "r1", partition("pipe-1", n.partitions), "pipe-1")
+            headers = {MSG_ID: "pipe-1:b:1"}
+            outcomes = []
+            for _ in range(2):
+                since = time.monotonic()
+                fut = await gw.publish_nowait(subject, b"batch", headers)
+                outcomes.append(await gw.settle(fut, subject, b"batch", headers, since))
+            assert gw.acks_waiting == 0
+            silent = await nc.subscribe("silent.x")   # a responder that never answers
+            since = time.monotonic()
+            fut = await gw.publish_nowait("silent.x", b"x", {MSG_ID: "s:1"})
+            try:
+                await gw.settle(fut, "silent.x", b"x", {MSG_ID: "s:1"}, since)
+                silent_outcome = "acknowledged"
+            except PublishFailed as e:
+                silent_outcome = str(e)
+            await silent.unsubscribe()
+            since = time.monotonic()
+            fut = await gw.publish_nowait("nostream.x", b"x", {MSG_ID: "n:1"})
+            try:
+                await gw.settle(fut, "nostream.x", b"x", {MSG_ID: "n:1"}, since)
+                nostream_outcome = "acknowledged"
+            except PublishFailed as e:
+                nostream_outcome = str(e)
+            await gw.close()
+            return outcomes, gw.timeouts, gw.retries, silent_outcome, nostream_outcome, gw.acks_waiting
+        finally:
+            await nc.close()
+
+    outcomes, timeouts, retries, silent_outcome, nostream_outcome, waiting = run(scenario())
+    assert outcomes == [False, True]                       # stored, then a duplicate by msg id
+    assert timeouts == 1 and retries >= 2                   # the sweeper failed the first try; sent again
+    assert "no JetStream ack for silent.x" in silent_outcome, silent_outcome
+    assert "no JetStream ack for nostream.x" in nostream_outcome, nostream_outcome
+    assert waiting == 0
