@@ -82,8 +82,14 @@ mem_temp_c = 4294967295   # all-ones garbage
     realtime = [r for r in out["rounds"] if r["tier"] == "realtime"]
     inside = [r for r in realtime if 1.3 <= r["st"] < 2.4]   # the pair ends inside the NaN window
     assert inside and all("gpu0" not in pick(r, BW) for r in inside)
-    assert all(pick(r, BW).get("gpu1") == 0.5 for r in realtime[1:])          # the other GPU is untouched
-    assert all("gpu0" in pick(r, "xpusense.accelerator.sm.utilization") for r in inside)   # and other metrics
+    gpu1 = [pick(r, BW).get("gpu1") for r in realtime[1:]]                      # the other GPU is untouched
+    assert set(gpu1) - {None} == {0.5}
+    assert gpu1.count(None) <= out["describe"]["gpm_rounds_too_soon"].get("gpu1", 0)
+    # ... and its other metrics are: in every inside round but those that came under 100 ms after
+    # gpu0's last sample (a loaded machine stalls a round between the GPUs; nothing is read then).
+    without_sm = [r for r in inside if "gpu0" not in pick(r, "xpusense.accelerator.sm.utilization")]
+    assert len(without_sm) < len(inside)
+    assert len(without_sm) <= out["describe"]["gpm_rounds_too_soon"].get("gpu0", 0), without_sm
     assert any(pick(r, BW).get("gpu0") == 0.5 for r in realtime if r["st"] >= 2.8)          # and it comes back
     offline = [r for r in out["rounds"] if r["tier"] == "offline"]
     assert all(pick(r, "hw.temperature", sensor="hbm") == {} for r in offline)
