@@ -30,16 +30,23 @@ error = nvmlGpmMetricsGet RESET_REQUIRED 0 2   # the metrics call fails for the 
     assert out["errors"] == [], out["errors"]     # nothing raised out of a round
     rounds = out["rounds"]
     assert len(rounds) >= 8
+    too_soon = out["describe"].get("gpm_rounds_too_soon", {})
+    missed = 0
     for r in rounds[1:]:
         bw = pick(r, BW)
-        assert bw.get("gpu0") == 0.5, (r["st"], bw)   # the healthy GPU reports every round after the first
+        # The healthy GPU reports every round after the first but one under 100 ms after its last
+        # sample (a loaded machine can stall a round between the GPUs: counted, nothing read).
+        assert bw.get("gpu0") in (0.5, None), (r["st"], bw)
+        missed += "gpu0" not in bw
         assert "gpu1" not in bw and "gpu2" not in bw
         # The GPUs whose GPM fails keep every other reading.
         assert set(pick(r, "hw.gpu.utilization")) == {"gpu0", "gpu1", "gpu2", "gpu3"}
+    assert missed <= too_soon.get("gpu0", 0) and missed < len(rounds) - 1
     # gpu3: nothing while its metrics call fails; after the window a new pair of samples, then data.
     assert all("gpu3" not in pick(r, BW) for r in rounds if r["st"] < 2.0)
     after = [r for r in rounds if r["st"] >= 2.0]
-    assert len(after) >= 4 and all(pick(r, BW).get("gpu3") == 0.5 for r in after[2:])
+    gpu3 = [pick(r, BW).get("gpu3") for r in after[2:]]
+    assert len(after) >= 4 and set(gpu3) - {None} == {0.5} and gpu3.count(None) <= too_soon.get("gpu3", 0)
     d = out["describe"]
     assert "Not Supported" in d["unavailable_readings"]["gpu2/gpm"]
     assert "Unknown" in d["retrying_readings"]["gpu1/gpm"]          # transient: asked again later
