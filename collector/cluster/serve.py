@@ -18,14 +18,25 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
+from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from ..server import INGEST_SERVICE, QUERY_SERVICE
 from .engine import connect, ensure
-from .gateway import ClusterIngestServicer, Gateway
+from .gateway import ClusterIngestServicer, Gateway, parse_agent_message
 from .rpc import NOT_SERVING, SERVING, bind, grpc_server
 
 log = logging.getLogger("xpusense.collector.cluster")
+
+def add_ingest(servicer: ClusterIngestServicer, server: grpc.aio.Server) -> None:
+    """The generated add_IngestServicer_to_server, with gateway.parse_agent_message as the request
+    deserializer (a batch is published in the bytes it came in)."""
+    handlers = {"Stream": grpc.stream_stream_rpc_method_handler(
+        servicer.Stream, request_deserializer=parse_agent_message,
+        response_serializer=pb.CollectorMessage.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(INGEST_SERVICE, handlers),))
+    server.add_registered_method_handlers(INGEST_SERVICE, handlers)
+
 
 class _PlaceElsewhere(spb_grpc.SchedulerServicer):
     async def Place(self, request, context):
@@ -50,7 +61,7 @@ async def start_gateway(cfg: Any, security=None, limits=None, credentials=None, 
     gw = Gateway(nc, js, buckets, ncfg)
     await gw.start()
     server = grpc_server(security, limits, cfg.max_message_bytes)
-    pb_grpc.add_IngestServicer_to_server(ClusterIngestServicer(gw, security, limits), server)
+    add_ingest(ClusterIngestServicer(gw, security, limits), server)
     snapshot = FleetSnapshot(js, buckets.fleet, ncfg.fleet_bucket, ncfg.snapshot_s, ncfg.partitions)
     pb_grpc.add_QueryServicer_to_server(ClusterQueryServicer(snapshot, js, ncfg, cfg.stale_s, security), server)
     closers: list = []

@@ -145,3 +145,28 @@ def test_fleet_index_updates_in_place():
     assert [e.id for e in seen[-1][1].events] == ["e2"]                  # only the new event
     idx.apply(n.encode("w", 5), revision=9)                               # older revision: ignored
     assert idx.updates == 2 and not math.isnan(ser.value)
+
+
+def test_gateway_publishes_a_batch_in_the_bytes_it_came_in():
+    """gateway.batch_payload: the wire bytes after the AgentMessage's tag and length when the
+    message is the one parsed last and holds nothing else; otherwise the batch serialized again.
+    Either way the bytes parse to the same Batch."""
+    from xpusense.collector.cluster.gateway import batch_payload, parse_agent_message
+
+    b = pb.Batch(node_id="n1", boot_id="b1")
+    for d in range(200):   # over 127 bytes: a length of two varint bytes
+        b.samples.add(name="hw.gpu.utilization", value=d / 200, labels={"device": str(d)})
+    # as an agent might send it: seq last (not the order SerializeToString writes), so the two differ
+    sent = b.SerializeToString() + pb.Batch(seq=7).SerializeToString()
+    b.seq = 7
+    assert sent != b.SerializeToString() and pb.Batch.FromString(sent) == b
+    n = len(sent)
+    wire = bytes([0x12, 0x80 | (n & 0x7F), n >> 7]) + sent
+    msg = parse_agent_message(wire)
+    assert batch_payload(msg) == sent                       # the bytes it came in
+    assert batch_payload(msg) == b.SerializeToString()      # taken once: then serialized again
+    first, second = parse_agent_message(wire), parse_agent_message(wire)
+    assert batch_payload(first) == b.SerializeToString()    # not the message parsed last
+    msg = parse_agent_message(wire + bytes([0x50, 0x01]))   # a field after the batch (unknown here)
+    assert batch_payload(msg) == b.SerializeToString()
+    assert second is not None
