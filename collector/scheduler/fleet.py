@@ -154,7 +154,7 @@ class FleetView:
         self.find_stale(self.state.clock() - self.stale_ns)
         done = self.refresh_dirty(None, SLICE_S)   # all of them: the oldest is nearly due
         if not done and self.dirty:   # the rest once the loop has served what waits behind this slice
-            self._arm(0)
+            self._arm(int(SLICE_S * 1e9))   # (a gap as long: a Place call's turns fit in between)
 
     def refresh_dirty(self, upto_ns: int | None = None, budget_s: float = 0.0, every: int = 4) -> bool:
         """Refresh the dirty nodes marked at or before `upto_ns` (None: all), oldest first, for at
