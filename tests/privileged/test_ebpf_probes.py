@@ -702,25 +702,3 @@ def test_probes_shared_out_between_two_loader_processes_all_run(monkeypatch):
     finally:
         for src in sources:
             src.close()
-
-
-def test_the_loader_compiles_before_the_request_and_uses_it_only_for_the_same_c(monkeypatch):
-    """The loader process plans from the agent's table and compiles while the agent still starts;
-    a request for other C (here: other probes) is compiled anew, and every probe it asks for runs."""
-    require_ebpf()
-    from xpusense.agent.sources.ebpf import loader as loader_module
-    real = loader_module.table_json
-    for speculated, asked, before in ((["runqlat", "netio"], ["runqlat", "netio"], True),
-                                      (["runqlat", "blkio"], ["runqlat", "netio"], False)):
-        monkeypatch.setattr(loader_module, "table_json",
-                            lambda cfg, probes=speculated: real(family.table_from({"probes": probes})))
-        sources = family.build(family.table_from({"probes": asked}))
-        try:
-            for src in sources:
-                src.setup()
-            assert ("begun before the request" in sources[0].describe()["compile"]) is before
-            for src in sources:
-                assert find(src.collect(REALTIME), "xpusense.ebpf.probe.events", probe=src.probe)
-        finally:
-            for src in sources:
-                src.close()

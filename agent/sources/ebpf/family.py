@@ -7,7 +7,6 @@ and the key (e.g. `agent.toml: 'sources.ebpf.probes' has unknown probe(s) nope (
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -122,33 +121,6 @@ def plans_for(table: SimpleNamespace) -> tuple[list[Plan], dict[str, str]]:
         except Unavailable as e:
             why[s.probe] = str(e)
     return plans, why
-
-
-def table_from_json(text: str) -> SimpleNamespace:
-    """loader.table_json's text -> the table again (it was checked by the agent that wrote it):
-    the schema's sub-tables as namespaces, Table values as Table."""
-    def rebuild(schema: dict[str, Any], got: dict[str, Any]) -> SimpleNamespace:
-        ns = SimpleNamespace()
-        for k, spec in schema.items():
-            if isinstance(spec, dict):
-                setattr(ns, k, rebuild(spec, got.get(k) or {}))
-            elif k in got:
-                setattr(ns, k, Table(got[k]) if spec.type is Table else got[k])
-            else:
-                setattr(ns, k, spec.default)
-        return ns
-    return rebuild(SCHEMA, json.loads(text))
-
-
-def request_for(text: str) -> dict:
-    """In the loader process, before the agent's request: the request the agent will make for the
-    table `text` (loader.table_json), planned here on this host as the agent plans it."""
-    srcs = ebpf_sources(table_from_json(text))
-    if not srcs:
-        return {}
-    ldr = srcs[0].loader
-    ldr.check_environment()
-    return ldr.planned_request()
 
 
 FAMILY = SourceFamily("ebpf", SCHEMA, build_and_prestart)

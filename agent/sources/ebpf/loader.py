@@ -49,17 +49,12 @@ LOADER_PROCESSES = 1         # loader processes compiling in parallel, each its 
 # 2 gained nothing measurable on a 2-core VM also starting the rest of the agent, for twice the memory
 # How the loader process starts: the agent's own interpreter, every import path the agent has that a
 # fresh interpreter lacks (a site directory added at run time, with its .pth files: an editable
-# install's finder), then loadproc.main on the inherited socket, given the [sources.ebpf] table (JSON)
-# and family.request_for: it plans and compiles on its own while the agent is still starting, and
-# uses that compilation when the agent's request asks for the same C with the same flags.
+# install's finder), then loadproc.main on the inherited socket.
 LOADER_BOOT = ("import json, site, sys\n"
                "for p in json.loads(sys.argv[1]):\n"
                "    if p not in sys.path: site.addsitedir(p)\n"
                "from xpusense.agent.sources.ebpf.loadproc import main\n"
-               "def request_for(table):\n"     # imported in the thread that plans: main starts at once
-               "    from xpusense.agent.sources.ebpf.family import request_for\n"
-               "    return request_for(table)\n"
-               "main(int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else '', request_for)\n")
+               "main(int(sys.argv[2]))\n")
 
 
 @dataclasses.dataclass
@@ -81,19 +76,6 @@ class Plan:
     def metrics(self, tier: str | None = None) -> list[specs.Metric]:
         return [m for m in self.probe.metrics
                 if (not m.variants or self.variant.name in m.variants) and (tier is None or m.tier == tier)]
-
-
-def table_json(cfg: SimpleNamespace) -> str:
-    """The checked [sources.ebpf] table as JSON (sub-tables as objects), for the loader process."""
-    def plain(v: Any) -> Any:
-        if isinstance(v, SimpleNamespace):
-            return {k: plain(x) for k, x in vars(v).items()}
-        if isinstance(v, dict):
-            return {str(k): plain(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        return v
-    return json.dumps(plain(cfg))
 
 
 def render_c(plans: Iterable[Plan]) -> str:
@@ -357,10 +339,6 @@ class EbpfLoader:
                 pass
         return out
 
-    def planned_request(self) -> dict:
-        """The request for every probe that plans here, as one loader process gets it."""
-        return self.request(self._planned())
-
     def request(self, plans: list[Plan]) -> dict:
         """What the loader process is asked to build (see loadproc.Builder)."""
         return {"combined": bool(self.cfg.combined_compile), "combined_text": render_c(plans),
@@ -368,7 +346,7 @@ class EbpfLoader:
                            for p in plans]}
 
     def loader_argv(self, fd: int) -> list[str]:
-        return [sys.executable, "-c", LOADER_BOOT, json.dumps(sys.path), str(fd), table_json(self.cfg)]
+        return [sys.executable, "-c", LOADER_BOOT, json.dumps(sys.path), str(fd)]
 
     def prestart(self) -> None:
         """Start the loader processes now, so that they import bcc while the probes are planned here."""

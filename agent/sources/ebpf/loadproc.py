@@ -1,6 +1,6 @@
 """The loader process: compiles the probes' C with bcc, loads and attaches them, hands the fds to the agent.
 
-Started by the agent's EbpfLoader (loader.py) as `python -c LOADER_BOOT SYS_PATH FD TABLE`, it reads one request
+Started by the agent's EbpfLoader (loader.py) as `python -c LOADER_BOOT SYS_PATH FD`, it reads one request
 from the socket FD (handoff.py): the C to compile (all probes as one translation unit, and each
 probe's own for the fallback), the -D flags, and per probe what to attach (tracepoints, raw
 tracepoints, uprobes, tc filters) and which map entries to write first. It answers with a manifest
@@ -11,9 +11,6 @@ about 70 MB of them) live and die with this process; the agent keeps only the fd
 One broken probe cannot take the others down: if the combined compile fails, each probe is compiled
 on its own; a probe whose load or attach fails gets its reason in the manifest and what it had
 attached is detached again (tc filters removed; perf events close with this process).
-
-TABLE is the agent's [sources.ebpf] table: the process plans from it as the agent will and compiles
-before the request comes (Speculation); the request's own C and flags decide whether that is used.
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from . import handoff
@@ -69,10 +66,8 @@ class Refused(Exception):
 class Builder:
     """What one run of the loader built: bcc objects, fds to send, the manifest that names them."""
 
-    def __init__(self, req: dict, early: Speculation | None = None) -> None:
+    def __init__(self, req: dict) -> None:
         self.req = req
-        self.speculation = early                # a compilation begun before the request, if any
-        self.compile_s_before = 0.0
         self.fds: list[int] = []
         self.manifest: dict[str, Any] = {"ok": True, "probes": {}, "maps": [], "compile_errors": {}}
         self.objects: dict[str, Any] = {}       # probe -> bcc BPF object
@@ -111,46 +106,28 @@ class Builder:
             raise RuntimeError(first_errors(err["text"]) or str(obj))
         return obj
 
-    def compiled(self, text: str, cflags: list[str]) -> Any:
-        """compile_one, or what the speculation compiled when it was this text with these flags."""
-        sp, self.speculation = self.speculation, None
-        if sp is not None:
-            t = time.perf_counter()
-            sp.thread.join()        # never two clang runs at once in this process
-            waited = time.perf_counter() - t
-            if sp.key == (text, cflags):
-                self.manifest["compiled_before_request"] = True
-                self.compile_s_before += sp.compile_s - waited     # the compile's time, not the wait
-                if sp.bcc_output:
-                    self.manifest["bcc_output"] = (self.manifest.get("bcc_output", "") + sp.bcc_output)[-4000:]
-                if isinstance(sp.got, RuntimeError):
-                    raise sp.got
-                return sp.got
-        return self.compile_one(text, cflags)
-
     def compile_all(self) -> None:
         probes = self.req["probes"]
         t0 = time.perf_counter()
         if self.req.get("combined") and len(probes) > 1:
             try:
-                obj = self.compiled(self.req["combined_text"], [f for p in probes for f in p["cflags"]])
+                obj = self.compile_one(self.req["combined_text"], [f for p in probes for f in p["cflags"]])
                 self._all.append(obj)
                 for p in probes:
                     self.objects[p["name"]] = obj
-                self.manifest["compile_mode"] = f"combined ({len(probes)} probes, one clang run" + \
-                    (", begun before the request)" if self.manifest.get("compiled_before_request") else ")")
+                self.manifest["compile_mode"] = f"combined ({len(probes)} probes, one clang run)"
             except RuntimeError as e:
                 self.manifest["combined_error"] = str(e)
         if not self.objects:
             self.manifest["compile_mode"] = "per probe"
             for p in probes:
                 try:
-                    obj = self.compiled(p["text"], p["cflags"])
+                    obj = self.compile_one(p["text"], p["cflags"])
                     self._all.append(obj)
                     self.objects[p["name"]] = obj
                 except RuntimeError as e:
                     self.manifest["compile_errors"][p["name"]] = str(e)
-        self.manifest["compile_s"] = time.perf_counter() - t0 + self.compile_s_before
+        self.manifest["compile_s"] = time.perf_counter() - t0
 
     # -- loading and attaching
     def load(self, obj: Any, probe: str, fn: str, prog_type: str) -> Any:
@@ -376,56 +353,14 @@ def preload() -> None:
         pass
 
 
-def first_compile(req: dict) -> tuple[str, list[str]] | None:
-    """(text, flags) of the first clang run Builder.compile_all makes for `req`."""
-    probes = req.get("probes") or []
-    if req.get("combined") and len(probes) > 1:
-        return req["combined_text"], [f for p in probes for f in p["cflags"]]
-    return (probes[0]["text"], probes[0]["cflags"]) if probes else None
-
-
-class Speculation:
-    """The agent's request worked out here from its [sources.ebpf] table (family.request_for) and
-    compiled before it comes: the agent plans only after the rest of its start-up, while the
-    compilation is most of the loader's time. Used only for the very same C and flags."""
-
-    def __init__(self, table_text: str, request_for: Callable[[str], dict]) -> None:
-        self.key: tuple[str, list[str]] | None = None
-        self.got: Any = None                # the bcc object, or RuntimeError (the compile's errors)
-        self.compile_s = 0.0
-        self.bcc_output = ""
-        self.thread = threading.Thread(target=self._run, args=(table_text, request_for), daemon=True)
-        self.thread.start()
-
-    def _run(self, table_text: str, request_for: Callable[[str], dict]) -> None:
-        try:
-            req = request_for(table_text)
-            key = first_compile(req) if req else None
-            if key is None:
-                return
-            b = Builder(req)
-            t = time.perf_counter()
-            try:
-                self.got = b.compile_one(*key)
-            except RuntimeError as e:
-                self.got = e
-            self.compile_s = time.perf_counter() - t
-            self.bcc_output = b.manifest.get("bcc_output", "")
-            self.key = key
-        except Exception:       # nothing to go on: the request is compiled when it comes
-            self.key = None
-
-
-def main(fd: int, table_text: str = "", request_for: Callable[[str], dict] | None = None) -> None:
+def main(fd: int) -> None:
     """Serve one request on socket `fd`, then leave without bcc's clean-up (os._exit). Started before
-    the agent has planned the probes: it imports bcc meanwhile (and, given the agent's table, plans
-    and compiles as the agent will ask), and gives up if no request comes."""
+    the agent has planned the probes: it imports bcc meanwhile, and gives up if no request comes."""
     sock = socket.socket(fileno=fd)
     code = 0
     t0 = time.perf_counter()
     importing = threading.Thread(target=preload, daemon=True)
     importing.start()
-    early = Speculation(table_text, request_for) if table_text and request_for is not None else None
     try:
         try:
             req, _ = handoff.recv(sock, REQUEST_WAIT_S)
@@ -433,7 +368,7 @@ def main(fd: int, table_text: str = "", request_for: Callable[[str], dict] | Non
             os._exit(0)
         t_req = time.perf_counter()
         importing.join()
-        b = Builder(req, early)
+        b = Builder(req)
         try:
             b.run()
         except Refused as e:
