@@ -76,7 +76,8 @@ def collector_toml(tmp: str, urls: list[str], top: str = "") -> str:
 def load(address: str, agents: int, rate: float, window: int, seconds: float, warmup_s: float,
          gen_cpus: list[int], watch_pid: int, procs: int, also_pids: tuple[int, ...] = (), on_window=None) -> dict:
     """collector_ingest's simulated agents against `address`; the figures, watch_pid's CPU and the
-    summed CPU of also_pids (the nats-servers) in the window."""
+    summed CPU of also_pids (the nats-servers) and of the load generator in the window;
+    on_window() is called as the window opens."""
     ctx = mp.get_context("spawn")
     shared = ctx.Array("d", 3, lock=False)
     ready_q, out_q = ctx.Queue(), ctx.Queue()

@@ -124,6 +124,9 @@ async def run_gateway(cfg: Any, stop: asyncio.Event, security=None, limits=None,
     await stop.wait()
     await gc_task
     await server.stop(grace=2.0)
+    log.info("gateway %s stopping: %d batches published, %d duplicates, %d publishes sent again (%d not answered "
+             "in time), %d stream waits for in-flight room", gw.id, gw.published, gw.duplicates, gw.retries,
+             gw.timeouts, gw.inflight_waits)
     await gw.marks.flush_all()
     for close in closers:
         try:
