@@ -53,6 +53,7 @@ SLICE_S = 0.0005  # a bulk refresh gives the loop back after this long (acks and
 PLACE_EXTRA_S = 0.0001   # a decision refreshes dirty nodes not yet due for this long at most (catch_up)
 EXTRA_NODES = 4          # ... when no more than this many are dirty
 TIMER_SHARE = 0.5        # the bulk refresh runs this share of refresh_ns after the first node was marked
+BEHIND_SHARE = 0.75      # ... and its slices follow at once when the oldest was marked this share of it ago
 SETTLE_EVERY_S = 0.5     # the settling timer (settle_quiet) runs at most this often
 _DEVICE_SERIES = {UTIL: "util", USED: "used", LIMIT: "limit", BANDWIDTH: "bandwidth"}   # name -> Device attribute
 
@@ -153,14 +154,18 @@ class FleetView:
         # that work is dropping the heap's superseded entries, one per node every stale_s / 2.
         self.find_stale(self.state.clock() - self.stale_ns)
         done = self.refresh_dirty(None, SLICE_S)   # all of them: the oldest is nearly due
-        if not done and self.dirty:   # the rest once the loop has served what waits behind this slice
-            self._arm(int(SLICE_S * 1e9))   # (a gap as long: a Place call's turns fit in between)
+        if not done and self.dirty:
+            # The rest after a gap as long as the slice (a Place call's loop turns fit in between),
+            # or at once when the oldest is close to due (a busy machine: else decisions refresh it).
+            behind = self.mono() - next(iter(self.dirty.values())) > self.refresh_ns * BEHIND_SHARE
+            self._arm(0 if behind else int(SLICE_S * 1e9))
 
     def refresh_dirty(self, upto_ns: int | None = None, budget_s: float = 0.0, every: int = 4) -> bool:
         """Refresh the dirty nodes marked at or before `upto_ns` (None: all), oldest first, for at
-        most `budget_s` (0: no bound). True when all of those were done."""
-        dirty, summaries, now = self.dirty, self.summaries, self.state.clock()
-        t_end = time.perf_counter() + budget_s if budget_s else 0.0
+        most `budget_s` of this thread's CPU time (0: no bound; CPU time, so that a slice preempted
+        on a busy machine still does its share). True when all of those were done."""
+        dirty, summaries, now, cpu = self.dirty, self.summaries, self.state.clock(), time.thread_time
+        t_end = cpu() + budget_s if budget_s else 0.0
         k = 0
         while dirty:
             nid, t = next(iter(dirty.items()))
@@ -174,7 +179,7 @@ class FleetView:
                 except Exception:
                     log.exception("scheduler: cannot follow node %s", nid)
             k += 1
-            if t_end and not k % every and time.perf_counter() > t_end:
+            if t_end and not k % every and cpu() > t_end:
                 return False
         return True
 
