@@ -603,18 +603,29 @@ AGENT_NO_LLVM = JOIN_CGROUP + """
 import json, sys, time
 from xpusense.agent.sources.base import NEARLINE
 from xpusense.agent.sources.ebpf.family import build, table_from
+def switches():   # this process's context switches so far, every thread (each is a run-queue wait after)
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                total += sum(int(l.split()[1]) for l in f if l.startswith(("voluntary_ctxt", "nonvoluntary_ctxt")))
+        except OSError:
+            pass
+    return total
 srcs = build(table_from({"probes": ["runqlat", "netio", "blkio"]}))
+before = switches()
 for s in srcs:
     s.setup()
 for _ in range(int(sys.argv[2])):
     time.sleep(0.0002)
 time.sleep(0.2)
+switched = switches() - before
 runq = srcs[0].collect(NEARLINE)
 maps = open("/proc/self/maps").read()
 print(json.dumps({"bcc_imported": any(m == "bcc" or m.startswith("bcc.") for m in sys.modules),
                   "llvm_mapped": [l.split()[-1] for l in maps.splitlines() if "LLVM" in l or "libbcc" in l or "clang" in l][:3],
                   "loader": srcs[0].describe().get("loader", {}),
-                  "runqlat": [[s.labels.get("cgroup"), s.counts[-1]] for s in runq]}))
+                  "runqlat": [[s.labels.get("cgroup"), s.counts[-1]] for s in runq], "switches": switched}))
 for s in srcs:
     s.close()
 """
@@ -634,7 +645,9 @@ def test_the_agent_holds_the_probes_without_bcc_or_llvm_and_reads_the_same_figur
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     counts = dict(got["runqlat"])
-    assert n <= counts.get(label, 0) <= n + n // 4 + 10, counts
+    # Each sleep is a wait on the run queue once woken; a loaded machine adds preemptions, as many
+    # as the process's context switches say (the loader's few, before it exits, are the slack).
+    assert n <= counts.get(label, 0) <= max(n + n // 4, got["switches"]) + 10, (counts, got["switches"])
 
 
 def test_maps_read_in_one_batch_call_or_key_by_key_agree(probe, loop_device):
