@@ -211,7 +211,7 @@ def grpc_client(addr: str, seconds: float, pause_s: float, conn) -> None:
 
 async def run_size(n: int, seconds: float, warmup_s: float, interval_ms: float, seed: int,
                    identical: int = 0) -> dict:
-    from xpusense.collector.cli import freeze_long_lived
+    from xpusense.collector.gc_policy import freeze_long_lived
     from xpusense.collector.server import start_server
     from xpusense.collector.state import FleetState
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ from .cluster.cli import add_nats_flag, run_cluster, wants_cluster
 from .cluster.cli import add_parsers as add_cluster_parsers
 from .config import load_collector
 from .exporters import Exporters
+from .gc_policy import freeze_long_lived
 from .limits import Limits
 from .scheduler.service import add_place_parser, place_command
 from .server import BindError, check_bind, reclaim_pending, serve
@@ -199,51 +199,6 @@ def last_written_ns(directory: str, max_files: int = 100_000) -> int:
             except OSError:
                 continue
     return newest
-
-
-async def freeze_long_lived(stop: asyncio.Event, every_s: float = 0.1, sweep_s: float = 3600.0,
-                            postpone=None) -> None:
-    """Keep the cyclic garbage collector's pauses out of ingest latency.
-
-    The fleet state is hundreds of thousands of long-lived objects, and the scheduler's index
-    makes ~100 more a node every second (each node's summary, refreshed; the old one freed). Any
-    collection walks every object not frozen, and CPython starts one by allocations minus frees,
-    which that churn leaves even: at 1,000 agents collections found 120,000 young objects and took
-    50-80 ms of CPU each (gen 0 and 1), the full ones 50-180 ms, more than once a second (an ack
-    p99 of ~220 ms, bench/collector_ingest.py). So:
-    - every `every_s` whatever is alive is frozen (gc.freeze, O(1): moved out of the collector's
-      reach), so a collection never finds more than `every_s` of new objects; reference counting
-      still frees everything that is not a cycle, frozen or not;
-    - the automatic full collections are off (`gc.set_threshold`: the third threshold out of
-      reach); the young generations are collected as CPython decides;
-    - a cycle that became garbage before a freeze is kept until the next sweep: every `sweep_s`
-      gc.unfreeze, a full collection, gc.freeze. Such cycles are few (12 objects in a 1,000-agent
-      run of 30 s); the one that matters, an aborted stream's last message, is freed by
-      server._Reclaim, and no freeze happens while one of its runs is due (`postpone()`). The
-      sweep walks everything once: the one long pause (~0.4 s of CPU at 1,000 nodes), logged.
-    """
-    t0, t1, t2 = gc.get_threshold()
-    gc.set_threshold(t0, t1, 2**30)
-    last_sweep = time.monotonic()
-    try:
-        while True:
-            if time.monotonic() - last_sweep >= sweep_s:
-                last_sweep = time.monotonic()
-                started = time.process_time()
-                gc.unfreeze()
-                freed = gc.collect()
-                gc.freeze()
-                log.info("garbage collector sweep: %d objects freed in %.0f ms of CPU, %d kept", freed,
-                         1e3 * (time.process_time() - started), gc.get_freeze_count())
-            elif postpone is None or not postpone():
-                gc.freeze()
-            try:
-                await asyncio.wait_for(stop.wait(), every_s)
-                return
-            except TimeoutError:
-                pass
-    finally:
-        gc.set_threshold(t0, t1, t2)
 
 
 def fetch(address: str, timeout_s: float, node_id: str = "", prefix: str = "", channel=None) -> pb.ListNodesReply:

@@ -81,7 +81,7 @@ class _Reclaim:
     keep its frames, and the last message read, in a cycle that reference counting does not free.
     Twice: `delay_s` after the end, and `late_s` after that (gRPC may still hold the call then),
     again if another stream ended meanwhile. Cheap in `serve`, where the long-lived state is
-    frozen (cli.freeze_long_lived, which does not freeze while runs are due, `reclaim_pending()`:
+    frozen (gc_policy.freeze_long_lived, which does not freeze while runs are due, `reclaim_pending()`:
     a cycle frozen would be kept until its next sweep): only what is not frozen yet is looked at."""
 
     waiting = 0   # instances with runs due, in this process

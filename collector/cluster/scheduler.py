@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import gc
 import logging
 import time
 from typing import Any
@@ -26,6 +25,7 @@ from xpusense.v1 import scheduler_pb2 as spb
 from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
 from xpusense.v1 import telemetry_pb2 as pb
 
+from ..gc_policy import freeze_long_lived
 from ..scheduler.core import Scheduler
 from ..scheduler.service import SCHEDULER_SERVICE, SchedulerServicer
 from .engine import list_bucket
@@ -37,8 +37,6 @@ GATHER_S = 0.005   # woken by a change after the watch ran dry: wait this long f
 WOKEN_S = 0.00005  # a wait for the next change longer than this was a wait on an empty watch
 API_TIMEOUT_S = 10.0   # a replica's JetStream API calls (it publishes nothing: no publish timeout to keep)
 WATCH_BACKOFF_S = (0.5, 5.0)   # first and longest wait before the bucket is listed and watched again
-GC_FREEZE_S = 0.1     # a replica freezes what is alive this often (hold_collections)
-GC_SWEEP_S = 3600.0   # ... and collects everything, frozen or not, this often
 
 
 class _Changes:
@@ -196,36 +194,6 @@ class FleetIndex:
                 await w.stop()
 
 
-async def hold_collections(every_s: float = GC_FREEZE_S, sweep_s: float = GC_SWEEP_S) -> None:
-    """Keep the cyclic garbage collector's pauses out of Place, until cancelled (the collector's
-    policy, collector/cli.py freeze_long_lived). A replica's index of 10,000 nodes is millions of
-    long-lived objects, and following the bucket makes ~100 new ones per summary update (the node's
-    groups, refreshed; the old ones freed): measured at 10,000 nodes and 1,000 updates/s with
-    CPython's defaults, 17 full collections in a 30 s run, up to 580 ms each, every Place call
-    behind one waiting for it. So what is alive is frozen every `every_s` (gc.freeze: out of the
-    collections' reach; reference counting still frees it), the automatic full collections are off,
-    and every `sweep_s` one full collection of everything (gc.unfreeze, collect, freeze) frees the
-    cycles that became garbage after a freeze (logged: the one long pause)."""
-    t0, t1, t2 = gc.get_threshold()
-    gc.set_threshold(t0, t1, 2**30)
-    last_sweep = time.monotonic()
-    try:
-        while True:
-            if time.monotonic() - last_sweep >= sweep_s:
-                last_sweep = time.monotonic()
-                started = time.process_time()
-                gc.unfreeze()
-                freed = gc.collect()
-                gc.freeze()
-                log.info("garbage collector sweep: %d objects freed in %.0f ms of CPU, %d kept", freed,
-                         1e3 * (time.process_time() - started), gc.get_freeze_count())
-            else:
-                gc.freeze()
-            await asyncio.sleep(every_s)
-    finally:
-        gc.set_threshold(t0, t1, t2)
-
-
 class ClusterScheduler:
     """A scheduler core over a FleetIndex that follows the `fleet` bucket."""
 
@@ -277,7 +245,7 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
     buckets = await ensure(js, ncfg)
     server = grpc_server(security, None, cfg.max_message_bytes)
     sched = await add_scheduler(server, js, buckets.fleet, cfg)
-    collections_held = asyncio.get_running_loop().create_task(hold_collections())
+    collections_held = asyncio.get_running_loop().create_task(freeze_long_lived())
     pb_grpc.add_QueryServicer_to_server(ClusterQueryServicer(sched.index, js, ncfg, cfg.stale_s, security), server)
     prometheus = _prometheus(cfg, sched.index)
     hs = health.aio.HealthServicer()

@@ -9,9 +9,7 @@ watched index, scheduler.py) and gRPC health (Ingest NOT_SERVING while the NATS 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
-import time
 from typing import Any
 
 import grpc
@@ -21,12 +19,16 @@ from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
+from ..gc_policy import freeze_long_lived
 from ..server import INGEST_SERVICE, QUERY_SERVICE
 from .engine import connect, ensure
 from .gateway import ClusterIngestServicer, Gateway, parse_agent_message
 from .rpc import NOT_SERVING, SERVING, bind, grpc_server
 
 log = logging.getLogger("xpusense.collector.cluster")
+# A gateway's frozen garbage cycles (an aborted stream's frame and its exception: no reclaim runs
+# here as in the single collector) wait at most this long for the sweep that frees them.
+GATEWAY_SWEEP_S = 300.0
 
 def add_ingest(servicer: ClusterIngestServicer, server: grpc.aio.Server) -> None:
     """The generated add_IngestServicer_to_server, with gateway.parse_agent_message as the request
@@ -83,42 +85,9 @@ async def start_gateway(cfg: Any, security=None, limits=None, credentials=None, 
     return server, gw, closers + [gw.close, nc.drain]
 
 
-async def young_only_gc(stop: asyncio.Event, every_s: float = 0.1, sweep_s: float = 300.0) -> None:
-    """Keep full garbage collections out of the ack latency (the policy of collector/cli.py's
-    freeze_long_lived, which this package cannot import: that module imports this one).
-
-    At 1,000 agent streams a gateway holds every stream's call, tasks and buffers; CPython's
-    automatic full collections walked them all, 110-120 ms each, several a minute, and every batch
-    in flight waited (measured: bench/fleet_scale.py --ack-only). So whatever is alive
-    is frozen every `every_s` (gc.freeze, O(1)), the young generations are collected as CPython
-    decides, automatic full collections are off, and every `sweep_s` one full collection frees the
-    cycles that were frozen meanwhile (an aborted stream's frame and its exception; logged)."""
-    t0, t1, t2 = gc.get_threshold()
-    gc.set_threshold(t0, t1, 2**30)
-    last_sweep = time.monotonic()
-    try:
-        while not stop.is_set():
-            if time.monotonic() - last_sweep >= sweep_s:
-                last_sweep, started = time.monotonic(), time.process_time()
-                gc.unfreeze()
-                freed = gc.collect()
-                gc.freeze()
-                log.info("garbage collector sweep: %d objects freed in %.0f ms of CPU, %d kept", freed,
-                         1e3 * (time.process_time() - started), gc.get_freeze_count())
-            else:
-                gc.freeze()
-            try:
-                await asyncio.wait_for(stop.wait(), every_s)
-            except TimeoutError:
-                pass
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(t0, t1, t2)
-
-
 async def run_gateway(cfg: Any, stop: asyncio.Event, security=None, limits=None, credentials=None) -> None:
     server, gw, closers = await start_gateway(cfg, security, limits, credentials)
-    gc_task = asyncio.get_running_loop().create_task(young_only_gc(stop))
+    gc_task = asyncio.get_running_loop().create_task(freeze_long_lived(stop, sweep_s=GATEWAY_SWEEP_S))
     log.info("gateway %s listening on %s, publishing to the NATS cluster at %s", gw.id, cfg.listen,
              ",".join(cfg.nats.urls))
     await stop.wait()

@@ -1,4 +1,4 @@
-"""cli.freeze_long_lived: what is alive is frozen, no automatic full collections meanwhile, a cycle
+"""gc_policy.freeze_long_lived: what is alive is frozen, no automatic full collections meanwhile, a cycle
 frozen as garbage is freed by the sweep, and nothing is frozen while server._Reclaim has a run due."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import gc
 import time
 import weakref
 
-from xpusense.collector.cli import freeze_long_lived
+from xpusense.collector.gc_policy import freeze_long_lived
 
 
 class Node:
@@ -121,3 +121,24 @@ def test_reclaim_runs_twice_and_again_for_a_stream_that_ended_meanwhile(monkeypa
         return seen
 
     assert asyncio.run(main()) == [False, True, False, 3]
+
+
+def test_without_a_stop_event_it_runs_until_cancelled_and_gives_everything_back():
+    """As a scheduler replica runs it: cancelled at the end, the thresholds and frozen objects back."""
+    async def run() -> tuple:
+        before = gc.get_threshold()
+        task = asyncio.get_running_loop().create_task(freeze_long_lived(every_s=0.01, sweep_s=3600.0))
+        on = await until(lambda: gc.get_threshold()[2] == 2**30 and gc.get_freeze_count() > 0)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return on, before, gc.get_threshold(), gc.get_freeze_count()
+
+    try:
+        on, before, after, frozen_after = asyncio.run(run())
+        assert on, "full collections not turned off, or nothing frozen"
+        assert after == before and frozen_after == 0
+    finally:
+        gc.unfreeze()

@@ -1,16 +1,14 @@
 """The scheduler replica's own parts (collector/cluster/scheduler.py) with the core over them: a
 listed node's next summary update is deferred like any other (a summary carries its readings, so
-there is no first batch to wait for), and the garbage collector policy it runs under."""
+there is no first batch to wait for)."""
 
 from __future__ import annotations
 
-import asyncio
-import gc
 import time
 
 from sched_sim import GiB, inventory, readings
 
-from xpusense.collector.cluster.scheduler import FleetIndex, hold_collections
+from xpusense.collector.cluster.scheduler import FleetIndex
 from xpusense.collector.cluster.summary import NodeLatest
 from xpusense.collector.config import load_collector
 from xpusense.collector.scheduler.core import Scheduler
@@ -45,25 +43,3 @@ def test_update_after_a_listed_node_is_deferred_and_answered_with():
     reply = sch.place(req)                                     # no loop: catch_up refreshes it first
     assert [c.node_id for c in reply.candidates] == ["n2"] and not view.dirty
     assert n1.devices[0].free == 5 * GiB
-
-
-def test_hold_collections_turns_full_collections_off_and_back():
-    async def run() -> None:
-        before = gc.get_threshold()
-        task = asyncio.get_running_loop().create_task(hold_collections(every_s=0.01, sweep_s=3600.0))
-        deadline = time.monotonic() + 30
-        while gc.get_threshold()[2] != 2**30 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        assert gc.get_threshold()[:2] == before[:2] and gc.get_threshold()[2] == 2**30
-        assert gc.get_freeze_count() > 0                      # what was alive is out of the collections' reach
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        assert gc.get_threshold() == before
-
-    try:
-        asyncio.run(run())
-    finally:
-        gc.unfreeze()
