@@ -188,7 +188,7 @@ class Entry:
     """A node in one pool. `group`: its one group to look at there (the common case), or None with
     `groups` the several (types for `any`, domains for same_domain), evaluated one by one."""
     __slots__ = ("summary", "state", "key", "group", "groups", "bucket_slot", "pool_slot", "levels", "ties", "row",
-                 "stale", "settled")
+                 "stale", "settled", "most_offered", "misfit")
 
     def __init__(self, s: NodeSummary, key: tuple):
         self.summary, self.state, self.key = s, s.state, key
@@ -201,6 +201,11 @@ class Entry:
         self.levels = [-1] * (CMAX + 1)   # per count: its level in Bucket.by_level, -1 when not there
         self.ties: list[tuple | None] = [None] * (CMAX + 1)   # per count: its group's tie key (Group.ties)
         self.settled: bool | None = None   # filed by tie key (True) or by id (False); None: not filed yet
+        # Several groups: the most devices any of them offers, and per request shape (type index,
+        # count, memory, same_domain) its misfit reason and whether it fits as a type, as `classify`
+        # found them (search.py): both hold until its groups change (file_node resets them).
+        self.most_offered = 0
+        self.misfit: dict[tuple, tuple[str, bool]] = {}
 
 
 class Alike:
@@ -464,6 +469,8 @@ def file_node(pools: tuple[Pool, ...], s: NodeSummary) -> bool:
             by_id = by_id or e.settled is False
         else:
             e.groups = groups
+            e.most_offered = max(len(g.devices) for g in groups)
+            e.misfit = {}
         if s.not_offered:
             pool.with_devices_out[nid] = e
         else:

@@ -29,6 +29,7 @@ from .scoring import RegionMatrix, compliance, data_affinity, disaster_tolerance
 HEALTH_REASONS = ("xid", "unhealthy")
 ALIKE_WALKED = 8   # alike nodes (one tie key in a level) up to this many are offered without sorting
 FIT_REASONS = ("count", "domain", "memory")
+MISFIT_SHAPES = 16   # request shapes whose misfit reason a node with several groups keeps (Entry.misfit)
 
 
 class _Later:
@@ -334,15 +335,23 @@ def _filter_bucket(q: Query, walk: _Walk, b: Bucket, why: str) -> None:
 
 def _score_many_group_nodes(q: Query, walk: _Walk, b: Bucket) -> None:
     """The bucket's fresh nodes with several groups, one by one: out of the one-group counts, then
-    ranked, or classified as misfits."""
+    ranked, or classified as misfits. A node none of whose groups offers `count` devices (devices
+    each a domain of their own, asked for several in one domain) is a misfit without a look at its
+    groups, classified once per request shape until its groups change (Entry.misfit)."""
+    count, shape = q.count, (q.type_index, q.count, q.mem, q.same_domain)
     for e in b.many_groups.values():
         if e.stale:
             continue
         walk.drop_many_groups(e)
-        score, group = best_of_groups(q, e, b.key_part)
+        score, group = best_of_groups(q, e, b.key_part) if count <= e.most_offered else (-1.0, None)
         if group is None:
-            q.note_misfit(classify(e.summary, q), e.summary)
-            walk.typefit_classified += q.same_domain and _fits_as_type(e.summary, q)
+            known = e.misfit.get(shape)
+            if known is None:
+                if len(e.misfit) >= MISFIT_SHAPES:
+                    e.misfit.clear()
+                known = e.misfit[shape] = (classify(e.summary, q), bool(q.same_domain and _fits_as_type(e.summary, q)))
+            q.note_misfit(known[0], e.summary)
+            walk.typefit_classified += known[1]
         else:
             q.feasible += 1
             q.offer(score, e.summary.node_id, group)

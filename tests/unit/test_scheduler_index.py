@@ -312,3 +312,41 @@ def test_quiet_busy_nodes_settle_on_the_timer(monkeypatch):
         assert alike[0] in sch.view.busy and sch.view.settle_timer is not None
 
     asyncio.run(run())
+
+
+def test_nodes_of_one_device_domains_misfit_as_the_full_scan_says():
+    """Nodes whose devices are each a domain of their own (A100 PCIe), asked for several devices in
+    one domain: misfits without a look at their groups, each classified once per request shape
+    until a refresh changes its groups (Entry.misfit); the same answers as the scan throughout,
+    as readings and health move."""
+    rng = random.Random(5)
+    clock = [10**18]
+    st_ = FleetState(clock=lambda: clock[0])
+    sch = Scheduler(st_, DEFAULTS.scheduler, DEFAULTS.stale_s)
+    seq: dict[str, int] = {}
+
+    def feed(nid: str) -> None:
+        seq[nid] = seq.get(nid, 0) + 1
+        used = {d: rng.choice((0.0, 20.0, 39.0)) for d in range(8)}
+        health = {d: rng.choice(["OK"] * 6 + ["Alarm"]) for d in range(8)}
+        st_.ingest(pb.Batch(node_id=nid, boot_id="b", seq=seq[nid], samples=readings(
+            "a100pcie", 8, util={d: rng.random() for d in range(8)}, used_gib=used, health=health, t_ns=clock[0])))
+
+    pcie = [f"p{i:03d}" for i in range(120)]
+    for nid in pcie + [f"n{i:02d}" for i in range(30)]:
+        kind = "a100pcie" if nid in pcie else rng.choice(["a100", "910a"])
+        st_.hello(pb.Hello(node_id=nid, boot_id="b", inventory=inventory(kind, 8, region=rng.choice(["r1", "r2"]))))
+        if kind == "a100pcie":
+            feed(nid)
+    shapes = [spb.PlaceRequest(accelerator=a, memory_bytes=m * GiB, count=c, same_domain=True, limit=5, max_excluded=400)
+              for a in (spb.ACCELERATOR_ANY, spb.ACCELERATOR_GPU) for m in (1, 30) for c in (1, 2, 4, 8)]
+    for step in range(3):
+        clock[0] += 10**9
+        for nid in rng.sample(pcie, 40):   # refreshed: their misfit reasons worked out again
+            feed(nid)
+        for _ in range(2):   # each shape twice: the second from what the first kept
+            for req in shapes:
+                same_answer(sch, req, f"step {step} request {req}")
+        check_index(sch)
+    kept = [e for p in sch.view.pools[3:] for e in p.entries.values() if e.summary.node_id in pcie and e.misfit]
+    assert kept and all(e.most_offered <= 1 for e in kept)
