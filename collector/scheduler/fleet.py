@@ -11,7 +11,10 @@ batch stored more than `refresh_ns` before it. A node that sends many batches in
 refreshed once. Hello, inventory, the first batch after them (unless the state's nodes come with
 their readings, `readings_with_inventory`) and events are followed at once (rare, and they carry
 what a decision must not miss). `refresh_ns` 0, or no running loop to time it: refreshed on every batch
-(unit tests, the reference) or, without a loop, by catch_up() before each decision.
+(unit tests, the reference) or, without a loop, by catch_up() before each decision. A node filed by
+id in the index (busy: its tie key changed at its last refresh) is moved under its tie key once it
+has not been refreshed for SETTLE_NS, by a second timer (settle_quiet; by catch_up() without a
+loop), so that no decision walks quiet nodes one by one.
 
 Per node: its accelerators' free HBM and free score from the latest readings, their health (an XID
 or double-bit ECC event within xid_window_s, or a health state other than OK: the newer of the
