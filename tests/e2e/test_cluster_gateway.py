@@ -144,22 +144,18 @@ def test_pipelined_publish_acks_duplicates_times_out_and_gives_up(nats_cluster, 
                 fut = await gw.publish_nowait(subject, b"batch", headers)
                 outcomes.append(await gw.settle(fut, subject, b"batch", headers, since))
             assert gw.acks_waiting == 0
+            async def outcome(subject: str, msg_id: str) -> str:
+                since = time.monotonic()
+                fut = await gw.publish_nowait(subject, b"x", {MSG_ID: msg_id})
+                try:
+                    await gw.settle(fut, subject, b"x", {MSG_ID: msg_id}, since)
+                    return "acknowledged"
+                except PublishFailed as e:
+                    return str(e)
             silent = await nc.subscribe("silent.x")   # a responder that never answers
-            since = time.monotonic()
-            fut = await gw.publish_nowait("silent.x", b"x", {MSG_ID: "s:1"})
-            try:
-                await gw.settle(fut, "silent.x", b"x", {MSG_ID: "s:1"}, since)
-                silent_outcome = "acknowledged"
-            except PublishFailed as e:
-                silent_outcome = str(e)
+            silent_outcome = await outcome("silent.x", "s:1")
             await silent.unsubscribe()
-            since = time.monotonic()
-            fut = await gw.publish_nowait("nostream.x", b"x", {MSG_ID: "n:1"})
-            try:
-                await gw.settle(fut, "nostream.x", b"x", {MSG_ID: "n:1"}, since)
-                nostream_outcome = "acknowledged"
-            except PublishFailed as e:
-                nostream_outcome = str(e)
+            nostream_outcome = await outcome("nostream.x", "n:1")
             await gw.close()
             return outcomes, gw.timeouts, gw.retries, silent_outcome, nostream_outcome, gw.acks_waiting
         finally:
