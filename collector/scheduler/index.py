@@ -202,10 +202,11 @@ class Entry:
         self.ties: list[tuple | None] = [None] * (CMAX + 1)   # per count: its group's tie key (Group.ties)
         self.settled: bool | None = None   # filed by tie key (True) or by id (False); None: not filed yet
         # Several groups: the most devices any of them offers, and per request shape (type index,
-        # count, memory, same_domain) its misfit reason and whether it fits as a type, as `classify`
-        # found them (search.py): both hold until its groups change (file_node resets them).
+        # count, memory, same_domain) where it is a misfit: its reason, whether it fits as a type (as
+        # `classify` found them) and what its type rows take out of the counts (search.py): both
+        # hold until its groups change (file_node resets them, and sets its type rows with them).
         self.most_offered = 0
-        self.misfit: dict[tuple, tuple[str, bool]] = {}
+        self.misfit: dict[tuple, tuple[str, bool, int, int, int]] = {}
 
 
 class Alike:

@@ -337,19 +337,28 @@ def _score_many_group_nodes(q: Query, walk: _Walk, b: Bucket) -> None:
     """The bucket's fresh nodes with several groups, one by one: out of the one-group counts, then
     ranked, or classified as misfits. A node none of whose groups offers `count` devices (devices
     each a domain of their own, asked for several in one domain) is a misfit without a look at its
-    groups, classified once per request shape until its groups change (Entry.misfit)."""
+    groups; a misfit's reason, whether it fits as a type and what its rows take out of the counts
+    are kept per request shape until its groups change (Entry.misfit)."""
     count, shape = q.count, (q.type_index, q.count, q.mem, q.same_domain)
     for e in b.many_groups.values():
         if e.stale:
             continue
+        known = e.misfit.get(shape)
+        if known is not None:   # a misfit for this shape, its groups unchanged since
+            walk.one_group -= known[2]
+            walk.fitting -= known[3]
+            walk.too_few -= known[4]
+            q.note_misfit(known[0], e.summary)
+            walk.typefit_classified += known[1]
+            continue
+        one_group, fitting, too_few = walk.one_group, walk.fitting, walk.too_few
         walk.drop_many_groups(e)
         score, group = best_of_groups(q, e, b.key_part) if count <= e.most_offered else (-1.0, None)
         if group is None:
-            known = e.misfit.get(shape)
-            if known is None:
-                if len(e.misfit) >= MISFIT_SHAPES:
-                    e.misfit.clear()
-                known = e.misfit[shape] = (classify(e.summary, q), bool(q.same_domain and _fits_as_type(e.summary, q)))
+            if len(e.misfit) >= MISFIT_SHAPES:
+                e.misfit.clear()
+            known = e.misfit[shape] = (classify(e.summary, q), bool(q.same_domain and _fits_as_type(e.summary, q)),
+                                       one_group - walk.one_group, fitting - walk.fitting, too_few - walk.too_few)
             q.note_misfit(known[0], e.summary)
             walk.typefit_classified += known[1]
         else:
