@@ -271,7 +271,7 @@ async def place_from_bucket(urls: list[str], data: list[bytes], seconds: float, 
     await nc.close()
     return {"put_s": put_s, "list_s": list_s, "listed": listed, "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99),
             "cpu_p50_ms": pct(cpu, 0.5), "cpu_p99_ms": pct(cpu, 0.99), "n": len(lat), "followed_s": followed,
-            "caught_up": caught_up, "caught_up_nodes": caught_up_nodes, "settled": view.settled}
+            "caught_up": caught_up, "caught_up_nodes": caught_up_nodes, "settled": getattr(view, "settled", 0)}
 
 
 def place_over_grpc(tmp: str, urls: list[str], data: list[bytes], seconds: float, updates_s: float) -> dict:
