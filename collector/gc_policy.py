@@ -18,7 +18,9 @@ every Place call behind one (bench/fleet_scale.py --place-only). So, in `freeze_
 - a cycle that became garbage before a freeze is kept until the next sweep: every `sweep_s`
   gc.unfreeze, a full collection, gc.freeze (the one long pause, logged). Such cycles are few; the
   one that matters in the single collector, an aborted stream's last message, is freed by
-  server._Reclaim, and nothing is frozen while one of its runs is due (`postpone()`).
+  server._Reclaim, and nothing is frozen while one of its runs is due (`postpone()`). A message
+  that was alive at a freeze (a large batch read while the stream was young) is frozen with it,
+  though: after a stream the collector aborted, _Reclaim sweeps (at most every DEEP_EVERY_S).
 """
 
 from __future__ import annotations
@@ -35,6 +37,18 @@ FREEZE_EVERY_S = 0.1
 SWEEP_EVERY_S = 3600.0
 
 
+def sweep(why: str) -> int:
+    """One full collection of everything, frozen or not (gc.unfreeze, collect, freeze): the one long
+    pause of this policy, logged with `why`. The objects freed."""
+    started = time.process_time()
+    gc.unfreeze()
+    freed = gc.collect()
+    gc.freeze()
+    log.info("garbage collector sweep (%s): %d objects freed in %.0f ms of CPU, %d kept", why, freed,
+             1e3 * (time.process_time() - started), gc.get_freeze_count())
+    return freed
+
+
 async def freeze_long_lived(stop: asyncio.Event | None = None, every_s: float = FREEZE_EVERY_S,
                             sweep_s: float = SWEEP_EVERY_S, postpone: Callable[[], bool] | None = None) -> None:
     """The policy above, until `stop` is set (or the task is cancelled); the thresholds and the
@@ -46,12 +60,8 @@ async def freeze_long_lived(stop: asyncio.Event | None = None, every_s: float = 
     try:
         while not stop.is_set():
             if time.monotonic() - last_sweep >= sweep_s:
-                last_sweep, started = time.monotonic(), time.process_time()
-                gc.unfreeze()
-                freed = gc.collect()
-                gc.freeze()
-                log.info("garbage collector sweep: %d objects freed in %.0f ms of CPU, %d kept", freed,
-                         1e3 * (time.process_time() - started), gc.get_freeze_count())
+                last_sweep = time.monotonic()
+                sweep("every %.0f s" % sweep_s)
             elif postpone is None or not postpone():
                 gc.freeze()
             try:
