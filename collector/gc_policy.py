@@ -20,7 +20,7 @@ every Place call behind one (bench/fleet_scale.py --place-only). So, in `freeze_
   one that matters in the single collector, an aborted stream's last message, is freed by
   server._Reclaim, and nothing is frozen while one of its runs is due (`postpone()`). A message
   that was alive at a freeze (a large batch read while the stream was young) is frozen with it,
-  though: after a stream the collector aborted, _Reclaim sweeps (at most every DEEP_EVERY_S).
+  though: after a stream the collector aborted, _Reclaim sweeps (at most every `deep_every_s`).
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ class FleetIndex:
             self.watch_restarts += 1
             delay = next(delays)
             log.warning("fleet index: cannot follow bucket %s (%s); listing and watching again in %.1f s "
-                        "(%d restarts)", bucket, why or "no detail", delay, self.watch_restarts)
+                        "(%d restarts)", bucket, why, delay, self.watch_restarts)
             await asyncio.sleep(delay)
 
     async def _list_and_watch(self, js, kv, bucket: str) -> None:

@@ -9,6 +9,7 @@ import time
 import weakref
 
 from xpusense.collector.gc_policy import freeze_long_lived
+from xpusense.collector.server import _Reclaim
 
 
 class Node:
@@ -142,3 +143,43 @@ def test_without_a_stop_event_it_runs_until_cancelled_and_gives_everything_back(
         assert after == before and frozen_after == 0
     finally:
         gc.unfreeze()
+
+
+def test_after_an_aborted_stream_the_reclaim_sweeps_frozen_cycles_at_most_every_deep_every_s():
+    """A cycle frozen while alive (a refused message read before a freeze) is kept by a plain
+    reclaim, freed by the sweep after an aborted stream; a second aborted stream within
+    deep_every_s gets a timer, not a second sweep at once."""
+    async def settled(r: _Reclaim) -> bool:
+        return await until(lambda: not r.pending)
+
+    def frozen_cycle() -> weakref.ref:
+        """A cycle frozen while alive, garbage only after the freeze."""
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        gc.freeze()
+        return weakref.ref(a)
+
+    async def main() -> tuple:
+        r = _Reclaim(delay_s=0.01, late_s=0.01, deep_every_s=3600.0)
+        first = frozen_cycle()
+        r.soon()                      # a stream that ended on its own: young garbage only
+        assert await settled(r)
+        kept_by_plain = first() is not None
+        r.soon(aborted=True)          # aborted: the late run sweeps everything
+        assert await settled(r)
+        freed_by_sweep, sweeps_then = first() is None, r.deep_runs
+        second = frozen_cycle()
+        r.soon(aborted=True)          # again, 3600 s too soon: collected later, by the timer
+        assert await settled(r)
+        held = second() is not None and r.deep_runs == sweeps_then and r.deep_timer is not None
+        r.deep_timer.cancel()
+        return kept_by_plain, freed_by_sweep, sweeps_then, held
+
+    gc.unfreeze()
+    try:
+        kept_by_plain, freed_by_sweep, sweeps, held = asyncio.run(main())
+    finally:
+        gc.unfreeze()
+    assert kept_by_plain, "a plain reclaim collected a frozen cycle"
+    assert freed_by_sweep and sweeps == 1, "the sweep after an aborted stream did not free it"
+    assert held, "a second sweep ran within deep_every_s"
