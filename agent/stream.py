@@ -41,6 +41,7 @@ from xpusense.common.tls import channel_options
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
+from .grpc_waits import quiet_grpc_waits
 from .sources.base import COUNTER, GAUGE, HISTOGRAM, Event, Sample
 from .spool import RecordError
 
@@ -48,7 +49,6 @@ log = logging.getLogger("xpusense.agent.stream")
 
 # How the collector's refusal of a batch that will never pass its limits begins (collector/limits.py).
 REFUSED = "batch rejected"
-GRPC_WAKE_S = 1.0    # quiet_grpc_waits()
 IDLE_TICK_S = 1.0    # the batcher's wake-up while nothing comes: its progress() for the watchdog
 
 KINDS = {GAUGE: pb.GAUGE, COUNTER: pb.COUNTER, HISTOGRAM: pb.HISTOGRAM}
@@ -65,19 +65,6 @@ def fill_histogram(h: pb.Histogram, s: Sample) -> None:
     h.bounds.extend(s.bounds)
     h.counts.extend(s.counts)
     h.sum, h.count = s.value, (s.counts[-1] if s.counts else 0)
-
-
-def quiet_grpc_waits(every_s: float = GRPC_WAKE_S) -> None:
-    """grpc's synchronous API wakes each thread blocked on a call every 100 ms
-    (grpc._common.MAXIMUM_WAIT_TIMEOUT) only so that a signal handler can run on the main thread; the
-    agent's calls wait in threads of their own and its signals are handled on the main thread, so
-    those wake-ups buy nothing and cost the stream's sender thread nearly all of its CPU, a tenth of
-    the agent's (per-thread CPU under bench/footprint.py). Deadlines and completions do not depend
-    on it: the waits are on conditions that grpc notifies. Left alone when a grpc release no longer
-    has the setting."""
-    import grpc._common as grpc_common
-    if isinstance(getattr(grpc_common, "MAXIMUM_WAIT_TIMEOUT", None), float):
-        grpc_common.MAXIMUM_WAIT_TIMEOUT = max(grpc_common.MAXIMUM_WAIT_TIMEOUT, every_s)
 
 
 def event_to_proto(e: Event) -> pb.Event:

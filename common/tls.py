@@ -96,6 +96,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_send_message_length", 16 * 1024 * 1024),
+    # No BDP probing: it sizes the flow-control window for bulk transfers by pinging the peer when
+    # data comes in; one small message a second each way needs no larger window, and each probe
+    # is a ping and its ack, a wake-up of the event engine's threads on both sides.
+    ("grpc.http2.bdp_probe", 0),
 ]
 
 
