@@ -30,7 +30,7 @@ from ebpf_support import own_cgroup, probe_sources, require_ebpf
 from helpers import ROOT, wait_until
 
 from xpusense.agent.sources.base import HISTOGRAM, NEARLINE, REALTIME, Unavailable
-from xpusense.agent.sources.ebpf import family
+from xpusense.agent.sources.ebpf import family, handover
 from xpusense.agent.sources.ebpf.loader import EbpfLoader
 from xpusense.agent.sources.ebpf.procfs import cgroup2_root
 from xpusense.agent.sources.ebpf.tc import TC_PARENTS, ours
@@ -575,6 +575,29 @@ def test_cuda_uprobe_counts_calls_into_libcuda_per_process(probe, fake_libcuda):
     assert value(rt, "xpusense.cuda.kernel.launches", pid=str(again["pid"])) == again["launches"]
 
 
+def test_a_probe_whose_programs_did_not_run_gives_its_last_read_again_and_reads_once_they_ran(probe, fake_libcuda):
+    src = probe("cuda_uprobe", cuda_library=fake_libcuda)
+    if not src.loader.stats.state.startswith("on (BPF_ENABLE_STATS"):
+        pytest.skip(f"bpf_stats not held on by BPF_ENABLE_STATS here ({src.loader.stats.state})")
+    driver = str(FAKE_CUDA / "driver.py")
+    first = json.loads(sh(sys.executable, driver, fake_libcuda, "6", timeout=60).stdout)
+    src.collect(REALTIME)            # reports the exited process once more and gives its slot back
+    second = src.collect(REALTIME)   # read again (the round before wrote the maps)
+    reused = src.reads_reused
+    third = src.collect(REALTIME)    # nothing called into the library since: the maps are not read
+    assert src.reads_reused == reused + 1
+
+    def maps_part(samples):
+        return sorted((s.name, sorted(s.labels.items()), s.value, s.counts) for s in samples
+                      if not s.name.startswith("xpusense.ebpf.probe."))
+    assert maps_part(third) == maps_part(second)
+    assert not find(third, "xpusense.cuda.kernel.launches", pid=str(first["pid"]))
+    did = json.loads(sh(sys.executable, driver, fake_libcuda, "9", timeout=60).stdout)
+    fourth = src.collect(REALTIME)   # the programs ran: read
+    assert src.reads_reused == reused + 1
+    assert value(fourth, "xpusense.cuda.kernel.launches", pid=str(did["pid"])) == did["launches"] > 0
+
+
 # ------------------------------------------------------------------------------------------ isolation
 
 def test_a_probe_that_does_not_compile_does_not_take_the_others_down(monkeypatch):
@@ -698,6 +721,66 @@ def test_a_loader_that_hangs_is_killed_and_the_probes_say_so(monkeypatch):
     [src] = family.build(family.table_from({"probes": ["runqlat"]}))
     with pytest.raises(Unavailable, match="handed nothing over within 2 s and was killed"):
         src.setup()
+
+
+def early_loader_config(tmp_path, probes: list[str]) -> str:
+    path = tmp_path / "agent.toml"
+    path.write_text(f"[sources.ebpf]\nprobes = {json.dumps(probes)}\n")
+    return str(path)
+
+
+def test_a_loader_started_early_compiles_ahead_what_the_config_asks_and_leaves_the_hosts_kallsyms_alone(tmp_path):
+    """`xpusense-agent run` starts the loader before its own imports (handover.start_early), naming its
+    config: the loader compiles what the config asks for while the agent starts, and the agent's
+    request finds it compiled. bcc saw a kallsyms of the loader's own mount namespace, never the host."""
+    require_ebpf()
+    handover.start_early(early_loader_config(tmp_path, ["runqlat", "netio"]))
+    sources = family.build(family.table_from({"probes": ["runqlat", "netio"]}))
+    try:
+        for src in sources:
+            src.setup()
+        info = sources[0].describe()["loader"]
+        assert info["compiled_ahead"] is True, info
+        assert info["kallsyms"] == "private (bpf symbols only)", info
+        for src in sources:
+            assert find(src.collect(REALTIME), "xpusense.ebpf.probe.events", probe=src.probe)
+    finally:
+        for src in sources:
+            src.close()
+        handover.discard_early()
+    with open("/proc/kallsyms") as f:
+        names = {line.split()[2] for line in f}
+    assert "schedule" in names and len(names) > 10_000      # the host's own file, whole
+
+
+def test_a_loader_that_compiled_other_probes_ahead_compiles_what_the_agent_asks(tmp_path):
+    require_ebpf()
+    handover.start_early(early_loader_config(tmp_path, ["runqlat"]))
+    sources = family.build(family.table_from({"probes": ["runqlat", "netio"]}))
+    try:
+        for src in sources:
+            src.setup()
+        info = sources[0].describe()["loader"]
+        assert info["compiled_ahead"] is False and "other probes or flags" in info["ahead"], info
+        for src in sources:
+            assert find(src.collect(REALTIME), "xpusense.ebpf.probe.events", probe=src.probe)
+    finally:
+        for src in sources:
+            src.close()
+        handover.discard_early()
+
+
+def test_an_early_loader_is_not_started_for_a_config_without_probes_and_one_nobody_takes_ends(tmp_path):
+    require_ebpf()
+    off = tmp_path / "off.toml"
+    off.write_text("[sources.ebpf]\nenabled = false\n")
+    handover.start_early(str(off))
+    assert handover.take_early() is None
+    handover.start_early(early_loader_config(tmp_path, ["runqlat"]))
+    early = handover.take_early()
+    assert early is not None
+    early.close()           # EOF on its socket: it leaves without compiling anything it was not asked for
+    assert early.proc.returncode == 0
 
 
 def test_probes_shared_out_between_two_loader_processes_all_run(monkeypatch):

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 
 from xpusense.agent.sources.base import COUNTER, HISTOGRAM, Sample, Unavailable
-from xpusense.agent.sources.ebpf import bpfmap, btf, family, handoff, handover, links, loader, procfs
+from xpusense.agent.sources.ebpf import bpfmap, btf, family, handoff, handover, links, procfs
 from xpusense.agent.sources.ebpf.loader import render_c
 from xpusense.agent.sources.ebpf.source import EbpfSource, hist_sample, sum_percpu
 from xpusense.agent.tiers import ChangeFilter
@@ -56,7 +56,7 @@ def test_feature_tests_pick_the_fallback_variant_and_say_why(tmp_path):
 
 def test_without_privileges_every_probe_is_unavailable_with_what_to_do(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(loader, "read_cap_eff", lambda procfs="/proc": 0)
+    monkeypatch.setattr(procfs, "read_cap_eff", lambda procfs="/proc": 0)
     for src in sources():
         with pytest.raises(Unavailable, match="root or CAP_BPF"):
             src.setup()
@@ -311,3 +311,21 @@ def test_a_probes_unchanged_series_are_sent_again_only_after_a_while():
     h2 = Sample("h", 1.0, "s", {}, HISTOGRAM, bounds=(1.0,), counts=(0, 1))
     assert f.keep([h1], 20) == [h1] and f.keep([h2], 21) == [h2], "a histogram changes with its buckets"
     assert EbpfSource.resend_unchanged_s == 15.0
+
+
+def test_the_loaders_kallsyms_keeps_the_bpf_symbols_bcc_asks_about_and_only_those():
+    from xpusense.agent.sources.ebpf import kallsyms
+    text = (b"ffffffff81000000 T _stext\n"
+            b"ffffffff814b98b0 T bpf_probe_read_kernel\n"
+            b"ffffffff814b9900 t xbpf_lookalike\n"
+            b"ffffffff814bc2f0 T bpf_probe_read_user\n"
+            b"ffffffff81200000 T __x64_sys_bpf\n"
+            b"ffffffff81200100 T __x64_sys_bpf_other\n"
+            b"ffffffffc0001000 t bpf_mod_helper\t[some_module]\n"
+            b"ffffffffc0002000 t helper_of_bpf_prog\t[bpf_mod]\n"
+            b"ffffffff81300000 T bpf_last_without_newline")
+    got = kallsyms.bpf_lines(text).decode().splitlines()
+    assert got == ["ffffffff814b98b0 T bpf_probe_read_kernel", "ffffffff814bc2f0 T bpf_probe_read_user",
+                   "ffffffff81200000 T __x64_sys_bpf", "ffffffffc0001000 t bpf_mod_helper\t[some_module]",
+                   "ffffffff81300000 T bpf_last_without_newline"]
+    assert kallsyms.bpf_lines(b"") == b""

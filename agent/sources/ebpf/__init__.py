@@ -20,11 +20,13 @@ Modules, each importing only those above it:
 - bpfmap: maps through the bpf syscall (batch reads), ctypes types from bcc's descriptions
 - links: the interfaces of a network namespace (one rtnetlink dump, no pyroute2 in the agent)
 - handoff: JSON messages with fds (SCM_RIGHTS) between the agent and the loader process
-- handover: starting the loader process, its failures as Unavailable, ProbeHandle (a probe's fds)
+- handover: starting the loader process (also early, by the CLI), its failures as Unavailable, ProbeHandle
+- kallsyms: the loader's private view of /proc/kallsyms (the bpf symbols bcc asks about, nothing else)
 - loader: Plan (feature tests), render_c, EbpfLoader (one loader process for all probes)
 - source: EbpfSource, the base every probe's source is, and the map readers
 - loadproc: the loader process itself (imports bcc; compile, load, attach, hand over, exit)
 - probes: runqlat, blkio, netio, accel_ioctl, cuda_uprobe; tc: tc_traffic and its netlink code
-- family: the [sources.ebpf] schema, build() and FAMILY; plans_for
+- family: the [sources.ebpf] schema, build() and FAMILY; plans_for, expected_request
+- ahead: the loader process's entry; with the agent's config named, the request compiled before it comes
 - __main__: `python -m xpusense.agent.sources.ebpf --print-c` prints the C that will be loaded
 """

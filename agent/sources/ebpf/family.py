@@ -123,4 +123,18 @@ def plans_for(table: SimpleNamespace) -> tuple[list[Plan], dict[str, str]]:
     return plans, why
 
 
+def expected_request(table: SimpleNamespace) -> dict | None:
+    """The request this host's agent will send its loader for `table` (see EbpfLoader.request), or None
+    where eBPF cannot run (the environment check's reason is then the agent's to give)."""
+    sources = ebpf_sources(table)
+    if not sources:
+        return None
+    loader = sources[0].loader
+    try:
+        loader.check_environment()
+    except Unavailable:
+        return None
+    return loader.request(loader.planned())
+
+
 FAMILY = SourceFamily("ebpf", SCHEMA, build_and_prestart)

@@ -8,10 +8,12 @@ program and attachment fds; closing the attachment fds (perf events, raw tracepo
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -19,8 +21,26 @@ from typing import Any
 from ..base import Unavailable
 from . import handoff
 from .bpfmap import BpfMap
+from .procfs import bpf_capable
 
 log = logging.getLogger("xpusense.agent.sources.ebpf")
+
+# How the loader process starts: the agent's own interpreter, every import path the agent has that a
+# fresh interpreter lacks (a site directory added at run time, with its .pth files: an editable
+# install's finder), then the loader on the inherited socket: ahead.serve, which is loadproc.main plus,
+# when the agent's config file is named, the request the agent will send compiled before it comes.
+LOADER_BOOT = ("import json, site, sys\n"
+               "for p in json.loads(sys.argv[1]):\n"
+               "    if p not in sys.path: site.addsitedir(p)\n"
+               "from xpusense.agent.sources.ebpf.ahead import serve\n"
+               "serve(int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)\n")
+
+
+def loader_argv(fd: int, config_path: str | None = None) -> list[str]:
+    """The loader process's command line, on socket `fd`; `config_path`: compile ahead from that config
+    ("" for the built-in defaults; None: wait for the request)."""
+    return [sys.executable, "-c", LOADER_BOOT, json.dumps(sys.path), str(fd),
+            *(() if config_path is None else (config_path,))]
 
 
 class ProbeHandle:
@@ -169,3 +189,49 @@ def _tail(f: Any, n: int = 400) -> str:
         return ""
     lines = [line for line in text.splitlines() if line.strip()]
     return " | ".join(lines[-3:])[-n:]
+
+
+# The loader process `xpusense-agent run` starts first thing, before its own imports (start_early), so
+# that the loader compiles the probes (from the agent's config file) while the agent starts; the
+# agent's EbpfLoader takes it instead of starting one (take_early), and the CLI lets go of one nobody
+# took (discard_early: eBPF off in the config).
+_early: LoaderProcess | None = None
+
+
+def wants_ebpf(config_path: str) -> bool:
+    """Whether the config file at `config_path` ("": the built-in defaults) leaves eBPF probes on. A file
+    that cannot be read says no here: the agent's own loading of it gives the reason."""
+    if not config_path:
+        return True
+    import tomllib
+    try:
+        with open(config_path, "rb") as f:
+            table = tomllib.load(f).get("sources", {}).get("ebpf", {})
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(table, dict) and table.get("enabled", True) is not False and table.get("probes", True) != []
+
+
+def start_early(config_path: str) -> None:
+    """Start the loader process now, compiling ahead from `config_path` ("": the built-in defaults),
+    where this process may load eBPF programs and the config leaves the probes on."""
+    global _early
+    if _early is None and bpf_capable() and wants_ebpf(config_path):
+        try:
+            _early = LoaderProcess(lambda fd: loader_argv(fd, config_path))
+        except Unavailable as e:
+            log.debug("no early eBPF loader: %s", e)
+
+
+def take_early() -> LoaderProcess | None:
+    """The loader process start_early started, now the caller's (None when there is none)."""
+    global _early
+    proc, _early = _early, None
+    return proc
+
+
+def discard_early() -> None:
+    """End an early loader process nobody took (EOF on its socket: it exits)."""
+    proc = take_early()
+    if proc is not None:
+        proc.close()

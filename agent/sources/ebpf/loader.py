@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import logging
 import os
 import platform
@@ -34,12 +33,11 @@ from ..base import Unavailable
 from .bpf_stats import BpfStats
 from .bpfmap import BpfMap, possible_cpus
 from .btf import FUNC, TYPEDEF, Btf, BtfError
-from .handover import LoaderProcess, ProbeHandle, close_fd
-from .procfs import headers_release, read_cap_eff, sched_info_off
+from .handover import LoaderProcess, ProbeHandle, close_fd, loader_argv, take_early
+from .procfs import bpf_capable, headers_release, sched_info_off
 
 log = logging.getLogger("xpusense.agent.sources.ebpf")
 
-CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 12, 21, 38, 39
 # Host checks a variant can name in specs.Variant.needs: cfg -> why not ("" when fine).
 HOST_CHECKS: dict[str, Callable[[SimpleNamespace], str]] = {
     "sched_info": lambda cfg: sched_info_off(cfg.procfs),
@@ -47,14 +45,6 @@ HOST_CHECKS: dict[str, Callable[[SimpleNamespace], str]] = {
 LOADER_TIMEOUT_S = 120.0     # compile + load + attach; a loader taking longer is killed
 LOADER_PROCESSES = 1         # loader processes compiling in parallel, each its share (at most one per CPU);
 # 2 gained nothing measurable on a 2-core VM also starting the rest of the agent, for twice the memory
-# How the loader process starts: the agent's own interpreter, every import path the agent has that a
-# fresh interpreter lacks (a site directory added at run time, with its .pth files: an editable
-# install's finder), then loadproc.main on the inherited socket.
-LOADER_BOOT = ("import json, site, sys\n"
-               "for p in json.loads(sys.argv[1]):\n"
-               "    if p not in sys.path: site.addsitedir(p)\n"
-               "from xpusense.agent.sources.ebpf.loadproc import main\n"
-               "main(int(sys.argv[2]))\n")
 
 
 @dataclasses.dataclass
@@ -269,13 +259,10 @@ class EbpfLoader:
                 raise self._env_error
 
     def _check_environment(self) -> None:
-        if os.geteuid() != 0:
-            caps = read_cap_eff(self.cfg.procfs)
-            need = (1 << CAP_BPF) | (1 << CAP_PERFMON)
-            if caps & need != need and not caps & (1 << CAP_SYS_ADMIN):
-                raise Unavailable(f"eBPF probes need root or CAP_BPF+CAP_PERFMON (and CAP_NET_ADMIN for tc_traffic); "
-                                  f"the agent runs as uid {os.geteuid()} without them: run it as root (the "
-                                  f"systemd unit does) or set [sources.ebpf] probes = []")
+        if not bpf_capable(self.cfg.procfs):
+            raise Unavailable(f"eBPF probes need root or CAP_BPF+CAP_PERFMON (and CAP_NET_ADMIN for tc_traffic); "
+                              f"the agent runs as uid {os.geteuid()} without them: run it as root (the "
+                              f"systemd unit does) or set [sources.ebpf] probes = []")
         # Only found here, never imported: bcc (and the LLVM libbcc maps) lives in the loader process.
         try:
             found = importlib.util.find_spec("bcc") is not None   # Debian's python3-bpfcc, not PyPI's "bcc"
@@ -330,7 +317,8 @@ class EbpfLoader:
             log.debug("%s: %s", probe, plan.variant.name)
             return handle
 
-    def _planned(self) -> list[Plan]:
+    def planned(self) -> list[Plan]:
+        """The plans of every registered probe that can run here, in registration (the specs') order."""
         out = []
         for probe in self._planners:
             try:
@@ -346,13 +334,17 @@ class EbpfLoader:
                            for p in plans]}
 
     def loader_argv(self, fd: int) -> list[str]:
-        return [sys.executable, "-c", LOADER_BOOT, json.dumps(sys.path), str(fd)]
+        return loader_argv(fd)
 
     def prestart(self) -> None:
-        """Start the loader processes now, so that they import bcc while the probes are planned here."""
+        """Start the loader processes now, so that they import bcc while the probes are planned here; the
+        one `xpusense-agent run` started before its imports (handover.start_early) is taken first."""
         with self._lock:
             if not self._procs and not self._loaded:
-                for _ in range(max(1, min(LOADER_PROCESSES, os.cpu_count() or 1))):
+                early = take_early()
+                if early is not None:
+                    self._procs.append(early)
+                for _ in range(max(1, min(LOADER_PROCESSES, os.cpu_count() or 1)) - len(self._procs)):
                     try:
                         self._procs.append(LoaderProcess(self.loader_argv))
                     except Unavailable as e:
@@ -362,7 +354,7 @@ class EbpfLoader:
     def _load_all(self) -> None:
         t0 = time.perf_counter()
         self.prestart()
-        plans = self._planned()
+        plans = self.planned()
         self._loaded = True
         procs, self._procs = self._procs, []
         if self._btf is not None:      # planning is over: a few MB the agent does not keep
@@ -417,15 +409,18 @@ class EbpfLoader:
                             "compile_s": round(self.compile_s, 3),
                             "attach_s": round(max(float(m.get("attach_s", 0.0)) for m in manifests), 3),
                             "total_s": round(total_s, 3), "request_after_s": worst.get("request_after_s"),
-                            "done_after_s": worst.get("done_after_s")}
+                            "done_after_s": worst.get("done_after_s"),
+                            "compiled_ahead": any(m.get("compiled_ahead") for m in manifests),
+                            "kallsyms": "; ".join(sorted({str(m.get("kallsyms", "")) for m in manifests})),
+                            "ahead": "; ".join(str(m["ahead"]) for m in manifests if m.get("ahead")) or "not asked"}
         for m in manifests:
             if m.get("combined_error"):
                 log.warning("compiling eBPF probes at once failed (%s); compiled each on its own", m["combined_error"])
             if m.get("bcc_output"):
                 log.debug("bcc output:\n%s", m["bcc_output"])
-        log.info("eBPF loader processes built %s in %.2f s (compile %.2f s, %s), peak RSS %.0f MB; the agent holds "
-                 "the fds; from the loader's start: request %.2f s, done %.2f s", sorted(self._handles), total_s,
-                 self.compile_s, self.compile_mode, max(self.loader_info["peak_rss_mb"]),
+        log.info("eBPF loader processes built %s in %.2f s (compile %.2f s, %s; compiling ahead: %s), peak RSS %.0f MB; "
+                 "the agent holds the fds; from the loader's start: request %.2f s, done %.2f s", sorted(self._handles),
+                 total_s, self.compile_s, self.compile_mode, self.loader_info["ahead"], max(self.loader_info["peak_rss_mb"]),
                  float(worst.get("request_after_s") or 0.0), float(worst.get("done_after_s") or 0.0))
 
     def _take(self, manifest: dict, fds: list[int], plans: list[Plan]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import resource
 import socket
@@ -25,10 +26,11 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import handoff
+from . import kallsyms as kallsyms_mod
 
 REQUEST_WAIT_S = 120.0     # started early by the agent: how long to wait for what to load
 
@@ -255,7 +257,15 @@ class Builder:
                     "key_desc": _json(lib.bpf_table_key_desc(m, name)),
                     "leaf_desc": _json(lib.bpf_table_leaf_desc(m, name))})
 
-    def run(self) -> None:
+    def adopt(self, ahead: Builder) -> None:
+        """Take what `ahead` compiled for the same C and flags instead of compiling again."""
+        self.objects, self._all = ahead.objects, ahead._all
+        for key in ("compile_mode", "combined_error", "compile_errors", "compile_s", "bcc_output"):
+            if key in ahead.manifest:
+                self.manifest[key] = ahead.manifest[key]
+
+    def run(self, ahead: Builder | None = None) -> None:
+        """Compile (or adopt `ahead`, compiled from the same inputs), load, attach, list the maps."""
         t0 = time.perf_counter()
         try:
             import bcc  # noqa: F401  (Debian's python3-bpfcc)
@@ -266,7 +276,10 @@ class Builder:
         early = threading.Thread(target=self.groundwork, daemon=True)
         early.start()       # netlink and ELF work needs no program: done while clang runs
         try:
-            self.compile_all()
+            if ahead is not None:
+                self.adopt(ahead)
+            else:
+                self.compile_all()
         finally:
             early.join()
             if not self.objects:
@@ -329,7 +342,6 @@ def write_entries(table: Any, entries: list | dict) -> None:
 
 
 def _json(raw: bytes | None) -> Any:
-    import json
     return json.loads(raw.decode()) if raw else "unsigned char"
 
 
@@ -344,33 +356,89 @@ def vm_hwm_kb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def preload() -> None:
-    """What every request needs, imported while the agent is still planning (bcc maps LLVM: ~50 ms)."""
+def preload(kallsyms: dict[str, str], compile_ready: threading.Event) -> None:
+    """What every request needs, done while the agent is still planning: bcc's view of kallsyms made
+    small (kallsyms.py; its outcome in kallsyms["note"]) and bcc imported (it maps LLVM: ~50 ms), then
+    compile_ready set; then pyroute2 (tc_traffic's filters: ~150 ms, while clang runs)."""
+    kallsyms["note"] = kallsyms.get("note") or kallsyms_mod.bind_bpf_symbols()
     try:
         import bcc  # noqa: F401
-        import pyroute2  # noqa: F401   (tc_traffic's filters)
     except Exception:       # said again, with the reason, when the request needs it
+        pass
+    compile_ready.set()
+    try:
+        import pyroute2  # noqa: F401
+    except Exception:
         pass
 
 
-def main(fd: int) -> None:
+def compile_inputs(req: dict) -> str:
+    """What compiling a request depends on (Builder.compile_all): equal inputs, equal programs and maps."""
+    return json.dumps([bool(req.get("combined")), req.get("combined_text", ""),
+                       [[p["name"], p["text"], p["cflags"]] for p in req["probes"]]])
+
+
+class Ahead:
+    """A guess of the agent's request (from its config), compiled in a thread before the request comes."""
+
+    def __init__(self, guess: Callable[[], dict | None], compile_ready: threading.Event) -> None:
+        self.builder: Builder | None = None
+        self.note = "not started"
+        self.t0 = time.perf_counter()
+        self.times: dict[str, float] = {}   # guessed, imported, compiled: seconds from the loader's start
+        self._thread = threading.Thread(target=self._run, args=(guess, compile_ready), daemon=True)
+        self._thread.start()
+
+    def _run(self, guess: Callable[[], dict | None], compile_ready: threading.Event) -> None:
+        try:
+            req = guess()
+            self.times["guessed"] = round(time.perf_counter() - self.t0, 3)
+            if not req or not req["probes"]:
+                self.note = "no probe can run here"
+                return
+            compile_ready.wait()
+            self.times["imported"] = round(time.perf_counter() - self.t0, 3)
+            b = Builder(req)
+            b.compile_all()
+            self.times["compiled"] = round(time.perf_counter() - self.t0, 3)
+            self.builder, self.note = b, "compiled"
+        except Exception as e:      # a guess that cannot be made only costs the time saved
+            self.note = f"the guess failed: {type(e).__name__}: {e}"
+
+    def take(self, req: dict) -> Builder | None:
+        """The compiled guess if `req` asks for exactly that (waits for the compile to end: a second
+        compile beside it would fight over fd 2, where bcc's output is caught)."""
+        self._thread.join()
+        if self.builder is None:
+            return None
+        if compile_inputs(self.builder.req) != compile_inputs(req):
+            self.note = "the request asked for other probes or flags: compiled again"
+            return None
+        return self.builder
+
+
+def main(fd: int, guess: Callable[[], dict | None] | None = None) -> None:
     """Serve one request on socket `fd`, then leave without bcc's clean-up (os._exit). Started before
-    the agent has planned the probes: it imports bcc meanwhile, and gives up if no request comes."""
+    the agent has planned the probes: it imports bcc meanwhile, and gives up if no request comes. With
+    `guess` (what the agent will most likely ask for), that is compiled meanwhile too."""
     sock = socket.socket(fileno=fd)
     code = 0
     t0 = time.perf_counter()
-    importing = threading.Thread(target=preload, daemon=True)
-    importing.start()
+    kallsyms = {"note": kallsyms_mod.private_mounts()}     # before any thread starts
+    compile_ready = threading.Event()
+    threading.Thread(target=preload, args=(kallsyms, compile_ready), daemon=True).start()
+    ahead = Ahead(guess, compile_ready) if guess is not None else None
     try:
         try:
             req, _ = handoff.recv(sock, REQUEST_WAIT_S)
         except handoff.HandoffError:       # the agent closed (nothing to load) or never asked
             os._exit(0)
         t_req = time.perf_counter()
-        importing.join()
+        compile_ready.wait()
         b = Builder(req)
+        compiled = ahead.take(req) if ahead is not None else None
         try:
-            b.run()
+            b.run(compiled)
         except Refused as e:
             b.manifest = {"ok": False, "reason": str(e)}
             b.fds = []
@@ -379,6 +447,10 @@ def main(fd: int) -> None:
                           "traceback": traceback.format_exc()[-2000:]}
             b.fds = []
         b.manifest["pid"] = os.getpid()
+        b.manifest["compiled_ahead"] = compiled is not None
+        b.manifest["kallsyms"] = kallsyms["note"] or "private (bpf symbols only)"
+        if ahead is not None:
+            b.manifest["ahead"] = f"{ahead.note} {ahead.times}"
         b.manifest["request_after_s"] = round(t_req - t0, 3)
         b.manifest["done_after_s"] = round(time.perf_counter() - t0, 3)
         b.manifest["vm_hwm_kb"] = vm_hwm_kb()
