@@ -148,8 +148,11 @@ class BpfMap:
     """One map, by fd: items() (one batch call), __getitem__, __setitem__, __delitem__, Key and Leaf.
 
     Values of per-CPU maps come back as a list of per-CPU values; the reader sums them. `fd` is owned:
-    close() closes it.
+    close() closes it. `BpfMap.generation` moves at every write or delete from user space, to any
+    map: a reader that keeps what it read while the programs have not run (source.py) starts again.
     """
+
+    generation = 0      # writes and deletes of all maps so far (a lost update under a race still moves it)
 
     def __init__(self, name: str, fd: int, map_type: int, key_size: int, value_size: int, max_entries: int,
                  key_desc: Any, leaf_desc: Any, ncpus: int = 0):
@@ -278,6 +281,7 @@ class BpfMap:
         return self._value(val.raw, 0)
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        BpfMap.generation += 1
         kb, vb = bytes(key), bytes(value)
         if len(kb) != self.key_size or len(vb) != self.value_size:
             raise ValueError(f"map {self.name}: key/value of {len(kb)}/{len(vb)} bytes, "
@@ -292,6 +296,7 @@ class BpfMap:
 
     def zero(self, key: Any) -> None:
         """Set the value of `key` to zeros (on every CPU, for per-CPU maps)."""
+        BpfMap.generation += 1
         kb = bytes(key)
         kbuf = ctypes.create_string_buffer(kb, len(kb))
         vbuf = ctypes.create_string_buffer(self.stride * self.ncpus)
@@ -301,6 +306,7 @@ class BpfMap:
 
     def push(self, value: Any) -> None:
         """Add `value` to a queue or stack map."""
+        BpfMap.generation += 1
         vb = bytes(value)
         vbuf = ctypes.create_string_buffer(vb, len(vb))
         attr = ctypes.create_string_buffer(_ELEM.size)
@@ -308,6 +314,7 @@ class BpfMap:
         bpf(BPF_MAP_UPDATE_ELEM, attr)
 
     def __delitem__(self, key: Any) -> None:
+        BpfMap.generation += 1
         kb = bytes(key)
         kbuf = ctypes.create_string_buffer(kb, len(kb))
         attr = ctypes.create_string_buffer(_ELEM.size)

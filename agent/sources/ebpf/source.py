@@ -4,6 +4,10 @@ Which maps become which metrics is data in `xpusense.probes.specs`; a map's key 
 keys into labels (cgroup, process, family, netdev here; disk and iface in the probes that own them).
 Counters are read at the realtime tier, histograms (log2 buckets, cumulative counts) at the nearline
 tier. Every probe also reports its cost from bpf_stats: run_cnt and run_time_ns of its programs.
+Only its programs write a probe's maps: while their run_cnt stands still (and no map was written from
+user space, and no dead keys are due to be dropped), the maps hold what they held, so a round gives
+the samples of the last read again without reading them (at most REUSE_MAX_S; bpf_stats held on by
+BPF_ENABLE_STATS only, which nothing else can switch off).
 The programs are compiled, loaded and attached by the loader process (loadproc.py); a source holds
 its probe's fds (handover.ProbeHandle) and reads the maps with the bpf syscall (bpfmap.py).
 """
@@ -11,6 +15,7 @@ its probe's fds (handover.ProbeHandle) and reads the maps with the bpf syscall (
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import time
@@ -20,7 +25,7 @@ from typing import Any, ClassVar
 from xpusense.probes import specs
 
 from ..base import COUNTER, GAUGE, HISTOGRAM, NEARLINE, REALTIME, Sample, Source, SourceError, Unavailable
-from .bpfmap import ProgStats
+from .bpfmap import BpfMap, ProgStats
 from .handover import ProbeHandle
 from .loader import EbpfLoader, Plan
 from .procfs import CgroupNames, cgroup2_root
@@ -30,6 +35,7 @@ log = logging.getLogger("xpusense.agent.sources.ebpf")
 FAMILIES = ("ipv4", "ipv6")
 FORGET_EVERY_S = 15.0      # realtime-only maps: how often exited processes / removed cgroups are dropped
 RESEND_UNCHANGED_S = 15.0  # an unchanged series is sent again after this long (tiers.ChangeFilter)
+REUSE_MAX_S = 15.0         # maps not read again while the programs have not run: at most this long
 
 
 def hist_sample(name: str, unit: str, labels: dict, slots: Iterable[int], sum_raw: float, scale: float) -> Sample:
@@ -116,6 +122,9 @@ class EbpfSource(Source):
         self._prog_stats = ProgStats()
         self._reads_by_tier: dict[str, list[tuple[str, str, list[tuple[specs.Metric, dict]]]]] = {}
         self._nearline_maps: set[str] | None = None      # maps with metrics of the nearline tier
+        # tier -> (run_cnt of the programs, BpfMap.generation, when read, the samples then): see above
+        self._last_read: dict[str, tuple[int, int, float, list[Sample]]] = {}
+        self.reads_reused = 0
         loader.register(self.probe, self._plan)
 
     @property
@@ -151,7 +160,7 @@ class EbpfSource(Source):
         self.loader.check_environment()
         self.loader.prestart()          # it imports bcc while the probes are planned
         self.plan_ = self.loader.plan(self.probe)
-        self._reads_by_tier, self._nearline_maps = {}, None
+        self._reads_by_tier, self._nearline_maps, self._last_read = {}, None, {}
         self.handle = self.loader.acquire(self.probe)
         self._attached = list(self.handle.attached)
         try:
@@ -178,9 +187,30 @@ class EbpfSource(Source):
     def collect(self, tier: str) -> list[Sample]:
         if self.handle is None:
             raise SourceError(f"{self.name} is not set up")
-        out = self.read_maps(tier)
+        stats = self.program_stats() if self.loader.stats.on else None   # before the maps: see _maps
+        out = self._maps(tier, stats)
         if tier == REALTIME:
-            out += self.cost_samples()
+            out += self.cost_samples(stats)
+        return out
+
+    def _maps(self, tier: str, stats: list[dict] | None) -> list[Sample]:
+        """read_maps(tier), or the samples of its last read again when nothing can have changed since."""
+        runs = None
+        if (stats is not None and len(stats) == len(self.handle.progs if self.handle else ())
+                and self.loader.stats.state.startswith("on (BPF_ENABLE_STATS")):
+            runs = sum(s["run_cnt"] for s in stats)
+        now = time.monotonic()
+        last = self._last_read.get(tier)
+        if (runs is not None and last is not None and last[0] == runs and last[1] == BpfMap.generation
+                and now - last[2] < REUSE_MAX_S and not self._forget_due(tier, now)):
+            self.reads_reused += 1
+            return [dataclasses.replace(s, labels=dict(s.labels)) for s in last[3]]
+        gen = BpfMap.generation
+        out = self.read_maps(tier)
+        if runs is not None and BpfMap.generation == gen:     # this round wrote nothing either
+            self._last_read[tier] = (runs, gen, now, [dataclasses.replace(s, labels=dict(s.labels)) for s in out])
+        else:
+            self._last_read.pop(tier, None)
         return out
 
     def describe(self) -> dict:
@@ -200,6 +230,7 @@ class EbpfSource(Source):
             d["setup_s"] = round(self.setup_s, 3)
         if self.handle is not None:
             d["load_attach_s"] = round(self.handle.attach_s, 3)
+        d["map_reads_reused"] = self.reads_reused     # rounds whose programs had not run (see _maps)
         return d
 
     # -- helpers
@@ -214,10 +245,11 @@ class EbpfSource(Source):
             out.append({"fn": fn, "prog_id": prog_id, "run_cnt": run_cnt, "run_time_ns": run_time_ns})
         return out
 
-    def cost_samples(self) -> list[Sample]:
+    def cost_samples(self, stats: list[dict] | None = None) -> list[Sample]:
         if not self.loader.stats.on:
             return []
-        stats = self.program_stats()
+        if stats is None:
+            stats = self.program_stats()
         cnt = sum(s["run_cnt"] for s in stats)
         ns = sum(s["run_time_ns"] for s in stats)
         labels = {"probe": self.probe}
@@ -338,6 +370,19 @@ class EbpfSource(Source):
             if self._forget_now(map_name, tier):
                 self.forget_dead(decoder, table, entries)
         return out
+
+    def _forget_due(self, tier: str, now: float) -> bool:
+        """Whether a read of `tier` now would drop dead keys of one of its maps (_forget_now, asked
+        without marking it done)."""
+        if self._nearline_maps is None:
+            self._nearline_maps = {m.map for m in self.planned.metrics(NEARLINE)}
+        for map_name, _decoder, _mine in self._reads(tier):
+            if map_name in self._nearline_maps:
+                if tier == NEARLINE:
+                    return True
+            elif now - self._forgot.get(map_name, -1e9) >= FORGET_EVERY_S:
+                return True
+        return False
 
     def _forget_now(self, map_name: str, tier: str) -> bool:
         """Dead keys are dropped in a round that has just reported all of the map's metrics: its
