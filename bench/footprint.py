@@ -337,6 +337,9 @@ def loader_line(log_path: str) -> dict:
            "peak_rss_mb": float(m.group(4))}
     if m.group(5):      # from the loader's start: the agent's plan came, the hand-over was done
         out.update(request_after_s=float(m.group(5)), done_after_s=float(m.group(6)))
+    ahead = re.search(r"compiling ahead: (.*?)\), peak RSS", m.group(0))
+    if ahead:           # the early loader's guess: compiled (and when), or why not
+        out["ahead"] = ahead.group(1)
     return out
 
 
