@@ -39,8 +39,8 @@ from xpusense.common.backoff import backoff_delays
 from xpusense.common.config import addresses, split_host_port
 from xpusense.common.tls import channel_options
 from xpusense.v1 import telemetry_pb2 as pb
-from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
+from .encoded import batch_message, encode_message
 from .grpc_waits import quiet_grpc_waits
 from .sources.base import COUNTER, GAUGE, HISTOGRAM, Event, Sample
 from .spool import RecordError
@@ -50,6 +50,8 @@ log = logging.getLogger("xpusense.agent.stream")
 # How the collector's refusal of a batch that will never pass its limits begins (collector/limits.py).
 REFUSED = "batch rejected"
 IDLE_TICK_S = 1.0    # the batcher's wake-up while nothing comes: its progress() for the watchdog
+STREAM_METHOD = "/xpusense.v1.Ingest/Stream"
+FRESH_BATCHES = 8    # spooled batches whose bytes are kept until sent (older ones are read back)
 
 KINDS = {GAUGE: pb.GAUGE, COUNTER: pb.COUNTER, HISTOGRAM: pb.HISTOGRAM}
 
@@ -147,6 +149,9 @@ class StreamClient:
         self._unsent: collections.deque[tuple[str, int]] = collections.deque()  # on this connection
         # The keys of the pb.Batch values of _pending, oldest first: at most queue_batches.
         self._mem: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        # The encoded bytes of the newest spooled batches, until sent: a healthy stream sends each batch
+        # from here, without reading it back from the spool and decoding it (at most FRESH_BATCHES).
+        self._fresh: collections.OrderedDict[tuple[str, int], bytes] = collections.OrderedDict()
         # Sent on this connection, not yet acknowledged; and those of them dropped meanwhile (over a
         # budget): counted as dropped only when the connection ends without their acknowledgement.
         self._inflight: set[tuple[str, int]] = set()
@@ -225,10 +230,14 @@ class StreamClient:
     def _keep_locked(self, key: tuple[str, int], b: pb.Batch) -> None:
         if self.spool is not None:
             # On disk before it is sent: survives a collector outage and a killed agent.
-            loc = self.spool.append(key[0], key[1], len(b.samples), b.SerializeToString())
+            data = b.SerializeToString()
+            loc = self.spool.append(key[0], key[1], len(b.samples), data)
             if loc is not None:
                 self._pending[key] = loc
                 self._unsent.append(key)
+                self._fresh[key] = data
+                if len(self._fresh) > FRESH_BATCHES:
+                    self._fresh.popitem(last=False)
                 if self._mem:   # the spool takes writes again: what waited in memory goes there too
                     self._spill_locked()
                 return
@@ -407,33 +416,35 @@ class StreamClient:
                 if self._conn_closed:
                     return
                 send_inventory, self._inventory_dirty = self._inventory_dirty, False
-                batch, key = None, None
+                batch, key, data = None, None, None
                 while self._unsent and batch is None:
                     key = self._unsent.popleft()
                     batch = self._pending.get(key)     # None: acknowledged or dropped meanwhile
+                    data = self._fresh.pop(key, None)
                 if batch is not None:
                     self._inflight.add(key)
             if send_inventory:
                 yield pb.AgentMessage(inventory=self.inventory())
             if batch is not None:
-                if not isinstance(batch, pb.Batch) and key is not None:
-                    batch = self._load(key, batch)
-                    if batch is None:
-                        continue
-                yield pb.AgentMessage(batch=batch)
+                if isinstance(batch, pb.Batch):
+                    yield pb.AgentMessage(batch=batch)
+                    continue
+                if data is None and key is not None:
+                    data = self._load(key, batch)
+                if data is not None:
+                    yield batch_message(data)
 
-    def _load(self, key: tuple[str, int], loc) -> pb.Batch | None:
+    def _load(self, key: tuple[str, int], loc) -> bytes | None:
         """A spooled batch, read back and checked; None (set aside and counted) when it cannot be sent."""
         try:
             data = self.spool.read(loc, key)
-            b = pb.Batch.FromString(data)
             why = batch_problem(self.node_id)(key[0], key[1], data)
         except KeyError:        # its segment was dropped over budget meanwhile (counted there)
             return None
         except (OSError, RecordError, DecodeError) as e:
             why = f"cannot be read back: {e}"
         if why is None:
-            return b
+            return data
         with self._cond:
             self._inflight.discard(key)
             if self._pending.pop(key, None) is not None:
@@ -500,14 +511,15 @@ class StreamClient:
                 channel = channels[self.current]
                 if channel is None:
                     channel = channels[self.current] = self.make_channels[self.current]()
-                stub = pb_grpc.IngestStub(channel)
+                stream = channel.stream_stream(STREAM_METHOD, request_serializer=encode_message,
+                                               response_deserializer=pb.CollectorMessage.FromString)
                 with self._cond:
                     self._conn_closed = False
                     self._unsent = collections.deque(self._pending)  # resend all not acknowledged, in order
                     self._inflight.clear()
                     self._inventory_dirty = False
                 try:
-                    call: _StreamCall = stub.Stream(self._requests())
+                    call: _StreamCall = stream(self._requests())
                     self._call = call
                     for msg in call:
                         if not self.connected:

@@ -416,3 +416,43 @@ def test_series_templates_keep_each_series_ref_and_fields(client_factory):
     finally:
         client.stop(drain_s=0)
         coll.stop()
+
+
+def test_an_encoded_batch_goes_out_as_the_same_agent_message_at_every_length_prefix_size():
+    from xpusense.agent.encoded import batch_message, encode_message
+    for n in (0, 1, 120, 127, 128, 16_000, 16_383, 16_384, 2_100_000):
+        b = pb.Batch(node_id="n" * n, boot_id="b", seq=n + 1)
+        want = pb.AgentMessage(batch=b).SerializeToString()
+        assert batch_message(b.SerializeToString()) == want, n
+        assert encode_message(want) is want and encode_message(pb.AgentMessage(batch=b)) == want
+
+
+def test_a_spooled_batch_is_sent_from_memory_and_read_back_only_to_resend_it(tmp_path, client_factory):
+    from xpusense.agent.spool import Spool
+    sp = Spool(str(tmp_path / "spool"))
+    assert sp.open() == []
+    reads = []
+    real_read = sp.read
+    sp.read = lambda loc, key=None: reads.append(key) or real_read(loc, key)   # counts, reads for real
+    port = free_port()
+    client = client_factory(f"127.0.0.1:{port}", spool=sp)
+    client.start()
+    coll = InProcessCollector(port)
+    try:
+        for i in (1, 2, 3):
+            put_batch(client, i)
+            wait_until(lambda: client.pending() == 0, what=f"batch {i} acknowledged")
+        assert reads == [], "a batch just written was read back from the spool to send it"
+    finally:
+        coll.stop()
+    put_batch(client, 4)          # kept while no collector answers: sent after the reconnect
+    coll = InProcessCollector(port)
+    try:
+        wait_until(lambda: client.pending() == 0, what="batch 4 delivered after the reconnect")
+        hist = coll.on_loop(lambda: coll.state.history("node-a", "test.value", {"k": "v"}))
+        assert [p.value for p in hist.points] == [4.0]
+        assert reads in ([], [("boot-1", 4)])    # from memory, or read back for the new connection
+    finally:
+        client.stop(drain_s=0)
+        sp.close()
+        coll.stop()
