@@ -59,11 +59,16 @@ def bind_bpf_symbols(procfs: str = "/proc") -> str:
             small = bpf_lines(f.read())
     except OSError as e:
         return f"cannot read {kallsyms}: {e}"
-    fd, path = tempfile.mkstemp(prefix="xpusense-kallsyms.", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        fd, path = tempfile.mkstemp(prefix="xpusense-kallsyms.", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    except OSError as e:
+        return f"no file to hold the bpf symbols: {e}"
     try:
         os.write(fd, small)
         libc = ctypes.CDLL(None, use_errno=True)
         return _libc_call(f"bind mount over {kallsyms}", libc.mount(path.encode(), kallsyms.encode(), None, MS_BIND, None))
+    except OSError as e:
+        return f"writing the bpf symbols to {path}: {e}"
     finally:
         os.close(fd)
         os.unlink(path)         # the mount keeps the file for as long as this process lives

@@ -360,12 +360,13 @@ def preload(kallsyms: dict[str, str], compile_ready: threading.Event) -> None:
     """What every request needs, done while the agent is still planning: bcc's view of kallsyms made
     small (kallsyms.py; its outcome in kallsyms["note"]) and bcc imported (it maps LLVM: ~50 ms), then
     compile_ready set; then pyroute2 (tc_traffic's filters: ~150 ms, while clang runs)."""
-    kallsyms["note"] = kallsyms.get("note") or kallsyms_mod.bind_bpf_symbols()
     try:
+        kallsyms["note"] = kallsyms.get("note") or kallsyms_mod.bind_bpf_symbols()
         import bcc  # noqa: F401
-    except Exception:       # said again, with the reason, when the request needs it
-        pass
-    compile_ready.set()
+    except Exception as e:      # an import error is said again, with the reason, when the request needs bcc
+        kallsyms["note"] = kallsyms.get("note") or f"{type(e).__name__}: {e}"
+    finally:
+        compile_ready.set()     # whatever happened: the compile must not wait for ever
     try:
         import pyroute2  # noqa: F401
     except Exception:
