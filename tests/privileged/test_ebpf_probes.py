@@ -18,6 +18,7 @@ import mmap
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 from ebpf_support import own_cgroup, probe_sources, require_ebpf
-from helpers import ROOT, wait_until
+from helpers import BIN, ROOT, wait_until
 
 from xpusense.agent.sources.base import HISTOGRAM, NEARLINE, REALTIME, Unavailable
 from xpusense.agent.sources.ebpf import family, handover
@@ -751,6 +752,30 @@ def test_a_loader_started_early_compiles_ahead_what_the_config_asks_and_leaves_t
     with open("/proc/kallsyms") as f:
         names = {line.split()[2] for line in f}
     assert "schedule" in names and len(names) > 10_000      # the host's own file, whole
+
+
+def test_the_agent_run_from_its_cli_finds_its_probes_compiled_ahead(tmp_path):
+    """The whole path: `xpusense-agent run` starts the loader first, the loader guesses the request
+    from the agent's config, and the agent's real request asks for exactly that (a guess that
+    differed would cost the time it was meant to save, silently)."""
+    require_ebpf()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[spool]\ndir = "{tmp_path}/spool"\n[sources.nvml]\nenabled = false\n'
+                      f'[sources.npu_smi]\nenabled = false\n[sources.ebpf]\nprobes = ["runqlat", "netio", "accel_ioctl"]\n')
+    log = tmp_path / "agent.log"
+    with socket.socket() as s:      # no collector there: the agent runs on, spooling
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(log, "w") as out:
+        agent = subprocess.Popen([str(BIN / "xpusense-agent"), "run", "--config", str(config), "--collector",
+                                  f"127.0.0.1:{port}", "--log-level", "info"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        line = wait_until(lambda: next((x for x in log.read_text().splitlines() if "eBPF loader process" in x), None),
+                          timeout_s=120, what=lambda: log.read_text()[-2000:])
+        assert "compiling ahead: compiled" in line, line
+    finally:
+        agent.terminate()
+        agent.wait(timeout=60)
 
 
 def test_a_loader_that_compiled_other_probes_ahead_compiles_what_the_agent_asks(tmp_path):
