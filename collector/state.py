@@ -50,6 +50,8 @@ def rows(batch: pb.Batch) -> list[tuple[int, int, float]]:
     return list(map(_ROW, batch.samples))
 
 MAX_BOOTS_REMEMBERED = 8
+# Series references kept per boot where no max_series_per_node bounds a node's series (else twice it).
+MAX_REFS_PER_BOOT = 65536
 # What a series and a node hold besides their history's slots, measured with tracemalloc
 # (bench/collector_ingest.py --memory): the Series, its key, labels, map entries.
 SERIES_BYTES = 1100
@@ -326,6 +328,15 @@ class FleetState:
         if n.stored_up_to.get(batch.boot_id, 0) >= batch.seq:
             n.stored_up_to[batch.boot_id] = previous
 
+    def _remember_ref(self, refs: dict[int, Series], ref: int, ser: Series, room: int | None) -> None:
+        """refs[ref] = ser, within twice the node's room for series: references a client made up
+        cannot grow the map, a cache of what name and labels say (every sample still carries them),
+        which is emptied past that, counted, and refills."""
+        if len(refs) >= (2 * room if room else MAX_REFS_PER_BOOT):
+            refs.clear()
+            self.counters["state.series_refs_reset"] += 1
+        refs[ref] = ser
+
     def _series_for(self, series: dict[tuple, Series], s: pb.Sample, room: int | None) -> Series | None:
         """The node's series of sample `s` by name and labels, made if new and there is room (None:
         dropped, counted)."""
@@ -371,7 +382,7 @@ class FleetState:
                     grown -= 1
                     continue
                 if ref:
-                    refs[ref] = ser
+                    self._remember_ref(refs, ref, ser, room)
                 cap = self.history_cap   # a new series may have shortened the history (max_memory)
             if t >= ser.time_ns:   # an older point (agent clock stepped back) only joins the history
                 ser.prev_value = ser.value

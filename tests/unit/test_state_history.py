@@ -108,3 +108,19 @@ def test_max_memory_shortens_history_first_then_drops_new_series_counted():
     assert st.full()   # and the server refuses new nodes (RESOURCE_EXHAUSTED, collector/server.py)
     # The series it holds still take their points (only new ones are refused).
     assert st.history("n1", "m0", {"device": "0"}).points[-1].time_unix_nano == 399 * S
+
+
+def test_series_references_a_client_makes_up_stay_bounded_and_cost_nothing_but_a_lookup():
+    st = FleetState(history_s=900)
+    st.max_series_per_node = 4
+    seq = 1
+    for k in range(50):     # a new reference in every sample, for the same two series
+        samples = [gauge("x", (100 + k) * S, k, device="0"), gauge("y", (100 + k) * S, -k, device="0")]
+        samples[0].series_ref, samples[1].series_ref = 2 * k + 1, 2 * k + 2
+        assert st.ingest(batch("n", seq, samples))
+        seq += 1
+    node = st.nodes["n"]
+    assert len(node.series) == 2 and all(len(r) <= 8 for r in node.refs.values())
+    assert st.counters["state.series_refs_reset"] >= 50 * 2 // 8 - 1
+    assert [p.value for p in st.history("n", "x", {"device": "0"}).points] == list(range(50))
+    assert [p.value for p in st.history("n", "y", {"device": "0"}).points] == [-k for k in range(50)]
