@@ -730,25 +730,31 @@ def early_loader_config(tmp_path, probes: list[str]) -> str:
     return str(path)
 
 
+def loader_info_of_running_probes(probes: list[str]) -> dict:
+    """Set up `probes` (taking any early loader), check each counts events, close them: the loader's figures."""
+    sources = family.build(family.table_from({"probes": probes}))
+    try:
+        for src in sources:
+            src.setup()
+        for src in sources:
+            assert find(src.collect(REALTIME), "xpusense.ebpf.probe.events", probe=src.probe)
+        info: dict = sources[0].describe()["loader"]
+        return info
+    finally:
+        for src in sources:
+            src.close()
+        handover.discard_early()
+
+
 def test_a_loader_started_early_compiles_ahead_what_the_config_asks_and_leaves_the_hosts_kallsyms_alone(tmp_path):
     """`xpusense-agent run` starts the loader before its own imports (handover.start_early), naming its
     config: the loader compiles what the config asks for while the agent starts, and the agent's
     request finds it compiled. bcc saw a kallsyms of the loader's own mount namespace, never the host."""
     require_ebpf()
     handover.start_early(early_loader_config(tmp_path, ["runqlat", "netio"]))
-    sources = family.build(family.table_from({"probes": ["runqlat", "netio"]}))
-    try:
-        for src in sources:
-            src.setup()
-        info = sources[0].describe()["loader"]
-        assert info["compiled_ahead"] is True, info
-        assert info["kallsyms"] == "private (bpf symbols only)", info
-        for src in sources:
-            assert find(src.collect(REALTIME), "xpusense.ebpf.probe.events", probe=src.probe)
-    finally:
-        for src in sources:
-            src.close()
-        handover.discard_early()
+    info = loader_info_of_running_probes(["runqlat", "netio"])
+    assert info["compiled_ahead"] is True, info
+    assert info["kallsyms"] == "private (bpf symbols only)", info
     with open("/proc/kallsyms") as f:
         names = {line.split()[2] for line in f}
     assert "schedule" in names and len(names) > 10_000      # the host's own file, whole
@@ -781,18 +787,8 @@ def test_the_agent_run_from_its_cli_finds_its_probes_compiled_ahead(tmp_path):
 def test_a_loader_that_compiled_other_probes_ahead_compiles_what_the_agent_asks(tmp_path):
     require_ebpf()
     handover.start_early(early_loader_config(tmp_path, ["runqlat"]))
-    sources = family.build(family.table_from({"probes": ["runqlat", "netio"]}))
-    try:
-        for src in sources:
-            src.setup()
-        info = sources[0].describe()["loader"]
-        assert info["compiled_ahead"] is False and "other probes or flags" in info["ahead"], info
-        for src in sources:
-            assert find(src.collect(REALTIME), "xpusense.ebpf.probe.events", probe=src.probe)
-    finally:
-        for src in sources:
-            src.close()
-        handover.discard_early()
+    info = loader_info_of_running_probes(["runqlat", "netio"])
+    assert info["compiled_ahead"] is False and "other probes or flags" in info["ahead"], info
 
 
 def test_an_early_loader_is_not_started_for_a_config_without_probes_and_one_nobody_takes_ends(tmp_path):
