@@ -81,6 +81,7 @@ class FleetIndex:
         self.ready = asyncio.Event()
         self.updates = 0
         self.watch_restarts = 0   # times the list-then-watch started again (follow)
+        self.idle = None   # async () -> None: waits (bounded) for the Place calls in flight; set by follow_fleet
 
     def apply(self, data: bytes, revision: int = 0) -> None:
         d = decode(data)
@@ -183,6 +184,8 @@ class FleetIndex:
                     break
                 if clock() - t_wait > WOKEN_S:   # it had to wait: the watch was dry
                     await asyncio.sleep(GATHER_S)
+                    if self.idle is not None:   # a Place call in flight goes first (bounded wait)
+                        await self.idle()
                     t_yield = clock() + YIELD_S
                 if e is not None and e.operation is None and e.value:
                     self.apply(e.value, e.revision or 0)
@@ -218,6 +221,7 @@ async def follow_fleet(js, kv, cfg: Any, timeout_s: float = 60.0) -> ClusterSche
         task.cancel()
         raise
     core = Scheduler(index, cfg.scheduler, cfg.stale_s)
+    index.idle = core.view.idle
     return ClusterScheduler(index, core, task)
 
 

@@ -58,6 +58,7 @@ EXTRA_NODES = 4          # ... when no more than this many are dirty
 TIMER_SHARE = 0.5        # the bulk refresh runs this share of refresh_ns after the first node was marked
 BEHIND_SHARE = 0.75      # ... and its slices follow at once when the oldest was marked this share of it ago
 SETTLE_EVERY_S = 0.5     # the settling timer (settle_quiet) runs at most this often
+HOLD_MAX_S = 0.002       # a bulk refresh waits at most this long for the Place calls in flight (serving)
 _DEVICE_SERIES = {UTIL: "util", USED: "used", LIMIT: "limit", BANDWIDTH: "bandwidth"}   # name -> Device attribute
 
 
@@ -82,6 +83,13 @@ class FleetView:
         self.settle_timer: asyncio.TimerHandle | None = None
         self.settled = 0   # nodes moved under their tie keys by settle_quiet
         self.extra_s = PLACE_EXTRA_S
+        # Place calls in flight over gRPC (service.py: from the handler until the reply is sent): the
+        # bulk refresh, and a cluster replica's watch, wait for them (at most HOLD_MAX_S), so that a
+        # call's last loop turns do not queue behind their slices. catch_up() keeps the bound.
+        self.serving = 0
+        self.held = 0          # bulk refresh slices put off for a Place call
+        self._held_since = 0.0
+        self._idle: asyncio.Event | None = None
         self.refreshes = self.deferred = 0   # summaries refreshed; batches that only marked their node
         self.settings = settings
         self.stale_ns = settings.stale_ns
@@ -151,8 +159,49 @@ class FleetView:
         delay_ns = int(self.refresh_ns * TIMER_SHARE) if delay_ns is None else delay_ns
         self.timer = loop.call_later(delay_ns / 1e9, self._on_timer)
 
+    def serve_begin(self) -> None:
+        """A Place call came in (its reply not sent yet)."""
+        self.serving += 1
+        if self._idle is not None:
+            self._idle.clear()
+
+    def serve_end(self) -> None:
+        """A Place call's reply went out (or it failed)."""
+        self.serving = max(0, self.serving - 1)
+        if self.serving:
+            return
+        if self._idle is not None:
+            self._idle.set()
+        if self._held_since and self.timer is not None:   # a slice waited for this call: now
+            self.timer.cancel()
+            self._arm(0)
+
+    async def idle(self, timeout_s: float = HOLD_MAX_S) -> None:
+        """Wait until no Place call is in flight, at most timeout_s (a cluster replica's watch, before
+        a batch of changes)."""
+        if not self.serving:
+            return
+        if self._idle is None:
+            self._idle = asyncio.Event()
+        self._idle.clear()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
     def _on_timer(self) -> None:
         self.timer = None
+        if self.serving and self.dirty:
+            now = time.perf_counter()
+            if not self._held_since:
+                self._held_since = now
+            behind = self.mono() - next(iter(self.dirty.values())) > self.refresh_ns * BEHIND_SHARE
+            left = HOLD_MAX_S - (now - self._held_since)
+            if not behind and left > 0:
+                self.held += 1
+                self._arm(int(left * 1e9))   # or as soon as the last call in flight is answered (serve_end)
+                return
+        self._held_since = 0.0
         # The stale nodes as of now, so that the next decision only looks at those since: most of
         # that work is dropping the heap's superseded entries, one per node every stale_s / 2.
         self.find_stale(self.state.clock() - self.stale_ns)

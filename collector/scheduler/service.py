@@ -33,6 +33,13 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
 
     async def Place(self, request, context):
         # The core runs on the loop that owns the fleet state, in one go: no await inside it.
+        # Until the reply is out, the view's bulk refresh (and a replica's watch) waits (fleet.py).
+        view = self.scheduler.view
+        view.serve_begin()
+        try:
+            context.add_done_callback(lambda _ctx: view.serve_end())
+        except Exception:   # a context without done callbacks: nothing is held for it
+            view.serve_end()
         try:
             return self.scheduler.place(request)
         except PlaceError as e:

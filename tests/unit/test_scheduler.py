@@ -592,6 +592,47 @@ def test_the_index_is_refreshed_off_the_ingest_path_and_place_never_uses_data_ol
     asyncio.run(run())
 
 
+def test_the_bulk_refresh_waits_for_a_place_call_in_flight_then_runs_when_it_is_answered():
+    """While a Place call is in flight (the servicer's serve_begin .. serve_end) the bulk refresh
+    timer puts its slice off (counted `held`); the call's end runs it at once; a call that never
+    ends holds it at most HOLD_MAX_S; a decision still refreshes whatever is due (catch_up)."""
+    import asyncio
+
+    from xpusense.collector.scheduler import fleet as fleet_mod
+
+    async def run() -> None:
+        fleet = Fleet(cfg=None)
+        view = fleet.core.view
+        agent = fleet.agent("a100-1", "a100", region="r1", zone="z1", price=1.0)
+        agent.send(used_gib=60.0)
+        assert "a100-1" in view.dirty and view.timer is not None
+        view.serve_begin()
+        idle = asyncio.ensure_future(view.idle(timeout_s=60.0))
+        view.timer.cancel()
+        view._on_timer()                      # the timer falls due during the call
+        assert view.held == 1 and "a100-1" in view.dirty and view.timer is not None
+        assert not idle.done()
+        view.serve_end()                      # answered: the slice runs on the next loop turn
+        deadline = asyncio.get_running_loop().time() + 30
+        while view.dirty and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        assert not view.dirty
+        await asyncio.wait_for(idle, 30)
+        # A call that never ends holds the refresh at most HOLD_MAX_S.
+        agent.send(used_gib=0.0)
+        view.serve_begin()
+        view.timer.cancel()
+        view._on_timer()
+        assert view.held == 2 and "a100-1" in view.dirty
+        deadline = asyncio.get_running_loop().time() + 30
+        while view.dirty and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(fleet_mod.HOLD_MAX_S)
+        assert not view.dirty and view.serving == 1
+        view.serve_end()
+
+    asyncio.run(run())
+
+
 def test_place_refreshes_what_it_has_time_for_beyond_the_bound():
     """With its small time allowance (PLACE_EXTRA_S) a Place also refreshes nodes not yet due: in
     a small fleet the answer follows the batch acknowledged just before."""
