@@ -2,7 +2,9 @@
 
 A gateway reads a boot's mark from the `marks` KV bucket when the agent says Hello, raises it in
 memory as JetStream acknowledges each batch, and writes it back every `flush_s` and when the stream
-ends, with compare-and-set on the key's revision so a slower gateway never lowers what a faster
+ends (a boot's first write after a random share of `flush_s`, so that a fleet whose agents
+all said Hello together does not write all its marks in the same second of every `flush_s`),
+with compare-and-set on the key's revision so a slower gateway never lowers what a faster
 one wrote. A mark may lag behind the stream (a gateway killed between writes): the agent then
 resends a little, JetStream's duplicate window (`Nats-Msg-Id` = node:boot:seq) drops it, and past
 that window a reader drops it by `SeqWindow` below. A mark is never ahead of the stream: it is raised
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 import nats.js.errors
 
@@ -26,17 +29,20 @@ log = logging.getLogger("xpusense.collector.cluster")
 
 
 class _Mark:
-    __slots__ = ("seq", "written", "revision", "task")
+    __slots__ = ("seq", "written", "revision", "task", "spread", "due")
 
     def __init__(self, seq: int, revision: int):
         self.seq, self.written, self.revision = seq, seq, revision
         self.task: asyncio.Task | None = None
+        self.spread = True   # its first write waits a random share of flush_s (then flush_s each)
+        self.due = 0.0       # when (loop time) its next write was set for
 
 
 class Marks:
-    def __init__(self, kv, flush_s: float = 5.0):
+    def __init__(self, kv, flush_s: float = 5.0, rng: random.Random | None = None):
         self.kv = kv
         self.flush_s = flush_s
+        self.rng = rng or random.Random()
         self.marks: dict[tuple[str, str], _Mark] = {}
         self.writes = 0
 
@@ -70,11 +76,16 @@ class Marks:
         if seq > m.seq:
             m.seq = seq
             if m.task is None:
-                m.task = asyncio.get_running_loop().create_task(self._write_later(node_id, boot_id, m))
+                delay = self.flush_s
+                if m.spread:
+                    m.spread, delay = False, self.flush_s * self.rng.random()
+                loop = asyncio.get_running_loop()
+                m.due = loop.time() + delay
+                m.task = loop.create_task(self._write_later(node_id, boot_id, m, delay))
 
-    async def _write_later(self, node_id: str, boot_id: str, m: _Mark) -> None:
+    async def _write_later(self, node_id: str, boot_id: str, m: _Mark, delay: float | None = None) -> None:
         try:
-            await asyncio.sleep(self.flush_s)
+            await asyncio.sleep(self.flush_s if delay is None else delay)
             await self._write(node_id, boot_id, m)
         except asyncio.CancelledError:
             m.task = None

@@ -167,3 +167,52 @@ def test_pipelined_publish_acks_duplicates_times_out_and_gives_up(nats_cluster, 
     assert "no JetStream ack for silent.x" in silent_outcome, silent_outcome
     assert "no JetStream ack for nostream.x" in nostream_outcome, nostream_outcome
     assert waiting == 0
+
+
+def test_marks_first_writes_spread_over_flush_s_then_every_flush_s(nats_cluster, tmp_path):  # noqa: F811
+    """Boots that all said Hello together (a fleet starting, a gateway's agents moving over) have
+    their first mark write set at random points of flush_s, not in one burst; every mark reaches the
+    bucket as the highest acknowledged sequence; a later raise is set flush_s after its write."""
+    import asyncio
+    import random
+
+    from xpusense.collector.cluster.cli import load_config
+    from xpusense.collector.cluster.engine import connect, ensure
+    from xpusense.collector.cluster.marks import Marks
+    from xpusense.collector.cluster.subjects import mark_key
+
+    cfg = load_config(str(cluster_config(tmp_path, nats_cluster)), {}, env={})
+    n = cfg.nats
+    flush_s, boots = 2.0, 40
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        nc = await connect(n, "test-marks")
+        try:
+            buckets = await ensure(nc.jetstream(timeout=10), n)
+            marks = Marks(buckets.marks, flush_s=flush_s, rng=random.Random(5))
+            t0 = loop.time()
+            for i in range(boots):
+                marks.raised(f"spread-{i}", "b1", 7)
+            due = [marks.marks[(f"spread-{i}", "b1")].due - t0 for i in range(boots)]
+            deadline = loop.time() + flush_s + 60
+            while (any(m.written < 7 for m in marks.marks.values()) or any(m.task for m in marks.marks.values())) \
+                    and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            values = [int((await buckets.marks.get(mark_key(f"spread-{i}", "b1"))).value) for i in range(boots)]
+            later = marks.marks[("spread-0", "b1")]
+            t1 = loop.time()
+            marks.raised("spread-0", "b1", 9)
+            later_due = later.due - t1
+            while later.written < 9 and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            await marks.flush_all()
+            return due, values, later.written, later_due
+        finally:
+            await nc.close()
+
+    due, values, later_written, later_due = run(scenario())
+    assert values == [7] * boots and later_written == 9
+    # Spread: set for every quarter of flush_s (a burst would have them all at flush_s).
+    assert all(0 <= d < flush_s for d in due) and {int(d / (flush_s / 4)) for d in due} == {0, 1, 2, 3}, due
+    assert flush_s <= later_due < flush_s + 1   # after the first write: flush_s from the raise
