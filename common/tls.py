@@ -96,10 +96,6 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_send_message_length", 16 * 1024 * 1024),
-    # No BDP probing: it sizes the flow-control window for bulk transfers by pinging the peer when
-    # data comes in; one small message a second each way needs no larger window, and each probe
-    # is a ping and its ack, a wake-up of the event engine's threads on both sides.
-    ("grpc.http2.bdp_probe", 0),
 ]
 
 
@@ -110,8 +106,13 @@ def channel_options(backoff_initial_s: float = 0.2, backoff_max_s: float = 10.0,
     asks it to, and an agent found its collector a minute after it was back.
     `connect_timeout_s`: how long one connection attempt may take (gRPC's min_reconnect_backoff is
     also its minimum connect deadline: at backoff_initial_s, a handshake with a busy collector
-    timed out, and an agent failing over gave up on a live gateway); None: backoff_initial_s."""
+    timed out, and an agent failing over gave up on a live gateway); None: backoff_initial_s.
+    No BDP probing on the agent's stream: it sizes a channel's receive window for bulk replies by
+    pinging the peer as data comes in, each probe a ping and its ack (a wake-up of the event engine's
+    threads on both sides), and all the agent receives is a small Ack a second. Query clients keep
+    it: a page of ListNodes or GetHistory across regions needs the window it grows."""
     return CHANNEL_OPTIONS + [
+        ("grpc.http2.bdp_probe", 0),
         ("grpc.initial_reconnect_backoff_ms", max(1, int(backoff_initial_s * 1000))),
         ("grpc.min_reconnect_backoff_ms", max(1, int((connect_timeout_s or backoff_initial_s) * 1000))),
         ("grpc.max_reconnect_backoff_ms", max(1, int(backoff_max_s * 1000))),
