@@ -360,10 +360,11 @@ def gateway_proc(tmp: str, urls: list[str], cpu: int) -> tuple[subprocess.Popen,
     return gw, address, log_path
 
 
-def publish_probe(urls: list[str], every_s: float, stop_ev, out: list[float]) -> None:
+def publish_probe(urls: list[str], every_s: float, stop_ev, out: list[float], marks: list[float] | None = None) -> None:
     """JetStream's own publish-ack latency meanwhile (the servers' share of the ack): one R3
     publish every `every_s`, to each stream in turn, from this process (idle but for this), timed
-    here; a node id no agent has. Runs in a thread until stop_ev is set."""
+    here; a node id no agent has. Runs in a thread until stop_ev is set. `marks`: the arrival time
+    (monotonic) of every write to the marks bucket meanwhile, as a KV watcher would see it."""
     from xpusense.collector.cluster.engine import connect
     from xpusense.collector.cluster.subjects import node_subject
     n = nats_cfg(urls).nats
@@ -371,6 +372,10 @@ def publish_probe(urls: list[str], every_s: float, stop_ev, out: list[float]) ->
     async def run() -> None:
         nc = await connect(n, "bench-probe")
         js = nc.jetstream(timeout=10)
+        if marks is not None:
+            async def seen(_msg) -> None:
+                marks.append(time.monotonic())
+            await nc.subscribe(f"$KV.{n.marks_bucket}.>", cb=seen)
         i = 0
         while not stop_ev.is_set():
             i += 1
@@ -381,6 +386,17 @@ def publish_probe(urls: list[str], every_s: float, stop_ev, out: list[float]) ->
             await asyncio.sleep(every_s)
         await nc.close()
     asyncio.run(run())
+
+
+def marks_bins(times: list[float], bin_s: float = 0.5) -> list[int]:
+    """Writes per `bin_s` from the first to the last (bursts show as a few full bins)."""
+    if not times:
+        return []
+    t0 = min(times)
+    bins = [0] * (int((max(times) - t0) / bin_s) + 1)
+    for t in times:
+        bins[int((t - t0) / bin_s)] += 1
+    return bins
 
 
 def ack_only(args: argparse.Namespace) -> int:
@@ -403,12 +419,15 @@ def ack_only(args: argparse.Namespace) -> int:
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             print(f"2. gateway at 1 s: {args.fleet} agents x 1 batch/s, {args.seconds:g} s ...", flush=True)
             probed: list[float] = []
+            marks: list[float] = []
             probe_stop = threading.Event()
-            probe = threading.Thread(target=publish_probe, args=(cluster.urls, 0.05, probe_stop, probed), daemon=True)
+            probe = threading.Thread(target=publish_probe, args=(cluster.urls, 0.05, probe_stop, probed, marks),
+                                     daemon=True)
             la0 = os.getloadavg()[0]
             try:
+                window: list[float] = []
                 fleet = load(address, args.fleet, 1.0, 8, args.seconds, 5.0, gen_cpus, gw.pid, 4, servers,
-                             on_window=probe.start)
+                             on_window=lambda: (window.append(time.monotonic()), probe.start()))
             finally:
                 probe_stop.set()
             la1 = os.getloadavg()[0]
@@ -431,9 +450,15 @@ def ack_only(args: argparse.Namespace) -> int:
           f"publishing 20/s from the bench process): p50 {percentile(probed, 0.5):.1f} ms, p99 "
           f"{percentile(probed, 0.99):.1f} ms, max {percentile(probed, 1.0):.1f} ms ({len(probed)} publishes)"
           + (f"; {len(fleet['errors'])} agent errors, e.g. {fleet['errors'][0]}" if fleet["errors"] else ""))
+    # In the window only: the agents' streams end after it, and each flushes its mark then.
+    marks = [t for t in marks if window and t < window[0] + args.seconds]
+    per_bin = marks_bins(marks)
+    print(f"marks bucket writes meanwhile: {len(marks) / args.seconds:.0f}/s, the busiest 0.5 s held "
+          f"{max(per_bin, default=0)} (mean {sum(per_bin) / max(1, len(per_bin)):.0f})")
     if spy is not None:
         print(f"py-spy profile of the gateway: {out_path}")
     print(json.dumps({"bench": "fleet_scale", "ack_only": True, "fleet": args.fleet,
+                      "marks_writes_s": round(len(marks) / args.seconds, 1), "marks_peak_per_0_5s": max(per_bin, default=0),
                       **{k: round(v, 3) for k, v in fleet.items() if isinstance(v, float)},
                       "load_average": [round(la0, 2), round(la1, 2)], "errors": len(fleet["errors"]),
                       "probe_p50_ms": round(percentile(probed, 0.5), 2), "probe_p99_ms": round(percentile(probed, 0.99), 2),
