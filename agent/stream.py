@@ -306,12 +306,15 @@ class StreamClient:
     def _template(self, s: Sample) -> pb.Sample:
         """The series' fixed part (name, unit, kind, labels, its series_ref for this boot), built once:
         copying it costs a third of building a Sample from its fields (the agent's 1 s path)."""
-        key = (s.name, s.unit, s.kind, tuple(sorted(s.labels.items())))
+        # Keyed by the labels in their given order (a source builds a series' labels the same way every
+        # round), so that no sort is paid per sample; the series_ref is keyed by the sorted labels.
+        key = (s.name, s.unit, s.kind, tuple(s.labels.items()))
         tmpl = self._templates.get(key)
         if tmpl is None:
-            ref = self._series.get(key[:1] + key[3:])
+            series = (s.name, tuple(sorted(s.labels.items())))
+            ref = self._series.get(series)
             if ref is None:
-                ref = self._series[key[:1] + key[3:]] = len(self._series) + 1
+                ref = self._series[series] = len(self._series) + 1
             tmpl = pb.Sample(name=s.name, unit=s.unit, kind=KINDS[s.kind], labels=s.labels, series_ref=ref)
             if len(self._templates) >= self.max_templates:   # series come and go (pids, pods): start again
                 self._templates.clear()

@@ -418,6 +418,22 @@ def test_series_templates_keep_each_series_ref_and_fields(client_factory):
         coll.stop()
 
 
+def test_a_series_whose_labels_come_in_another_order_keeps_its_ref_and_its_wire_form():
+    """Templates are found by the labels in their given order (no sort per sample): the same series
+    with its labels in another order still gets its one series_ref, and the same encoded sample."""
+    client = StreamClient("127.0.0.1:1", "node-a", "boot-1", lambda: pb.Inventory(), channel=lambda: None)
+    one = Sample("test.a", 1.0, "1", {"device": "gpu0", "direction": "receive"}, time_ns=5)
+    other = Sample("test.a", 1.0, "1", {"direction": "receive", "device": "gpu0"}, time_ns=5)
+    client.put([one, other, Sample("test.a", 1.0, "1", {"device": "gpu1", "direction": "receive"}, time_ns=5)])
+    with client._cond:
+        client._cut_locked()
+    batch = next(iter(client._pending.values()))
+    first, second, third = batch.samples
+    assert first.series_ref == second.series_ref == 1 and third.series_ref == 2
+    assert first.SerializeToString(deterministic=True) == second.SerializeToString(deterministic=True)
+    assert len(client._series) == 2
+
+
 def test_an_encoded_batch_goes_out_as_the_same_agent_message_at_every_length_prefix_size():
     from xpusense.agent.encoded import batch_message, encode_message
     for n in (0, 1, 120, 127, 128, 16_000, 16_383, 16_384, 2_100_000):
