@@ -15,6 +15,8 @@ from .device import Gpu
 from .mig import MigInstance
 from .processes import ProcessReader
 
+GPM_WHAT = {mid: f"gpm_metric_{mid}" for mid in (*gpm.GPM_METRICS, *gpm.GPM_NVLINK)}   # each reading's state name
+
 
 class GpuRound:
     def __init__(self, nv: Any, ask: Asker, calls: dict[str, readings.Call], memory: readings.MemoryReader,
@@ -24,6 +26,10 @@ class GpuRound:
         self.calls = calls
         self.memory = memory
         self.procs = procs
+        # Each tier's readings with their extra labels as a dict, built once (not filtered and
+        # converted again for every GPU of every round).
+        self.by_tier = {t: [(r, dict(r.labels)) for r in readings.READINGS if r.tier == t]
+                        for t in (REALTIME, NEARLINE, OFFLINE)}
 
     def read(self, g: Gpu, call: str) -> Any:
         return self.ask(g, call, lambda: self.calls[call](g.handle))
@@ -31,15 +37,14 @@ class GpuRound:
     def collect(self, g: Gpu, tier: str) -> list[Sample]:
         cache: dict[str, Any] = {}
         out = []
-        for r in readings.READINGS:
-            if r.tier != tier:
-                continue
+        labels = g.labels
+        for r, extra in self.by_tier[tier]:
             if r.call not in cache:
                 cache[r.call] = self.read(g, r.call)
             raw = cache[r.call]
             value = None if raw is None else r.convert(raw)
             if value is not None:
-                out.append(Sample(r.name, value, r.unit, {**g.labels, **dict(r.labels)}, r.kind))
+                out.append(Sample(r.name, value, r.unit, {**labels, **extra}, r.kind))
         if tier == REALTIME:
             if cache.get("utilization") is not None:
                 accumulate_busy(g, cache["utilization"].gpu / 100.0)
@@ -64,7 +69,7 @@ class GpuRound:
         results = self.ask(g, "gpm", lambda: stream.read(now), dev)
         out = []
         for mid, rc, value in results or ():
-            what = f"gpm_metric_{mid}"
+            what = GPM_WHAT.get(mid) or f"gpm_metric_{mid}"
             if rc != library.SUCCESS:
                 self.ask.failed(g, what, rc, library.error_text(self.nv, rc), now, dev)
                 continue

@@ -81,8 +81,10 @@ class GpmStream:
         except nv.NVMLError:
             self.reset()
             raise
-        # pynvml's structures answer every attribute through Python: the array is looked up once
-        return [(m.metricId, m.nvmlReturn, m.value) for m in mg.metrics[:len(self.ids)]]
+        # pynvml's structures answer every attribute through a Python __getattribute__ (a bytes to
+        # str conversion): the array is looked up once, and its numbers read with the plain one
+        get = object.__getattribute__
+        return [(get(m, "metricId"), get(m, "nvmlReturn"), get(m, "value")) for m in mg.metrics[:len(self.ids)]]
 
     def _request(self) -> Any:
         if self._mg is None:

@@ -211,10 +211,12 @@ def fallbacks(nv: Any) -> dict[str, Fallback]:
 def fields(nv: Any, handle: Any, ids: list) -> list[tuple[int, float]]:
     """(timestamp us, value) per field id; a per-field error raises it as an NVMLError."""
     out = []
+    get = object.__getattribute__    # numbers only: pynvml's own __getattribute__ adds a Python call each
     for v in nv.nvmlDeviceGetFieldValues(handle, ids):
-        if v.nvmlReturn != nv.NVML_SUCCESS:
-            raise nv.NVMLError(v.nvmlReturn)
-        out.append((v.timestamp, field_value(nv, v)))
+        rc = get(v, "nvmlReturn")
+        if rc != nv.NVML_SUCCESS:
+            raise nv.NVMLError(rc)
+        out.append((get(v, "timestamp"), field_value(nv, v)))
     return out
 
 
@@ -230,7 +232,9 @@ VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5:
 def field_value(nv: Any, v: Any) -> float:
     """The value of a c_nvmlFieldValue_t by its valueType (the union member NVML filled); a type this
     agent does not know raises Unreadable rather than guessing a member."""
-    member = VALUE_MEMBERS.get(v.valueType)
-    if member is None or not hasattr(v.value, member):
+    get = object.__getattribute__
+    member = VALUE_MEMBERS.get(get(v, "valueType"))
+    value = get(v, "value")
+    if member is None or not hasattr(value, member):
         raise Unreadable(f"field {v.fieldId} has value type {v.valueType}, newer than this agent knows")
-    return float(getattr(v.value, member))
+    return float(getattr(value, member))
