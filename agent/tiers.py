@@ -297,7 +297,8 @@ class ChangeFilter:
         out = []
         sent = self._sent
         for s in samples:
-            key = (s.name, tuple(sorted(s.labels.items())))
+            # The labels in the order the source gave them (the same every round): no sort per sample.
+            key = (s.name, tuple(s.labels.items()))
             what = (s.value, s.counts)
             prev = sent.get(key)
             if prev is None or prev[0] != what or prev[2] or now - prev[1] >= self.resend_s:
