@@ -115,7 +115,6 @@ class TierLoop:
         self.missed_rounds = {t: 0 for t in TIERS}
         self.rounds = {t: 0 for t in TIERS}
         self._lock = threading.Lock()
-        self._pending: set[concurrent.futures.Future] = set()
         self.chain_waits_cut = 0   # rounds that stopped waiting for a slow round before them
         self.joining = 0     # sources still setting up, to be add()ed; the loop looks for them often
         self._shared: dict[tuple[str, str], concurrent.futures.ThreadPoolExecutor] = {}   # (worker, tier)
@@ -174,14 +173,7 @@ class TierLoop:
             fut = pool.submit(self._run, st, tier, now_ns, timeout_s, before, chain_wait_s, done)
             before = done
             futures.append(fut)
-            with self._lock:
-                self._pending.add(fut)
-            fut.add_done_callback(self._done)
         return futures
-
-    def _done(self, fut: concurrent.futures.Future) -> None:
-        with self._lock:
-            self._pending.discard(fut)
 
     def _run(self, st: SourceState, tier: str, now_ns: int, timeout_s: float,
              before: threading.Event | None = None, chain_wait_s: float = 0.0,
