@@ -205,11 +205,12 @@ class StreamClient:
             events, self._events = self._events, []
             b = pb.Batch(node_id=self.node_id, boot_id=self.boot_id, seq=self._seq + 1,
                          sent_unix_nano=time.time_ns())
-            add = b.samples.add
+            add, templates = b.samples.add, self._templates
             for s in chunk:
                 try:
                     m = add()
-                    m.CopyFrom(self._template(s))     # name, unit, kind, labels, ref: one C copy
+                    tmpl = templates.get((s.name, s.unit, s.kind, tuple(s.labels.items())))   # as _template
+                    m.CopyFrom(tmpl if tmpl is not None else self._template(s))   # name, unit, kind, labels, ref
                     m.value, m.time_unix_nano = s.value, s.time_ns
                     if s.kind == HISTOGRAM:
                         fill_histogram(m.histogram, s)
