@@ -36,7 +36,10 @@ SCHEMA = {
     "enabled": Key(bool, True),
     "gpm": Key(bool, True, help="GPM metrics (HBM bandwidth, SM, tensor) on Hopper and newer"),
     "events": Key(bool, True, help="watch XID and ECC events"),
-    "event_wait_ms": Key(int, 500, positive),
+    # How long one nvmlEventSetWait blocks: an event ends the wait at once, so this bounds only how soon
+    # the thread sees stop() (close waits for it); each timeout is a wake-up of the agent (~0.15 ms).
+    "event_wait_ms": Key(int, 1000, positive,
+                         help="longest nvmlEventSetWait; events come at once whatever it is, stop waits up to it"),
     "sysfs": Key(str, "/sys", help="where each GPU's NUMA node is read (bus/pci/devices/ADDRESS/numa_node)"),
 }
 
@@ -45,7 +48,7 @@ class NvmlSource(Source):
     name = "nvml"
     tiers = (REALTIME, NEARLINE, OFFLINE)
 
-    def __init__(self, events: bool = True, event_wait_ms: int = 500, gpm: bool = True, sysfs: str = "/sys"):
+    def __init__(self, events: bool = True, event_wait_ms: int = 1000, gpm: bool = True, sysfs: str = "/sys"):
         self.sysfs = sysfs
         self.topology_reason = ""
         self.want_events = events
