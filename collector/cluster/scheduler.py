@@ -37,6 +37,7 @@ GATHER_S = 0.005   # woken by a change after the watch ran dry: wait this long f
 WOKEN_S = 0.00005  # a wait for the next change longer than this was a wait on an empty watch
 API_TIMEOUT_S = 10.0   # a replica's JetStream API calls (it publishes nothing: no publish timeout to keep)
 WATCH_BACKOFF_S = (0.5, 5.0)   # first and longest wait before the bucket is listed and watched again
+WATCH_HEALTHY_S = 60.0         # a watch that followed this long starts the backoff over when it ends
 
 
 class _Changes:
@@ -82,6 +83,7 @@ class FleetIndex:
         self.updates = 0
         self.watch_restarts = 0   # times the list-then-watch started again (follow)
         self.idle = None   # async () -> None: waits (bounded) for the Place calls in flight; set by follow_fleet
+        self.watch_clock = time.monotonic   # how long a list-then-watch round lasted (follow's backoff)
 
     def apply(self, data: bytes, revision: int = 0) -> None:
         d = decode(data)
@@ -148,6 +150,7 @@ class FleetIndex:
         watch died would answer Place from an index nobody updates, every node going stale."""
         delays = backoff_delays(WATCH_BACKOFF_S[0], WATCH_BACKOFF_S[1])
         while True:
+            started = self.watch_clock()
             try:
                 await self._list_and_watch(js, kv, bucket)
                 why = "the watch ended"
@@ -155,6 +158,8 @@ class FleetIndex:
                 raise
             except Exception as e:
                 why = f"{type(e).__name__}: {e}"
+            if self.watch_clock() - started >= WATCH_HEALTHY_S:   # it followed for long: not a failing loop
+                delays = backoff_delays(WATCH_BACKOFF_S[0], WATCH_BACKOFF_S[1])
             self.watch_restarts += 1
             delay = next(delays)
             log.warning("fleet index: cannot follow bucket %s (%s); listing and watching again in %.1f s "

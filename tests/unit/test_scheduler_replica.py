@@ -43,3 +43,35 @@ def test_update_after_a_listed_node_is_deferred_and_answered_with():
     reply = sch.place(req)                                     # no loop: catch_up refreshes it first
     assert [c.node_id for c in reply.candidates] == ["n2"] and not view.dirty
     assert n1.devices[0].free == 5 * GiB
+
+
+def test_a_long_healthy_watch_starts_the_restart_backoff_over(monkeypatch):
+    import asyncio
+
+    from xpusense.collector.cluster import scheduler as replica
+    index = FleetIndex()
+    now = [0.0]
+    index.watch_clock = lambda: now[0]
+    lasted = iter([0.0, 0.0, 0.0, 2 * replica.WATCH_HEALTHY_S, 0.0])
+    slept: list[float] = []
+
+    async def a_round(js, kv, bucket):
+        now[0] += next(lasted)
+        raise ConnectionError("the server went")
+
+    async def sleep(delay):
+        slept.append(delay)
+        if len(slept) == 5:
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr(index, "_list_and_watch", a_round)
+    monkeypatch.setattr(replica.asyncio, "sleep", sleep)
+    try:
+        asyncio.run(index.follow(None, None, "fleet"))
+    except asyncio.CancelledError:
+        pass
+    first, longest = replica.WATCH_BACKOFF_S
+    assert len(slept) == 5 and index.watch_restarts == 5
+    assert slept[2] >= 2 * first         # failing at once: the wait grew (d/2..d, d doubling)
+    assert slept[3] <= first             # after a watch that followed for long: back to the first wait
+    assert all(d <= longest for d in slept)
