@@ -1,8 +1,9 @@
 """`xpusense-agent`: run the agent, print this node's inventory, or list its sources.
 
-Only the argument parser is imported before the command runs, and `run` first starts the eBPF loader
-process (handover.start_early), so that it compiles the probes while the agent imports the rest
-(commands.py) and starts; the agent's eBPF sources take it over, and one nobody took is ended.
+Only the argument parser and the eBPF loader's starter are imported before the command runs: `run`
+first starts the loader process (handover.start_early), so that it compiles the probes while the agent
+imports the rest (commands.py) and starts; the agent's eBPF sources take it over, and one nobody took
+is ended.
 """
 
 from __future__ import annotations
