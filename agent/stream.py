@@ -343,11 +343,12 @@ class StreamClient:
             self._cut_locked()
 
     def drain(self, timeout_s: float) -> bool:
-        """Cut what is buffered and wait until the collector has acknowledged everything."""
+        """Cut what is buffered and wait until the collector has acknowledged everything, the batches
+        dropped over a budget while in flight included (their fate is known only with their ack)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             self._cut_locked()
-            while self._pending:
+            while self._pending or self._maybe_delivered:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -374,6 +375,10 @@ class StreamClient:
             if self._mem:
                 log.warning("%d batches held in memory (%s) are lost with this stop", len(self._mem),
                             "the spool could not write them" if self.spool is not None else "no spool")
+            log.info("stream stopped: %d batches acknowledged, %d batches (%d samples) dropped or set aside, "
+                     "%d batches not acknowledged%s", self.acked, self.dropped_batches, self.dropped_samples,
+                     len(self._pending) - len(self._mem),
+                     " (in the spool for the next start)" if self.spool is not None else "")
 
     # -- threads ----------------------------------------------------------------------------------
     def _batcher(self) -> None:

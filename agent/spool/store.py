@@ -367,7 +367,8 @@ class Spool:
             self.dropped_batches += len(lost)
             self.dropped_samples += samples
             log.warning("spool %s over its budget (%d bytes, %d batches): dropped the oldest segment, %d batches, "
-                        "%d samples never delivered (%d batches, %d samples dropped so far)", self.dir,
+                        "%d samples not acknowledged (%d batches, %d samples dropped so far; one in flight can still be "
+                        "delivered, the stream counts it when its acknowledgement does not come)", self.dir,
                         self.max_bytes, self.max_batches, len(lost), samples, self.dropped_batches,
                         self.dropped_samples)
             if self._found is not None:     # at start: not handed out yet

@@ -345,6 +345,51 @@ def test_a_batch_dropped_over_budget_while_in_flight_counts_only_if_never_acknow
         coll.stop()
 
 
+def test_drain_waits_for_the_ack_of_a_batch_dropped_while_in_flight(client_factory, monkeypatch):
+    """A stop drains before it cancels the stream: a batch dropped over budget while on the wire is
+    still awaited, or the stop would count it as dropped although the collector stored it."""
+    import asyncio
+    import threading
+    got, first_acks, last_ack = [], threading.Event(), threading.Event()
+
+    async def late_first(self, request_iterator, context):
+        await anext(aiter(request_iterator))
+        yield pb.CollectorMessage(welcome=pb.Welcome())
+        async for msg in request_iterator:
+            got.append(msg.batch.seq)
+            if len(got) == 3:
+                break
+        while not first_acks.is_set():
+            await asyncio.sleep(0.01)
+        for seq in (2, 3):
+            yield pb.CollectorMessage(ack=pb.Ack(boot_id="boot-1", seq=seq))
+        while not last_ack.is_set():
+            await asyncio.sleep(0.01)
+        yield pb.CollectorMessage(ack=pb.Ack(boot_id="boot-1", seq=1))
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(server_mod.IngestServicer, "Stream", late_first)
+    coll = InProcessCollector()
+    client = client_factory(coll.addr, queue_batches=2)
+    client.start()
+    try:
+        wait_until(lambda: client.connected, what="connected")
+        for i in range(1, 4):
+            put_batch(client, i)
+            wait_until(lambda i=i: got == list(range(1, i + 1)), what=f"batch {i} on the wire")
+        first_acks.set()
+        wait_until(lambda: client.pending() == 0, what="batches 2 and 3 acknowledged")
+        assert client.drain(0.05) is False, "batch 1, dropped in flight, is not acknowledged yet"
+        last_ack.set()
+        assert client.drain(60) is True
+        assert client.acked == 3 and client.dropped_batches == 0
+    finally:
+        first_acks.set()
+        last_ack.set()
+        client.stop(drain_s=0)
+        coll.stop()
+
+
 def test_a_batch_the_collector_refuses_for_good_is_set_aside_not_resent_forever(client_factory):
     """A batch over the collector's limits (INVALID_ARGUMENT, 'batch rejected') would be resent on
     every reconnect and hold back every batch after it: it is set aside and counted instead."""
