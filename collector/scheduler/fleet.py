@@ -42,7 +42,20 @@ from xpusense.v1 import scheduler_pb2 as spb
 
 from .. import diagnoses as dg
 from .config import Settings
-from .index import ACCEL_TYPES, INF, POOLS, SETTLE_NS, Device, Group, NodeSummary, Pool, file_node, mark_stale, settle_node
+from .index import (
+    ACCEL_TYPES,
+    INF,
+    POOLS,
+    SETTLE_NS,
+    Device,
+    Group,
+    NodeSummary,
+    Pool,
+    file_node,
+    group_static,
+    mark_stale,
+    settle_node,
+)
 from .inventory import PeakTflops, device_memory, interconnect_domain, price
 from .latency import MeasuredLatency, RttWindow
 from .scoring import capable, free_score
@@ -317,7 +330,9 @@ class FleetView:
                 domains: dict[str, list[Device]] = {}
                 for d in of_type:
                     domains.setdefault(d.domain, []).append(d)
-                s.layout.append((i, t, of_type, domains if len(domains) > 1 else None))
+                s.layout.append((i, t, of_type, group_static(s, of_type),
+                                 [(name, of_domain, group_static(s, of_domain)) for name, of_domain in domains.items()]
+                                 if len(domains) > 1 else None))
         s.series_seen = -1
         if initial:
             for e in reversed(s.state.events):   # the node's recent events, oldest first
@@ -486,16 +501,16 @@ class FleetView:
         by_type: dict[str, Group] = {}
         per_type: list[list[Group]] = [[], []]
         per_domain: list[list[Group]] = [[], []]
-        for i, t, devs, domains in s.layout:
-            g = by_type[t] = Group(s, t, "", devs, factor)
+        for i, t, devs, static, domains in s.layout:
+            g = by_type[t] = Group(s, t, "", devs, factor, static)
             g.rescale(inv_best)
             per_type[i].append(g)
             if domains is None:
                 g.domain = devs[0].domain
                 per_domain[i].append(g)
             else:
-                for name, of_domain in domains.items():
-                    dg = Group(s, t, name, of_domain, factor)
+                for name, of_domain, domain_static in domains:
+                    dg = Group(s, t, name, of_domain, factor, domain_static)
                     dg.rescale(inv_best)
                     per_domain[i].append(dg)
         s.by_type = by_type

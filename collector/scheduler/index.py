@@ -64,6 +64,21 @@ class Device:
 
 
 _CHOICE_ORDER = operator.attrgetter("choice_order")
+# The ends of a fit row, a levels list and a ties list past the n counts offered (n < CMAX), made once:
+# _ROW_TAILS[n][n_all] for a group of n_all devices (at most CMAX), n of them offered.
+_ROW_TAILS = [[array("d", [FEWER_OFFERED if c <= n_all else FEWER_AT_ALL for c in range(n + 1, CMAX + 1)])
+               for n_all in range(CMAX + 1)] for n in range(CMAX)]
+_LEVEL_TAILS = [[-1] * (CMAX - n) for n in range(CMAX)]
+_INF_FLOAT = float(INF)
+_TIE_TAILS: list[list[tuple | None]] = [[None] * (CMAX - n) for n in range(CMAX)]
+
+
+def group_static(node: NodeSummary, devs: list[Device]) -> tuple[int, str, float | None, float]:
+    """What a Group of `devs` holds that changes only with the inventory or the node's price:
+    (devices, model, TFLOPS of the slowest when all are known, value per price)."""
+    known = [d.tflops for d in devs if d.tflops is not None]
+    tflops = min(known) if len(known) == len(devs) else None
+    return len(devs), devs[0].model, tflops, value_per_price(tflops, node.price)
 
 
 class Group:
@@ -77,19 +92,49 @@ class Group:
                  "value_norm", "tflops", "value", "model", "free_all_desc", "n_all", "fit_row", "levels",
                  "value_text", "explained", "ties")
 
-    def __init__(self, node: NodeSummary, rtype: str, domain: str, devs: list[Device], factor: float):
+    def __init__(self, node: NodeSummary, rtype: str, domain: str, devs: list[Device], factor: float,
+                 static: tuple | None = None):
         self.node, self.type, self.domain = node, rtype, domain
+        # What does not change between refreshes (the devices and the node's price): group_static(),
+        # worked out once per inventory by the caller, or here.
+        self.n_all, self.model, self.tflops, self.value = static or group_static(node, devs)
+        self.value_norm = UNKNOWN_VALUE_NORM
+        self.value_text = ""
+        self.explained: dict[tuple, tuple] = {}   # explain.py's per (count, memory), for this group's lifetime
+        self.levels: list[int] = []
+        self.ties: list[tuple | None] = []
+        self.compute: list[float]   # mean_free until rescale()
+        if len(devs) == 1:   # one device (a domain of its own): the same figures, without the loops
+            d = devs[0]
+            free = d.free
+            self.free_all_desc = [free]
+            if d.excluded is None:
+                self.devices, self.free_desc = [d], self.free_all_desc
+                self.min_free = [INF, free if free < _INF_FLOAT else _INF_FLOAT]
+                self.compute = self.mean_free = [0.0, 0.0 + d.free_score]
+                self.penalty = [1.0, 1.0 if d.penalty is None else factor]
+                self.fit_row = row = array("d", self.free_desc)
+                row.extend(_ROW_TAILS[1][1])
+            else:
+                self.devices, self.free_desc = [], []
+                self.min_free, self.compute, self.penalty = [INF], [0.0], [1.0]
+                self.mean_free = self.compute
+                self.fit_row = array("d", _ROW_TAILS[0][1])
+            return
         offered = [d for d in devs if d.excluded is None]
-        if len(offered) > 1:
+        n = len(offered)
+        if n > 1:
             offered.sort(key=_CHOICE_ORDER)
         self.devices = offered
-        self.free_desc = sorted((d.free for d in offered), reverse=True)
+        self.free_desc = free_desc = sorted([d.free for d in offered], reverse=True)
         # Per count c (index 0 unused): the least free HBM among the first c devices, their mean free
         # score, and the penalty factor when they are the ones chosen.
         min_free: list[float] = [INF]
         mean_free, penalty = [0.0], [1.0]
         total_score, factor_now, least = 0.0, 1.0, float(INF)
-        for i, d in enumerate(offered, 1):
+        i = 0
+        for d in offered:
+            i += 1
             total_score += d.free_score
             if d.penalty is not None:
                 factor_now = factor
@@ -99,24 +144,16 @@ class Group:
             mean_free.append(total_score / i)
             penalty.append(factor_now)
         self.min_free, self.mean_free, self.penalty = min_free, mean_free, penalty
-        self.free_all_desc = sorted((d.free for d in devs), reverse=True)
-        self.n_all = len(devs)
-        self.model = devs[0].model
-        known = [d.tflops for d in devs if d.tflops is not None]
-        self.tflops = min(known) if len(known) == len(devs) else None   # the slowest, when all are known
-        self.value = value_per_price(self.tflops, node.price)
-        self.value_norm = UNKNOWN_VALUE_NORM
-        self.compute: list[float] = mean_free   # set by rescale()
-        self.value_text = ""
-        self.explained: dict[tuple, tuple] = {}   # explain.py's per (count, memory), for this group's lifetime
+        # Every device offered (the usual case): the same values (read only, shared).
+        self.free_all_desc = free_desc if n == len(devs) else sorted([d.free for d in devs], reverse=True)
+        self.compute = mean_free   # set by rescale()
         # The row the index files (Bucket.fit, Pool.fit): per count c = 1..CMAX the free HBM of the
         # c-th most free offered device, or FEWER_OFFERED / FEWER_AT_ALL.
-        n = len(offered)
-        self.fit_row = array("d", [(self.free_desc[c - 1] if c <= n else
-                                    (FEWER_OFFERED if c <= self.n_all else FEWER_AT_ALL))
-                                   for c in range(1, CMAX + 1)])
-        self.levels: list[int] = []
-        self.ties: list[tuple | None] = []
+        if n >= CMAX:
+            self.fit_row = array("d", free_desc[:CMAX])
+        else:
+            self.fit_row = row = array("d", free_desc)
+            row.extend(_ROW_TAILS[n][min(self.n_all, CMAX)])
 
     def rescale(self, inv_best_value: float) -> None:
         """The fleet's best value per price is 1 / inv_best_value: the compute dimension per count,
@@ -124,18 +161,24 @@ class Group:
         self.value_text = ""   # the compute dimension's value text (explain.py), made when first asked for
         self.value_norm = norm = value_norm(self.value, inv_best_value)
         self.compute = compute = [norm * f for f in self.mean_free]   # scoring.compute_efficiency, inlined
-        n = len(compute) - 1
-        self.levels = [-1] + [(LEVELS - 1 if compute[c] >= 1.0 else int(compute[c] * LEVELS)) if c <= n else -1
-                              for c in range(1, CMAX + 1)]
         # Per count c offered: (compute, penalty factor, least free HBM of the first c devices, free HBM
         # of the c-th most free): nodes of one Bucket with the same tie key score the same for every
         # request for c devices that their first c devices fit (search._rank_by_levels).
         # None where the count is not filed (level -1).
         # free_desc[c - 1] is fit_row's value where c is offered, and no new float.
-        free_desc, min_free, penalty, levels = self.free_desc, self.min_free, self.penalty, self.levels
+        free_desc, min_free, penalty = self.free_desc, self.min_free, self.penalty
+        n = min(len(compute) - 1, CMAX)
+        levels: list[int] = [-1]
         ties: list[tuple | None] = [None]
-        self.ties = ties + [(compute[c], penalty[c], min_free[c], free_desc[c - 1]) if levels[c] >= 0 else None
-                            for c in range(1, CMAX + 1)]
+        for c in range(1, n + 1):
+            x = compute[c]
+            level = LEVELS - 1 if x >= 1.0 else int(x * LEVELS)
+            levels.append(level)
+            ties.append((x, penalty[c], min_free[c], free_desc[c - 1]) if level >= 0 else None)
+        if n < CMAX:
+            levels += _LEVEL_TAILS[n]
+            ties += _TIE_TAILS[n]
+        self.levels, self.ties = levels, ties
 
     def choose(self, count: int, memory: int) -> tuple[list[Device], float, float]:
         """The first `count` devices in choice order that have `memory` free: (devices, mean free
@@ -178,7 +221,8 @@ class NodeSummary:
         self.not_offered: list[Device] = []   # devices not offered now (d.excluded says why)
         self.best_value = -1.0              # best value (TFLOPS per price) among its groups
         self.base_candidate = spb.Candidate(node_id=self.node_id)   # what every answer naming it starts from
-        self.layout: list[tuple] = []       # (type index, type, devices, {domain: devices} or None)
+        # (type index, type, devices, group_static, [(domain, devices, group_static)] or None: one domain)
+        self.layout: list[tuple] = []
         self.rtt_series: dict[str, Any] = {}   # remote region -> its xpusense.network.tcp.rtt Series
         self.rtt: dict[str, Any] = {}          # remote region -> its latency.RttWindow
         self.stale = False                     # found stale by the last decision (FleetView.stale, mark_stale)

@@ -350,3 +350,59 @@ def test_nodes_of_one_device_domains_misfit_as_the_full_scan_says():
         check_index(sch)
     kept = [e for p in sch.view.pools[3:] for e in p.entries.values() if e.summary.node_id in pcie and e.misfit]
     assert kept and all(e.most_offered <= 1 for e in kept)
+
+
+class _Node:
+    price: float | None = 2.0
+
+
+def _reference_figures(devs: list, factor: float, inv_best: float) -> dict:
+    """A Group's figures worked out as its docstring defines them, one device at a time."""
+    from xpusense.collector.scheduler.index import INF, LEVELS
+    from xpusense.collector.scheduler.scoring import value_norm, value_per_price
+    offered = sorted([d for d in devs if d.excluded is None], key=lambda d: d.choice_order)
+    free_desc = sorted((d.free for d in offered), reverse=True)
+    min_free, mean_free, penalty = [INF], [0.0], [1.0]
+    for c in range(1, len(offered) + 1):
+        first = offered[:c]
+        min_free.append(min(min(d.free for d in first), float(INF)))
+        mean_free.append(sum(d.free_score for d in first) / c)
+        penalty.append(factor if any(d.penalty is not None for d in first) else 1.0)
+    tflops = min(d.tflops for d in devs) if all(d.tflops is not None for d in devs) else None
+    norm = value_norm(value_per_price(tflops, _Node.price), inv_best)
+    compute = [norm * f for f in mean_free]
+    levels = [-1] + [(LEVELS - 1 if compute[c] >= 1.0 else int(compute[c] * LEVELS)) if c < len(compute) else -1
+                     for c in range(1, CMAX + 1)]
+    return {"devices": offered, "free_desc": free_desc, "free_all_desc": sorted((d.free for d in devs), reverse=True),
+            "min_free": min_free, "mean_free": mean_free, "penalty": penalty, "compute": compute, "levels": levels,
+            "fit_row": [free_desc[c - 1] if c <= len(offered) else FEWER_OFFERED if c <= len(devs) else FEWER_AT_ALL
+                        for c in range(1, CMAX + 1)],
+            "ties": [None] + [(compute[c], penalty[c], min_free[c], free_desc[c - 1]) if levels[c] >= 0 else None
+                              for c in range(1, CMAX + 1)],
+            "n_all": len(devs), "tflops": tflops, "value_norm": norm}
+
+
+@settings(max_examples=300, deadline=None)
+@given(devs=st.lists(st.tuples(st.sampled_from([0.0, 1e9, 2e10, 4e10, float("inf")]), st.floats(0, 1),
+                               st.booleans(), st.booleans(), st.sampled_from([None, 100.0, 312.0])),
+                     min_size=1, max_size=CMAX + 3),
+       inv_best=st.sampled_from([0.0, 0.003, 0.02]), with_static=st.booleans())
+def test_a_group_holds_the_figures_its_docstring_defines(devs, inv_best, with_static):
+    """Group works its figures out with shortcuts (one device; what changes only with the inventory,
+    group_static, given by the caller): they are those of the definitions, device by device."""
+    from xpusense.collector.scheduler.index import Device, Group, group_static
+    made = []
+    for i, (free, score, penalised, excluded, tflops) in enumerate(devs):
+        d = Device(str(i), "GPU", "A100", 4e10, tflops, "pcie:0")
+        d.free, d.free_score = free, score
+        d.penalty = "HBM watch" if penalised else None
+        d.excluded = ("xid", "XID 79") if excluded else None
+        d.choice_order = (d.penalty is not None, -score, -free)
+        made.append(d)
+    node = _Node()
+    g = Group(node, "GPU", "", made, 0.7, group_static(node, made) if with_static else None)  # type: ignore[arg-type]
+    g.rescale(inv_best)
+    for name, want in _reference_figures(made, 0.7, inv_best).items():
+        got = getattr(g, name)
+        got = list(got) if name == "fit_row" else got
+        assert got == want, (name, got, want)
