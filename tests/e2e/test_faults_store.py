@@ -414,8 +414,11 @@ def test_restart_after_a_snapshot_replays_only_the_tail(procs, tmp_path):
         # Periodic snapshots: one is written within a few periods, and the next start replays nothing.
         wait_until(lambda: client.connected and client.pending() == 0, what="the client back")
         send(client, range(36, 41))
-        wait_until(lambda: nodes_json(addr)["counters"].get("store.snapshots_written", 0) >= 2, timeout_s=120,
-                   what="periodic snapshots")
+        # The second snapshot finished after this read began after batch 40's ack: it holds batch 40
+        # (the first may have begun before the batches came, and, on a slow machine, two already had).
+        written = nodes_json(addr)["counters"].get("store.snapshots_written", 0)
+        wait_until(lambda: nodes_json(addr)["counters"].get("store.snapshots_written", 0) >= written + 2,
+                   timeout_s=120, what="periodic snapshots after batch 40")
         coll.kill(signal.SIGKILL)
         coll = collector(procs, addr, data, rare)
         counters = nodes_json(addr)["counters"]

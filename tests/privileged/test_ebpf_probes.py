@@ -623,8 +623,8 @@ def test_a_probe_that_does_not_compile_does_not_take_the_others_down(monkeypatch
 
 # ------------------------------------------------------------------------------------------ the loader process
 
-AGENT_NO_LLVM = JOIN_CGROUP + """
-import json, sys, time
+AGENT_NO_LLVM = """
+import json, os, sys, time
 from xpusense.agent.sources.base import NEARLINE
 from xpusense.agent.sources.ebpf.family import build, table_from
 def switches():   # this process's context switches so far, every thread (each is a run-queue wait after)
@@ -637,9 +637,11 @@ def switches():   # this process's context switches so far, every thread (each i
             pass
     return total
 srcs = build(table_from({"probes": ["runqlat", "netio", "blkio"]}))
-before = switches()
 for s in srcs:
     s.setup()
+# Into the cgroup once set up: the loader process, preempted often on a busy machine, stays outside.
+if sys.argv[1] != '-' and os.path.exists(sys.argv[1]): open(sys.argv[1], 'w').write(str(os.getpid()))
+before = switches()
 for _ in range(int(sys.argv[2])):
     time.sleep(0.0002)
 time.sleep(0.2)
@@ -670,7 +672,7 @@ def test_the_agent_holds_the_probes_without_bcc_or_llvm_and_reads_the_same_figur
             os.kill(pid, 0)
     counts = dict(got["runqlat"])
     # Each sleep is a wait on the run queue once woken; a loaded machine adds preemptions, as many
-    # as the process's context switches say (the loader's few, before it exits, are the slack).
+    # as the process's context switches say (+10: threads that ended before they were counted).
     assert n <= counts.get(label, 0) <= max(n + n // 4, got["switches"]) + 10, (counts, got["switches"])
 
 
