@@ -299,13 +299,14 @@ def test_a_connection_that_fails_at_once_does_not_reset_the_backoff(client_facto
         coll.stop()
 
 
-@pytest.mark.parametrize("then", ["ack", "abort"])
+@pytest.mark.parametrize("then", ["ack", "abort", "ack-last-late"])
 def test_a_batch_dropped_over_budget_while_in_flight_counts_only_if_never_acknowledged(client_factory, monkeypatch, then):
     """The memory queue overflows while its oldest batch is already on the wire: whether that one
-    is lost is known only when its acknowledgement comes, or the connection ends without it."""
+    is lost is known only when its acknowledgement comes, or the connection ends without it; and a
+    drain (a stop drains before it cancels the stream) waits for that acknowledgement too."""
     import asyncio
     import threading
-    got, release = [], threading.Event()
+    got, release, late = [], threading.Event(), threading.Event()
 
     async def slow(self, request_iterator, context):
         await anext(aiter(request_iterator))
@@ -318,8 +319,11 @@ def test_a_batch_dropped_over_budget_while_in_flight_counts_only_if_never_acknow
             await asyncio.sleep(0.01)
         if then == "abort":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "gone before acknowledging (test)")
-        for seq in got:
+        for seq in got if then == "ack" else (2, 3):
             yield pb.CollectorMessage(ack=pb.Ack(boot_id="boot-1", seq=seq))
+        while not late.is_set():
+            await asyncio.sleep(0.01)
+        yield pb.CollectorMessage(ack=pb.Ack(boot_id="boot-1", seq=1))
         await asyncio.Event().wait()
 
     monkeypatch.setattr(server_mod.IngestServicer, "Stream", slow)
@@ -336,56 +340,18 @@ def test_a_batch_dropped_over_budget_while_in_flight_counts_only_if_never_acknow
         if then == "ack":
             wait_until(lambda: client.acked == 3, what="all three acknowledged")
             assert client.dropped_batches == 0
-        else:
+        elif then == "abort":
             wait_until(lambda: client.dropped_batches == 1, what="the one dropped counted once the stream ended")
             assert client.dropped_samples == 1
+        else:
+            wait_until(lambda: client.pending() == 0, what="batches 2 and 3 acknowledged")
+            assert client.drain(0.05) is False, "batch 1, dropped in flight, is not acknowledged yet"
+            late.set()
+            assert client.drain(60) is True
+            assert client.acked == 3 and client.dropped_batches == 0
     finally:
         release.set()
-        client.stop(drain_s=0)
-        coll.stop()
-
-
-def test_drain_waits_for_the_ack_of_a_batch_dropped_while_in_flight(client_factory, monkeypatch):
-    """A stop drains before it cancels the stream: a batch dropped over budget while on the wire is
-    still awaited, or the stop would count it as dropped although the collector stored it."""
-    import asyncio
-    import threading
-    got, first_acks, last_ack = [], threading.Event(), threading.Event()
-
-    async def late_first(self, request_iterator, context):
-        await anext(aiter(request_iterator))
-        yield pb.CollectorMessage(welcome=pb.Welcome())
-        async for msg in request_iterator:
-            got.append(msg.batch.seq)
-            if len(got) == 3:
-                break
-        while not first_acks.is_set():
-            await asyncio.sleep(0.01)
-        for seq in (2, 3):
-            yield pb.CollectorMessage(ack=pb.Ack(boot_id="boot-1", seq=seq))
-        while not last_ack.is_set():
-            await asyncio.sleep(0.01)
-        yield pb.CollectorMessage(ack=pb.Ack(boot_id="boot-1", seq=1))
-        await asyncio.Event().wait()
-
-    monkeypatch.setattr(server_mod.IngestServicer, "Stream", late_first)
-    coll = InProcessCollector()
-    client = client_factory(coll.addr, queue_batches=2)
-    client.start()
-    try:
-        wait_until(lambda: client.connected, what="connected")
-        for i in range(1, 4):
-            put_batch(client, i)
-            wait_until(lambda i=i: got == list(range(1, i + 1)), what=f"batch {i} on the wire")
-        first_acks.set()
-        wait_until(lambda: client.pending() == 0, what="batches 2 and 3 acknowledged")
-        assert client.drain(0.05) is False, "batch 1, dropped in flight, is not acknowledged yet"
-        last_ack.set()
-        assert client.drain(60) is True
-        assert client.acked == 3 and client.dropped_batches == 0
-    finally:
-        first_acks.set()
-        last_ack.set()
+        late.set()
         client.stop(drain_s=0)
         coll.stop()
 
