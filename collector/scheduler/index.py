@@ -160,7 +160,15 @@ class Group:
         and its level (0..LEVELS-1; -1 where the count is not offered)."""
         self.value_text = ""   # the compute dimension's value text (explain.py), made when first asked for
         self.value_norm = norm = value_norm(self.value, inv_best_value)
-        self.compute = compute = [norm * f for f in self.mean_free]   # scoring.compute_efficiency, inlined
+        mean_free = self.mean_free
+        if len(mean_free) == 2:   # one device offered (the one-device groups): the loop below, unrolled
+            self.compute = [norm * mean_free[0], x := norm * mean_free[1]]
+            level = LEVELS - 1 if x >= 1.0 else int(x * LEVELS)
+            self.levels = [-1, level, *_LEVEL_TAILS[1]]
+            self.ties = [None, (x, self.penalty[1], self.min_free[1], self.free_desc[0]) if level >= 0 else None,
+                         *_TIE_TAILS[1]]
+            return
+        self.compute = compute = [norm * f for f in mean_free]   # scoring.compute_efficiency, inlined
         # Per count c offered: (compute, penalty factor, least free HBM of the first c devices, free HBM
         # of the c-th most free): nodes of one Bucket with the same tie key score the same for every
         # request for c devices that their first c devices fit (search._rank_by_levels).
