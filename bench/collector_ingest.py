@@ -2,9 +2,11 @@
 
 Starts a real collector (`xpusense-collector serve`) pinned to CPU 0, and --agents simulated agents
 spread over --procs worker processes (pinned to the other CPUs when there are any). Every simulated
-agent opens its own connection and the real bidirectional Ingest stream (xpusense.v1 protos), says
-Hello, then sends Batches (node id, boot id, seq) of 8 devices x 20 series, labels device/vendor,
-all samples stamped with the time the batch is built:
+agent opens its own connection, with the agent's channel options (common/tls.py channel_options:
+keepalive, no BDP probing; --bdp-probe for gRPC's default, as this bench ran before 2026-12-01), and
+the real bidirectional Ingest stream (xpusense.v1 protos), says Hello, then sends Batches (node id,
+boot id, seq) of 8 devices x 20 series, labels device/vendor, all samples stamped with the time the
+batch is built:
 
 - --rate R > 0: R batches/s per agent on a fixed schedule (random phase per agent, as a fleet
   would), at most --window batches in flight per agent;
@@ -62,6 +64,7 @@ DEVICES = 8
 # Without series_ref the collector reads every sample's labels (the slow path); set by --no-series-ref
 # through the environment so that spawned load-generator processes see it too.
 NO_SERIES_REF = os.environ.get("XPUSENSE_BENCH_NO_SERIES_REF") == "1"
+BDP_PROBE = os.environ.get("XPUSENSE_BENCH_BDP_PROBE") == "1"   # --bdp-probe, likewise
 
 # 20 series per device: (name, unit, kind) with kind "g" gauge / "c" counter (running total).
 SERIES = [
@@ -168,10 +171,17 @@ async def run_agent(ag: SimAgent, address: str, rate: float, window: int, phase_
                     times: dict, fails: list) -> None:
     """One simulated agent: connect and say Hello, wait for the start, send batches until t1, drain acks."""
     import grpc
+
+    from xpusense.common.tls import channel_options
     pb = ag.pb
+    # The agent's own channel options (common/tls.py: keepalive, no BDP probing on its stream), unless
+    # --bdp-probe (gRPC's default, as this bench had before 2026-12-01: a ping and its ack per probe).
+    options = channel_options(connect_timeout_s=5.0)
+    if BDP_PROBE:
+        options = [o for o in options if o[0] != "grpc.http2.bdp_probe"]
     channel = grpc.aio.insecure_channel(address, options=[
         ("grpc.use_local_subchannel_pool", 1),          # one connection per agent, as in a fleet
-        ("grpc.max_send_message_length", 16 * 1024 * 1024)])
+        *options])
     call = None
     try:
         # Batches are serialized by next_batch() (request_serializer None passes the bytes through).
@@ -421,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the durable store here (implies --durable; DIR must not hold a store yet, and is kept)")
     p.add_argument("--no-series-ref", action="store_true",
                    help="send samples without series_ref (the collector then keys every sample by its labels)")
+    p.add_argument("--bdp-probe", action="store_true",
+                   help="simulated agents probe bandwidth (gRPC's default; real agents do not since 2026-12-01): "
+                        "to compare with figures taken before")
     p.add_argument("--profile", metavar="FILE", help="run the collector under cProfile, stats to FILE")
     p.add_argument("--collector-cmd", metavar="CMD",
                    help="another collector build to measure (default: xpusense-collector); "
@@ -478,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.no_series_ref:
         os.environ["XPUSENSE_BENCH_NO_SERIES_REF"] = "1"
+    if args.bdp_probe:
+        os.environ["XPUSENSE_BENCH_BDP_PROBE"] = "1"
     ctx = mp.get_context("spawn")
     collector = None
     workers: list = []
