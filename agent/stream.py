@@ -586,14 +586,14 @@ class StreamClient:
         answered. The watch (a thread of grpc's, polling 5 times a second) lasts only this wait."""
         def ignore(_state: grpc.ChannelConnectivity) -> None:
             return None
-        subscribe = getattr(channel, "subscribe", None)   # a test's stand-in may not have it
-        if subscribe is not None:
-            subscribe(ignore, try_to_connect=True)
+        watched = channel if hasattr(channel, "subscribe") else None   # a test's stand-in may not have it
+        if watched is not None:
+            watched.subscribe(ignore, try_to_connect=True)
         try:
             self._stop.wait(self.backoff_s)
         finally:
-            if subscribe is not None:
-                channel.unsubscribe(ignore)
+            if watched is not None:
+                watched.unsubscribe(ignore)
 
     def health(self) -> str:
         """One line for systemd's STATUS=: what keeps delivery from being whole, if anything."""
