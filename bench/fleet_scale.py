@@ -27,6 +27,7 @@ JetStream's default sync policy), then, one after the other:
     .venv/bin/python bench/fleet_scale.py --place-only    # step 5 alone, ~1.5 min
     .venv/bin/python bench/fleet_scale.py --ack-only      # step 2 alone (ack p99 at --fleet agents), ~1.5 min
     .venv/bin/python bench/fleet_scale.py --ack-only --seconds 10 --spy /path/to/py-spy   # + the gateway's stacks
+    .venv/bin/python bench/fleet_scale.py --place-only --spy /path/to/py-spy   # + the replica's stacks
 
 Prints a table, then one line of JSON.
 """
@@ -274,7 +275,11 @@ async def place_from_bucket(urls: list[str], data: list[bytes], seconds: float, 
             "caught_up": caught_up, "caught_up_nodes": caught_up_nodes, "settled": getattr(view, "settled", 0)}
 
 
-def place_over_grpc(tmp: str, urls: list[str], data: list[bytes], seconds: float, updates_s: float) -> dict:
+def place_over_grpc(tmp: str, urls: list[str], data: list[bytes], seconds: float, updates_s: float,
+                    spy: str = "") -> dict:
+    """A `scheduler` replica process answering a client over gRPC while the bucket changes at
+    updates_s; also the replica's CPU in the window (a share of a core). `spy`: py-spy's binary, to
+    record the replica's stacks over the window (raw, for flame graphs; tmp/scheduler.spy.txt)."""
     addr = f"127.0.0.1:{free_port()}"
     cfg_path = collector_toml(tmp, urls, "stale_s = 3600.0\n")
     log_path = os.path.join(tmp, "scheduler.log")
@@ -294,19 +299,30 @@ def place_over_grpc(tmp: str, urls: list[str], data: list[bytes], seconds: float
                 break
             except Exception:
                 time.sleep(1)
+        spy_proc = None
+        if spy:
+            spy_proc = subprocess.Popen([spy, "record", "--pid", str(p.pid), "--format", "raw", "--rate", "250",
+                                         "--duration", str(int(seconds)), "--output",
+                                         os.path.join(tmp, "scheduler.spy.txt"), "--nonblocking"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         parent, child = mp.get_context("spawn").Pipe(duplex=False)
         c = mp.get_context("spawn").Process(target=grpc_client, args=(addr, seconds, 0.002, child), daemon=True)
         c.start()
+        c0, w0 = cpu_s(p.pid), time.monotonic()
         asyncio.run(_refresh_for(urls, data, updates_s, seconds))
+        c1, w1 = cpu_s(p.pid), time.monotonic()
         lat = parent.recv() if parent.poll(120) else []
         c.join(10)
         rss = _rss_kb(p.pid)
+        if spy_proc is not None:
+            spy_proc.wait(60)
     except Exception:
         print(tail(log_path), file=sys.stderr)
         raise
     finally:
         stop(p)
-    return {"p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "n": len(lat), "rss_mb": rss / 1024}
+    return {"p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "n": len(lat), "rss_mb": rss / 1024,
+            "replica_cpu": (c1 - c0) / max(1e-9, w1 - w0)}
 
 
 async def _refresh_for(urls: list[str], data: list[bytes], updates_s: float, seconds: float) -> None:
@@ -330,12 +346,14 @@ def place_only(args: argparse.Namespace) -> int:
         print(f"5. Place at {args.place_nodes} nodes from the fleet bucket ...", flush=True)
         big, _ = summaries(args.place_nodes, seed=11)
         inproc = asyncio.run(place_from_bucket(cluster.urls, big, args.seconds, args.updates_s))
-        over = place_over_grpc(tmp, cluster.urls, big, args.seconds, args.updates_s)
+        over = place_over_grpc(tmp, cluster.urls, big, args.seconds, args.updates_s, args.spy)
     print(f"Place at {inproc['listed']:,} nodes, {inproc['followed_s']:,.0f} summary updates/s followed: in process "
           f"p50 {inproc['p50_ms']:.3f} ms, p99 {inproc['p99_ms']:.3f} ms (goal <= 1; CPU p50 {inproc['cpu_p50_ms']:.3f}, "
           f"p99 {inproc['cpu_p99_ms']:.3f} ms; {inproc['n']} decisions, {inproc['caught_up']} of them refreshed "
           f"{inproc['caught_up_nodes']} nodes first); over gRPC p50 {over['p50_ms']:.3f} ms, "
-          f"p99 {over['p99_ms']:.3f} ms (goal <= 5; {over['n']} calls); load average {os.getloadavg()[0]:.2f}")
+          f"p99 {over['p99_ms']:.3f} ms (goal <= 5; {over['n']} calls; the replica's CPU meanwhile "
+          f"{100 * over['replica_cpu']:.0f}% of a core); load average {os.getloadavg()[0]:.2f}"
+          + (f"; py-spy profile of the replica: {os.path.join(tmp, 'scheduler.spy.txt')}" if args.spy else ""))
     print(json.dumps({"bench": "fleet_scale", "place_only": True, "place_nodes": inproc["listed"],
                       "place_inproc": {k: round(v, 3) if isinstance(v, float) else v for k, v in inproc.items()},
                       "place_grpc": {k: round(v, 3) if isinstance(v, float) else v for k, v in over.items()}}))
@@ -485,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ack-only", action="store_true",
                    help="only step 2, ack latency of --fleet agents x 1 batch/s through one gateway")
     p.add_argument("--spy", metavar="PY_SPY", default="",
-                   help="with --ack-only: the py-spy binary to profile the gateway with (raw stacks)")
+                   help="with --ack-only: the py-spy binary to profile the gateway with (raw stacks); "
+                        "with --place-only: the scheduler replica over gRPC")
     args = p.parse_args(argv)
     raise_nofile()
     if args.place_only:
