@@ -1,7 +1,7 @@
 """`xpusense-agent`: run the agent, print this node's inventory, or list its sources.
 
-Only the argument parser, grpc_waits (it chooses grpc's client engine, which must be done before grpc
-is imported) and the eBPF loader's starter are imported before the command runs: `run` first starts
+Only the argument parser, common/grpc_engine (grpc's client engine must be chosen before grpc is
+imported) and the eBPF loader's starter are imported before the command runs: `run` first starts
 the loader process (handover.start_early), so that it compiles the probes while the agent imports the
 rest (commands.py) and starts; the agent's eBPF sources take it over, and one nobody took is ended.
 """
@@ -12,7 +12,8 @@ import argparse
 import os
 import sys
 
-from .grpc_waits import use_polling_client
+from xpusense.common.grpc_engine import POLLING_CLIENT, choose_engine
+
 from .sources.ebpf.handover import discard_early, start_early
 
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     path = args.config or os.environ.get("XPUSENSE_AGENT_CONFIG")
     if args.cmd == "run":
-        use_polling_client()    # before grpc is imported: it reads its experiments then (grpc_waits.py)
+        choose_engine(POLLING_CLIENT)   # before grpc is imported: it reads its experiments then
         start_early(path or "")
     try:
         from .commands import execute

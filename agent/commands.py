@@ -57,7 +57,8 @@ def _run(cfg, args) -> int:
     st = agent.stream   # an operator's (and tests/privileged/test_systemd_units.py's) count at every clean stop
     logging.getLogger("xpusense.agent").info(
         "stopped: boot %s made %d batches, %d acknowledged in this run, %d not acknowledged (kept in the spool, "
-        "when on, for the next start)", agent.boot_id, st.last_seq(), st.acked, st.pending())
+        "when on, for the next start), %d batches (%d samples) dropped or set aside", agent.boot_id, st.last_seq(),
+        st.acked, st.pending(), st.dropped_batches, st.dropped_samples)
     return rc
 
 

@@ -1,39 +1,17 @@
 """Fewer wake-ups of the threads grpc keeps for the agent's one long-lived stream.
 
 grpc's sync API wakes its waiting threads several times a second only so that Python signal handlers
-can run; the agent handles signals on its main thread, which never waits on grpc. grpc's EventEngine
-client wakes its idle workers 24-28 times a second for a stream that sends one message a second. See
-each function.
+can run; the agent handles signals on its main thread, which never waits on grpc. See each function.
+(The other source of wake-ups, grpc's EventEngine client, is turned off by `xpusense-agent run`
+before grpc is imported: common/grpc_engine.py.)
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-import sys
-from collections.abc import MutableMapping
+import threading
 
 GRPC_WAKE_S = 1.0    # how often a thread blocked in grpc wakes with nothing to do
-# grpc's setting of its experiments (read once, when grpc is imported), and the agent's value of it.
-EXPERIMENTS_ENV = "GRPC_EXPERIMENTS"
-POLLING_CLIENT = "-event_engine_client"
-
-
-def use_polling_client(environ: MutableMapping[str, str] = os.environ) -> str | None:
-    """Before grpc is imported (`xpusense-agent run` calls it first): the agent's channels run on
-    grpc's polling engine (the experiment event_engine_client off), not on its EventEngine client.
-    The EventEngine client hands every read and write to a work-stealing thread pool whose idle
-    workers wake with a back-off that starts again at 15 ms each time they run a closure (x1.3 up to
-    3 s): with a message and its ack every second, each of two workers wakes ~12 times a second, 24-28
-    wake-ups of the agent a second (~0.1 ms of CPU each on a small VM) for nothing. The polling
-    engine reads the socket in the thread that already waits on the channel's completion queue.
-    Only an environment variable sets it, read when grpc is imported: a GRPC_EXPERIMENTS given to
-    the agent (systemd's Environment=, a shell) is the operator's choice and left as it is; so is
-    everything once grpc is imported (too late to take effect). The value set, or None."""
-    if EXPERIMENTS_ENV in environ or "grpc" in sys.modules:
-        return None
-    environ[EXPERIMENTS_ENV] = POLLING_CLIENT
-    return POLLING_CLIENT
 
 
 def quiet_grpc_waits(every_s: float = GRPC_WAKE_S) -> None:
@@ -69,3 +47,22 @@ def quiet_completion_queue(every_s: float = GRPC_WAKE_S) -> int | None:
     period = ctypes.c_int.from_address(addr)
     period.value = max(period.value, int(every_s * 1000))
     return period.value
+
+
+def wait_connecting(channel, stop: threading.Event, seconds: float) -> None:
+    """Wait `seconds` (or until `stop`) with `channel` connecting meanwhile. The agent runs grpc's
+    polling engine (common/grpc_engine.py), which sees a connection attempt end only while a thread
+    polls the channel: a call in progress, or a connectivity watch. A call fails at once while its
+    channel is in backoff, so without a watch a refused or accepted connect was seen only at grpc's
+    backup poll, every 5 s: an agent found its collector back 9-19 s after it answered. The watch (a
+    thread of grpc's, polling 5 times a second) lasts only this wait."""
+    def ignore(_state) -> None:
+        return None
+    watched = channel if hasattr(channel, "subscribe") else None   # a test's stand-in may not have it
+    if watched is not None:
+        watched.subscribe(ignore, try_to_connect=True)
+    try:
+        stop.wait(seconds)
+    finally:
+        if watched is not None:
+            watched.unsubscribe(ignore)

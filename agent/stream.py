@@ -41,7 +41,7 @@ from xpusense.common.tls import channel_options
 from xpusense.v1 import telemetry_pb2 as pb
 
 from .encoded import batch_message, encode_message
-from .grpc_waits import quiet_grpc_waits
+from .grpc_waits import quiet_grpc_waits, wait_connecting
 from .sources.base import COUNTER, GAUGE, HISTOGRAM, Event, Sample
 from .spool import RecordError
 
@@ -375,10 +375,6 @@ class StreamClient:
             if self._mem:
                 log.warning("%d batches held in memory (%s) are lost with this stop", len(self._mem),
                             "the spool could not write them" if self.spool is not None else "no spool")
-            log.info("stream stopped: %d batches acknowledged, %d batches (%d samples) dropped or set aside, "
-                     "%d batches not acknowledged%s", self.acked, self.dropped_batches, self.dropped_samples,
-                     len(self._pending) - len(self._mem),
-                     " (in the spool for the next start)" if self.spool is not None else "")
 
     # -- threads ----------------------------------------------------------------------------------
     def _batcher(self) -> None:
@@ -570,30 +566,12 @@ class StreamClient:
                 self.current = (self.current + 1) % len(channels)   # the next collector, if there are several
                 if channels[self.current] is None:
                     channels[self.current] = self.make_channels[self.current]()
-                self._wait_connecting(channels[self.current])
+                wait_connecting(channels[self.current], self._stop, self.backoff_s)
         finally:
             self.connected = False
             for ch in channels:
                 if ch is not None:
                     ch.close()
-
-    def _wait_connecting(self, channel: grpc.Channel | None) -> None:
-        """The wait before the next try, with `channel` connecting meanwhile. The agent runs grpc's
-        polling engine (grpc_waits.use_polling_client), which sees a connection attempt end only
-        while a thread polls the channel: a call in progress, or a connectivity watch. A call fails
-        at once while its channel is in backoff, so without a watch a refused or accepted connect was
-        seen only at grpc's backup poll, every 5 s: an agent found its collector back 9-19 s after it
-        answered. The watch (a thread of grpc's, polling 5 times a second) lasts only this wait."""
-        def ignore(_state: grpc.ChannelConnectivity) -> None:
-            return None
-        watched = channel if hasattr(channel, "subscribe") else None   # a test's stand-in may not have it
-        if watched is not None:
-            watched.subscribe(ignore, try_to_connect=True)
-        try:
-            self._stop.wait(self.backoff_s)
-        finally:
-            if watched is not None:
-                watched.unsubscribe(ignore)
 
     def health(self) -> str:
         """One line for systemd's STATUS=: what keeps delivery from being whole, if anything."""

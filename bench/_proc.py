@@ -19,7 +19,7 @@ def tool(name: str) -> list[str]:
     found = shutil.which(name)
     if found:
         return [found]
-    module = {"xpusense-agent": "xpusense.agent.cli", "xpusense-collector": "xpusense.collector.cli"}[name]
+    module = {"xpusense-agent": "xpusense.agent.cli", "xpusense-collector": "xpusense.collector.main"}[name]
     return [sys.executable, "-m", module]
 
 

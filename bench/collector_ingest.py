@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.durable:   # every batch fsync'ed to the store before its ack (group commit)
         serve += ["--data-dir", data_dir]
     if args.profile:
-        prefix = [sys.executable, "-m", "cProfile", "-o", os.path.abspath(args.profile), "-m", "xpusense.collector.cli"]
+        prefix = [sys.executable, "-m", "cProfile", "-o", os.path.abspath(args.profile), "-m", "xpusense.collector.main"]
     elif args.collector_cmd:
         prefix = shlex.split(args.collector_cmd)
     else:

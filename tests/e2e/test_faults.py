@@ -155,12 +155,12 @@ def test_spool_over_budget_drops_are_counted_and_nothing_else_is_lost(procs, tmp
     reported = series(n, "xpusense.agent.stream.dropped_batches")[0]["value"]
     # Every missing batch was dropped and counted; the count can only have grown since it was read.
     assert missing and len(missing) >= reported
-    wait_until(lambda: "stream stopped:" in rig.agent.output(), what="the agent's stop")
+    wait_until(lambda: "stopped: boot" in rig.agent.output(), what="the agent's stop line")
     log = rig.agent.output()
     # The stream's final count is exact: a batch dropped from the spool while in flight counts only when
     # its acknowledgement does not come. The spool's running total counts it at once, so is at least that.
-    stop = next(ln for ln in log.splitlines() if "stream stopped:" in ln)
-    assert f"acknowledged, {len(missing)} batches (" in stop, (stop, len(missing))
+    stop = next(ln for ln in log.splitlines() if "stopped: boot" in ln)
+    assert f"next start), {len(missing)} batches (" in stop, (stop, len(missing))
     last = [ln for ln in log.splitlines() if "over its budget" in ln][-1]
     spool_total = int(re.search(r"\((\d+) batches, \d+ samples dropped so far", last).group(1))
     assert spool_total >= len(missing), (last, len(missing))
