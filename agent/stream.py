@@ -509,14 +509,17 @@ class StreamClient:
     def _send_loop(self) -> None:
         delays = backoff_delays(self.backoff_initial_s, self.backoff_max_s)
         channels: list[grpc.Channel | None] = [None] * len(self.make_channels)
+
+        def channel_at(i: int) -> grpc.Channel:   # each collector's channel, made when first used
+            ch = channels[i]
+            if ch is None:
+                ch = channels[i] = self.make_channels[i]()
+            return ch
         try:
             while not self._stop.is_set():
                 up_at = None
                 here = self.addresses[self.current] if len(self.addresses) == len(channels) else self.address
-                channel = channels[self.current]
-                if channel is None:
-                    channel = channels[self.current] = self.make_channels[self.current]()
-                stream = channel.stream_stream(STREAM_METHOD, request_serializer=encode_message,
+                stream = channel_at(self.current).stream_stream(STREAM_METHOD, request_serializer=encode_message,
                                                response_deserializer=pb.CollectorMessage.FromString)
                 with self._cond:
                     self._conn_closed = False
@@ -564,9 +567,7 @@ class StreamClient:
                 if unanswered:   # no collector there at all: try again soon (a connect is cheap)
                     self.backoff_s = min(self.backoff_s, random.uniform(self.reconnect_max_s / 2, self.reconnect_max_s))
                 self.current = (self.current + 1) % len(channels)   # the next collector, if there are several
-                if channels[self.current] is None:
-                    channels[self.current] = self.make_channels[self.current]()
-                wait_connecting(channels[self.current], self._stop, self.backoff_s)
+                wait_connecting(channel_at(self.current), self._stop, self.backoff_s)
         finally:
             self.connected = False
             for ch in channels:
