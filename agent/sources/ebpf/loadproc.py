@@ -68,8 +68,9 @@ class Refused(Exception):
 class Builder:
     """What one run of the loader built: bcc objects, fds to send, the manifest that names them."""
 
-    def __init__(self, req: dict) -> None:
+    def __init__(self, req: dict, compiling: threading.Event | None = None) -> None:
         self.req = req
+        self.compiling = compiling      # set when clang starts (preload's later imports wait for it)
         self.fds: list[int] = []
         self.manifest: dict[str, Any] = {"ok": True, "probes": {}, "maps": [], "compile_errors": {}}
         self.objects: dict[str, Any] = {}       # probe -> bcc BPF object
@@ -111,6 +112,8 @@ class Builder:
     def compile_all(self) -> None:
         probes = self.req["probes"]
         t0 = time.perf_counter()
+        if self.compiling is not None:
+            self.compiling.set()
         if self.req.get("combined") and len(probes) > 1:
             try:
                 obj = self.compile_one(self.req["combined_text"], [f for p in probes for f in p["cflags"]])
@@ -264,8 +267,9 @@ class Builder:
             if key in ahead.manifest:
                 self.manifest[key] = ahead.manifest[key]
 
-    def run(self, ahead: Builder | None = None) -> None:
-        """Compile (or adopt `ahead`, compiled from the same inputs), load, attach, list the maps."""
+    def run(self, ahead: Callable[[], Builder | None] = lambda: None) -> None:
+        """Compile (or adopt what `ahead()` gives, compiled from the same inputs: it may wait for that
+        compile to end, while the groundwork runs), load, attach, list the maps."""
         t0 = time.perf_counter()
         try:
             import bcc  # noqa: F401  (Debian's python3-bpfcc)
@@ -276,8 +280,10 @@ class Builder:
         early = threading.Thread(target=self.groundwork, daemon=True)
         early.start()       # netlink and ELF work needs no program: done while clang runs
         try:
-            if ahead is not None:
-                self.adopt(ahead)
+            compiled = ahead()
+            self.manifest["compiled_ahead"] = compiled is not None
+            if compiled is not None:
+                self.adopt(compiled)
             else:
                 self.compile_all()
         finally:
@@ -356,10 +362,11 @@ def vm_hwm_kb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def preload(kallsyms: dict[str, str], compile_ready: threading.Event) -> None:
+def preload(kallsyms: dict[str, str], compile_ready: threading.Event, compiling: threading.Event) -> None:
     """What every request needs, done while the agent is still planning: bcc's view of kallsyms made
     small (kallsyms.py; its outcome in kallsyms["note"]) and bcc imported (it maps LLVM: ~50 ms), then
-    compile_ready set; then pyroute2 (tc_traffic's filters: ~150 ms, while clang runs)."""
+    compile_ready set; then, once clang runs (`compiling`: it leaves the GIL free), pyroute2 (tc_traffic's
+    filters: ~150 ms of Python that would otherwise hold up the guess and the planning before it)."""
     try:
         kallsyms["note"] = kallsyms.get("note") or kallsyms_mod.bind_bpf_symbols()
         import bcc  # noqa: F401
@@ -367,6 +374,7 @@ def preload(kallsyms: dict[str, str], compile_ready: threading.Event) -> None:
         kallsyms["note"] = kallsyms.get("note") or f"{type(e).__name__}: {e}"
     finally:
         compile_ready.set()     # whatever happened: the compile must not wait for ever
+    compiling.wait(REQUEST_WAIT_S)
     try:
         import pyroute2  # noqa: F401
     except Exception:
@@ -382,15 +390,18 @@ def compile_inputs(req: dict) -> str:
 class Ahead:
     """A guess of the agent's request (from its config), compiled in a thread before the request comes."""
 
-    def __init__(self, guess: Callable[[], dict | None], compile_ready: threading.Event) -> None:
+    def __init__(self, guess: Callable[[], dict | None], compile_ready: threading.Event,
+                 compiling: threading.Event) -> None:
         self.builder: Builder | None = None
         self.note = "not started"
         self.t0 = time.perf_counter()
         self.times: dict[str, float] = {}   # guessed, imported, compiled: seconds from the loader's start
-        self._thread = threading.Thread(target=self._run, args=(guess, compile_ready), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(guess, compile_ready, compiling),
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, guess: Callable[[], dict | None], compile_ready: threading.Event) -> None:
+    def _run(self, guess: Callable[[], dict | None], compile_ready: threading.Event,
+             compiling: threading.Event) -> None:
         try:
             req = guess()
             self.times["guessed"] = round(time.perf_counter() - self.t0, 3)
@@ -399,7 +410,7 @@ class Ahead:
                 return
             compile_ready.wait()
             self.times["imported"] = round(time.perf_counter() - self.t0, 3)
-            b = Builder(req)
+            b = Builder(req, compiling)
             b.compile_all()
             self.times["compiled"] = round(time.perf_counter() - self.t0, 3)
             self.builder, self.note = b, "compiled"
@@ -426,9 +437,9 @@ def main(fd: int, guess: Callable[[], dict | None] | None = None) -> None:
     code = 0
     t0 = time.perf_counter()
     kallsyms = {"note": kallsyms_mod.private_mounts()}     # before any thread starts
-    compile_ready = threading.Event()
-    threading.Thread(target=preload, args=(kallsyms, compile_ready), daemon=True).start()
-    ahead = Ahead(guess, compile_ready) if guess is not None else None
+    compile_ready, compiling = threading.Event(), threading.Event()
+    threading.Thread(target=preload, args=(kallsyms, compile_ready, compiling), daemon=True).start()
+    ahead = Ahead(guess, compile_ready, compiling) if guess is not None else None
     try:
         try:
             req, _ = handoff.recv(sock, REQUEST_WAIT_S)
@@ -436,10 +447,9 @@ def main(fd: int, guess: Callable[[], dict | None] | None = None) -> None:
             os._exit(0)
         t_req = time.perf_counter()
         compile_ready.wait()
-        b = Builder(req)
-        compiled = ahead.take(req) if ahead is not None else None
+        b = Builder(req, compiling)
         try:
-            b.run(compiled)
+            b.run((lambda: ahead.take(req)) if ahead is not None else (lambda: None))
         except Refused as e:
             b.manifest = {"ok": False, "reason": str(e)}
             b.fds = []
@@ -448,7 +458,6 @@ def main(fd: int, guess: Callable[[], dict | None] | None = None) -> None:
                           "traceback": traceback.format_exc()[-2000:]}
             b.fds = []
         b.manifest["pid"] = os.getpid()
-        b.manifest["compiled_ahead"] = compiled is not None
         b.manifest["kallsyms"] = kallsyms["note"] or "private (bpf symbols only)"
         if ahead is not None:
             b.manifest["ahead"] = f"{ahead.note} {ahead.times}"
