@@ -13,7 +13,7 @@ from .latency import Measured
 from .scoring import RegionMatrix, compliance, compute_efficiency, data_affinity, disaster_tolerance, replicas_in_zone
 from .search import Query
 
-EXPLAINED_MAX = 8   # request shapes (count, memory) kept per group
+EXPLAINED_MAX = 16  # entries kept per group: chosen devices per (count, memory), made candidates per answer shape
 
 
 def gib(n: float) -> str:
@@ -21,10 +21,34 @@ def gib(n: float) -> str:
 
 
 def fill_reply(view: FleetView, q: Query, reply: spb.PlaceReply, weights: dict[str, float]) -> None:
-    """The ranked candidates (best first, then by node id) and the exclusions, from a decided Query."""
+    """The ranked candidates (best first, then by node id) and the exclusions, from a decided Query.
+
+    A candidate is made once per group and answer shape and kept on the group (Group.explained,
+    for the group's lifetime: a refresh makes new groups), so that the same node ranked again for
+    the same request costs a copy: the shape holds every input of its words (the request's terms,
+    the weights, its score, the group's value and the fleet's best one). A node whose region has a
+    measured RTT to the data region is made anew each time (its detail tells the measurement's age)."""
     dims_by_key: dict[tuple, list[spb.DimensionScore]] = {}
+    shape = (q.count, q.mem, q.same_domain, q.data_region, tuple(q.replicas), tuple(weights.values()),
+             q.latency.max_age_ns if q.latency is not None else 0, view.best_value)
+    out = reply.candidates
     for score, _, g in sorted(q.result, key=lambda x: (-x[0], x[1].s)):
-        candidate(view, q, reply.candidates.add(), score, g, weights, dims_by_key)
+        if q.measured(g.node.region) is not None:
+            candidate(view, q, out.add(), score, g, weights, dims_by_key)
+            continue
+        explained = g.explained
+        key = (shape, score, g.value_norm)
+        done = explained.get(key)
+        if done is not None:
+            out.append(done[0])
+            continue
+        c = out.add()
+        candidate(view, q, c, score, g, weights, dims_by_key)
+        if len(explained) >= EXPLAINED_MAX:
+            explained.clear()
+        kept = spb.Candidate()   # its own copy: not a part of this reply, which the caller owns
+        kept.CopyFrom(c)
+        explained[key] = (kept,)
     exclusions(view, q, reply)
 
 

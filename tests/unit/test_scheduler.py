@@ -655,3 +655,48 @@ def test_index_refresh_ms_0_refreshes_on_every_batch(tmp_path):
     before = fleet.core.view.refreshes
     agent.send(used_gib=60.0)
     assert fleet.core.view.refreshes == before + 1 and not fleet.core.view.dirty
+
+
+def test_a_candidate_ranked_again_for_the_same_request_is_copied_not_made_again(monkeypatch):
+    """explain.fill_reply keeps each candidate on its group per answer shape: the same request
+    ranked again copies it (explain.candidate is not called), with the same words as one made
+    afresh; another shape (weights, data region, replicas), or the node's new readings (new groups),
+    makes it again; a reply the caller changes does not change the next one."""
+    from xpusense.collector.scheduler import explain
+    fleet = Fleet()
+    agents = [fleet.agent(f"n{i}", "a100", region="r1" if i % 2 else "r2", zone=f"z{i}", price=2.0 + i)
+              for i in range(4)]
+    made = []
+    real = explain.candidate
+    monkeypatch.setattr(explain, "candidate", lambda *a: (made.append(a[4].node.node_id), real(*a))[1])
+
+    def fresh(**kw) -> spb.PlaceReply:   # the reference: every group's kept words dropped first
+        for x in fleet.core.view.summaries.values():
+            for g in {id(g): g for gs in x.pool_groups for g in gs}.values():
+                g.explained.clear()
+        return fleet.place(**kw)
+
+    def words(r: spb.PlaceReply) -> list:
+        return [c.SerializeToString(deterministic=True) for c in r.candidates]
+
+    ask = dict(memory_bytes=GiB, count=2, data_region="r1", replica_zones=["z1"], limit=4)
+    first = fresh(**ask)
+    assert len(made) == 4
+    made.clear()
+    again = fleet.place(**ask)
+    assert made == [] and words(again) == words(first)
+    first.candidates[0].dimensions[0].detail = "changed by the caller"
+    assert words(fleet.place(**ask)) == words(again) and made == []
+    for other in (dict(ask, weights=spb.Weights(compute=0.45, data_affinity=0.2)), dict(ask, data_region="r2"),
+                  dict(ask, replica_zones=["z2"]), dict(ask, same_domain=True)):
+        made.clear()
+        reply = fleet.place(**other)
+        assert len(made) == 4, other
+        assert words(reply) == words(fresh(**other)), other
+    fleet.place(**ask)
+    agents[1].send(util=0.9, used_gib=10.0)   # new readings: new groups for n1
+    fleet.core.view.catch_up()
+    made.clear()
+    reply = fleet.place(**ask)
+    assert made == ["n1"]
+    assert words(reply) == words(fresh(**ask))
