@@ -53,8 +53,6 @@ from google.protobuf.message import DecodeError
 from xpusense.common.ids import bad_id
 from xpusense.v1 import telemetry_pb2 as pb
 
-from .state import LeanAgentMessage, full_batch
-
 HISTOGRAM = pb.HISTOGRAM
 log = logging.getLogger("xpusense.collector.limits")
 
@@ -231,11 +229,11 @@ class Limits:
             checked = set()
         else:
             self._checked.move_to_end(key)
+        samples = batch.samples
         if refs is None:
-            refs = [s.series_ref for s in batch.samples]
+            refs = [s.series_ref for s in samples]
         if checked and checked.issuperset(refs):   # the usual batch: every series known (0 never is)
             return None
-        samples = full_batch(batch).samples   # names and labels read (a lean batch has them unparsed)
         new: list[int] = []
         unknown: list[pb.Sample] = []     # samples whose series the node may not have yet
         max_buckets = self.max_histogram_buckets
@@ -399,9 +397,6 @@ def _lenient(deserializer, size: _WireSize):
     return parse
 
 
-_AGENT_MESSAGES = (pb.AgentMessage, LeanAgentMessage)   # what an Ingest stream's requests parse into
-
-
 class GuardedRequests:
     """A streaming call's requests, read through the guard: a message that does not parse, or a
     Hello with a bad id, raises MalformedRequest. `wire_bytes` is the size on the wire of the
@@ -423,7 +418,7 @@ class GuardedRequests:
         m = await self._next()
         if type(m) is _Malformed:
             raise self._guard._refuse(self._context, m.why)
-        if type(m) in _AGENT_MESSAGES and m.HasField("hello") and (why := check_hello(m.hello)):
+        if type(m) is pb.AgentMessage and m.HasField("hello") and (why := check_hello(m.hello)):
             raise self._guard._refuse(self._context, why)
         return m
 

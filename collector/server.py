@@ -8,11 +8,6 @@ control holds back a client that does not read its acks). A stream's messages ar
 ends, and the garbage collector runs soon after (the exception of an aborted call holds them in a
 reference cycle). ListNodes replies are pages of at most `max_reply_bytes`; boot ids go only to
 callers the collector trusts (`QueryServicer.trusted`).
-
-An Ingest message is parsed lean (`ingest_parser`, state.LeanAgentMessage): a batch's samples
-without their names and labels, which are read only where a series is not known yet (the limits'
-first look at a series, a new series in the state), while every watcher of the state reads only a
-batch's ids and events (FleetState.lean_ok; the scheduler's does).
 """
 
 from __future__ import annotations
@@ -42,7 +37,7 @@ from .limits import DEFAULTS as LIMITS
 from .limits import MalformedRequest, Violation, read_hello, short_boot
 from .scheduler.service import SCHEDULER_SERVICE
 from .scheduler.service import add_to_server as add_scheduler
-from .state import FleetState, LeanAgentMessage, rows
+from .state import FleetState, rows
 from .store import StoreError
 
 log = logging.getLogger("xpusense.collector")
@@ -506,13 +501,10 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
     if config is not None and hasattr(state, "configure"):   # [state]: the memory budget
         state.configure(config.state.max_memory, config.state.min_history_points,
                         config.state.max_open_diagnoses_per_node)
-    add_ingest(ingest, server)
+    pb_grpc.add_IngestServicer_to_server(ingest, server)
     pb_grpc.add_QueryServicer_to_server(
         QueryServicer(state, security, limits, counters=functools.partial(counters, ingest)), server)
     server.scheduler = add_scheduler(server, state, config)   # config None: the defaults
-    # The scheduler reads only a stored batch's ids and events (fleet.py FleetView.on_change).
-    if hasattr(state, "header_watchers"):
-        state.header_watchers.add(server.scheduler.view.on_change)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     check_bind(listen)
@@ -533,27 +525,6 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
         store.on_change.append(functools.partial(_follow_store, hs, store, server.store_health))
         await _store_health(hs, store)
     return server
-
-
-def ingest_parser(state: FleetState):
-    """The Ingest stream's request deserializer: a LeanAgentMessage while the state takes lean
-    batches (FleetState.lean_ok: a known series costs its value, time and reference, not its name
-    and labels, to parse), else a pb.AgentMessage."""
-    full, lean = pb.AgentMessage.FromString, LeanAgentMessage.FromString
-    lean_ok = getattr(state, "lean_ok", None)
-
-    def parse(raw: bytes):
-        return lean(raw) if lean_ok is not None and lean_ok() else full(raw)
-    return parse
-
-
-def add_ingest(ingest: IngestServicer, server: grpc.aio.Server) -> None:
-    """The generated add_IngestServicer_to_server, with ingest_parser as the request deserializer."""
-    handlers = {"Stream": grpc.stream_stream_rpc_method_handler(
-        ingest.Stream, request_deserializer=ingest_parser(ingest.state),
-        response_serializer=pb.CollectorMessage.SerializeToString)}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(INGEST_SERVICE, handlers),))
-    server.add_registered_method_handlers(INGEST_SERVICE, handlers)
 
 
 def _follow_store(hs, store, tasks: set, _writable: bool) -> None:

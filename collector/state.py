@@ -32,8 +32,6 @@ import math
 import operator
 import time
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-
 from xpusense.v1 import telemetry_pb2 as pb
 
 from .diagnoses import Diagnoses
@@ -50,56 +48,6 @@ def rows(batch: pb.Batch) -> list[tuple[int, int, float]]:
     message from Python is the costly part of ingest (a wrapper object per sample, a lookup per
     field): the server reads them once, for Limits.check and FleetState.apply both."""
     return list(map(_ROW, batch.samples))
-
-
-def _lean_types():
-    """LeanAgentMessage: an AgentMessage as the Ingest stream parses it. The same fields and numbers,
-    but a batch's samples declare only what a known series needs (kind, value, time, histogram,
-    series_ref): name, unit and labels stay in the message as unknown fields, kept as they came
-    (not parsed into strings and maps, ~3/4 of the parse), and written out again by
-    SerializeToString, so the message encodes the same Batch. `full_batch` reads a lean batch as a
-    pb.Batch, for whoever needs a sample's name and labels (a series not known yet)."""
-    f = descriptor_pb2.FieldDescriptorProto
-    fdp = descriptor_pb2.FileDescriptorProto(name="xpusense/collector/lean_telemetry.proto",
-                                             package="xpusense.collector.lean", syntax="proto3",
-                                             dependency=[pb.DESCRIPTOR.name])
-    opt, rep, msg = f.LABEL_OPTIONAL, f.LABEL_REPEATED, f.TYPE_MESSAGE
-    sample = fdp.message_type.add(name="Sample")
-    sample.field.add(name="kind", number=3, label=opt, type=f.TYPE_ENUM, type_name=".xpusense.v1.MetricKind")
-    sample.field.add(name="value", number=5, label=opt, type=f.TYPE_DOUBLE)
-    sample.field.add(name="time_unix_nano", number=6, label=opt, type=f.TYPE_INT64)
-    sample.field.add(name="histogram", number=7, label=opt, type=msg, type_name=".xpusense.v1.Histogram")
-    sample.field.add(name="series_ref", number=8, label=opt, type=f.TYPE_UINT32)
-    batch = fdp.message_type.add(name="Batch")
-    batch.field.add(name="node_id", number=1, label=opt, type=f.TYPE_STRING)
-    batch.field.add(name="boot_id", number=2, label=opt, type=f.TYPE_STRING)
-    batch.field.add(name="seq", number=3, label=opt, type=f.TYPE_UINT64)
-    batch.field.add(name="samples", number=4, label=rep, type=msg, type_name=".xpusense.collector.lean.Sample")
-    batch.field.add(name="events", number=5, label=rep, type=msg, type_name=".xpusense.v1.Event")
-    batch.field.add(name="sent_unix_nano", number=6, label=opt, type=f.TYPE_INT64)
-    agent = fdp.message_type.add(name="AgentMessage")
-    agent.oneof_decl.add(name="msg")
-    for name, number, type_name in (("hello", 1, ".xpusense.v1.Hello"), ("batch", 2, ".xpusense.collector.lean.Batch"),
-                                    ("inventory", 3, ".xpusense.v1.Inventory")):
-        agent.field.add(name=name, number=number, label=opt, type=msg, type_name=type_name, oneof_index=0)
-    pool = descriptor_pool.Default()
-    try:
-        pool.FindFileByName(fdp.name)
-    except KeyError:
-        pool.Add(fdp)
-    return (message_factory.GetMessageClass(pool.FindMessageTypeByName("xpusense.collector.lean.AgentMessage")),
-            message_factory.GetMessageClass(pool.FindMessageTypeByName("xpusense.collector.lean.Batch")))
-
-
-LeanAgentMessage, LeanBatch = _lean_types()
-
-
-def full_batch(batch) -> pb.Batch:
-    """`batch` as a pb.Batch: itself, or a lean one (LeanAgentMessage's) read in full (every field,
-    its samples' names and labels too)."""
-    if type(batch) is pb.Batch:
-        return batch
-    return pb.Batch.FromString(batch.SerializeToString())
 
 MAX_BOOTS_REMEMBERED = 8
 # Series references kept per boot where no max_series_per_node bounds a node's series (else twice it).
@@ -170,9 +118,6 @@ class FleetState:
         # Called as fn(node, batch) after a Hello or an inventory (batch None) and after each stored
         # batch, on the loop thread (the scheduler core keeps its per-node summaries this way).
         self.watchers: list = []
-        # The watchers known to read only a batch's ids, sequence number and events (the server adds
-        # the scheduler's): while every watcher is one of these, batches may be lean (lean_ok).
-        self.header_watchers: set = set()
         # Marks restored from the durable store count as stored at this time (the state clock, ns);
         # the collector sets it to when the store was last written, for seq_ceiling.
         self.restored_at_ns = clock()
@@ -411,8 +356,7 @@ class FleetState:
 
     def apply(self, batch: pb.Batch, batch_rows: list[tuple[int, int, float]] | None = None) -> None:
         """The batch's samples and events into the fleet state (after accept); `batch_rows` is
-        rows(batch) when the caller has it already. `batch` may be lean (a LeanAgentMessage's):
-        read in full only when a sample's series is not known by its series_ref."""
+        rows(batch) when the caller has it already."""
         n = self._node(batch.node_id)
         n.batches_stored += 1
         if batch.boot_id != n.boot_id and batch.boot_id in n.live:   # a boot that streams and is stored now
@@ -433,9 +377,6 @@ class FleetState:
         for i, (ref, t, v) in enumerate(batch_rows):
             ser = known(ref) if ref else None
             if ser is None:
-                if type(batch) is not pb.Batch:   # lean (LeanAgentMessage): its names and labels read now
-                    batch = full_batch(batch)
-                    samples = batch.samples
                 ser = self._series_for(series, samples[i], room)
                 if ser is None:
                     grown -= 1
@@ -463,26 +404,12 @@ class FleetState:
             self.history_slots += grown
             if self.max_memory and self.memory_bytes() > self.max_memory:
                 self._over_budget()
-        self._events_and_watchers(n, batch)
-
-    def _events_and_watchers(self, n: NodeState, batch) -> None:
-        """A stored batch's events, its diagnoses, and the watchers told (a lean batch read in full
-        for watchers that may read its samples)."""
         for e in batch.events:
             n.events.appendleft(e)
         if batch.events or batch.boot_id != n.diagnoses_boot:
             self.diagnoses.batch(n, batch)
-        if self.watchers:
-            if type(batch) is not pb.Batch and not self.lean_ok():
-                batch = full_batch(batch)
-            for w in self.watchers:
-                w(n, batch)
-
-    def lean_ok(self) -> bool:
-        """Whether batches may come lean (LeanAgentMessage's: samples without names and labels,
-        read in full where a series is new): every watcher reads only a batch's ids, sequence
-        number and events (`header_watchers`); any other is handed full batches."""
-        return all(w in self.header_watchers for w in self.watchers)
+        for w in self.watchers:
+            w(n, batch)
 
     # -- read side ---------------------------------------------------------------------------------
     def view(self, node_id: str = "", name_prefix: str = "", page_token: str = "", page_size: int = 0,
