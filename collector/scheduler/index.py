@@ -100,7 +100,9 @@ class Group:
         self.n_all, self.model, self.tflops, self.value = static or group_static(node, devs)
         self.value_norm = UNKNOWN_VALUE_NORM
         self.value_text = ""
-        self.explained: dict[tuple, tuple] = {}   # explain.py's per (count, memory), for this group's lifetime
+        # explain.py's, for this group's lifetime: chosen devices per (count, memory), and made
+        # candidates (1-tuples) per answer shape
+        self.explained: dict[tuple, tuple] = {}
         self.levels: list[int] = []
         self.ties: list[tuple | None] = []
         self.compute: list[float]   # mean_free until rescale()
