@@ -7,6 +7,7 @@ probes into the kernel: tests/privileged/test_ebpf_probes.py.)
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import os
 import struct
 import sys
@@ -349,3 +350,17 @@ def test_the_loaders_preload_lets_the_compile_go_on_whatever_fails(monkeypatch):
     compiling.set()
     t.join(60)
     assert not t.is_alive()
+
+
+def test_the_loader_maps_libbcc_before_bccs_import_asks_for_it():
+    """map_libbcc dlopens libbcc (without the GIL), so bcc's own CDLL finds it loaded."""
+    import subprocess
+
+    if ctypes.util.find_library("bcc") is None:
+        pytest.skip("libbcc is not installed (scripts/setup.sh installs it)")
+    code = ("from xpusense.agent.sources.ebpf import loadproc\n"
+            "before = 'libbcc.so' in open('/proc/self/maps').read()\n"
+            "loadproc.map_libbcc()\n"
+            "print(before, 'libbcc.so' in open('/proc/self/maps').read())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stderr

@@ -362,13 +362,30 @@ def vm_hwm_kb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+LIBBCC = b"libbcc.so.0"      # the name bcc's libbcc.py opens
+
+
+def map_libbcc() -> None:
+    """dlopen libbcc (and the libclang-cpp and libLLVM it needs, ~170 MB) through a foreign call, which
+    lets go of the GIL; bcc's own ctypes.CDLL then finds it loaded. CPython's CDLL holds the GIL through
+    dlopen: ~50 ms warm, ~0.3 s on a cold page cache (reading LLVM from disk), with the guess's thread
+    (the planning) stopped meanwhile. A failure is left to `import bcc` to say."""
+    libc = ctypes.CDLL(None)
+    libc.dlopen.restype, libc.dlopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_int]
+    libc.dlopen(LIBBCC, os.RTLD_NOW)    # never closed: the loader ends with os._exit
+
+
 def preload(kallsyms: dict[str, str], compile_ready: threading.Event, compiling: threading.Event) -> None:
     """What every request needs, done while the agent is still planning: bcc's view of kallsyms made
-    small (kallsyms.py; its outcome in kallsyms["note"]) and bcc imported (it maps LLVM: ~50 ms), then
-    compile_ready set; then, once clang runs (`compiling`: it leaves the GIL free), pyroute2 (tc_traffic's
-    filters: ~150 ms of Python that would otherwise hold up the guess and the planning before it)."""
+    small (kallsyms.py, its outcome in kallsyms["note"]; ~60 ms warm, most of it the kernel writing out
+    kallsyms) while libbcc is mapped (map_libbcc, in a thread), then bcc imported and compile_ready set;
+    then, once clang runs (`compiling`: it leaves the GIL free), pyroute2 (tc_traffic's filters: ~150 ms
+    of Python that would otherwise hold up the guess and the planning before it)."""
+    mapping = threading.Thread(target=map_libbcc, name="map-libbcc", daemon=True)
+    mapping.start()     # reads from disk while kallsyms is read (kernel work)
     try:
         kallsyms["note"] = kallsyms.get("note") or kallsyms_mod.bind_bpf_symbols()
+        mapping.join()
         import bcc  # noqa: F401
     except Exception as e:      # an import error is said again, with the reason, when the request needs bcc
         kallsyms["note"] = kallsyms.get("note") or f"{type(e).__name__}: {e}"
