@@ -15,7 +15,7 @@ from xpusense.common.tls import make_channel
 
 from .config import ConfigError, load_agent
 from .daemon import Agent, build_sources, inventory
-from .sources.ebpf.handover import discard_early
+from .sources.ebpf.launch import discard_early
 from .spool import SpoolError
 from .stream import resolve
 from .tiers import setup_sources

@@ -16,7 +16,7 @@ import tempfile
 import pytest
 
 from xpusense.agent.sources.base import COUNTER, HISTOGRAM, Sample, Unavailable
-from xpusense.agent.sources.ebpf import bpfmap, btf, family, handoff, handover, links, procfs
+from xpusense.agent.sources.ebpf import bpfmap, btf, caps, family, handoff, launch, links, procfs
 from xpusense.agent.sources.ebpf.loader import render_c
 from xpusense.agent.sources.ebpf.source import EbpfSource, hist_sample, sum_percpu
 from xpusense.agent.tiers import ChangeFilter
@@ -57,7 +57,7 @@ def test_feature_tests_pick_the_fallback_variant_and_say_why(tmp_path):
 
 def test_without_privileges_every_probe_is_unavailable_with_what_to_do(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(procfs, "read_cap_eff", lambda procfs="/proc": 0)
+    monkeypatch.setattr(caps, "read_cap_eff", lambda procfs="/proc": 0)
     for src in sources():
         with pytest.raises(Unavailable, match="root or CAP_BPF"):
             src.setup()
@@ -142,17 +142,17 @@ def loader_running(code):
 
 def test_a_loader_that_exits_or_is_killed_gives_the_reason_and_no_fds():
     with pytest.raises(Unavailable, match=r"exited with status 3 before handing over the probes; it said: .*no headers here"):
-        handover.run_loader(loader_running("import sys; print('no headers here', file=sys.stderr); sys.exit(3)"),
+        launch.run_loader(loader_running("import sys; print('no headers here', file=sys.stderr); sys.exit(3)"),
                             {"probes": []}, 30)
     with pytest.raises(Unavailable, match="killed by SIGKILL before handing over"):
-        handover.run_loader(loader_running("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"), {"probes": []}, 30)
+        launch.run_loader(loader_running("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"), {"probes": []}, 30)
 
 
 def test_a_loader_that_hangs_is_killed_at_the_deadline():
     pidfile = tempfile.mktemp()
     code = f"import os, time; open({pidfile!r}, 'w').write(str(os.getpid())); time.sleep(600)"
     with pytest.raises(Unavailable, match=r"handed nothing over within 1 s and was killed"):
-        handover.run_loader(loader_running(code), {"probes": []}, 1.0)
+        launch.run_loader(loader_running(code), {"probes": []}, 1.0)
     pid = int(open(pidfile).read())
     os.unlink(pidfile)
     with pytest.raises(ProcessLookupError):   # reaped, not left running

@@ -15,12 +15,14 @@ as the agent runs with BPF_ENABLE_STATS, Linux 5.8+, else the kernel.bpf_stats_e
 run_cnt and run_time_ns of its programs, read from /proc/self/fdinfo.
 
 Modules, each importing only those above it:
+- caps: this process's capabilities, whether it may load eBPF (imports only os)
 - procfs: pure /proc, /sys and header helpers; cgroup id and dev_t names; device path prefixes
 - bpf_stats: turning bpf_stats on and off (BPF_ENABLE_STATS, or the sysctl)
 - bpfmap: maps through the bpf syscall (batch reads), ctypes types from bcc's descriptions
 - links: the interfaces of a network namespace (one rtnetlink dump, no pyroute2 in the agent)
 - handoff: JSON messages with fds (SCM_RIGHTS) between the agent and the loader process
-- handover: starting the loader process (also early, by the CLI), its failures as Unavailable, ProbeHandle
+- launch: starting the loader process (also early, by the CLI: it imports little), its failures as Unavailable
+- handover: ProbeHandle, what the loader process handed over for one probe
 - kallsyms: the loader's private view of /proc/kallsyms (the bpf symbols bcc asks about, nothing else)
 - loader: Plan (feature tests), render_c, EbpfLoader (one loader process for all probes)
 - source: EbpfSource, the base every probe's source is, and the map readers

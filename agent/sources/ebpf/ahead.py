@@ -1,6 +1,6 @@
-"""The loader process's entry (handover.LOADER_BOOT): loadproc.main, compiling ahead when told the config.
+"""The loader process's entry (launch.LOADER_BOOT): loadproc.main, compiling ahead when told the config.
 
-`xpusense-agent run` starts its loader process before its own imports (handover.start_early) and names
+`xpusense-agent run` starts its loader process before its own imports (launch.start_early) and names
 its config file. The loader then works out, from that file's [sources.ebpf] table and this host, the
 request the agent will send (family.expected_request: the same planning code the agent runs) and
 compiles it while the agent is still starting. The agent's request, when it comes, decides: when it

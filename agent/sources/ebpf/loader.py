@@ -33,8 +33,10 @@ from ..base import Unavailable
 from .bpf_stats import BpfStats
 from .bpfmap import BpfMap, possible_cpus
 from .btf import FUNC, TYPEDEF, Btf, BtfError
-from .handover import LoaderProcess, ProbeHandle, close_fd, loader_argv, take_early
-from .procfs import bpf_capable, headers_release, sched_info_off
+from .caps import bpf_capable
+from .handover import ProbeHandle, close_fd
+from .launch import LoaderProcess, loader_argv, take_early
+from .procfs import headers_release, sched_info_off
 
 log = logging.getLogger("xpusense.agent.sources.ebpf")
 
@@ -338,7 +340,7 @@ class EbpfLoader:
 
     def prestart(self) -> None:
         """Start the loader processes now, so that they import bcc while the probes are planned here; the
-        one `xpusense-agent run` started before its imports (handover.start_early) is taken first."""
+        one `xpusense-agent run` started before its imports (launch.start_early) is taken first."""
         with self._lock:
             if not self._procs and not self._loaded:
                 early = take_early()

@@ -103,30 +103,6 @@ def physical_links(links: Iterable[dict]) -> list[str]:
     return [link["ifname"] for link in links if not link.get("kind") and not link.get("loopback")]
 
 
-def read_cap_eff(procfs: str = "/proc") -> int:
-    """This process's effective capability bits (CapEff in <procfs>/self/status; 0 if unreadable)."""
-    try:
-        with open(f"{procfs}/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return int(line.split()[1], 16)
-    except OSError:
-        pass
-    return 0
-
-
-CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 12, 21, 38, 39
-
-
-def bpf_capable(procfs: str = "/proc") -> bool:
-    """Whether this process may load eBPF programs: root, CAP_SYS_ADMIN, or CAP_BPF and CAP_PERFMON."""
-    if os.geteuid() == 0:
-        return True
-    caps = read_cap_eff(procfs)
-    need = (1 << CAP_BPF) | (1 << CAP_PERFMON)
-    return caps & need == need or bool(caps & (1 << CAP_SYS_ADMIN))
-
-
 def headers_release(build_dir: str) -> str:
     """The kernel release a header tree was made for (UTS_RELEASE in utsrelease.h; '' if unknown)."""
     try:
