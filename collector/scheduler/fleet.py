@@ -459,9 +459,11 @@ class FleetView:
         diagnosed = _diagnosed(s.state, now)
         with_events = bool(s.xid_events or s.health_events or s.checkpoint_requests or diagnosed)
         nan = math.nan
+        looked = False   # whether any device's health was looked at (else none is out)
         for d in s.devices:
             d.excluded = d.penalty = None
             if with_events or d.health:
+                looked = True
                 expires = self._health(s, d, now, expires, diagnosed.get(d.id) if diagnosed else None)
             # Free HBM, readings and free score from the latest series values.
             limit = d.limit.value if d.limit is not None else nan
@@ -475,7 +477,7 @@ class FleetView:
             d.readings = (util, free, total, bandwidth)
             d.choice_order = (d.penalty is not None, -score, -free)
         self._group(s)
-        s.not_offered = [d for d in s.devices if d.excluded is not None]
+        s.not_offered = [d for d in s.devices if d.excluded is not None] if looked else []
         if expires != s.expires_ns:
             s.expires_ns = expires
             if expires < INF:
@@ -509,9 +511,13 @@ class FleetView:
                 g.domain = devs[0].domain
                 per_domain[i].append(g)
             else:
+                of_one = Group.of_one
                 for name, of_domain, domain_static in domains:
-                    dg = Group(s, t, name, of_domain, factor, domain_static)
-                    dg.rescale(inv_best)
+                    if len(of_domain) == 1:   # a device with a domain of its own (most often all of them)
+                        dg = of_one(s, t, name, of_domain[0], factor, domain_static, inv_best)
+                    else:
+                        dg = Group(s, t, name, of_domain, factor, domain_static)
+                        dg.rescale(inv_best)
                     per_domain[i].append(dg)
         s.by_type = by_type
         s.pool_groups = (per_type[0], per_type[1], per_type[0] + per_type[1],

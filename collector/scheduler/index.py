@@ -64,6 +64,7 @@ class Device:
 
 
 _CHOICE_ORDER = operator.attrgetter("choice_order")
+_DEVICES = operator.attrgetter("devices")
 # The ends of a fit row, a levels list and a ties list past the n counts offered (n < CMAX), made once:
 # _ROW_TAILS[n][n_all] for a group of n_all devices (at most CMAX), n of them offered.
 _ROW_TAILS = [[array("d", [FEWER_OFFERED if c <= n_all else FEWER_AT_ALL for c in range(n + 1, CMAX + 1)])
@@ -71,6 +72,11 @@ _ROW_TAILS = [[array("d", [FEWER_OFFERED if c <= n_all else FEWER_AT_ALL for c i
 _LEVEL_TAILS = [[-1] * (CMAX - n) for n in range(CMAX)]
 _INF_FLOAT = float(INF)
 _TIE_TAILS: list[list[tuple | None]] = [[None] * (CMAX - n) for n in range(CMAX)]
+# Group.of_one's, shared by every one-device group (read only): its penalty list when the device is
+# not penalised, its fit row with the free HBM still to set, its levels list per level.
+_ONE_PENALTY = [1.0, 1.0]
+_ONE_ROW = array("d", [0.0, *_ROW_TAILS[1][1]])
+_ONE_LEVELS = [[-1, level, *_LEVEL_TAILS[1]] for level in range(LEVELS)]
 
 
 def group_static(node: NodeSummary, devs: list[Device]) -> tuple[int, str, float | None, float]:
@@ -156,6 +162,42 @@ class Group:
         else:
             self.fit_row = row = array("d", free_desc)
             row.extend(_ROW_TAILS[n][min(self.n_all, CMAX)])
+
+    @classmethod
+    def of_one(cls, node: NodeSummary, rtype: str, domain: str, d: Device, factor: float, static: tuple,
+               inv_best_value: float) -> Group:
+        """Group(node, rtype, domain, [d], factor, static) rescaled to `inv_best_value`, made in one
+        step: the same figures (test_one_device_group_is_the_general_one). A node whose devices each
+        have an interconnect domain of their own has one such group per device, made at every refresh."""
+        g = cls.__new__(cls)
+        g.node, g.type, g.domain = node, rtype, domain
+        g.n_all, g.model, g.tflops, g.value = static
+        g.value_text = ""
+        g.explained = {}
+        g.value_norm = norm = g.value * inv_best_value if g.value >= 0 else UNKNOWN_VALUE_NORM   # value_norm()
+        free = d.free
+        g.free_all_desc = free_desc = [free]
+        if d.excluded is None:
+            g.devices, g.free_desc = [d], free_desc
+            g.min_free = [INF, free if free < _INF_FLOAT else _INF_FLOAT]
+            g.mean_free = [0.0, score := 0.0 + d.free_score]
+            g.penalty = penalty = _ONE_PENALTY if d.penalty is None else [1.0, factor]
+            g.fit_row = row = _ONE_ROW[:]
+            row[0] = free
+            x = norm * score
+            g.compute = [norm * 0.0, x]
+            level = LEVELS - 1 if x >= 1.0 else int(x * LEVELS)
+            g.levels = _ONE_LEVELS[level] if level >= 0 else [-1, level, *_LEVEL_TAILS[1]]
+            g.ties = [None, (x, penalty[1], g.min_free[1], free) if level >= 0 else None, *_TIE_TAILS[1]]
+        else:
+            g.devices, g.free_desc = [], []
+            g.min_free, g.penalty = [INF], [1.0]
+            g.mean_free = [0.0]
+            g.fit_row = array("d", _ROW_TAILS[0][1])
+            g.compute = [norm * 0.0]
+            g.levels = [-1, *_LEVEL_TAILS[0]]
+            g.ties = [None, *_TIE_TAILS[0]]
+        return g
 
     def rescale(self, inv_best_value: float) -> None:
         """The fleet's best value per price is 1 / inv_best_value: the compute dimension per count,
@@ -524,7 +566,7 @@ def file_node(pools: tuple[Pool, ...], s: NodeSummary) -> bool:
             by_id = by_id or e.settled is False
         else:
             e.groups = groups
-            e.most_offered = max(len(g.devices) for g in groups)
+            e.most_offered = max(map(len, map(_DEVICES, groups)))
             e.misfit = {}
         if s.not_offered:
             pool.with_devices_out[nid] = e

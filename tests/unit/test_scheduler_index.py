@@ -406,3 +406,27 @@ def test_a_group_holds_the_figures_its_docstring_defines(devs, inv_best, with_st
         got = getattr(g, name)
         got = list(got) if name == "fit_row" else got
         assert got == want, (name, got, want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(dev=st.tuples(st.sampled_from([0.0, 1e9, 4e10, float("inf")]), st.floats(0, 1), st.booleans(), st.booleans(),
+                     st.sampled_from([None, 100.0, 312.0])),
+       inv_best=st.sampled_from([0.0, 0.003, 0.02]))
+def test_one_device_group_is_the_general_one(dev, inv_best):
+    """Group.of_one (a refresh's one-device domain groups, made in one step) holds every figure the
+    general constructor and rescale() give the same device."""
+    from xpusense.collector.scheduler.index import Device, Group, group_static
+    free, score, penalised, excluded, tflops = dev
+    d = Device("0", "GPU", "A100", 4e10, tflops, "pcie:0")
+    d.free, d.free_score = free, score
+    d.penalty = "HBM watch" if penalised else None
+    d.excluded = ("xid", "XID 79") if excluded else None
+    node = _Node()
+    static = group_static(node, [d])  # type: ignore[arg-type]
+    want = Group(node, "GPU", "pcie:0", [d], 0.7, static)  # type: ignore[arg-type]
+    want.rescale(inv_best)
+    got = Group.of_one(node, "GPU", "pcie:0", d, 0.7, static, inv_best)  # type: ignore[arg-type]
+    for name in Group.__slots__:
+        a, b = getattr(got, name), getattr(want, name)
+        assert (list(a) if name == "fit_row" else a) == (list(b) if name == "fit_row" else b), (name, a, b)
+        assert type(a) is type(b), name
