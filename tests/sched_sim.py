@@ -73,3 +73,26 @@ def assert_same_answer(fast, ref, where: str) -> None:
         [(round(c.score, 9), c.node_id, list(c.devices)) for c in ref.candidates], where
     assert sorted((e.node_id, e.reason) for e in fast.excluded) == \
         sorted((e.node_id, e.reason) for e in ref.excluded), where
+
+
+def apply_fit_op(r, ref: list, op: str, v: float, pick: int) -> None:
+    """One step of a random sequence of changes to a `ranked.Ranked` `r` and the plain list `ref`
+    it must count as: "add" `v` (also whenever `ref` is empty), or "remove", "replace" (by `v`),
+    "replace_each" (by `v`, the bulk call) or "replace_same" (by itself) the value `pick` chooses."""
+    if op == "add" or not ref:
+        r.add(v)
+        ref.append(v)
+        return
+    old = ref[pick % len(ref)]
+    ref.remove(old)
+    if op == "remove":
+        r.remove(old)
+        return
+    if op == "replace":
+        r.replace(old, v)
+    elif op == "replace_each":
+        type(r).replace_each([r], [old], [v])
+    else:   # a value replaced by itself: nothing changes
+        type(r).replace_each([r], [old], [old])
+        v = old
+    ref.append(v)

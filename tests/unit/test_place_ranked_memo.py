@@ -3,6 +3,7 @@ between any two changes is the sorted list's."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sched_sim import apply_fit_op
 
 from xpusense.collector.scheduler import ranked
 from xpusense.collector.scheduler.index import FEWER_AT_ALL, FEWER_OFFERED
@@ -23,23 +24,7 @@ def test_a_kept_count_is_dropped_by_every_change(load, ops):
         for op, v, pick in ops:
             for x in PROBES:   # asked (and kept) before each change
                 assert r.at_least(x) == sum(1 for y in ref if y >= x)
-            if op == "add" or not ref:
-                r.add(v)
-                ref.append(v)
-                continue
-            old = ref[pick % len(ref)]
-            ref.remove(old)
-            if op == "remove":
-                r.remove(old)
-                continue
-            if op == "replace":
-                r.replace(old, v)
-            elif op == "replace_each":
-                Ranked.replace_each([r], [old], [v])
-            else:   # a value replaced by itself: nothing changes, what was kept stays true
-                Ranked.replace_each([r], [old], [old])
-                v = old
-            ref.append(v)
+            apply_fit_op(r, ref, op, v, pick)
         for x in PROBES + ref[:5]:
             assert r.at_least(x) == sum(1 for y in ref if y >= x)
     finally:

@@ -11,7 +11,7 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sched_sim import KINDS, GiB, assert_same_answer, dev_id, event, inventory, readings
+from sched_sim import KINDS, GiB, apply_fit_op, assert_same_answer, dev_id, event, inventory, readings
 
 from xpusense.collector.config import load_collector
 from xpusense.collector.scheduler import ranked
@@ -35,20 +35,7 @@ def test_ranked_counts_as_a_sorted_list_does(load, ops, probes):
     try:
         r, ref = Ranked(), []
         for op, v, pick in ops:
-            if op == "add" or not ref:
-                r.add(v)
-                ref.append(v)
-                continue
-            old = ref[pick % len(ref)]
-            ref.remove(old)
-            if op == "remove":
-                r.remove(old)
-            elif op == "replace":
-                r.replace(old, v)
-                ref.append(v)
-            else:
-                Ranked.replace_each([r], [old], [v])
-                ref.append(v)
+            apply_fit_op(r, ref, op, v, pick)
             assert r.maxes == [b[-1] for b in r.blocks] and all(0 < len(b) <= 2 * load for b in r.blocks)
         assert r.values() == sorted(ref) and len(r) == len(ref)
         for x in probes + [-3.0, 100.0] + ref[:5]:
