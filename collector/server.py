@@ -39,11 +39,11 @@ from .scheduler.service import SCHEDULER_SERVICE
 from .scheduler.service import add_to_server as add_scheduler
 from .state import FleetState, rows
 from .store import StoreError
+from .wire import INGEST_SERVICE, add_ingest, batch_wire
 
 log = logging.getLogger("xpusense.collector")
 
 _FIRST = operator.itemgetter(0)
-INGEST_SERVICE = pb.DESCRIPTOR.services_by_name["Ingest"].full_name
 QUERY_SERVICE = pb.DESCRIPTOR.services_by_name["Query"].full_name
 
 
@@ -312,6 +312,7 @@ class IngestServicer(pb_grpc.IngestServicer):
             async for msg in request_iterator:
                 kind = msg.WhichOneof("msg")
                 if kind == "batch":
+                    wire = batch_wire(msg)   # first: before anything here awaits (wire.py)
                     b = msg.batch
                     # An earlier boot's batches may come again (the agent's spool after a restart);
                     # another node's never.
@@ -332,7 +333,7 @@ class IngestServicer(pb_grpc.IngestServicer):
                         if previous is None:   # a resend: acknowledged once what it resends is durable
                             durable = self.store.barrier()
                         else:
-                            durable = self.store.submit(["b", b.SerializeToString()])
+                            durable = self.store.submit(["b", wire if wire is not None else b.SerializeToString()])
                             self.store.track(durable, node_id, b.boot_id, b.seq)
                             key = (node_id, b.boot_id)
                             self.undurable[key] = self.undurable.get(key, 0) + 1
@@ -501,7 +502,7 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
     if config is not None and hasattr(state, "configure"):   # [state]: the memory budget
         state.configure(config.state.max_memory, config.state.min_history_points,
                         config.state.max_open_diagnoses_per_node)
-    pb_grpc.add_IngestServicer_to_server(ingest, server)
+    add_ingest(ingest, server)   # a batch is stored in the bytes it came in (wire.py)
     pb_grpc.add_QueryServicer_to_server(
         QueryServicer(state, security, limits, counters=functools.partial(counters, ingest)), server)
     server.scheduler = add_scheduler(server, state, config)   # config None: the defaults

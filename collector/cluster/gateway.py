@@ -32,6 +32,7 @@ from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from ..limits import MalformedRequest, Violation, read_hello
+from ..wire import batch_payload
 from .marks import Marks
 from .subjects import KIND, MSG_ID, msg_id, node_subject, partition
 
@@ -44,48 +45,6 @@ _RETRY = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.error
 
 class PublishFailed(Exception):
     pass
-
-
-class _Received:
-    """The wire bytes of the AgentMessage parsed last on this loop, and which object they became:
-    a batch is published as the agent sent it (the AgentMessage's one field, `batch = 2`, is the
-    Batch's own encoding after a tag and a length), not serialized again (~7% of a gateway's CPU)."""
-    __slots__ = ("raw", "msg_id")
-
-    def __init__(self) -> None:
-        self.raw, self.msg_id = b"", 0
-
-
-_received = _Received()
-_BATCH_TAG = 0x12   # field 2, length-delimited
-
-
-def parse_agent_message(raw: bytes) -> pb.AgentMessage:
-    """The Ingest stream's request deserializer: AgentMessage.FromString, keeping `raw` for
-    batch_payload (read by the stream's reader as soon as its `async for` hands over the message,
-    before it awaits anything, so no other stream's message is parsed in between)."""
-    m = pb.AgentMessage.FromString(raw)
-    _received.raw, _received.msg_id = raw, id(m)
-    return m
-
-
-def batch_payload(msg: pb.AgentMessage) -> bytes:
-    """The Batch of `msg` encoded: its bytes on the wire when `msg` is the message parsed last and
-    they are exactly tag + length + batch, else serialized again."""
-    raw, same = _received.raw, _received.msg_id == id(msg)
-    _received.raw, _received.msg_id = b"", 0
-    if same and len(raw) > 2 and raw[0] == _BATCH_TAG:
-        length, shift, i = 0, 0, 1
-        while i < len(raw) and i < 6:
-            byte = raw[i]
-            length |= (byte & 0x7F) << shift
-            i += 1
-            if not byte & 0x80:
-                if i + length == len(raw):
-                    return raw[i:]
-                break
-            shift += 7
-    return msg.batch.SerializeToString()
 
 
 class Gateway:

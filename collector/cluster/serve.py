@@ -16,28 +16,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
-from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from ..gc_policy import freeze_long_lived
-from ..server import INGEST_SERVICE, QUERY_SERVICE
+from ..server import QUERY_SERVICE
+from ..wire import INGEST_SERVICE, add_ingest
 from .engine import connect, ensure
-from .gateway import ClusterIngestServicer, Gateway, parse_agent_message
+from .gateway import ClusterIngestServicer, Gateway
 from .rpc import NOT_SERVING, SERVING, bind, grpc_server
 
 log = logging.getLogger("xpusense.collector.cluster")
 # A gateway's frozen garbage cycles (an aborted stream's frame and its exception: no reclaim runs
 # here as in the single collector) wait at most this long for the sweep that frees them.
 GATEWAY_SWEEP_S = 300.0
-
-def add_ingest(servicer: ClusterIngestServicer, server: grpc.aio.Server) -> None:
-    """The generated add_IngestServicer_to_server, with gateway.parse_agent_message as the request
-    deserializer (a batch is published in the bytes it came in)."""
-    handlers = {"Stream": grpc.stream_stream_rpc_method_handler(
-        servicer.Stream, request_deserializer=parse_agent_message,
-        response_serializer=pb.CollectorMessage.SerializeToString)}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(INGEST_SERVICE, handlers),))
-    server.add_registered_method_handlers(INGEST_SERVICE, handlers)
 
 
 class _PlaceElsewhere(spb_grpc.SchedulerServicer):

@@ -70,6 +70,45 @@ def batch_frames(data):
     return out
 
 
+def test_a_batch_is_stored_in_the_bytes_it_came_in(procs, tmp_path):
+    """The durable store keeps a batch as the agent encoded it (collector/wire.py), not serialized
+    again: here fields in an order SerializeToString does not write. A message holding more than
+    the batch (a field this collector does not know, after it) is stored serialized again; both
+    read back as the batches sent."""
+    addr, data = f"127.0.0.1:{free_port()}", tmp_path / "data"
+    collector(procs, addr, data)
+    node, boot = "wire-node", "b1"
+
+    def encoded(seq: int) -> tuple[pb.Batch, bytes]:
+        b = pb.Batch(node_id=node, boot_id=boot)
+        for d in range(20):   # a length of two varint bytes
+            b.samples.add(name="test.v", value=d * 0.5, time_unix_nano=T0 + d, labels={"device": str(d)})
+        sent = b.SerializeToString() + pb.Batch(seq=seq).SerializeToString()   # seq last
+        b.seq = seq
+        assert sent != b.SerializeToString() and pb.Batch.FromString(sent) == b
+        return b, sent
+
+    def message(sent: bytes, extra: bytes = b"") -> bytes:
+        n = len(sent)
+        assert 128 <= n < 16384
+        return bytes([0x12, 0x80 | (n & 0x7F), n >> 7]) + sent + extra
+
+    (b1, sent1), (b2, sent2) = encoded(1), encoded(2)
+    msgs = [pb.AgentMessage(hello=pb.Hello(node_id=node, boot_id=boot)).SerializeToString(),
+            message(sent1), message(sent2, extra=bytes([0x50, 0x01]))]   # field 10, a varint: unknown
+    with grpc.insecure_channel(addr) as ch:
+        call = ch.stream_stream("/xpusense.v1.Ingest/Stream", request_serializer=lambda m: m,
+                                response_deserializer=pb.CollectorMessage.FromString)
+        acks = [r.ack.seq for r in call(iter(msgs), timeout=30) if r.HasField("ack")]
+    assert acks == [1, 2]
+    stored = []
+    for _, path in segments(str(data)):
+        with Segment(path) as seg:
+            stored += [rec[1] for span in seg.spans() if (rec := msgpack.unpackb(span.payload, raw=False))[0] == "b"]
+    assert stored == [sent1, b2.SerializeToString()]
+    assert [pb.Batch.FromString(x) for x in stored] == [b1, b2]
+
+
 def rewrite(path, fn):
     with open(path, "rb") as f:
         data = bytearray(f.read())

@@ -147,11 +147,13 @@ def test_fleet_index_updates_in_place():
     assert idx.updates == 2 and not math.isnan(ser.value)
 
 
-def test_gateway_publishes_a_batch_in_the_bytes_it_came_in():
-    """gateway.batch_payload: the wire bytes after the AgentMessage's tag and length when the
-    message is the one parsed last and holds nothing else; otherwise the batch serialized again.
-    Either way the bytes parse to the same Batch."""
-    from xpusense.collector.cluster.gateway import batch_payload, parse_agent_message
+def test_a_batch_is_kept_in_the_bytes_it_came_in():
+    """wire.batch_payload (a gateway publishes it, the single collector's store keeps it): the
+    wire bytes after the AgentMessage's tag and length when the message is the one parsed last and
+    holds nothing else; otherwise the batch serialized again. Either way the bytes parse to the
+    same Batch, and the bytes held are let go once taken (a big message does not stay in memory)."""
+    from xpusense.collector import wire as received
+    from xpusense.collector.wire import batch_payload, batch_wire, parse_agent_message
 
     b = pb.Batch(node_id="n1", boot_id="b1")
     for d in range(200):   # over 127 bytes: a length of two varint bytes
@@ -170,3 +172,5 @@ def test_gateway_publishes_a_batch_in_the_bytes_it_came_in():
     msg = parse_agent_message(wire + bytes([0x50, 0x01]))   # a field after the batch (unknown here)
     assert batch_payload(msg) == b.SerializeToString()
     assert second is not None
+    hello = parse_agent_message(pb.AgentMessage(hello=pb.Hello(node_id="n1")).SerializeToString())
+    assert batch_wire(hello) is None and received._received.raw == b"" and received._received.msg is None
