@@ -351,6 +351,7 @@ def memory_mode(nodes: int, history_s: float, trace: bool) -> int:
     import gc
     import tracemalloc
 
+    from xpusense.collector.columns import held
     from xpusense.collector.config import load_collector
     from xpusense.collector.limits import Limits
     from xpusense.collector.scheduler.core import Scheduler
@@ -390,7 +391,7 @@ def memory_mode(nodes: int, history_s: float, trace: bool) -> int:
         tracemalloc.stop()
     gc.collect()
     rss1 = rss_bytes()
-    points = sum(len(ser.history) for n in state.nodes.values() for ser in n.series.values())
+    points = sum(len(held(ser)[0]) for n in state.nodes.values() for ser in n.series.values())
     series = sum(len(n.series) for n in state.nodes.values())
     per_node = (rss1 - rss0) / nodes
     print(f"collector fleet state in-process: {nodes} nodes x {DEVICES}x{len(SERIES)} series x {rounds} s of 1 s "

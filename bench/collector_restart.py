@@ -205,6 +205,7 @@ def direct(args, data: str) -> dict:
     every = int(args.snapshot_every_s)
     start_ns = time.time_ns() - (seconds + args.run_s + 2 * args.tail_s + 10 * every) * 10**9
     state = FleetState()
+    state.columns = False   # histories set by hand below; frames form (collector/columns.py) as batches come after
     c0, t0 = time.process_time(), time.monotonic()
     times = array("q", range(start_ns, start_ns + seconds * 10**9, 10**9))
     shapes = [array("d", [(i + 1) * (1 + 0.01 * ((k * (i + 3)) % 97)) for k in range(seconds)])
@@ -223,6 +224,7 @@ def direct(args, data: str) -> dict:
             h.v = array("d", shapes[i])
             ser.time_ns, ser.value = h.t[-1], h.v[-1]
     state.history_slots = sum(len(s.history.t) for n in state.nodes.values() for s in n.series.values())
+    state.columns = True
     print(f"fleet state built: {args.nodes} nodes x {seconds} s x {DEVICES * len(SERIES)} series in "
           f"{time.monotonic() - t0:.0f} s", flush=True)
     store = Store(data, fsync=False)

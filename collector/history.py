@@ -60,12 +60,12 @@ class History:
         self.due_n = cap + max(4, cap >> 3)
         return n - cap
 
-    def points(self, cutoff: int, cap: int):
-        """(time ns, value) of the newest `cap` points at most, those at or after `cutoff`, in
-        arrival order (oldest first)."""
-        ts, vs = self.t, self.v
-        start = max(0, len(ts) - cap)
-        return [(t, vs[i]) for i, t in enumerate(ts[start:], start) if t >= cutoff]
-
     def __len__(self) -> int:
         return len(self.t)
+
+
+def points_of(ts: array, vs: array, cutoff: int, cap: int) -> list[tuple[int, float]]:
+    """(time ns, value) of the newest `cap` points at most, those at or after `cutoff`, in
+    arrival order (oldest first)."""
+    start = max(0, len(ts) - cap)
+    return [(t, vs[i]) for i, t in enumerate(ts[start:], start) if t >= cutoff]

@@ -11,10 +11,12 @@ node (the boots with an open stream are never forgotten), the series of a node (
 held even against batches admitted together; series with no point for `history_s` are let go first),
 how far a boot's sequence number may jump (`seq_ceiling`), and the bytes of one ListNodes page.
 
-Memory: history is kept 16 bytes a point (collector/history.py). With `max_memory` set ([state]
-max_memory), the state estimates what it holds (history points x POINT_BYTES, plus SERIES_BYTES a
+Memory: history is kept 16 bytes a point in a series' own History (collector/history.py), about 8
+in columns where a node's series come together (collector/columns.py: one time a row). With
+`max_memory` set ([state] max_memory), the state estimates what it holds (history points x
+POINT_BYTES, those in columns x FRAME_POINT_BYTES and a row's time as much, plus SERIES_BYTES a
 series and NODE_BYTES a node, measured with tracemalloc) and keeps under it: first the history is
-shortened (every series' ring cut to fewer points, `history_points` shows how many; counted as
+shortened (every series cut to fewer points, as if each cost POINT_BYTES; `history_points` shows how many; counted as
 `state.max_memory.history_shortened`, logged), down to `min_history_points`; only then are samples
 of new series dropped (`state.max_memory.samples_dropped`, logged), and the server refuses new
 nodes (`full()`). Points are let go in bulk, so the estimate may pass the budget by up to 1/8 of the
@@ -28,14 +30,15 @@ import collections
 import hashlib
 import itertools
 import logging
-import math
 import operator
 import time
 
 from xpusense.v1 import telemetry_pb2 as pb
 
+from . import columns
 from .diagnoses import Diagnoses
-from .history import POINT_BYTES, History
+from .history import POINT_BYTES, points_of
+from .series import Series
 
 log = logging.getLogger("xpusense.collector")
 HISTOGRAM = pb.HISTOGRAM
@@ -58,30 +61,6 @@ SERIES_BYTES = 1100
 NODE_BYTES = 8000
 
 
-class Series:
-    __slots__ = ("name", "unit", "kind", "labels", "value", "time_ns", "prev_value", "prev_time_ns",
-                 "histogram", "history")
-
-    def __init__(self, s: pb.Sample, history_points: int):
-        self.name = s.name
-        self.unit = s.unit
-        self.kind = s.kind
-        self.labels = dict(s.labels)
-        self.value = math.nan
-        self.time_ns = 0
-        self.prev_value = math.nan
-        self.prev_time_ns = 0
-        self.histogram = None
-        self.history = History()
-
-    def rate(self) -> float:
-        if self.kind != pb.COUNTER or not self.prev_time_ns or self.time_ns <= self.prev_time_ns:
-            return math.nan
-        if self.value < self.prev_value:  # counter reset (agent or device restart)
-            return math.nan
-        return (self.value - self.prev_value) / ((self.time_ns - self.prev_time_ns) / 1e9)
-
-
 class NodeState:
     def __init__(self, node_id: str, events_kept: int):
         self.node_id = node_id
@@ -102,6 +81,14 @@ class NodeState:
         # Open diagnoses (collector/diagnoses.py): id -> the open Event, oldest first; of this boot.
         self.diagnoses: collections.OrderedDict[str, pb.Event] = collections.OrderedDict()
         self.diagnoses_boot = ""
+        # Series held in columns (collector/columns.py): (boot, refs...) -> Frame; none formed before
+        # frames_hold_until (state clock, ns), after one was dissolved (frames_dissolves in a row).
+        self.frames: dict[tuple, columns.Frame] = {}
+        self.frames_hold_until = 0
+        self.frames_dissolves = 0
+
+    def frames_allowed(self, now_ns: int) -> bool:
+        return now_ns >= self.frames_hold_until
 
 
 class FleetState:
@@ -128,8 +115,11 @@ class FleetState:
         self.max_memory = 0                 # bytes; 0: no budget
         self.min_history_points = 60
         self.history_slots = 0              # points held in every series' history (POINT_BYTES each)
+        self.frame_points = 0               # ...of them in frames' rows (columns.FRAME_POINT_BYTES each)
+        self.frame_rows = 0                 # frames' rows (a time each)
         self.series_total = 0
         self.diagnoses = Diagnoses(self.counters)   # open diagnoses per node, opened per rule
+        self.columns = True   # series that come together held in columns (collector/columns.py)
 
     def configure(self, max_memory: int = 0, min_history_points: int = 60, max_open_diagnoses_per_node: int = 64) -> None:
         """The [state] budget (collector/config.py); applied at once if already over it."""
@@ -140,7 +130,9 @@ class FleetState:
 
     def memory_bytes(self) -> int:
         """What the fleet state holds, estimated (see the module docstring)."""
-        return self.history_slots * POINT_BYTES + self.series_total * SERIES_BYTES + len(self.nodes) * NODE_BYTES
+        return ((self.history_slots - self.frame_points) * POINT_BYTES
+                + (self.frame_points + self.frame_rows) * columns.FRAME_POINT_BYTES
+                + self.series_total * SERIES_BYTES + len(self.nodes) * NODE_BYTES)
 
     def _over_budget(self) -> bool:
         """Over max_memory: shorten every series' history (to 90% of the budget); False when it is
@@ -154,7 +146,10 @@ class FleetState:
         self.history_cap = cap
         for n in self.nodes.values():
             for ser in n.series.values():
-                self.history_slots -= ser.history.shrink(cap)
+                if ser.frame is None:
+                    self.history_slots -= ser.history.shrink(cap)
+            for f in n.frames.values():
+                self.history_slots -= columns.shrink(self, f, cap)
         self.counters["state.max_memory.history_shortened"] += 1
         self.counters["state.history_points"] = cap
         log.warning("fleet state at its memory budget ([state] max_memory = %d bytes, ~%d held): history "
@@ -314,6 +309,9 @@ class FleetState:
         cutoff = max(newest_ns, max((s.time_ns for s in n.series.values()), default=0)) - self.history_ns
         old = [k for k, s in n.series.items() if s.time_ns < cutoff]
         for k in old:
+            if (f := n.series[k].frame) is not None:
+                columns.dissolve(self, n, f)
+        for k in old:
             self.history_slots -= len(n.series.pop(k).history)
         self.series_total -= len(old)
         if old:
@@ -361,34 +359,57 @@ class FleetState:
         n.batches_stored += 1
         if batch.boot_id != n.boot_id and batch.boot_id in n.live:   # a boot that streams and is stored now
             n.boot_id = batch.boot_id
+        if batch_rows is None:
+            batch_rows = rows(batch)
+        if self.columns and batch_rows and batch_rows[0][0]:   # with series refs: groups to frames
+            by_time = columns.groups(batch_rows)
+            slow = columns.store(self, n, batch.boot_id, by_time)
+            if slow is not None:
+                self._apply_rows(n, batch, batch_rows, slow)
+                columns.form(self, n, batch.boot_id, by_time, slow)
+        else:
+            self._apply_rows(n, batch, batch_rows, None)
+        if self.max_memory and self.memory_bytes() > self.max_memory:
+            self._over_budget()
+        for e in batch.events:
+            n.events.appendleft(e)
+        if batch.events or batch.boot_id != n.diagnoses_boot:
+            self.diagnoses.batch(n, batch)
+        for w in self.watchers:
+            w(n, batch)
+
+    def _apply_rows(self, n: NodeState, batch: pb.Batch, batch_rows: list[tuple[int, int, float]],
+                    times: set[int] | None) -> None:
+        """The general path: the batch's samples one by one (those at `times` only, unless None)."""
         series = n.series
         refs = n.refs.setdefault(batch.boot_id, {})
         room = self.max_series_per_node
         hist_ns, cap = self.history_ns, self.history_cap
         slack_ns = hist_ns >> 5
         samples = batch.samples
-        if batch_rows is None:
-            batch_rows = rows(batch)
-        grown = len(batch_rows)
+        grown = 0
         known = refs.get
         # Per sample, the common case (a known series_ref, a newer point): the latest value and two
         # appends to the history. The sample itself is read again only for a new series (its
         # name and map of labels) or a histogram.
         for i, (ref, t, v) in enumerate(batch_rows):
+            if times is not None and t not in times:
+                continue
             ser = known(ref) if ref else None
             if ser is None:
                 ser = self._series_for(series, samples[i], room)
                 if ser is None:
-                    grown -= 1
                     continue
                 if ref:
                     self._remember_ref(refs, ref, ser, room)
                 cap = self.history_cap   # a new series may have shortened the history (max_memory)
-            if t >= ser.time_ns:   # an older point (agent clock stepped back) only joins the history
-                ser.prev_value = ser.value
-                ser.prev_time_ns = ser.time_ns
-                ser.value = v
-                ser.time_ns = t
+            if ser.frame is not None:   # its frame's rows back in each member's own History
+                columns.dissolve(self, n, ser.frame)
+            if t >= ser._time_ns:   # an older point (agent clock stepped back) only joins the history
+                ser._prev_value = ser._value
+                ser._prev_time_ns = ser._time_ns
+                ser._value = v
+                ser._time_ns = t
                 if ser.kind == HISTOGRAM:   # a copy: a sub-message would keep the whole batch alive
                     ser.histogram = hg = pb.Histogram()
                     hg.CopyFrom(samples[i].histogram)
@@ -398,18 +419,10 @@ class FleetState:
             ts = h.t
             ts.append(t)
             h.v.append(v)
+            grown += 1
             if t > h.due_t or len(ts) > h.due_n:
-                grown -= h.prune(ser.time_ns - hist_ns, cap, hist_ns, slack_ns)
-        if grown:
-            self.history_slots += grown
-            if self.max_memory and self.memory_bytes() > self.max_memory:
-                self._over_budget()
-        for e in batch.events:
-            n.events.appendleft(e)
-        if batch.events or batch.boot_id != n.diagnoses_boot:
-            self.diagnoses.batch(n, batch)
-        for w in self.watchers:
-            w(n, batch)
+                grown -= h.prune(ser._time_ns - hist_ns, cap, hist_ns, slack_ns)
+        self.history_slots += grown
 
     # -- read side ---------------------------------------------------------------------------------
     def view(self, node_id: str = "", name_prefix: str = "", page_token: str = "", page_size: int = 0,
@@ -481,8 +494,9 @@ class FleetState:
         if ser is None:
             return None
         reply = pb.HistoryReply(unit=ser.unit)
+        ts, vs = columns.held(ser)[:2]
         reply.points.extend(pb.Point(time_unix_nano=t, value=v)
-                            for t, v in ser.history.points(ser.time_ns - self.history_ns, self.history_cap))
+                            for t, v in points_of(ts, vs, ser.time_ns - self.history_ns, self.history_cap))
         return reply
 
 

@@ -12,10 +12,11 @@ node's time runs are written once each (`_Runs`).
 A node is written one of two ways:
 - "F" (full): every series with its whole history (a full snapshot; in a diff, a node new since
   its base or whose series changed);
-- "I" (incremental, in a diff only): series by position, the same History objects as in the base
-  snapshot, each with only the points appended since the base was captured (`History.dropped +
-  len` counts them), and how many points it holds now: the loader appends them to the base's
-  arrays and lets the oldest go down to that count, then checks the first and last time.
+- "I" (incremental, in a diff only): series by position, the same Series objects as in the base
+  snapshot, each with only the points appended since the base was captured (columns.held counts
+  them, in a series' own History or its frame's column), and how many points it holds now: the
+  loader appends them to the base's arrays and lets the oldest go down to that count, then checks
+  the first and last time.
 
 A node is captured on the event loop in one go (`capture()`), so each node is consistent with
 itself; nodes are captured a chunk at a time (snapshotter.py) and may differ in time from one
@@ -32,8 +33,10 @@ from array import array
 
 from xpusense.v1 import telemetry_pb2 as pb
 
+from .. import columns
 from ..history import History
-from ..state import FleetState, NodeState, Series
+from ..series import Series
+from ..state import FleetState, NodeState
 
 VERSION = 2   # 1: one msgpack list a node, history bytes inside it (still read: restore_node_v1)
 
@@ -53,13 +56,13 @@ def restore_fleet(state: FleetState, data: list) -> None:
 
 
 class Base:
-    """What a diff is written against: per node the History objects of its series (in order; held,
-    so that `is` tells the same series) and how many points each had ever held at capture."""
+    """What a diff is written against: per node its Series (in order; held, so that `is` tells the
+    same series) and how many points each had ever held at capture (columns.held)."""
 
     __slots__ = ("nodes",)
 
     def __init__(self) -> None:
-        self.nodes: dict[str, tuple[tuple[History, ...], array]] = {}
+        self.nodes: dict[str, tuple[tuple[Series, ...], array]] = {}
 
 
 class _Runs:
@@ -108,31 +111,30 @@ def capture(n: NodeState, unapplied: dict[str, int] | None, parts: list[bytes], 
     values: list[bytes] = []
     series: list[list] = []
     prev = base.nodes.get(n.node_id) if base is not None else None
+    views = [columns.held(ser) for ser in n.series.values()]
     if prev is not None and _same_series(n, prev[0]):
-        for ser, was in zip(n.series.values(), prev[1]):
-            h = ser.history
-            held = len(h.t)
-            k = min(h.dropped + held - was, held)   # points appended since the base (the newest `held` at most)
+        for ser, (ts, vs, total, due_t, due_n), was in zip(n.series.values(), views, prev[1]):
+            have = len(ts)
+            k = min(total - was, have)   # points appended since the base (the newest `have` at most)
             if k < 0:   # fewer than the base had: not the same series after all
                 break
-            values.append(h.v[held - k:].tobytes())
-            series.append([ser.value, ser.time_ns, ser.prev_value, ser.prev_time_ns, _hist(ser), h.due_t, h.due_n,
-                           runs.ref(h.t[held - k:].tobytes()), k, held, h.t[0] if held else 0, h.t[-1] if held else 0])
+            values.append(vs[have - k:].tobytes())
+            series.append([ser.value, ser.time_ns, ser.prev_value, ser.prev_time_ns, _hist(ser), due_t, due_n,
+                           runs.ref(ts[have - k:].tobytes()), k, have, ts[0] if have else 0, ts[-1] if have else 0])
         else:
             parts.extend(runs.runs)
             parts.extend(values)
             return [*_common(n, unapplied), "I", [len(r) >> 3 for r in runs.runs], series, _refs(n)]
         runs, values, series = _Runs(), [], []
-    hists, totals = [], array("q")
-    for ser in n.series.values():
-        h = ser.history
-        values.append(h.v.tobytes())
+    kept, totals = [], array("q")
+    for ser, (ts, vs, total, due_t, due_n) in zip(n.series.values(), views):
+        values.append(vs.tobytes())
         series.append([ser.name, ser.unit, ser.kind, ser.labels, ser.value, ser.time_ns, ser.prev_value,
-                       ser.prev_time_ns, _hist(ser), h.due_t, h.due_n, runs.ref(h.t.tobytes()), len(h.t)])
-        hists.append(h)
-        totals.append(h.dropped + len(h.t))
+                       ser.prev_time_ns, _hist(ser), due_t, due_n, runs.ref(ts.tobytes()), len(ts)])
+        kept.append(ser)
+        totals.append(total)
     if into is not None:
-        into.nodes[n.node_id] = (tuple(hists), totals)
+        into.nodes[n.node_id] = (tuple(kept), totals)
     parts.extend(runs.runs)
     parts.extend(values)
     return [*_common(n, unapplied), "F", [len(r) >> 3 for r in runs.runs], series, _refs(n)]
@@ -155,8 +157,8 @@ def _refs(n: NodeState) -> list:
     return out
 
 
-def _same_series(n: NodeState, hists: tuple[History, ...]) -> bool:
-    return len(n.series) == len(hists) and all(s.history is h for s, h in zip(n.series.values(), hists))
+def _same_series(n: NodeState, kept: tuple[Series, ...]) -> bool:
+    return len(n.series) == len(kept) and all(s is k for s, k in zip(n.series.values(), kept))
 
 
 def restore(state: FleetState, entry: list, blob: memoryview, at: int) -> int:
@@ -173,7 +175,7 @@ def restore(state: FleetState, entry: list, blob: memoryview, at: int) -> int:
         old = state.nodes.get(nid)
         if old is not None:   # a diff's node written whole replaces the base's
             state.series_total -= len(old.series)
-            state.history_slots -= sum(len(s.history.t) for s in old.series.values())
+            state.history_slots -= sum(len(columns.held(s)[0]) for s in old.series.values())
         n = state.nodes[nid] = NodeState(nid, state.events_kept)
         at = _restore_full(state, n, series, runs, starts, blob, at)
     elif mode == "I":
@@ -281,6 +283,7 @@ def restore_node_v1(state: FleetState, data: list) -> None:
 
 def _set_latest(ser: Series, value, time_ns: int, prev_value, prev_time_ns: int, hist: bytes | None) -> None:
     """A series' latest and previous values as a snapshot holds them (None: NaN)."""
+    ser.frame, ser.col = None, 0   # restored on its own: columns.form makes frames again as batches come
     ser.value, ser.time_ns = _float(value), time_ns
     ser.prev_value, ser.prev_time_ns = _float(prev_value), prev_time_ns
     ser.histogram = pb.Histogram.FromString(hist) if hist is not None else None

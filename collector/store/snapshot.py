@@ -84,7 +84,7 @@ def reset(state) -> None:
     state.known_marks.clear()
     state.counters.clear()
     state.diagnoses.opened.clear()
-    state.series_total = state.history_slots = 0
+    state.series_total = state.history_slots = state.frame_points = state.frame_rows = 0
 
 
 class Snapshots:

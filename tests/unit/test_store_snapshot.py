@@ -24,7 +24,8 @@ def batch(node, boot, seq, events=()):
     b.samples.add(name="x", unit="1", kind=pb.GAUGE, value=seq * 1.5, time_unix_nano=t, labels={"device": "0"},
                   series_ref=1)
     b.samples.add(name="c", unit="J", kind=pb.COUNTER, value=seq * 100.0, time_unix_nano=t, series_ref=2)
-    h = b.samples.add(name="h", unit="s", kind=pb.HISTOGRAM, time_unix_nano=t, series_ref=3)
+    # a moment later (a time of its own): x and c come together and are held in columns (collector/columns.py)
+    h = b.samples.add(name="h", unit="s", kind=pb.HISTOGRAM, time_unix_nano=t + 1, series_ref=3)
     h.histogram.count, h.histogram.sum = seq, seq * 0.5
     h.histogram.bounds.extend([0.1, 1.0])
     h.histogram.counts.extend([seq, 0, 0])

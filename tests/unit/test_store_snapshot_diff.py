@@ -12,6 +12,8 @@ import shutil
 
 from test_store_snapshot import T0, Live, batch, diagnosis, full_replay, picture, restart
 
+from xpusense.collector import columns
+from xpusense.collector.columns import held
 from xpusense.collector.state import FleetState
 from xpusense.collector.store.frames import frame
 from xpusense.collector.store.snapfile import entries
@@ -100,8 +102,8 @@ def test_points_let_go_between_full_and_diff(tmp_path):
     _, full = full_replay_with(tmp_path / "d", tmp_path, 4.0)
     assert figures["snapshot_diff_loaded"] == 1 and figures["batches"] == tail
     assert picture(st) == picture(full)
-    a = st.nodes["A"].series[("x", (("device", "0"),))].history
-    assert len(a.t) < 10 and a.t[-1] == T0 + 58 * 10**9   # of the 30 the full snapshot held, none
+    ts = held(st.nodes["A"].series[("x", (("device", "0"),))])[0]
+    assert len(ts) < 10 and ts[-1] == T0 + 58 * 10**9   # of the 30 the full snapshot held, none
 
 
 def test_history_shortened_by_the_memory_budget_between_full_and_diff(tmp_path):
@@ -123,8 +125,8 @@ def test_history_shortened_by_the_memory_budget_between_full_and_diff(tmp_path):
     figures, st = restart(d)
     assert figures["snapshot_diff_loaded"] == 1 and figures["batches"] == 0
     for key, ser in live.state.nodes["A"].series.items():
-        got = st.nodes["A"].series[key].history
-        assert ser.history.dropped > 0 and list(got.t) == list(ser.history.t) and list(got.v) == list(ser.history.v)
+        got, live_ = held(st.nodes["A"].series[key]), held(ser)
+        assert live_[2] > len(live_[0]) and list(got[0]) == list(live_[0]) and list(got[1]) == list(live_[1])
     assert st.history_slots == live.state.history_slots
     assert picture(st)["A"]["refs"] == picture(live.state)["A"]["refs"] != {}   # from the snapshot: nothing replayed
 
@@ -201,6 +203,7 @@ def test_a_diff_that_does_not_fit_its_full_snapshot_is_not_kept(tmp_path, caplog
     whole but its points do not follow on from the full snapshot's; found, counted, and the full
     snapshot is loaded again without it."""
     def drop_uncounted(live):
+        columns.dissolve_all(live.state, live.state.nodes["A"])   # x's points all in its own History
         h = live.state.nodes["A"].series[("x", (("device", "0"),))].history
         del h.t[:2]
         del h.v[:2]
@@ -289,7 +292,7 @@ def write_v1(path, state, pos):
     for n in state.nodes.values():
         series = [[s.name, s.unit, s.kind, s.labels, s.value, s.time_ns, s.prev_value, s.prev_time_ns,
                    s.histogram.SerializeToString() if s.histogram is not None else None,
-                   s.history.t.tobytes(), s.history.v.tobytes(), s.history.due_t, s.history.due_n]
+                   held(s)[0].tobytes(), held(s)[1].tobytes(), held(s)[3], held(s)[4]]
                   for s in n.series.values()]
         nodes.append([n.node_id, n.boot_id, n.last_seen_ns, n.inventory.SerializeToString(),
                       [[b, q, n.mark_at.get(b, 0)] for b, q in n.stored_up_to.items()], n.batches_stored,
@@ -338,7 +341,8 @@ def test_history_bytes_are_outside_the_msgpack_records(tmp_path):
         found = [(rec, len(blob)) for rec, blob in r.records() if rec[0] == "n" and rec[1][0][0] == "A"]
     [(rec, blob_bytes)] = found
     entry = rec[1][0]
-    assert entry[10] == "F" and entry[11] == [8]                   # one run of 8 times for x, c, h
+    assert entry[10] == "F" and entry[11] == [8, 8]                # runs of 8 times: x and c share one, h its own
     assert [s[0] for s in entry[12]] == ["x", "c", "h"] and all(s[12] == 8 for s in entry[12])
+    assert [s[11] for s in entry[12]] == [0, 0, 1]
     assert all(not isinstance(x, bytes) for s in entry[12] for i, x in enumerate(s) if i != 8)   # 8: the histogram
-    assert blob_bytes == 8 * 8 + 3 * 8 * 8                         # the times once, the values of each series
+    assert blob_bytes == 2 * 8 * 8 + 3 * 8 * 8                     # each run once, the values of each series

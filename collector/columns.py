@@ -1,0 +1,238 @@
+"""A node's series that come at the same times, held in columns (a Frame): one array of times for
+all of them and their values row by row, so that a group of a batch's samples is stored with two C
+calls, not two appends and four attribute writes a sample on objects spread over the heap (the
+collector's ingest was bound by those cache misses: bench/collector_ingest.py).
+
+A group is the samples of a batch with one time (an agent stamps a round of a tier with one time).
+Sorted by series_ref, a group's refs and its boot are the key of its frame. A batch whose groups
+all have their frame, each at a time after the frame's last row, is stored here and nothing else
+is read (`store`); the other groups go through FleetState's general path (a series of a frame that
+the general path touches first has its frame dissolved: its points go back to each series' own
+History, `dissolve`), and afterwards a group whose series are all on their own, known by ref, not
+histograms and have this group's point as their latest becomes a frame (`form`). A series' points
+from before its frame stay in its own History (the frame's prefix, all older than its rows), let go
+by time and by the history's cap as the frame's rows come. After a dissolve, the node forms no frame
+for a while (HOLD_FIRST_NS, doubling while dissolves follow one another), so a node whose groups
+keep changing stays on the general path instead of moving points back and forth; an agent's first
+batch of a boot, which often lacks a few series (rates need two readings), costs one short hold. A series' latest and previous values are read off its frame's last two rows
+(Series.value and the others are properties).
+
+Points keep the order they arrived in, batch by batch; a group that would put a point at or before
+its frame's last row goes through the general path, which keeps that order as before.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+from array import array
+from typing import Any
+
+from xpusense.v1 import telemetry_pb2 as pb
+
+_REF = operator.itemgetter(0)
+_TIME = operator.itemgetter(1)
+_VALUE = operator.itemgetter(2)
+# After a frame of a node is dissolved, the node forms none for HOLD_FIRST_NS, twice as long after
+# each dissolve that follows (up to HOLD_MAX_NS), until one of its frames reaches STEADY_ROWS rows.
+HOLD_FIRST_NS = 10**9
+HOLD_MAX_NS = 300 * 10**9
+STEADY_ROWS = 64
+# What a value in a frame's rows holds, and a row's time: 8 bytes and the array's spare room (1/16).
+# FleetState counts them (frame_points, frame_rows) for its memory estimate; a point in a History
+# costs history.POINT_BYTES (a time and a value).
+FRAME_POINT_BYTES = 9
+
+
+class Frame:
+    __slots__ = ("key", "series", "k", "t", "v", "dropped", "due_t", "due_n", "last_t", "prefixed")
+
+    def __init__(self, key: tuple, members: list, last_t: int):
+        self.key = key
+        self.series = members      # the columns, in the order of their refs
+        self.k = len(members)
+        self.t = array("q")        # a time a row, strictly rising
+        self.v = array("d")        # row-major: row i is v[i * k:(i + 1) * k]
+        self.dropped = 0           # rows let go from the front
+        self.due_t = -1            # prune() once a row newer than this comes...
+        self.due_n = 0             # ...or once there are more rows than this
+        self.last_t = last_t       # a row must be newer than this (the members' latest point when formed)
+        self.prefixed = True       # some member may still hold points of its own (all older than the rows)
+
+
+def groups(batch_rows: list) -> dict[int, list]:
+    """The batch's (ref, time, value) rows by time, in the order each time first comes."""
+    if len(set(map(_TIME, batch_rows))) == 1:
+        return {batch_rows[0][1]: batch_rows}
+    out: dict[int, list] = {}
+    for r in batch_rows:
+        g = out.get(r[1])
+        if g is None:
+            out[r[1]] = [r]
+        else:
+            g.append(r)
+    return out
+
+
+def store(state: Any, n: Any, boot: str, by_time: dict[int, list]) -> set[int] | None:
+    """Each group that has its frame, a row on it (each group is sorted by ref here, in place in
+    `by_time`); the times of the groups left to the general path, or None when there are none."""
+    frames = n.frames
+    slow = None
+    grown = 0
+    for t, g in by_time.items():
+        g = by_time[t] = sorted(g)
+        f = frames.get((boot, *map(_REF, g)))
+        if f is None or t <= f.last_t:
+            if slow is None:
+                slow = {t}
+            else:
+                slow.add(t)
+            continue
+        f.t.append(t)
+        f.v.extend(map(_VALUE, g))
+        f.last_t = t
+        grown += f.k
+        state.frame_rows += 1
+        if len(f.t) == STEADY_ROWS:
+            n.frames_dissolves = 0
+        state.frame_points += f.k
+        if t > f.due_t or len(f.t) > f.due_n:
+            grown -= prune(state, f)
+    state.history_slots += grown
+    return slow
+
+
+def form(state: Any, n: Any, boot: str, by_time: dict[int, list], times: set[int]) -> None:
+    """Frames for the groups at `times`, stored by the general path just now, where they can be."""
+    if not n.frames_allowed(state.clock()):
+        return
+    known = n.refs.get(boot)
+    if not known:
+        return
+    for t in times:
+        g = by_time[t]
+        if len(g) < 2:   # one series shares nothing: its own History serves as well
+            continue
+        refs = tuple(map(_REF, g))
+        if not refs[0] or len(set(refs)) != len(refs):   # ref 0: none given; a ref twice: two points of a series
+            continue
+        members = [known.get(r) for r in refs]
+        if not all(s is not None and s.frame is None and s.kind != pb.HISTOGRAM and s._time_ns == t
+                   for s in members):
+            continue
+        f = Frame((boot, *refs), members, t)
+        for col, s in enumerate(members):
+            s.frame, s.col = f, col
+        n.frames[f.key] = f
+        state.counters["state.columns.formed"] += 1
+
+
+def dissolve(state: Any, n: Any, f: Frame) -> None:
+    """Every member's points back in its own History, its latest values in its own fields."""
+    rows, k = len(f.t), f.k
+    for col, s in enumerate(f.series):
+        h = s.history
+        if rows:
+            if rows >= 2:
+                s._prev_value, s._prev_time_ns = f.v[(rows - 2) * k + col], f.t[-2]
+            else:
+                s._prev_value, s._prev_time_ns = s._value, s._time_ns
+            s._value, s._time_ns = f.v[(rows - 1) * k + col], f.t[-1]
+            h.t.extend(f.t)
+            h.v.extend(f.v[col::k])
+        h.dropped += f.dropped
+        h.due_t = -1   # pruned at its next point
+        s.frame = None
+    state.frame_rows -= rows
+    state.frame_points -= rows * k
+    n.frames.pop(f.key, None)
+    n.frames_dissolves += 1
+    n.frames_hold_until = state.clock() + min(HOLD_MAX_NS, HOLD_FIRST_NS << min(n.frames_dissolves - 1, 16))
+    state.counters["state.columns.dissolved"] += 1
+
+
+def dissolve_all(state: Any, n: Any) -> None:
+    for f in list(n.frames.values()):
+        dissolve(state, n, f)
+
+
+def shrink(state: Any, f: Frame, cap: int) -> int:
+    """The newest `cap` points of each member at most, in arrays of that size (memory given back);
+    the frame stays. Returns the points let go."""
+    rows, k = len(f.t), f.k
+    gone = 0
+    if rows > cap:
+        i = rows - cap
+        _before_rows(f, i)
+        f.t = array("q", f.t[i:])
+        f.v = array("d", f.v[i * k:])
+        f.dropped += i
+        gone = i * k
+        state.frame_rows -= i
+        state.frame_points -= gone
+    if f.prefixed:
+        room = cap - len(f.t)
+        for s in f.series:
+            gone += s.history.shrink(room)
+        f.prefixed = any(len(s.history.t) for s in f.series)
+    f.due_n = cap + max(4, cap >> 3) - max((len(s.history.t) for s in f.series), default=0)
+    return gone
+
+
+def prune(state: Any, f: Frame) -> int:
+    """Let go of the rows (and the members' older points) before the window or past the history's
+    cap; sets when the next prune is due. Returns the points let go."""
+    hist_ns, cap = state.history_ns, state.history_cap
+    slack_ns = hist_ns >> 5
+    ts = f.t
+    cutoff = ts[-1] - hist_ns
+    i = bisect.bisect_left(ts, cutoff)
+    if len(ts) - i > cap:
+        i = len(ts) - cap
+    gone = 0
+    if i:
+        _before_rows(f, i)
+        del ts[:i]
+        del f.v[:i * f.k]
+        f.dropped += i
+        gone = i * f.k
+        state.frame_rows -= i
+        state.frame_points -= gone
+    oldest, longest = ts[0], 0
+    if f.prefixed:
+        room = cap - len(ts)
+        for s in f.series:
+            h = s.history
+            if len(h.t):
+                gone += h.prune(cutoff, max(0, room), hist_ns, slack_ns)
+                if len(h.t):
+                    oldest = min(oldest, h.t[0])
+                    longest = max(longest, len(h.t))
+        f.prefixed = longest > 0
+    f.due_t = oldest + hist_ns + slack_ns
+    f.due_n = max(1, cap + max(4, cap >> 3) - longest)
+    return gone
+
+
+def _before_rows(f: Frame, i: int) -> None:
+    """Rows [0, i) go: row i - 1 becomes each member's point before the rows (its own latest
+    fields, which its previous value is read from while the frame has one row)."""
+    k, t = f.k, f.t[i - 1]
+    for col, s in enumerate(f.series):
+        s._value, s._time_ns = f.v[(i - 1) * k + col], t
+
+
+def held(s: Any) -> tuple[array, array, int, int, int]:
+    """A series' points as two arrays (its own, then its frame's column), how many it ever held
+    (the ones let go included) and when its next prune is due (time, count). Whether in a frame or
+    not, forming or dissolving one, a series' points only ever grow at the end and go from the
+    front, and the count of those ever held runs on (a snapshot diff writes the ones since)."""
+    h, f = s.history, s.frame
+    if f is None:
+        return h.t, h.v, h.dropped + len(h.t), h.due_t, h.due_n
+    col = f.v[s.col::f.k]
+    total = h.dropped + len(h.t) + f.dropped + len(f.t)
+    if len(h.t):
+        return h.t + f.t, h.v + col, total, f.due_t, f.due_n
+    return f.t, col, total, f.due_t, f.due_n
