@@ -39,6 +39,7 @@ import gc
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -131,13 +132,16 @@ def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> None
     raise TimeoutError(f"the collector did not serve within {timeout_s} s")
 
 
+COLLECTOR_CMD: list[str] = []   # --collector-cmd: another collector build to restart (default: xpusense-collector)
+
+
 def run_collector(data: str, cfg: str, tmp: str, name: str) -> tuple[subprocess.Popen, float, str]:
     address = f"127.0.0.1:{free_port()}"
     log_path = os.path.join(tmp, f"{name}.log")
     t0 = time.monotonic()
     with open(log_path, "w") as out:
-        proc = subprocess.Popen(tool("xpusense-collector") + ["serve", "--listen", address, "--log-level", "info",
-                                                              "--config", cfg, "--data-dir", data],
+        serve = ["serve", "--listen", address, "--log-level", "info", "--config", cfg, "--data-dir", data]
+        proc = subprocess.Popen((COLLECTOR_CMD or tool("xpusense-collector")) + serve,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         wait_serving(address, proc, 1800.0)
@@ -289,8 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-s", type=int, default=120, help="--direct: seconds of data ingested after the first snapshot")
     ap.add_argument("--full-cycle", action=argparse.BooleanOptionalAction, default=True,
                     help="--direct: go on until a second full snapshot was written (the write rate covers a cycle)")
+    ap.add_argument("--collector-cmd", metavar="CMD", help="another collector build to restart (default: "
+                    "xpusense-collector); 'serve ...' is appended")
     ap.add_argument("--dir", help="where the store goes (default: a temporary directory, removed after)")
     args = ap.parse_args(argv)
+    if args.collector_cmd:
+        COLLECTOR_CMD[:] = shlex.split(args.collector_cmd)
     tmp = args.dir or tempfile.mkdtemp(prefix="xpusense-restart-")
     data = os.path.join(tmp, "data")
     os.makedirs(data, exist_ok=True)

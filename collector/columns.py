@@ -14,8 +14,9 @@ from before its frame stay in its own History (the frame's prefix, all older tha
 by time and by the history's cap as the frame's rows come. After a dissolve, the node forms no frame
 for a while (HOLD_FIRST_NS, doubling while dissolves follow one another), so a node whose groups
 keep changing stays on the general path instead of moving points back and forth; an agent's first
-batch of a boot, which often lacks a few series (rates need two readings), costs one short hold. A series' latest and previous values are read off its frame's last two rows
-(Series.value and the others are properties).
+batch of a boot, which often lacks a few series (rates need two readings), costs one short hold.
+A series' latest and previous values are read off its frame's last two rows (Series.value and the
+others are properties).
 
 Points keep the order they arrived in, batch by batch; a group that would put a point at or before
 its frame's last row goes through the general path, which keeps that order as before.
@@ -236,3 +237,30 @@ def held(s: Any) -> tuple[array, array, int, int, int]:
     if len(h.t):
         return h.t + f.t, h.v + col, total, f.due_t, f.due_n
     return f.t, col, total, f.due_t, f.due_n
+
+
+def extent(s: Any) -> tuple[int, int, int, int, int, int]:
+    """held()'s figures without the arrays: the points a series holds, how many it ever held, its
+    first and last time (0 when none), when its next prune is due (time, count)."""
+    h, f = s.history, s.frame
+    own = len(h.t)
+    if f is None:
+        return own, h.dropped + own, h.t[0] if own else 0, h.t[-1] if own else 0, h.due_t, h.due_n
+    rows = len(f.t)
+    have = own + rows
+    first = h.t[0] if own else (f.t[0] if rows else 0)
+    last = f.t[-1] if rows else (h.t[-1] if own else 0)
+    return have, h.dropped + own + f.dropped + rows, first, last, f.due_t, f.due_n
+
+
+def newest(s: Any, k: int) -> tuple[array, array]:
+    """The newest `k` points of a series (k <= what it holds), as two arrays."""
+    h, f = s.history, s.frame
+    if f is None:
+        n = len(h.t)
+        return h.t[n - k:], h.v[n - k:]
+    rows, width = len(f.t), f.k
+    if k <= rows:
+        return f.t[rows - k:], f.v[(rows - k) * width + s.col::width]
+    more = k - rows
+    return h.t[len(h.t) - more:] + f.t, h.v[len(h.v) - more:] + f.v[s.col::width]

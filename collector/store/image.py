@@ -111,23 +111,24 @@ def capture(n: NodeState, unapplied: dict[str, int] | None, parts: list[bytes], 
     values: list[bytes] = []
     series: list[list] = []
     prev = base.nodes.get(n.node_id) if base is not None else None
-    views = [columns.held(ser) for ser in n.series.values()]
     if prev is not None and _same_series(n, prev[0]):
-        for ser, (ts, vs, total, due_t, due_n), was in zip(n.series.values(), views, prev[1]):
-            have = len(ts)
+        for ser, was in zip(n.series.values(), prev[1]):
+            have, total, first, last, due_t, due_n = columns.extent(ser)
             k = min(total - was, have)   # points appended since the base (the newest `have` at most)
             if k < 0:   # fewer than the base had: not the same series after all
                 break
-            values.append(vs[have - k:].tobytes())
+            ts, vs = columns.newest(ser, k)
+            values.append(vs.tobytes())
             series.append([ser.value, ser.time_ns, ser.prev_value, ser.prev_time_ns, _hist(ser), due_t, due_n,
-                           runs.ref(ts[have - k:].tobytes()), k, have, ts[0] if have else 0, ts[-1] if have else 0])
+                           runs.ref(ts.tobytes()), k, have, first, last])
         else:
             parts.extend(runs.runs)
             parts.extend(values)
             return [*_common(n, unapplied), "I", [len(r) >> 3 for r in runs.runs], series, _refs(n)]
         runs, values, series = _Runs(), [], []
     kept, totals = [], array("q")
-    for ser, (ts, vs, total, due_t, due_n) in zip(n.series.values(), views):
+    for ser in n.series.values():
+        ts, vs, total, due_t, due_n = columns.held(ser)
         values.append(vs.tobytes())
         series.append([ser.name, ser.unit, ser.kind, ser.labels, ser.value, ser.time_ns, ser.prev_value,
                        ser.prev_time_ns, _hist(ser), due_t, due_n, runs.ref(ts.tobytes()), len(ts)])

@@ -98,6 +98,12 @@ def counted(state: FleetState) -> None:
     assert state.history_slots == sum(len(held(s)[0]) for n in state.nodes.values() for s in n.series.values())
     assert state.frame_rows == sum(len(f.t) for f in frames)
     assert state.frame_points == sum(len(f.t) * f.k for f in frames)
+    for n in state.nodes.values():   # extent and newest (a snapshot diff's) agree with held
+        for s in n.series.values():
+            ts, vs, total, due_t, due_n = held(s)
+            assert columns.extent(s) == (len(ts), total, ts[0] if ts else 0, ts[-1] if ts else 0, due_t, due_n)
+            for k in {0, 1, len(ts) // 2, len(ts)}:
+                assert columns.newest(s, k) == (ts[len(ts) - k:], vs[len(vs) - k:])
 
 
 def restored(state: FleetState, base_snap) -> tuple[FleetState, FleetState]:
