@@ -16,11 +16,12 @@ in columns where a node's series come together (collector/columns.py: one time a
 `max_memory` set ([state] max_memory), the state estimates what it holds (history points x
 POINT_BYTES, those in columns x FRAME_POINT_BYTES and a row's time as much, plus SERIES_BYTES a
 series and NODE_BYTES a node, measured with tracemalloc) and keeps under it: first the history is
-shortened (every series cut to fewer points, as if each cost POINT_BYTES; `history_points` shows how many; counted as
-`state.max_memory.history_shortened`, logged), down to `min_history_points`; only then are samples
-of new series dropped (`state.max_memory.samples_dropped`, logged), and the server refuses new
-nodes (`full()`). Points are let go in bulk, so the estimate may pass the budget by up to 1/8 of the
-shortened history (the cut aims at 90% of it). Never an OOM kill.
+shortened (every series cut to fewer points, at what a point costs on average; `history_points`
+shows how many; counted as `state.max_memory.history_shortened`, logged), down to
+`min_history_points`; only then are samples of new series dropped (`state.max_memory.samples_dropped`,
+logged), and the server refuses new nodes (`full()`). Points are let go in bulk, so the estimate
+may pass the budget by up to 1/8 of the shortened history (the cut aims at 90% of it). Never an
+OOM kill.
 """
 
 from __future__ import annotations
@@ -138,7 +139,9 @@ class FleetState:
         """Over max_memory: shorten every series' history (to 90% of the budget); False when it is
         as short as allowed already (then new series are refused)."""
         fixed = self.series_total * SERIES_BYTES + len(self.nodes) * NODE_BYTES
-        room = max(0, int(self.max_memory * 0.9) - fixed) // POINT_BYTES
+        # What a point costs now, on average (in columns less than POINT_BYTES).
+        per_point = (self.memory_bytes() - fixed) / self.history_slots if self.history_slots else POINT_BYTES
+        room = int(max(0, int(self.max_memory * 0.9) - fixed) / max(1.0, per_point))
         cap = max(self.min_history_points, min(int(self.history_cap * 0.9), room // max(1, self.series_total)))
         if cap >= self.history_cap:
             return False
