@@ -33,7 +33,6 @@ from xpusense.v1 import telemetry_pb2 as pb
 
 _REF = operator.itemgetter(0)
 _TIME = operator.itemgetter(1)
-_VALUE = operator.itemgetter(2)
 # After a frame of a node is dissolved, the node forms none for HOLD_FIRST_NS, twice as long after
 # each dissolve that follows (up to HOLD_MAX_NS), until one of its frames reaches STEADY_ROWS rows.
 HOLD_FIRST_NS = 10**9
@@ -63,8 +62,9 @@ class Frame:
 
 def groups(batch_rows: list) -> dict[int, list]:
     """The batch's (ref, time, value) rows by time, in the order each time first comes."""
-    if len(set(map(_TIME, batch_rows))) == 1:
-        return {batch_rows[0][1]: batch_rows}
+    times = list(map(_TIME, batch_rows))
+    if times.count(times[0]) == len(times):   # the usual batch: one round, one time
+        return {times[0]: batch_rows}
     out: dict[int, list] = {}
     for r in batch_rows:
         g = out.get(r[1])
@@ -91,7 +91,7 @@ def store(state: Any, n: Any, boot: str, by_time: dict[int, list]) -> set[int] |
                 slow.add(t)
             continue
         f.t.append(t)
-        f.v.extend(map(_VALUE, g))
+        f.v.fromlist([r[2] for r in g])
         f.last_t = t
         grown += f.k
         state.frame_rows += 1
