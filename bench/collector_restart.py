@@ -226,7 +226,7 @@ def direct(args, data: str) -> dict:
             h = ser.history
             h.t = array("q", times)
             h.v = array("d", shapes[i])
-            ser.time_ns, ser.value = h.t[-1], h.v[-1]
+            ser._time_ns, ser._value = h.t[-1], h.v[-1]
     state.history_slots = sum(len(s.history.t) for n in state.nodes.values() for s in n.series.values())
     state.columns = True
     print(f"fleet state built: {args.nodes} nodes x {seconds} s x {DEVICES * len(SERIES)} series in "

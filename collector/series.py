@@ -19,8 +19,8 @@ class Series:
     """One series of a node: what it is, its latest and previous point, and its history: its own
     History, or (`frame` set) a column of a Frame (collector/columns.py) after the points its History
     held before. The latest and previous values are read through properties, which look at the
-    frame's last rows; the general ingest path writes the underscored fields of a series without a
-    frame."""
+    frame's last rows; the general ingest path and a snapshot's restore write the underscored
+    fields of a series without a frame."""
 
     __slots__ = ("name", "unit", "kind", "labels", "_value", "_time_ns", "_prev_value", "_prev_time_ns",
                  "histogram", "history", "frame", "col")
@@ -44,18 +44,10 @@ class Series:
         f = self.frame
         return self._value if f is None or not f.t else f.v[len(f.v) - f.k + self.col]
 
-    @value.setter
-    def value(self, x: float) -> None:
-        self._value = x
-
     @property
     def time_ns(self) -> int:
         f = self.frame
         return self._time_ns if f is None or not f.t else f.t[-1]
-
-    @time_ns.setter
-    def time_ns(self, t: int) -> None:
-        self._time_ns = t
 
     @property
     def prev_value(self) -> float:
@@ -64,20 +56,12 @@ class Series:
             return self._prev_value
         return self._value if len(f.t) == 1 else f.v[len(f.v) - 2 * f.k + self.col]
 
-    @prev_value.setter
-    def prev_value(self, x: float) -> None:
-        self._prev_value = x
-
     @property
     def prev_time_ns(self) -> int:
         f = self.frame
         if f is None or not f.t:
             return self._prev_time_ns
         return self._time_ns if len(f.t) == 1 else f.t[-2]
-
-    @prev_time_ns.setter
-    def prev_time_ns(self, t: int) -> None:
-        self._prev_time_ns = t
 
     def rate(self) -> float:
         if self.kind != pb.COUNTER or not self.prev_time_ns or self.time_ns <= self.prev_time_ns:

@@ -285,8 +285,8 @@ def restore_node_v1(state: FleetState, data: list) -> None:
 def _set_latest(ser: Series, value, time_ns: int, prev_value, prev_time_ns: int, hist: bytes | None) -> None:
     """A series' latest and previous values as a snapshot holds them (None: NaN)."""
     ser.frame, ser.col = None, 0   # restored on its own: columns.form makes frames again as batches come
-    ser.value, ser.time_ns = _float(value), time_ns
-    ser.prev_value, ser.prev_time_ns = _float(prev_value), prev_time_ns
+    ser._value, ser._time_ns = _float(value), time_ns
+    ser._prev_value, ser._prev_time_ns = _float(prev_value), prev_time_ns
     ser.histogram = pb.Histogram.FromString(hist) if hist is not None else None
 
 
