@@ -96,6 +96,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# How long a process may take to stop cleanly after SIGTERM: generous, for a busy machine (a CI run
+# beside other work saw an agent's clean stop take over 10 s while the disk was flushing gigabytes).
+STOP_WAIT_S = 30.0
+
+
 class Proc:
     """A real xpusense process with its output captured to a file."""
 
@@ -110,10 +115,11 @@ class Proc:
         return self.log_path.read_text(errors="replace")
 
     def kill(self, sig=signal.SIGKILL) -> int:
+        """Send `sig` and wait for the exit (its status); SIGKILL after STOP_WAIT_S (status -9)."""
         if self.p.poll() is None:
             self.p.send_signal(sig)
         try:
-            return self.p.wait(timeout=10)
+            return self.p.wait(timeout=STOP_WAIT_S)
         except subprocess.TimeoutExpired:
             self.p.kill()
             return self.p.wait()

@@ -78,7 +78,7 @@ def test_a_hanging_npu_smi_does_not_hold_back_the_other_sources(procs, tmp_path)
     n = wait_until(host_series, timeout_s=90, what="host series while npu-smi hangs in setup")
     assert not series(n, "hw.gpu.utilization")       # npu-smi has not answered: no NPU yet
     assert "still setting up: npu-smi" in agent.output()
-    assert agent.kill(signal.SIGTERM) == 0
+    assert agent.kill(signal.SIGTERM) == 0, agent.output()[-4000:]
     # and the hung npu-smi call went with it (the fake keeps its scenario in its environment)
     def hung_calls():
         return [p for p in psutil.process_iter(["cmdline", "environ"])
