@@ -176,7 +176,7 @@ def restore(state: FleetState, entry: list, blob: memoryview, at: int) -> int:
         old = state.nodes.get(nid)
         if old is not None:   # a diff's node written whole replaces the base's
             state.series_total -= len(old.series)
-            state.history_slots -= sum(len(columns.held(s)[0]) for s in old.series.values())
+            state.history_slots -= sum(columns.extent(s)[0] for s in old.series.values())
         n = state.nodes[nid] = NodeState(nid, state.events_kept)
         at = _restore_full(state, n, series, runs, starts, blob, at)
     elif mode == "I":
