@@ -153,25 +153,11 @@ def dissolve(state: Any, n: Any, f: Frame) -> None:
     state.counters["state.columns.dissolved"] += 1
 
 
-def dissolve_all(state: Any, n: Any) -> None:
-    for f in list(n.frames.values()):
-        dissolve(state, n, f)
-
-
 def shrink(state: Any, f: Frame, cap: int) -> int:
     """The newest `cap` points of each member at most, in arrays of that size (memory given back);
     the frame stays. Returns the points let go."""
-    rows, k = len(f.t), f.k
-    gone = 0
-    if rows > cap:
-        i = rows - cap
-        _before_rows(f, i)
-        f.t = array("q", f.t[i:])
-        f.v = array("d", f.v[i * k:])
-        f.dropped += i
-        gone = i * k
-        state.frame_rows -= i
-        state.frame_points -= gone
+    rows = len(f.t)
+    gone = _drop_rows(state, f, rows - cap, give_back=True) if rows > cap else 0
     if f.prefixed:
         room = cap - len(f.t)
         for s in f.series:
@@ -191,15 +177,7 @@ def prune(state: Any, f: Frame) -> int:
     i = bisect.bisect_left(ts, cutoff)
     if len(ts) - i > cap:
         i = len(ts) - cap
-    gone = 0
-    if i:
-        _before_rows(f, i)
-        del ts[:i]
-        del f.v[:i * f.k]
-        f.dropped += i
-        gone = i * f.k
-        state.frame_rows -= i
-        state.frame_points -= gone
+    gone = _drop_rows(state, f, i, give_back=False) if i else 0   # in place: ts is still f.t
     oldest, longest = ts[0], 0
     if f.prefixed:
         room = cap - len(ts)
@@ -216,12 +194,22 @@ def prune(state: Any, f: Frame) -> int:
     return gone
 
 
-def _before_rows(f: Frame, i: int) -> None:
-    """Rows [0, i) go: row i - 1 becomes each member's point before the rows (its own latest
-    fields, which its previous value is read from while the frame has one row)."""
+def _drop_rows(state: Any, f: Frame, i: int, give_back: bool) -> int:
+    """Let rows [0, i) go (in arrays of the new size when `give_back`, memory returned); returns the
+    points let go. Row i - 1 becomes each member's point before the rows (its own latest fields,
+    which its previous value is read from while the frame has one row)."""
     k, t = f.k, f.t[i - 1]
     for col, s in enumerate(f.series):
         s._value, s._time_ns = f.v[(i - 1) * k + col], t
+    if give_back:
+        f.t, f.v = array("q", f.t[i:]), array("d", f.v[i * k:])
+    else:
+        del f.t[:i]
+        del f.v[:i * k]
+    f.dropped += i
+    state.frame_rows -= i
+    state.frame_points -= i * k
+    return i * k
 
 
 def held(s: Any) -> tuple[array, array, int, int, int]:

@@ -203,7 +203,9 @@ def test_a_diff_that_does_not_fit_its_full_snapshot_is_not_kept(tmp_path, caplog
     whole but its points do not follow on from the full snapshot's; found, counted, and the full
     snapshot is loaded again without it."""
     def drop_uncounted(live):
-        columns.dissolve_all(live.state, live.state.nodes["A"])   # x's points all in its own History
+        node = live.state.nodes["A"]
+        for f in list(node.frames.values()):   # x's points all in its own History
+            columns.dissolve(live.state, node, f)
         h = live.state.nodes["A"].series[("x", (("device", "0"),))].history
         del h.t[:2]
         del h.v[:2]
