@@ -18,8 +18,9 @@ fresh connection (before 2026-11-30 21:00 a gRPC channel waited for it and its r
 added up to seconds to the figure).
 
 --direct (no whole log: minutes instead of a quarter of an hour at 1,000 nodes): the fleet state is
-built in this process (one real batch a node, then `--minutes` of 1 s history put straight into its
-arrays) and the collector's own Snapshotter writes a full snapshot of it. Then batches are ingested
+built in this process (one real batch a node, then `--minutes` of 1 s history put straight into the
+node's frame: its 160 series held in columns, collector/columns.py, as a collector that has run that
+long holds them) and the collector's own Snapshotter writes a full snapshot of it. Then batches are ingested
 in-process (FleetState.ingest, as the server applies them) with a snapshot every
 `--snapshot-every-s` seconds of data, full or diff as the Snapshotter decides, for at least
 `--run-s` seconds, past a second full one (`--no-full-cycle`: not), and until the next snapshot
@@ -200,6 +201,8 @@ def direct(args, data: str) -> dict:
     import asyncio
     from array import array
 
+    from xpusense.collector import columns
+    from xpusense.collector.history import History
     from xpusense.collector.state import FleetState
     from xpusense.collector.store import Store
     from xpusense.collector.store.snapshotter import DIFF_RATIO, Snapshotter
@@ -209,11 +212,13 @@ def direct(args, data: str) -> dict:
     every = int(args.snapshot_every_s)
     start_ns = time.time_ns() - (seconds + args.run_s + 2 * args.tail_s + 10 * every) * 10**9
     state = FleetState()
-    state.columns = False   # histories set by hand below; frames form (collector/columns.py) as batches come after
+    state.columns = False   # a node's frame set by hand below, as a collector that ran this long holds it
     c0, t0 = time.process_time(), time.monotonic()
     times = array("q", range(start_ns, start_ns + seconds * 10**9, 10**9))
-    shapes = [array("d", [(i + 1) * (1 + 0.01 * ((k * (i + 3)) % 97)) for k in range(seconds)])
-              for i in range(DEVICES * len(SERIES))]   # a series' values: its own wave, the same on every node
+    width = DEVICES * len(SERIES)
+    rows = array("d", bytes(8 * seconds * width))   # a series' values: its own wave, the same on every node
+    for i in range(width):
+        rows[i::width] = array("d", [(i + 1) * (1 + 0.01 * ((k * (i + 3)) % 97)) for k in range(seconds)])
     for a in agents:   # one real batch a node (series made as the server makes them), then the rest of the history
         state.hello(a.hello.hello)
         state.disconnected(a.node_id, a.boot_id)
@@ -222,12 +227,13 @@ def direct(args, data: str) -> dict:
         a.seq = seconds
         n = state.nodes[a.node_id]
         n.stored_up_to[a.boot_id] = seconds
-        for i, ser in enumerate(n.series.values()):
-            h = ser.history
-            h.t = array("q", times)
-            h.v = array("d", shapes[i])
-            ser._time_ns, ser._value = h.t[-1], h.v[-1]
-    state.history_slots = sum(len(s.history.t) for n in state.nodes.values() for s in n.series.values())
+        refs = sorted(n.refs[a.boot_id].items())
+        members = [ser for _, ser in refs]
+        for ser in members:
+            ser.history = History()
+        columns.adopt(state, n, (a.boot_id, *(r for r, _ in refs)), members, array("q", times), array("d", rows),
+                      times[-1], -1, 0)
+    state.history_slots = state.frame_points
     state.columns = True
     print(f"fleet state built: {args.nodes} nodes x {seconds} s x {DEVICES * len(SERIES)} series in "
           f"{time.monotonic() - t0:.0f} s", flush=True)

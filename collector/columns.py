@@ -129,6 +129,23 @@ def form(state: Any, n: Any, boot: str, by_time: dict[int, list], times: set[int
         state.counters["state.columns.formed"] += 1
 
 
+def adopt(state: Any, n: Any, key: tuple, members: list, t: array, v: array, last_t: int, due_t: int,
+          due_n: int) -> Frame:
+    """A frame as a snapshot held it (collector/store/image.py): its rows `t` and `v` taken as they
+    are, counted in frame_rows and frame_points (the caller counts them in history_slots). A member
+    with rows holds, in its own latest fields, its point before them (its previous value while the
+    frame has one row): the restore sets them."""
+    f = Frame(key, members, last_t)
+    f.t, f.v, f.due_t, f.due_n = t, v, due_t, due_n
+    f.prefixed = any(len(s.history.t) for s in members)
+    for col, s in enumerate(members):
+        s.frame, s.col = f, col
+    n.frames[key] = f
+    state.frame_rows += len(t)
+    state.frame_points += len(t) * f.k
+    return f
+
+
 def dissolve(state: Any, n: Any, f: Frame) -> None:
     """Every member's points back in its own History, its latest values in its own fields."""
     rows, k = len(f.t), f.k
@@ -212,43 +229,12 @@ def _drop_rows(state: Any, f: Frame, i: int, give_back: bool) -> int:
     return i * k
 
 
-def held(s: Any) -> tuple[array, array, int, int, int]:
-    """A series' points as two arrays (its own, then its frame's column), how many it ever held
-    (the ones let go included) and when its next prune is due (time, count). Whether in a frame or
-    not, forming or dissolving one, a series' points only ever grow at the end and go from the
-    front, and the count of those ever held runs on (a snapshot diff writes the ones since)."""
+def held(s: Any) -> tuple[array, array]:
+    """A series' points as two arrays: its own, then its frame's column."""
     h, f = s.history, s.frame
     if f is None:
-        return h.t, h.v, h.dropped + len(h.t), h.due_t, h.due_n
+        return h.t, h.v
     col = f.v[s.col::f.k]
-    total = h.dropped + len(h.t) + f.dropped + len(f.t)
     if len(h.t):
-        return h.t + f.t, h.v + col, total, f.due_t, f.due_n
-    return f.t, col, total, f.due_t, f.due_n
-
-
-def extent(s: Any) -> tuple[int, int, int, int, int, int]:
-    """held()'s figures without the arrays: the points a series holds, how many it ever held, its
-    first and last time (0 when none), when its next prune is due (time, count)."""
-    h, f = s.history, s.frame
-    own = len(h.t)
-    if f is None:
-        return own, h.dropped + own, h.t[0] if own else 0, h.t[-1] if own else 0, h.due_t, h.due_n
-    rows = len(f.t)
-    have = own + rows
-    first = h.t[0] if own else (f.t[0] if rows else 0)
-    last = f.t[-1] if rows else (h.t[-1] if own else 0)
-    return have, h.dropped + own + f.dropped + rows, first, last, f.due_t, f.due_n
-
-
-def newest(s: Any, k: int) -> tuple[array, array]:
-    """The newest `k` points of a series (k <= what it holds), as two arrays."""
-    h, f = s.history, s.frame
-    if f is None:
-        n = len(h.t)
-        return h.t[n - k:], h.v[n - k:]
-    rows, width = len(f.t), f.k
-    if k <= rows:
-        return f.t[rows - k:], f.v[(rows - k) * width + s.col::width]
-    more = k - rows
-    return h.t[len(h.t) - more:] + f.t, h.v[len(h.v) - more:] + f.v[s.col::width]
+        return h.t + f.t, h.v + col
+    return f.t, col

@@ -497,7 +497,7 @@ class FleetState:
         if ser is None:
             return None
         reply = pb.HistoryReply(unit=ser.unit)
-        ts, vs = columns.held(ser)[:2]
+        ts, vs = columns.held(ser)
         reply.points.extend(pb.Point(time_unix_nano=t, value=v)
                             for t, v in points_of(ts, vs, ser.time_ns - self.history_ns, self.history_cap))
         return reply

@@ -1,22 +1,26 @@
 """The fleet state as plain data and raw arrays, for a snapshot (snapshot.py): what the replay rebuilds.
 
 Per node: inventory, boot, the per-boot marks (stored_up_to, in order, and when each rose),
-counts, recent events, open diagnoses, every series (latest and previous value, histogram,
-history) and the agent's series_ref of each, per boot. Fleet-wide: the marks known from earlier
-runs (known_marks), the state's counters and diagnoses opened per rule. The metadata is msgpack
-(lists, ints, floats, strings, bytes); the history points are raw array bytes (`array.tobytes`,
-8 bytes a time and 8 a value) in the frame's blob, read back with `array.frombytes` straight from
-the mapped file: no per-point work either way. The series of one source share their times: a
-node's time runs are written once each (`_Runs`).
+counts, recent events, open diagnoses, every series (latest and previous value, histogram, the
+points of its own History), the agent's series_ref of each, per boot, and its frames (series held
+in columns, collector/columns.py: key, members, rows). Fleet-wide: the marks known from earlier runs
+(known_marks), the state's counters and diagnoses opened per rule. The metadata is msgpack (lists,
+ints, floats, strings, bytes); the points are raw array bytes (`array.tobytes`, 8 bytes a time and 8
+a value; a frame's values row by row, as it holds them) in the frame's blob, read back with
+`array.frombytes` straight from the mapped file: no per-point work either way. The series of one
+source share their times: a node's time runs are written once each (`_Runs`). A restart gets the
+frames back as they were, so its state holds a point in ~9 bytes as before, and the log's tail
+after the snapshot finds them.
 
 A node is written one of two ways:
-- "F" (full): every series with its whole history (a full snapshot; in a diff, a node new since
-  its base or whose series changed);
-- "I" (incremental, in a diff only): series by position, the same Series objects as in the base
-  snapshot, each with only the points appended since the base was captured (columns.held counts
-  them, in a series' own History or its frame's column), and how many points it holds now: the
-  loader appends them to the base's arrays and lets the oldest go down to that count, then checks
-  the first and last time.
+- "F" (full): every series with its own points, every frame with its rows (a full snapshot; in a
+  diff, a node new since its base or whose series or frames changed);
+- "I" (incremental, in a diff only): series and frames by position, the same Series and Frame
+  objects as in the base snapshot, each with only the points (rows) appended since the base was
+  captured, and how many it holds now: the loader appends them to the base's arrays and lets the
+  oldest go down to that count, then checks the first and last time.
+
+Version 2 (still read) had no frames: a framed series' points were written as its own.
 
 A node is captured on the event loop in one go (`capture()`), so each node is consistent with
 itself; nodes are captured a chunk at a time (snapshotter.py) and may differ in time from one
@@ -38,8 +42,6 @@ from ..history import History
 from ..series import Series
 from ..state import FleetState, NodeState
 
-VERSION = 2   # 1: one msgpack list a node, history bytes inside it (still read: restore_node_v1)
-
 
 def fleet(state: FleetState) -> list:
     """The fleet-wide part: [known_marks, counters, diagnoses opened per rule]."""
@@ -56,13 +58,13 @@ def restore_fleet(state: FleetState, data: list) -> None:
 
 
 class Base:
-    """What a diff is written against: per node its Series (in order; held, so that `is` tells the
-    same series) and how many points each had ever held at capture (columns.held)."""
+    """What a diff is written against: per node its Series and Frames (in order; held, so that `is`
+    tells the same ones) and how many points (rows) each had ever held at capture."""
 
     __slots__ = ("nodes",)
 
     def __init__(self) -> None:
-        self.nodes: dict[str, tuple[tuple[Series, ...], array]] = {}
+        self.nodes: dict[str, tuple[tuple[Series, ...], array, tuple[columns.Frame, ...], array]] = {}
 
 
 class _Runs:
@@ -104,41 +106,67 @@ def _hist(ser: Series) -> bytes | None:
 
 def capture(n: NodeState, unapplied: dict[str, int] | None, parts: list[bytes], base: Base | None,
             into: Base | None) -> list:
-    """One node's entry; its history bytes are appended to `parts` (the frame's blob). `base`: write
-    it incrementally against that base when it can ("I"), else whole ("F"). `into`: the base being
-    written, which records the node's series for later diffs."""
-    runs = _Runs()
-    values: list[bytes] = []
-    series: list[list] = []
+    """One node's entry; its points are appended to `parts` (the frame's blob). `base`: write it
+    incrementally against that base when it can ("I"), else whole ("F"). `into`: the base being
+    written, which records the node's series and frames for later diffs."""
     prev = base.nodes.get(n.node_id) if base is not None else None
-    if prev is not None and _same_series(n, prev[0]):
-        for ser, was in zip(n.series.values(), prev[1]):
-            have, total, first, last, due_t, due_n = columns.extent(ser)
-            k = min(total - was, have)   # points appended since the base (the newest `have` at most)
-            if k < 0:   # fewer than the base had: not the same series after all
-                break
-            ts, vs = columns.newest(ser, k)
-            values.append(vs.tobytes())
-            series.append([ser.value, ser.time_ns, ser.prev_value, ser.prev_time_ns, _hist(ser), due_t, due_n,
-                           runs.ref(ts.tobytes()), k, have, first, last])
-        else:
+    if prev is not None:
+        incr = _incremental(n, prev)
+        if incr is not None:
+            runs, values, series, frames = incr
             parts.extend(runs.runs)
             parts.extend(values)
-            return [*_common(n, unapplied), "I", [len(r) >> 3 for r in runs.runs], series, _refs(n)]
-        runs, values, series = _Runs(), [], []
-    kept, totals = [], array("q")
+            return [*_common(n, unapplied), "I", [len(r) >> 3 for r in runs.runs], series, _refs(n), frames]
+    runs, values, series = _Runs(), [], []
+    totals = array("q")
     for ser in n.series.values():
-        ts, vs, total, due_t, due_n = columns.held(ser)
-        values.append(vs.tobytes())
+        h = ser.history
+        values.append(h.v.tobytes())
         series.append([ser.name, ser.unit, ser.kind, ser.labels, ser.value, ser.time_ns, ser.prev_value,
-                       ser.prev_time_ns, _hist(ser), due_t, due_n, runs.ref(ts.tobytes()), len(ts)])
-        kept.append(ser)
-        totals.append(total)
+                       ser.prev_time_ns, _hist(ser), h.due_t, h.due_n, runs.ref(h.t.tobytes()), len(h.t)])
+        totals.append(h.dropped + len(h.t))
+    framed = tuple(n.frames.values())
+    frames = []
+    if framed:
+        at = {id(ser): i for i, ser in enumerate(n.series.values())}
+        for f in framed:
+            values.append(f.v.tobytes())
+            frames.append([list(f.key), [at[id(s)] for s in f.series], runs.ref(f.t.tobytes()), len(f.t),
+                           f.due_t, f.due_n, f.last_t])
     if into is not None:
-        into.nodes[n.node_id] = (tuple(kept), totals)
+        into.nodes[n.node_id] = (tuple(n.series.values()), totals, framed,
+                                 array("q", [f.dropped + len(f.t) for f in framed]))
     parts.extend(runs.runs)
     parts.extend(values)
-    return [*_common(n, unapplied), "F", [len(r) >> 3 for r in runs.runs], series, _refs(n)]
+    return [*_common(n, unapplied), "F", [len(r) >> 3 for r in runs.runs], series, _refs(n), frames]
+
+
+def _incremental(n: NodeState, prev: tuple) -> tuple[_Runs, list, list, list] | None:
+    """The node's series and frames with what each appended since the base (runs, values, series,
+    frames), or None when they are not the base's (then the node is written whole)."""
+    kept, totals, framed, frame_totals = prev
+    now = tuple(n.frames.values())
+    if not (_same_series(n, kept) and len(now) == len(framed) and all(f is g for f, g in zip(now, framed))):
+        return None
+    runs, values, series, frames = _Runs(), [], [], []
+    for ser, was in zip(n.series.values(), totals):
+        h = ser.history
+        have = len(h.t)
+        k = min(h.dropped + have - was, have)   # points appended since the base (the newest `have` at most)
+        if k < 0:   # fewer than the base had: not the same series after all
+            return None
+        values.append(h.v[have - k:].tobytes())
+        series.append([ser.value, ser.time_ns, ser.prev_value, ser.prev_time_ns, _hist(ser), h.due_t, h.due_n,
+                       runs.ref(h.t[have - k:].tobytes()), k, have, h.t[0] if have else 0, h.t[-1] if have else 0])
+    for f, was in zip(now, frame_totals):
+        rows = len(f.t)
+        k = min(f.dropped + rows - was, rows)
+        if k < 0:
+            return None
+        values.append(f.v[(rows - k) * f.k:].tobytes())
+        frames.append([runs.ref(f.t[rows - k:].tobytes()), k, rows, f.due_t, f.due_n, f.last_t,
+                       f.t[0] if rows else 0, f.t[-1] if rows else 0])
+    return runs, values, series, frames
 
 
 def _refs(n: NodeState) -> list:
@@ -162,29 +190,39 @@ def _same_series(n: NodeState, kept: tuple[Series, ...]) -> bool:
     return len(n.series) == len(kept) and all(s is k for s, k in zip(n.series.values(), kept))
 
 
+def _take(blob: memoryview, at: int, size: int, nid: str) -> memoryview:
+    if at + size > len(blob):
+        raise ValueError(f"node {nid!r}: its history runs past its frame")
+    return blob[at:at + size]
+
+
 def restore(state: FleetState, entry: list, blob: memoryview, at: int) -> int:
     """One node's entry into `state`, its history from blob[at:]; where the next node's bytes begin.
     ValueError (or another error of shape) when it does not fit."""
-    (nid, boot_id, last_seen, inv, marks, stored, dup, events, diagnoses, diag_boot, mode, runs, series, refs) = entry
+    (nid, boot_id, last_seen, inv, marks, stored, dup, events, diagnoses, diag_boot, mode, runs, series,
+     refs) = entry[:14]
+    frames = entry[14] if len(entry) > 14 else []   # version 2: none
     starts = []
     for r in runs:
         starts.append(at)
         at += r << 3
-    if at + (sum(s[12 if mode == "F" else 8] for s in series) << 3) > len(blob):
-        raise ValueError(f"node {nid!r}: its history runs past its frame")
+    _take(blob, at, 0, nid)
     if mode == "F":
         old = state.nodes.get(nid)
         if old is not None:   # a diff's node written whole replaces the base's
-            state.series_total -= len(old.series)
-            state.history_slots -= sum(columns.extent(s)[0] for s in old.series.values())
+            _forget(state, old)
         n = state.nodes[nid] = NodeState(nid, state.events_kept)
         at = _restore_full(state, n, series, runs, starts, blob, at)
+        _restore_refs(n, refs)
+        at = _restore_frames(state, n, frames, runs, starts, blob, at)
     elif mode == "I":
         have = state.nodes.get(nid)
-        if have is None or len(have.series) != len(series):
+        if have is None or len(have.series) != len(series) or len(have.frames) != len(frames):
             raise ValueError(f"node {nid!r}: a diff on a base that does not hold it as it was")
         n = have
         at = _restore_incr(state, n, series, runs, starts, blob, at)
+        _restore_refs(n, refs)
+        at = _restore_rows(state, n, frames, runs, starts, blob, at)
     else:
         raise ValueError(f"node {nid!r}: mode {mode!r}")
     n.boot_id, n.last_seen_ns = boot_id, last_seen
@@ -196,12 +234,25 @@ def restore(state: FleetState, entry: list, blob: memoryview, at: int) -> int:
     n.events.extend(pb.Event.FromString(e) for e in events[:state.events_kept])
     n.diagnoses = collections.OrderedDict((did, pb.Event.FromString(e)) for did, e in diagnoses)
     n.diagnoses_boot = diag_boot
+    return at
+
+
+def _forget(state: FleetState, n: NodeState) -> None:
+    """A node's series and points out of the state's counts (a diff writes it whole again)."""
+    rows = sum(len(f.t) for f in n.frames.values())
+    points = sum(len(f.t) * f.k for f in n.frames.values())
+    state.series_total -= len(n.series)
+    state.history_slots -= sum(len(s.history.t) for s in n.series.values()) + points
+    state.frame_rows -= rows
+    state.frame_points -= points
+
+
+def _restore_refs(n: NodeState, refs: list) -> None:
     n.refs = {}
     if refs:
         order = list(n.series.values())
         for boot, flat in refs:
             n.refs[boot] = {flat[j]: order[flat[j + 1]] for j in range(0, len(flat), 2)}
-    return at
 
 
 def _restore_full(state: FleetState, n: NodeState, series: list, runs: list, starts: list, blob: memoryview,
@@ -212,10 +263,11 @@ def _restore_full(state: FleetState, n: NodeState, series: list, runs: list, sta
             raise ValueError(f"node {n.node_id!r} series {name!r}: {k} values on a run of {runs[r]} times")
         ser = Series.__new__(Series)
         ser.name, ser.unit, ser.kind, ser.labels = name, unit, kind, labels
+        ser.frame, ser.col = None, 0
         _set_latest(ser, value, time_ns, prev_value, prev_time_ns, hist)
         h = ser.history = History()
         h.t.frombytes(blob[starts[r]:starts[r] + (k << 3)])
-        h.v.frombytes(blob[at:at + (k << 3)])
+        h.v.frombytes(_take(blob, at, k << 3, n.node_id))
         at += k << 3
         h.due_t, h.due_n = due_t, due_n
         slots += k
@@ -223,6 +275,38 @@ def _restore_full(state: FleetState, n: NodeState, series: list, runs: list, sta
     state.series_total += len(n.series)
     state.history_slots += slots
     return at
+
+
+def _restore_frames(state: FleetState, n: NodeState, frames: list, runs: list, starts: list, blob: memoryview,
+                    at: int) -> int:
+    """A node's frames (after its series and refs): each member on its own so far, not a histogram,
+    and the series its key's ref names where the refs still name one (a frame outlives a reset of
+    the node's refs: state._remember_ref, evict_expired)."""
+    order = list(n.series.values())
+    for key, positions, r, rows, due_t, due_n, last_t in frames:
+        key, width = tuple(key), len(positions)
+        known = n.refs.get(key[0], {}) if key else {}
+        members = [order[p] for p in positions]
+        if (not width or len(key) != width + 1 or runs[r] != rows
+                or any(known.get(ref, s) is not s or s.frame is not None or s.kind == pb.HISTOGRAM
+                       for ref, s in zip(key[1:], members))):
+            raise ValueError(f"node {n.node_id!r}: frame {key[:4]!r}... does not fit its series")
+        t, v = array("q"), array("d")
+        t.frombytes(blob[starts[r]:starts[r] + (rows << 3)])
+        v.frombytes(_take(blob, at, (rows * width) << 3, n.node_id))
+        at += (rows * width) << 3
+        columns.adopt(state, n, key, members, t, v, last_t, due_t, due_n)
+        state.history_slots += rows * width
+        if rows:
+            _before_rows(members)
+    return at
+
+
+def _before_rows(members: list[Series]) -> None:
+    """A framed series with rows holds its point before them in its latest fields (columns.py): the
+    previous value the snapshot has for it (exact while the frame has one row, not read after)."""
+    for s in members:
+        s._value, s._time_ns = s._prev_value, s._prev_time_ns
 
 
 def _restore_incr(state: FleetState, n: NodeState, series: list, runs: list, starts: list, blob: memoryview,
@@ -236,7 +320,7 @@ def _restore_incr(state: FleetState, n: NodeState, series: list, runs: list, sta
         before = len(h.t)
         if k:
             h.t.frombytes(blob[starts[r]:starts[r] + (k << 3)])
-            h.v.frombytes(blob[at:at + (k << 3)])
+            h.v.frombytes(_take(blob, at, k << 3, n.node_id))
             at += k << 3
         extra = len(h.t) - held
         if extra < 0:
@@ -250,6 +334,37 @@ def _restore_incr(state: FleetState, n: NodeState, series: list, runs: list, sta
         h.due_t, h.due_n = due_t, due_n
         slots += held - before
     state.history_slots += slots
+    return at
+
+
+def _restore_rows(state: FleetState, n: NodeState, frames: list, runs: list, starts: list, blob: memoryview,
+                  at: int) -> int:
+    """A diff's rows of the node's frames (after its series), appended and the oldest let go."""
+    for f, (r, k, rows, due_t, due_n, last_t, first, last) in zip(list(n.frames.values()), frames):
+        if runs[r] != k:
+            raise ValueError(f"node {n.node_id!r} frame {f.key[:4]!r}...: {k} rows on a run of {runs[r]} times")
+        before = len(f.t)
+        if k:
+            f.t.frombytes(blob[starts[r]:starts[r] + (k << 3)])
+            f.v.frombytes(_take(blob, at, (k * f.k) << 3, n.node_id))
+            at += (k * f.k) << 3
+        extra = len(f.t) - rows
+        if extra < 0:
+            raise ValueError(f"node {n.node_id!r} frame {f.key[:4]!r}...: {len(f.t)} rows, the diff says {rows}")
+        if extra:
+            del f.t[:extra]
+            del f.v[:extra * f.k]
+            f.dropped += extra
+        if rows and (f.t[0] != first or f.t[-1] != last):
+            raise ValueError(f"node {n.node_id!r} frame {f.key[:4]!r}...: the rows do not follow on from the base's")
+        f.due_t, f.due_n, f.last_t = due_t, due_n, last_t
+        f.prefixed = any(len(s.history.t) for s in f.series)
+        grown = (rows - before) * f.k
+        state.frame_rows += rows - before
+        state.frame_points += grown
+        state.history_slots += grown
+        if rows:
+            _before_rows(f.series)
     return at
 
 
@@ -269,6 +384,7 @@ def restore_node_v1(state: FleetState, data: list) -> None:
     for (name, unit, kind, labels, value, time_ns, prev_value, prev_time_ns, hist, tb, vb, due_t, due_n) in series:
         ser = Series.__new__(Series)
         ser.name, ser.unit, ser.kind, ser.labels = name, unit, kind, labels
+        ser.frame, ser.col = None, 0
         _set_latest(ser, value, time_ns, prev_value, prev_time_ns, hist)
         h = ser.history = History()
         h.t = array("q", tb)
@@ -284,7 +400,6 @@ def restore_node_v1(state: FleetState, data: list) -> None:
 
 def _set_latest(ser: Series, value, time_ns: int, prev_value, prev_time_ns: int, hist: bytes | None) -> None:
     """A series' latest and previous values as a snapshot holds them (None: NaN)."""
-    ser.frame, ser.col = None, 0   # restored on its own: columns.form makes frames again as batches come
     ser._value, ser._time_ns = _float(value), time_ns
     ser._prev_value, ser._prev_time_ns = _float(prev_value), prev_time_ns
     ser.histogram = pb.Histogram.FromString(hist) if hist is not None else None

@@ -7,8 +7,9 @@ In `data_dir/snapshots/`:
 
 A file is SNAPSHOT_MAGIC (the version in its last byte), then frames in the store's own format
 (frames.py: RECORD_MAGIC, length, crc32 over the length bytes and the payload). In version 2 a
-payload is a u32 length, that many bytes of msgpack (the record), then a blob of raw bytes the
-record describes (image.py: history arrays):
+payload (version 2 and on) is a u32 length, that many bytes of msgpack (the record), then a blob
+of raw bytes the record describes (image.py: history arrays; version 3 adds a node's frames, 2 is
+still read):
 
     ["h", 2, seg, off, created_unix_ns, id, base_seg, base_off, base_id]   first (base_*: -1 in a full one)
     ["f", fleet]                                                          known marks, counters (image.fleet)
@@ -40,8 +41,8 @@ import msgpack
 from .frames import HEADER, HEADER_BYTES, MAX_RECORD_BYTES, RECORD_MAGIC
 
 MAGIC = b"XPSSNP\x00"
-VERSIONS = (1, 2)
-VERSION = 2
+VERSIONS = (1, 2, 3)
+VERSION = 3
 NAME = re.compile(r"^snapshot-(\d{8,})-(\d{12,})(?:-on-(\d{8,})-(\d{12,}))?\.snap$")
 TMP_PREFIX = ".tmp-"
 U32 = struct.Struct("<I")

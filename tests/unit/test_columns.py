@@ -98,18 +98,20 @@ def counted(state: FleetState) -> None:
     assert state.history_slots == sum(len(held(s)[0]) for n in state.nodes.values() for s in n.series.values())
     assert state.frame_rows == sum(len(f.t) for f in frames)
     assert state.frame_points == sum(len(f.t) * f.k for f in frames)
-    for n in state.nodes.values():   # extent and newest (a snapshot diff's) agree with held
-        for s in n.series.values():
-            ts, vs, total, due_t, due_n = held(s)
-            assert columns.extent(s) == (len(ts), total, ts[0] if ts else 0, ts[-1] if ts else 0, due_t, due_n)
-            for k in {0, 1, len(ts) // 2, len(ts)}:
-                assert columns.newest(s, k) == (ts[len(ts) - k:], vs[len(vs) - k:])
+    for n in state.nodes.values():   # a frame's members: the series its key's refs name (while known)
+        for key, f in n.frames.items():
+            assert f.key == key and f.k == len(f.series) == len(key) - 1 and len(f.v) == len(f.t) * f.k
+            known = n.refs.get(key[0], {})
+            assert all(known.get(ref, s) is s and s.frame is f and s.col == col
+                       for col, (ref, s) in enumerate(zip(key[1:], f.series)))
 
 
 def restored(state: FleetState, base_snap) -> tuple[FleetState, FleetState]:
     """The state written whole and restored; and the earlier full snapshot with a diff on it."""
     def load(entries_parts_list):
-        st_ = FleetState(history_s=state.history_ns / S, clock=state.clock)
+        clock = Clock()
+        clock.now = state.clock.now
+        st_ = FleetState(history_s=state.history_ns / S, clock=clock)
         for entries, parts in entries_parts_list:
             blob, at = memoryview(b"".join(parts)), 0
             for e in entries:
@@ -122,6 +124,17 @@ def restored(state: FleetState, base_snap) -> tuple[FleetState, FleetState]:
     diff_parts: list[bytes] = []
     diff = [image.capture(n, None, diff_parts, base, None) for n in state.nodes.values()]
     return load([(whole, parts)]), load([(base_entries, base_parts), (diff, diff_parts)])
+
+
+def go_on(state: FleetState, script, shift: int) -> None:
+    """The script's batches again, `shift` later, each sequence number on from its boot's mark."""
+    for node, boot, groups, step in script:
+        state.clock.now += step
+        n = state.nodes.get(node)
+        seq = (n.stored_up_to.get(boot, 0) if n is not None else 0) + 1
+        state.hello(pb.Hello(node_id=node, boot_id=boot))
+        assert state.ingest(make_batch(node, boot, seq, [(t + shift, m, v) for t, m, v in groups]), now_ns=state.clock.now)
+        state.disconnected(node, boot)
 
 
 def same(a: FleetState, b: FleetState) -> None:
@@ -141,8 +154,19 @@ def test_columns_answer_as_every_series_on_its_own(script, history_s, snap_frac)
     plain, _ = run(script, False, history_s, snap_at)
     same(framed, plain)
     whole, diffed = restored(framed, base_snap)
-    same(whole, plain)
-    same(diffed, plain)
+    for st_ in (whole, diffed):   # the frames come back as they were, and the counts with them
+        counted(st_)
+        assert {nid: list(n.frames) for nid, n in st_.nodes.items()} == \
+            {nid: list(n.frames) for nid, n in framed.nodes.items()}
+        same(st_, plain)
+    # ...and take the batches after a restart as the state before it does
+    shift = max(t for _, _, groups, _ in script for t, _, _ in groups) - T0 + S
+    for st_ in (framed, plain, whole, diffed):
+        go_on(st_, script, shift)
+    counted(whole)
+    counted(diffed)
+    for st_ in (plain, whole, diffed):
+        same(framed, st_)
 
 
 def steady(n_batches: int, history_s: float = 900.0) -> FleetState:
@@ -226,3 +250,27 @@ def test_a_memory_budget_shortens_the_columns_in_place():
     assert len(f.t) <= state.history_cap + max(4, state.history_cap >> 3) and u.value == 69
     assert state.memory_bytes() <= budget * 1.13
     counted(state)
+
+
+def test_a_frame_outlives_a_reset_of_its_nodes_refs_and_a_snapshot_brings_it_back():
+    """A series let go (evict_expired) resets the node's refs; its frames stay and go on taking their
+    groups by key. A snapshot then holds frames whose refs the node no longer lists: restored as
+    they were, and the next batch goes to them."""
+    state = steady(5, history_s=5.0)
+    n, clock = state.nodes["A"], state.clock
+    for seq in range(6, 14):   # h stops coming
+        clock.now += S
+        state.ingest(make_batch("A", "b1", seq, [(T0 + seq * S, [0, 1, 2, 3, 4], [float(seq)] * 5)]))
+    assert state.evict_expired("A") == 1 and not n.refs and len(n.frames) == 1
+    parts: list[bytes] = []
+    entries = [image.capture(m, None, parts, None, None) for m in state.nodes.values()]
+    back = FleetState(history_s=5.0, clock=clock)
+    blob, at = memoryview(b"".join(parts)), 0
+    for e in entries:
+        at = image.restore(back, e, blob, at)
+    assert list(back.nodes["A"].frames) == list(n.frames)
+    for st_ in (state, back):
+        st_.ingest(make_batch("A", "b1", 14, [(T0 + 14 * S, [0, 1, 2, 3, 4], [14.0] * 5)]))
+        counted(st_)
+    assert not state.counters["state.columns.dissolved"] and not back.counters["state.columns.dissolved"]
+    same(back, state)

@@ -1,7 +1,7 @@
-"""Diffs and the version 2 snapshot format (collector/store/image.py, snapfile.py, snapshot.py): a
+"""Diffs and the version 3 snapshot format (collector/store/image.py, snapfile.py, snapshot.py): a
 restart from a full snapshot and a diff on it ends with the state a full replay of the log gives;
 a damaged or unfitting diff falls back to its full snapshot (and a longer replay), counted and
-logged; a snapshot written by the version before is still read; retention keeps what fallbacks need."""
+logged; snapshots written by the versions before are still read; retention keeps what fallbacks need."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import logging
 import os
 import shutil
 
+import pytest
 from test_store_snapshot import T0, Live, batch, diagnosis, full_replay, picture, restart
 
-from xpusense.collector import columns
 from xpusense.collector.columns import held
 from xpusense.collector.state import FleetState
 from xpusense.collector.store.frames import frame
@@ -126,7 +126,8 @@ def test_history_shortened_by_the_memory_budget_between_full_and_diff(tmp_path):
     assert figures["snapshot_diff_loaded"] == 1 and figures["batches"] == 0
     for key, ser in live.state.nodes["A"].series.items():
         got, live_ = held(st.nodes["A"].series[key]), held(ser)
-        assert live_[2] > len(live_[0]) and list(got[0]) == list(live_[0]) and list(got[1]) == list(live_[1])
+        let_go = ser.history.dropped + (ser.frame.dropped if ser.frame is not None else 0)
+        assert let_go > 0 and list(got[0]) == list(live_[0]) and list(got[1]) == list(live_[1])
     assert st.history_slots == live.state.history_slots
     assert picture(st)["A"]["refs"] == picture(live.state)["A"]["refs"] != {}   # from the snapshot: nothing replayed
 
@@ -198,17 +199,21 @@ def test_a_cut_diff_falls_back_to_its_full_snapshot(tmp_path, caplog):
     _damaged_diff(tmp_path, lambda p: os.truncate(p, os.path.getsize(p) - 7), caplog)
 
 
-def test_a_diff_that_does_not_fit_its_full_snapshot_is_not_kept(tmp_path, caplog):
-    """Points let go behind History.dropped's back (what a miscount would do): the diff reads back
-    whole but its points do not follow on from the full snapshot's; found, counted, and the full
-    snapshot is loaded again without it."""
+@pytest.mark.parametrize("where", ["history", "frame"])
+def test_a_diff_that_does_not_fit_its_full_snapshot_is_not_kept(tmp_path, caplog, where):
+    """Points let go behind History.dropped's back, or rows behind Frame.dropped's (what a miscount
+    would do): the diff reads back whole but its points do not follow on from the full snapshot's;
+    found, counted, and the full snapshot is loaded again without it."""
     def drop_uncounted(live):
         node = live.state.nodes["A"]
-        for f in list(node.frames.values()):   # x's points all in its own History
-            columns.dissolve(live.state, node, f)
-        h = live.state.nodes["A"].series[("x", (("device", "0"),))].history
-        del h.t[:2]
-        del h.v[:2]
+        if where == "history":   # h, a histogram, is on its own
+            h = node.series[("h", ())].history
+            del h.t[:2]
+            del h.v[:2]
+        else:                    # x and c are held in columns
+            [f] = node.frames.values()
+            del f.t[:2]
+            del f.v[:2 * f.k]
     d = tmp_path / "d"
     live = Live(d)
 
@@ -294,7 +299,7 @@ def write_v1(path, state, pos):
     for n in state.nodes.values():
         series = [[s.name, s.unit, s.kind, s.labels, s.value, s.time_ns, s.prev_value, s.prev_time_ns,
                    s.histogram.SerializeToString() if s.histogram is not None else None,
-                   held(s)[0].tobytes(), held(s)[1].tobytes(), held(s)[3], held(s)[4]]
+                   held(s)[0].tobytes(), held(s)[1].tobytes(), -1, 0]
                   for s in n.series.values()]
         nodes.append([n.node_id, n.boot_id, n.last_seen_ns, n.inventory.SerializeToString(),
                       [[b, q, n.mark_at.get(b, 0)] for b, q in n.stored_up_to.items()], n.batches_stored,
@@ -334,17 +339,52 @@ def test_a_version_1_snapshot_is_still_loaded(tmp_path):
     assert picture(st)["A"]["history"] == picture(full)["A"]["history"]
 
 
+def test_a_version_2_snapshot_is_still_loaded(tmp_path, monkeypatch):
+    """Version 2 (before frames were written): a node's entry has no frames, its series hold all
+    their points; loaded as such, the series on their own."""
+    from xpusense.collector.store import image, snapfile
+    capture = image.capture
+    monkeypatch.setattr(snapfile, "VERSION", 2)
+    monkeypatch.setattr(image, "capture", lambda *a: capture(*a)[:14])
+    d = tmp_path / "d"
+    live = Live(d)
+    live.state.columns = False   # no frames: what version 2 wrote
+
+    async def go():
+        live.hello("A", "a1", "host-a")
+        await live.store_all([batch("A", "a1", s) for s in range(1, 6)])
+        p = await live.snap.take("v2")
+        await live.store_all([batch("A", "a1", s) for s in range(6, 8)])
+        return p
+    p = asyncio.run(go())
+    live.store.close()
+    from xpusense.collector.store.snapfile import Reader
+    with Reader(p) as r:
+        assert r.version == 2 and all(len(e) == 14 for rec, _ in r.records() if rec[0] == "n" for e in rec[1])
+    monkeypatch.undo()
+    figures, st = restart(d)
+    _, full = full_replay(d, tmp_path)
+    assert figures["snapshot_loaded"] == 1 and figures["snapshot_damaged"] == 0 and figures["batches"] == 2
+    assert picture(st) == picture(full)
+
+
 def test_history_bytes_are_outside_the_msgpack_records(tmp_path):
-    """Version 2: a node record's history is the frame's blob (read with array.frombytes from the
-    mapped file), and a node's series that share their times have them written once."""
+    """A node record's history is the frame's blob (read with array.frombytes from the mapped file),
+    a node's series that share their times have them written once, and (version 3) a frame's rows
+    are written as it holds them: one run of times, the values row by row."""
     from xpusense.collector.store.snapfile import Reader
     live, full_path, _, _ = scenario(tmp_path / "d")
     with Reader(full_path) as r:
+        assert r.version == 3
         found = [(rec, len(blob)) for rec, blob in r.records() if rec[0] == "n" and rec[1][0][0] == "A"]
     [(rec, blob_bytes)] = found
     entry = rec[1][0]
-    assert entry[10] == "F" and entry[11] == [8, 8]                # runs of 8 times: x and c share one, h its own
-    assert [s[0] for s in entry[12]] == ["x", "c", "h"] and all(s[12] == 8 for s in entry[12])
+    # x and c: their first point on their own (the frame formed at the second batch), then 7 rows
+    # of the frame; h (a histogram) on its own, 8 points
+    assert entry[10] == "F" and entry[11] == [1, 8, 7]
+    assert [s[0] for s in entry[12]] == ["x", "c", "h"] and [s[12] for s in entry[12]] == [1, 1, 8]
     assert [s[11] for s in entry[12]] == [0, 0, 1]
     assert all(not isinstance(x, bytes) for s in entry[12] for i, x in enumerate(s) if i != 8)   # 8: the histogram
-    assert blob_bytes == 2 * 8 * 8 + 3 * 8 * 8                     # each run once, the values of each series
+    [(key, members, run, rows, *_)] = entry[14]
+    assert key == ["a1", 1, 2] and members == [0, 1] and run == 2 and rows == 7
+    assert blob_bytes == (1 + 8 + 7) * 8 + (1 + 1 + 8) * 8 + 7 * 2 * 8   # runs, own values, rows
