@@ -18,7 +18,9 @@ JetStream's default sync policy), then, one after the other:
 5. Place at --place-nodes nodes: their summaries put in the `fleet` bucket, a FleetIndex lists
    and watches it (collector/cluster/scheduler.py) and the core answers in process (p50/p99 over
    the request shapes of bench/place_latency.py); then a `scheduler` replica process answers a
-   client over gRPC;
+   client over gRPC (with --place-only, the decisions, in process and in the replica, run on a CPU
+   of their own, as a replica is deployed, and the NATS servers, the bucket's writer and the client
+   on the others; --shared-cpus: all on every CPU, as before 2026-12-02);
 6. the projection for 100,000 nodes at 1 batch/s: cores of gateways and workers from the rates
    above, the scheduler replicas' cost of following the bucket (measured per summary update) and
    the memory of worker and scheduler state from the per-node figures.
@@ -283,16 +285,19 @@ async def place_from_bucket(urls: list[str], data: list[bytes], seconds: float, 
 
 
 def place_over_grpc(tmp: str, urls: list[str], data: list[bytes], seconds: float, updates_s: float,
-                    spy: str = "") -> dict:
+                    spy: str = "", replica_cpus: set[int] | None = None) -> dict:
     """A `scheduler` replica process answering a client over gRPC while the bucket changes at
     updates_s; also the replica's CPU in the window (a share of a core). `spy`: py-spy's binary, to
-    record the replica's stacks over the window (raw, for flame graphs; tmp/scheduler.spy.txt)."""
+    record the replica's stacks over the window (raw, for flame graphs; tmp/scheduler.spy.txt).
+    `replica_cpus`: the replica pinned to these (the client and the writer run where this process may)."""
     addr = f"127.0.0.1:{free_port()}"
     cfg_path = collector_toml(tmp, urls, "stale_s = 3600.0\n")
     log_path = os.path.join(tmp, "scheduler.log")
     with open(log_path, "w") as log:
         p = subprocess.Popen([sys.executable, "-m", "xpusense.collector.cluster", "scheduler", "--config", cfg_path,
                               "--listen", addr, "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+    if replica_cpus:
+        os.sched_setaffinity(p.pid, replica_cpus)   # pinned from here (no preexec_fn next to gRPC's threads)
     try:
         wait_collector(addr, 300)
         deadline = time.monotonic() + 300
@@ -349,11 +354,23 @@ def place_only(args: argparse.Namespace) -> int:
     """Step 5 alone: Place in process and over gRPC from a replica following the fleet bucket."""
     from xpusense.collector.cluster.localnats import LocalCluster
     tmp = tempfile.mkdtemp(prefix="xpusense-fleet-")
+    # As a replica runs (a core of its own; NATS on other machines): the decisions, in this process
+    # and then the replica process, pinned to the first CPU, the NATS servers, the bucket's writer and
+    # the gRPC client to the others (all CPUs alike with --shared-cpus, or on a 1-CPU machine).
+    cpus = sorted(os.sched_getaffinity(0))
+    mine, others = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 and not args.shared_cpus else (set(cpus), set(cpus))
     with LocalCluster(3, os.path.join(tmp, "nats")) as cluster:
-        print(f"5. Place at {args.place_nodes} nodes from the fleet bucket ...", flush=True)
+        for srv in cluster.servers:
+            if srv.proc is not None:
+                os.sched_setaffinity(srv.proc.pid, others)
+        print(f"5. Place at {args.place_nodes} nodes from the fleet bucket (decisions on CPUs {sorted(mine)}, "
+              f"NATS, writer and client on {sorted(others)}) ...", flush=True)
         big, _ = summaries(args.place_nodes, seed=11)
+        os.sched_setaffinity(0, mine)
         inproc = asyncio.run(place_from_bucket(cluster.urls, big, args.seconds, args.updates_s))
-        over = place_over_grpc(tmp, cluster.urls, big, args.seconds, args.updates_s, args.spy)
+        os.sched_setaffinity(0, others)
+        over = place_over_grpc(tmp, cluster.urls, big, args.seconds, args.updates_s, args.spy, mine)
+        os.sched_setaffinity(0, set(cpus))
     print(f"Place at {inproc['listed']:,} nodes, {inproc['followed_s']:,.0f} summary updates/s followed: in process "
           f"p50 {inproc['p50_ms']:.3f} ms, p99 {inproc['p99_ms']:.3f} ms (goal <= 1; CPU p50 {inproc['cpu_p50_ms']:.3f}, "
           f"p99 {inproc['cpu_p99_ms']:.3f} ms; {inproc['n']} decisions, {inproc['caught_up']} of them refreshed "
@@ -509,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--place-only", action="store_true", help="only step 5, Place from the fleet bucket")
     p.add_argument("--ack-only", action="store_true",
                    help="only step 2, ack latency of --fleet agents x 1 batch/s through one gateway")
+    p.add_argument("--shared-cpus", action="store_true",
+                   help="with --place-only: the decisions share every CPU with NATS (before 2026-12-02: not pinned)")
     p.add_argument("--spy", metavar="PY_SPY", default="",
                    help="with --ack-only: the py-spy binary to profile the gateway with (raw stacks); "
                         "with --place-only: the scheduler replica over gRPC")
