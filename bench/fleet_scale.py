@@ -18,9 +18,9 @@ JetStream's default sync policy), then, one after the other:
 5. Place at --place-nodes nodes: their summaries put in the `fleet` bucket, a FleetIndex lists
    and watches it (collector/cluster/scheduler.py) and the core answers in process (p50/p99 over
    the request shapes of bench/place_latency.py); then a `scheduler` replica process answers a
-   client over gRPC (with --place-only, the decisions, in process and in the replica, run on a CPU
-   of their own, as a replica is deployed, and the NATS servers, the bucket's writer and the client
-   on the others; --shared-cpus: all on every CPU, as before 2026-12-02);
+   client over gRPC (the decisions, in process and in the replica, run on a CPU of their own, as a
+   replica is deployed, and the NATS servers, the bucket's writer and the client on the others;
+   --shared-cpus: all on every CPU, as before 2026-12-02);
 6. the projection for 100,000 nodes at 1 batch/s: cores of gateways and workers from the rates
    above, the scheduler replicas' cost of following the bucket (measured per summary update) and
    the memory of worker and scheduler state from the per-node figures.
@@ -350,27 +350,37 @@ async def _refresh_for(urls: list[str], data: list[bytes], updates_s: float, sec
     await nc.close()
 
 
-def place_only(args: argparse.Namespace) -> int:
-    """Step 5 alone: Place in process and over gRPC from a replica following the fleet bucket."""
-    from xpusense.collector.cluster.localnats import LocalCluster
-    tmp = tempfile.mkdtemp(prefix="xpusense-fleet-")
-    # As a replica runs (a core of its own; NATS on other machines): the decisions, in this process
-    # and then the replica process, pinned to the first CPU, the NATS servers, the bucket's writer and
-    # the gRPC client to the others (all CPUs alike with --shared-cpus, or on a 1-CPU machine).
+def place_step(args: argparse.Namespace, cluster, tmp: str) -> tuple[dict, dict]:
+    """Step 5, as a replica runs (a core of its own; NATS on other machines): the decisions, in this
+    process and then in the replica process, pinned to the first CPU; the NATS servers, the bucket's
+    writer and the gRPC client to the others (all CPUs alike with --shared-cpus, or on a 1-CPU machine)."""
     cpus = sorted(os.sched_getaffinity(0))
     mine, others = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 and not args.shared_cpus else (set(cpus), set(cpus))
-    with LocalCluster(3, os.path.join(tmp, "nats")) as cluster:
-        for srv in cluster.servers:
-            if srv.proc is not None:
-                os.sched_setaffinity(srv.proc.pid, others)
-        print(f"5. Place at {args.place_nodes} nodes from the fleet bucket (decisions on CPUs {sorted(mine)}, "
-              f"NATS, writer and client on {sorted(others)}) ...", flush=True)
-        big, _ = summaries(args.place_nodes, seed=11)
+    for srv in cluster.servers:
+        if srv.proc is not None:
+            os.sched_setaffinity(srv.proc.pid, others)
+    print(f"5. Place at {args.place_nodes} nodes from the fleet bucket (decisions on CPUs {sorted(mine)}, "
+          f"NATS, writer and client on {sorted(others)}) ...", flush=True)
+    big, _ = summaries(args.place_nodes, seed=11)
+    try:
         os.sched_setaffinity(0, mine)
         inproc = asyncio.run(place_from_bucket(cluster.urls, big, args.seconds, args.updates_s))
         os.sched_setaffinity(0, others)
         over = place_over_grpc(tmp, cluster.urls, big, args.seconds, args.updates_s, args.spy, mine)
+    finally:
         os.sched_setaffinity(0, set(cpus))
+        for srv in cluster.servers:
+            if srv.proc is not None and srv.proc.poll() is None:
+                os.sched_setaffinity(srv.proc.pid, set(cpus))
+    return inproc, over
+
+
+def place_only(args: argparse.Namespace) -> int:
+    """Step 5 alone: Place in process and over gRPC from a replica following the fleet bucket."""
+    from xpusense.collector.cluster.localnats import LocalCluster
+    tmp = tempfile.mkdtemp(prefix="xpusense-fleet-")
+    with LocalCluster(3, os.path.join(tmp, "nats")) as cluster:
+        inproc, over = place_step(args, cluster, tmp)
     print(f"Place at {inproc['listed']:,} nodes, {inproc['followed_s']:,.0f} summary updates/s followed: in process "
           f"p50 {inproc['p50_ms']:.3f} ms, p99 {inproc['p99_ms']:.3f} ms (goal <= 1; CPU p50 {inproc['cpu_p50_ms']:.3f}, "
           f"p99 {inproc['cpu_p99_ms']:.3f} ms; {inproc['n']} decisions, {inproc['caught_up']} of them refreshed "
@@ -527,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ack-only", action="store_true",
                    help="only step 2, ack latency of --fleet agents x 1 batch/s through one gateway")
     p.add_argument("--shared-cpus", action="store_true",
-                   help="with --place-only: the decisions share every CPU with NATS (before 2026-12-02: not pinned)")
+                   help="step 5: the decisions share every CPU with NATS (before 2026-12-02: not pinned)")
     p.add_argument("--spy", metavar="PY_SPY", default="",
                    help="with --ack-only: the py-spy binary to profile the gateway with (raw stacks); "
                         "with --place-only: the scheduler replica over gRPC")
@@ -560,10 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"4. memory per node: {args.mem_nodes} nodes ...", flush=True)
         data, worker_bytes = summaries(args.mem_nodes)
         sched_bytes, update_s = scheduler_memory(data)
-        print(f"5. Place at {args.place_nodes} nodes from the fleet bucket ...", flush=True)
-        big, _ = summaries(args.place_nodes, seed=11)
-        inproc = asyncio.run(place_from_bucket(urls, big, args.seconds, args.updates_s))
-        over = place_over_grpc(tmp, urls, big, args.seconds, args.updates_s)
+        inproc, over = place_step(args, cluster, tmp)
     gw_per_core = sat["batches_s"] / max(1e-9, sat["cpu"])
     proj = {
         "gateway_cores": TARGET_NODES / gw_per_core,
