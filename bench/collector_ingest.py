@@ -580,6 +580,10 @@ def main(argv: list[str] | None = None) -> int:
     col_pct = 100 * (c1 - c0) / wall
     cpu_us = 1e6 * (c1 - c0) / max(window_acked, 1)   # steadier than batches/s on a shared machine
     gen_pct = 100 * (g1 - g0) / wall
+    # Saturation: the rate; at a cadence, everything offered (acks in a window of wall
+    # seconds come in a hair under rate x agents even when none is late)
+    goal_rate = GOAL_BATCHES_S if args.rate == 0 else 0.995 * args.rate * args.agents
+    goal_label = f">= {GOAL_BATCHES_S:g}" if args.rate == 0 else "offered"
     mode = "saturation (rate 0)" if args.rate == 0 else f"cadence {args.rate:g} batch/s per agent"
     print(f"collector ingest: {mode}, {args.agents} agents in {procs} processes, window {args.window}, "
           f"{DEVICES}x{len(SERIES)} samples/batch, {wall:.1f} s after {args.warmup_s:g} s warm-up")
@@ -589,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"  {'figure':<44} {'value':>10}  {'goal':>8}  ok")
     rows = [
-        ("stored batches/s (acks in window)", f"{rate_s:.0f}", f">= {GOAL_BATCHES_S:g}", rate_s >= GOAL_BATCHES_S),
+        ("stored batches/s (acks in window)", f"{rate_s:.0f}", goal_label, rate_s >= goal_rate),
         ("latency p50, ms (sample time -> ack at agent)", f"{p50:.1f}", "", None),
         ("latency p90, ms", f"{p90:.1f}", "", None),
         ("latency p99, ms (upper bound on -> stored)", f"{p99:.1f}", f"<= {GOAL_P99_MS:g}", p99 <= GOAL_P99_MS),
@@ -627,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
                "generator_cpu_pct": round(gen_pct, 1),
                "acked": acked, "collector_batches_stored": stored, "cross_check_ok": acked == stored,
                "connect_s": round(connect_s, 1), "connect_retries": connect_retries, "errors": len(fails),
-               "goal_batches_met": rate_s >= GOAL_BATCHES_S, "goal_p99_met": p99 <= GOAL_P99_MS,
+               "goal_batches_met": rate_s >= goal_rate, "goal_p99_met": p99 <= GOAL_P99_MS,
                **({"durable": True, **restart, "bytes_per_batch": round(restart["store_bytes"] / max(stored, 1))}
                   if args.durable else {})}
     print(json.dumps(summary))

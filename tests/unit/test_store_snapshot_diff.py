@@ -313,18 +313,25 @@ def write_v1(path, state, pos):
         f.write(frame(["e", len(nodes), len(recs)]))
 
 
-def test_a_version_1_snapshot_is_still_loaded(tmp_path):
-    d = tmp_path / "d"
+def five_then_a_snapshot_then_two(d, columns: bool = True) -> str:
+    """Node A: five batches, a snapshot (its path is returned), two more batches."""
     live = Live(d)
+    live.state.columns = columns
 
     async def go():
         live.hello("A", "a1", "host-a")
         await live.store_all([batch("A", "a1", s) for s in range(1, 6)])
-        p = await live.snap.take("v2")
+        p = await live.snap.take("test")
         await live.store_all([batch("A", "a1", s) for s in range(6, 8)])
         return p
     p = asyncio.run(go())
     live.store.close()
+    return p
+
+
+def test_a_version_1_snapshot_is_still_loaded(tmp_path):
+    d = tmp_path / "d"
+    p = five_then_a_snapshot_then_two(d)
     pos = entries(str(d / "snapshots"))[0].pos
     os.unlink(p)
     b = FleetState(clock=lambda: T0 + 10**12)
@@ -347,17 +354,7 @@ def test_a_version_2_snapshot_is_still_loaded(tmp_path, monkeypatch):
     monkeypatch.setattr(snapfile, "VERSION", 2)
     monkeypatch.setattr(image, "capture", lambda *a: capture(*a)[:14])
     d = tmp_path / "d"
-    live = Live(d)
-    live.state.columns = False   # no frames: what version 2 wrote
-
-    async def go():
-        live.hello("A", "a1", "host-a")
-        await live.store_all([batch("A", "a1", s) for s in range(1, 6)])
-        p = await live.snap.take("v2")
-        await live.store_all([batch("A", "a1", s) for s in range(6, 8)])
-        return p
-    p = asyncio.run(go())
-    live.store.close()
+    p = five_then_a_snapshot_then_two(d, columns=False)   # no frames: what version 2 wrote
     from xpusense.collector.store.snapfile import Reader
     with Reader(p) as r:
         assert r.version == 2 and all(len(e) == 14 for rec, _ in r.records() if rec[0] == "n" for e in rec[1])
