@@ -332,8 +332,11 @@ class Bucket:
     does. In a type pool (`counts` not None):
     counts[c - 1] = the values of its nodes' fit rows for count c (free HBM of the c-th most free
     offered device, or FEWER_OFFERED / FEWER_AT_ALL), sorted, of the nodes not marked stale
-    (`stale`: those found stale by the last decision, mark_stale)."""
-    __slots__ = ("key", "one_group", "many_groups", "counts", "by_level", "nonempty", "key_part", "stale")
+    (`stale`: those found stale by the last decision, mark_stale). `version` rises whenever a node
+    with several groups comes, goes, goes stale or back, or is refreshed; `misfit_sums` (search.py,
+    per request shape) hold while it stays the same."""
+    __slots__ = ("key", "one_group", "many_groups", "counts", "by_level", "nonempty", "key_part", "stale",
+                 "version", "misfit_sums")
 
     def __init__(self, key: tuple, counted: bool = False):
         self.key = key
@@ -345,6 +348,8 @@ class Bucket:
             [[]] + [[{} for _ in range(LEVELS)] for _ in range(CMAX)]
         self.nonempty = [0] * (CMAX + 1)   # per count: bit `level` set when by_level[c][level] has nodes
         self.key_part = 0.0     # during a decision: its placement key's part of the score
+        self.version = 0
+        self.misfit_sums: dict[tuple, Any] = {}
 
     def size(self) -> int:
         return len(self.one_group) + len(self.many_groups)
@@ -480,6 +485,7 @@ class Pool:
             self.fit.extend(NO_FIT)
         else:
             b.many_groups[nid] = e
+            b.version += 1
         if s.stale:
             self.mark_stale(e, True)
         return e
@@ -491,6 +497,8 @@ class Pool:
             return
         e.stale = stale
         b = self.buckets[e.key]
+        if e.bucket_slot < 0:
+            b.version += 1
         if stale:
             b.stale[e.summary.node_id] = e
         else:
@@ -528,6 +536,7 @@ class Pool:
             e.pool_slot = -1
         else:
             del b.many_groups[nid]
+            b.version += 1
         if e.stale:
             del b.stale[nid]
             e.stale = False
@@ -568,6 +577,7 @@ def file_node(pools: tuple[Pool, ...], s: NodeSummary) -> bool:
             e.groups = groups
             e.most_offered = max(map(len, map(_DEVICES, groups)))
             e.misfit = {}
+            pool.buckets[e.key].version += 1
         if s.not_offered:
             pool.with_devices_out[nid] = e
         else:

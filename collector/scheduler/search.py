@@ -333,37 +333,90 @@ def _filter_bucket(q: Query, walk: _Walk, b: Bucket, why: str) -> None:
                                    if not e.stale), room)
 
 
+class _MisfitSums:
+    """A bucket's fresh nodes with several groups that are misfits for one request shape, summed:
+    what they take out of the counts, their reasons counted, their (reason, node) in the order the
+    nodes are walked, and the other fresh ones (`rest`, scored each time). Valid while the bucket's
+    version is `version` (index.Bucket)."""
+    __slots__ = ("version", "one_group", "fitting", "too_few", "typefit", "reasons", "listed", "rest")
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.one_group = self.fitting = self.too_few = self.typefit = 0
+        self.reasons: dict[str, int] = {}
+        self.listed: list[tuple[str, NodeSummary]] = []
+        self.rest: list[Entry] = []
+
+
 def _score_many_group_nodes(q: Query, walk: _Walk, b: Bucket) -> None:
     """The bucket's fresh nodes with several groups, one by one: out of the one-group counts, then
     ranked, or classified as misfits. A node none of whose groups offers `count` devices (devices
     each a domain of their own, asked for several in one domain) is a misfit without a look at its
     groups; a misfit's reason, whether it fits as a type and what its rows take out of the counts
-    are kept per request shape until its groups change (Entry.misfit)."""
-    count, shape = q.count, (q.type_index, q.count, q.mem, q.same_domain)
+    are kept per request shape until its groups change (Entry.misfit), and their sums per bucket
+    while none of its several-group nodes changes (_MisfitSums): then only the others are walked."""
+    shape = (q.type_index, q.count, q.mem, q.same_domain)
+    sums = b.misfit_sums.get(shape)
+    if sums is not None and sums.version == b.version:
+        walk.one_group -= sums.one_group
+        walk.fitting -= sums.fitting
+        walk.too_few -= sums.too_few
+        walk.typefit_classified += sums.typefit
+        for reason, n in sums.reasons.items():
+            q.count_reason(reason, n)
+        for reason, s in sums.listed:
+            listed = q.listed_health if reason in HEALTH_REASONS else q.listed_fit
+            if len(listed) < q.max_listed:
+                listed.append((reason, s))
+            elif len(q.listed_health) >= q.max_listed and len(q.listed_fit) >= q.max_listed:
+                break
+        for e in sums.rest:
+            known = _misfit_or_offer(q, walk, b, e, shape)
+            if known is not None:   # (not while the version holds; as the walk below, if it did)
+                q.note_misfit(known[0], e.summary)
+                walk.typefit_classified += known[1]
+        return
+    if len(b.misfit_sums) >= MISFIT_SHAPES:
+        b.misfit_sums.clear()
+    sums = b.misfit_sums[shape] = _MisfitSums(b.version)
     for e in b.many_groups.values():
         if e.stale:
             continue
-        known = e.misfit.get(shape)
-        if known is not None:   # a misfit for this shape, its groups unchanged since
-            walk.one_group -= known[2]
-            walk.fitting -= known[3]
-            walk.too_few -= known[4]
-            q.note_misfit(known[0], e.summary)
-            walk.typefit_classified += known[1]
+        known = _misfit_or_offer(q, walk, b, e, shape)
+        if known is None:
+            sums.rest.append(e)
             continue
-        one_group, fitting, too_few = walk.one_group, walk.fitting, walk.too_few
-        walk.drop_many_groups(e)
-        score, group = best_of_groups(q, e, b.key_part) if count <= e.most_offered else (-1.0, None)
-        if group is None:
-            if len(e.misfit) >= MISFIT_SHAPES:
-                e.misfit.clear()
-            known = e.misfit[shape] = (classify(e.summary, q), bool(q.same_domain and _fits_as_type(e.summary, q)),
-                                       one_group - walk.one_group, fitting - walk.fitting, too_few - walk.too_few)
-            q.note_misfit(known[0], e.summary)
-            walk.typefit_classified += known[1]
-        else:
-            q.feasible += 1
-            q.offer(score, e.summary.node_id, group)
+        q.note_misfit(known[0], e.summary)
+        walk.typefit_classified += known[1]
+        sums.typefit += known[1]
+        sums.one_group += known[2]
+        sums.fitting += known[3]
+        sums.too_few += known[4]
+        sums.reasons[known[0]] = sums.reasons.get(known[0], 0) + 1
+        sums.listed.append((known[0], e.summary))
+
+
+def _misfit_or_offer(q: Query, walk: _Walk, b: Bucket, e: Entry, shape: tuple) -> tuple | None:
+    """A fresh node with several groups: out of the one-group counts, and offered (None) or its
+    misfit record for `shape` (Entry.misfit, worked out and kept when not known yet)."""
+    known = e.misfit.get(shape)
+    if known is not None:   # a misfit for this shape, its groups unchanged since
+        walk.one_group -= known[2]
+        walk.fitting -= known[3]
+        walk.too_few -= known[4]
+        return known
+    one_group, fitting, too_few = walk.one_group, walk.fitting, walk.too_few
+    walk.drop_many_groups(e)
+    score, group = best_of_groups(q, e, b.key_part) if q.count <= e.most_offered else (-1.0, None)
+    if group is None:
+        if len(e.misfit) >= MISFIT_SHAPES:
+            e.misfit.clear()
+        known = e.misfit[shape] = (classify(e.summary, q), bool(q.same_domain and _fits_as_type(e.summary, q)),
+                                   one_group - walk.one_group, fitting - walk.fitting, too_few - walk.too_few)
+        return known
+    q.feasible += 1
+    q.offer(score, e.summary.node_id, group)
+    return None
 
 
 def _rank_by_levels(q: Query, walk: _Walk) -> None:

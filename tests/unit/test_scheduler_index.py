@@ -325,8 +325,9 @@ def test_nodes_of_one_device_domains_misfit_as_the_full_scan_says():
         st_.hello(pb.Hello(node_id=nid, boot_id="b", inventory=inventory(kind, 8, region=rng.choice(["r1", "r2"]))))
         if kind == "a100pcie":
             feed(nid)
-    shapes = [spb.PlaceRequest(accelerator=a, memory_bytes=m * GiB, count=c, same_domain=True, limit=5, max_excluded=400)
-              for a in (spb.ACCELERATOR_ANY, spb.ACCELERATOR_GPU) for m in (1, 30) for c in (1, 2, 4, 8)]
+    shapes = [spb.PlaceRequest(accelerator=a, memory_bytes=m * GiB, count=c, same_domain=True, limit=5, max_excluded=x)
+              for a in (spb.ACCELERATOR_ANY, spb.ACCELERATOR_GPU) for m in (1, 30) for c in (1, 2, 4, 8)
+              for x in (3, 400)]
     for step in range(3):
         clock[0] += 10**9
         for nid in rng.sample(pcie, 40):   # refreshed: their misfit reasons worked out again
@@ -337,6 +338,10 @@ def test_nodes_of_one_device_domains_misfit_as_the_full_scan_says():
         check_index(sch)
     kept = [e for p in sch.view.pools[3:] for e in p.entries.values() if e.summary.node_id in pcie and e.misfit]
     assert kept and all(e.most_offered <= 1 for e in kept)
+    # ...and the misfits' sums per bucket and shape (search._MisfitSums), answered from since the last refresh
+    summed = [m for p in sch.view.pools[3:] for b in p.buckets.values() for m in b.misfit_sums.values()
+              if m.version == b.version and m.listed]
+    assert summed
 
 
 class _Node:
