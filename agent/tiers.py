@@ -41,6 +41,10 @@ Sink = Callable[[list[Sample], list[Event]], None]
 JOIN_POLL_S = 0.2   # how often the loop looks for sources that finished setting up late
 OWN_RESEND_S = 15.0   # the loop's own samples of a source (up, errors...): sent on change, else this often
 CHAIN_WAIT_MAX_S = 0.05   # the longest a round waits for the one before it (see the module's text)
+# At close, how long the rounds in progress may take to finish before their sources are closed under
+# them: a source closed mid-round can leave its worker thread waiting forever (pyroute2's get_links on
+# a closed netlink socket did), and the interpreter joins that thread at exit.
+CLOSE_WAIT_S = 5.0
 
 
 class SourceState:
@@ -114,7 +118,7 @@ class TierLoop:
         self.clock = clock
         self.missed_rounds = {t: 0 for t in TIERS}
         self.rounds = {t: 0 for t in TIERS}
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()   # notified when a round ends (close waits for them)
         self.chain_waits_cut = 0   # rounds that stopped waiting for a slow round before them
         self.joining = 0     # sources still setting up, to be add()ed; the loop looks for them often
         self._shared: dict[tuple[str, str], concurrent.futures.ThreadPoolExecutor] = {}   # (worker, tier)
@@ -204,6 +208,7 @@ class TierLoop:
         labels = {"source": st.name, "tier": tier}
         with self._lock:
             st.busy.discard(tier)
+            self._lock.notify_all()
             st.rounds += 1
             st.last_duration_s = duration
             if duration > timeout_s:
@@ -259,7 +264,9 @@ class TierLoop:
         futures = [f for t in self.tiers_in_use() for f in self.dispatch(t)]
         concurrent.futures.wait(futures, timeout=wait_s)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """No more rounds; the ones in progress get `wait_s` to finish, then every source is closed
+        (a source still in its round after that is closed under it: a hung call is ended that way)."""
         with self._lock:
             states = self.states
         for st in states:
@@ -267,6 +274,10 @@ class TierLoop:
                 st.pool.shutdown(wait=False, cancel_futures=True)
         for pool in list(self._shared.values()):
             pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            if not self._lock.wait_for(lambda: not any(st.busy for st in states), timeout=wait_s):
+                log.warning("sources still in a round after %.0f s, closed under it: %s", wait_s,
+                            ", ".join(st.name for st in states if st.busy))
         for st in states:
             try:
                 st.source.close()

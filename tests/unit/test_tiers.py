@@ -318,3 +318,54 @@ def test_sources_of_one_worker_group_share_one_thread_per_tier():
             assert len(sink.named("xpusense.agent.source.duration", source=name)) == 6
     finally:
         loop.close()
+
+
+class BreaksWhenClosedMidRound(Source):
+    """A round that never ends if its source is closed under it (pyroute2's get_links on a netlink
+    socket closed meanwhile did: the agent's exit then waited on that worker thread for good)."""
+    name = "netlink"
+    tiers = (REALTIME,)
+
+    def __init__(self):
+        self.in_round = threading.Event()
+        self.release = threading.Event()
+        self.running = False
+        self.closed_mid_round: bool | None = None
+
+    def collect(self, tier):
+        self.running = True
+        self.in_round.set()
+        self.release.wait(30)
+        self.running = False
+        return []
+
+    def close(self):
+        self.closed_mid_round = self.running
+
+
+def test_close_lets_the_rounds_in_progress_finish_before_closing_their_sources(loop_factory):
+    src = BreaksWhenClosedMidRound()
+    loop, _, _, _, stop, t = loop_factory([src], {REALTIME: 0.05, NEARLINE: 1.0, "offline": 10.0}, timeout_ratio=1.0)
+    t.start()
+    wait_until(src.in_round.is_set, timeout_s=30, what="a round started")
+    stop.set()
+    t.join(30)
+    closing = threading.Thread(target=loop.close, kwargs={"wait_s": 60.0})
+    closing.start()
+    wait_until(lambda: loop._lock._waiters, timeout_s=30, what="close() waiting for the round")   # type: ignore[attr-defined]
+    assert src.closed_mid_round is None   # not closed while its round runs
+    src.release.set()
+    closing.join(30)
+    assert not closing.is_alive() and src.closed_mid_round is False
+
+
+def test_close_gives_up_on_a_round_that_does_not_end(loop_factory, caplog):
+    src = BreaksWhenClosedMidRound()
+    loop, _, _, _, stop, t = loop_factory([src], {REALTIME: 0.05, NEARLINE: 1.0, "offline": 10.0}, timeout_ratio=1.0)
+    t.start()
+    wait_until(src.in_round.is_set, timeout_s=30, what="a round started")
+    stop.set()
+    t.join(30)
+    loop.close(wait_s=0.2)   # a bound, not a wait for something: the round is held until released
+    assert src.closed_mid_round is True and "closed under it: netlink" in caplog.text
+    src.release.set()
