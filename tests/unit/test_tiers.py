@@ -343,13 +343,19 @@ class BreaksWhenClosedMidRound(Source):
         self.closed_mid_round = self.running
 
 
-def test_close_lets_the_rounds_in_progress_finish_before_closing_their_sources(loop_factory):
+def stopped_mid_round(loop_factory) -> tuple[TierLoop, BreaksWhenClosedMidRound]:
+    """A loop stopped while its one source is in a round (held until the test releases it)."""
     src = BreaksWhenClosedMidRound()
     loop, _, _, _, stop, t = loop_factory([src], {REALTIME: 0.05, NEARLINE: 1.0, "offline": 10.0}, timeout_ratio=1.0)
     t.start()
     wait_until(src.in_round.is_set, timeout_s=30, what="a round started")
     stop.set()
     t.join(30)
+    return loop, src
+
+
+def test_close_lets_the_rounds_in_progress_finish_before_closing_their_sources(loop_factory):
+    loop, src = stopped_mid_round(loop_factory)
     closing = threading.Thread(target=loop.close, kwargs={"wait_s": 60.0})
     closing.start()
     wait_until(lambda: loop._lock._waiters, timeout_s=30, what="close() waiting for the round")   # type: ignore[attr-defined]
@@ -360,12 +366,7 @@ def test_close_lets_the_rounds_in_progress_finish_before_closing_their_sources(l
 
 
 def test_close_gives_up_on_a_round_that_does_not_end(loop_factory, caplog):
-    src = BreaksWhenClosedMidRound()
-    loop, _, _, _, stop, t = loop_factory([src], {REALTIME: 0.05, NEARLINE: 1.0, "offline": 10.0}, timeout_ratio=1.0)
-    t.start()
-    wait_until(src.in_round.is_set, timeout_s=30, what="a round started")
-    stop.set()
-    t.join(30)
+    loop, src = stopped_mid_round(loop_factory)
     loop.close(wait_s=0.2)   # a bound, not a wait for something: the round is held until released
     assert src.closed_mid_round is True and "closed under it: netlink" in caplog.text
     src.release.set()
