@@ -160,11 +160,24 @@ class SimAgent:
                                   attributes={"memory": model[3]})
             r.interconnects.add(type="NVLink")
         self.channel = grpc.insecure_channel(addr)
-        self.out: queue.Queue = queue.Queue()
         self.acks: queue.Queue = queue.Queue()
-        self.out.put(pb.AgentMessage(hello=pb.Hello(node_id=node_id, boot_id=self.boot, inventory=inv)))
-        self.calls = pb_grpc.IngestStub(self.channel).Stream(iter(self.out.get, None))
-        assert next(self.calls).HasField("welcome")
+        hello = pb.AgentMessage(hello=pb.Hello(node_id=node_id, boot_id=self.boot, inventory=inv))
+        stub = pb_grpc.IngestStub(self.channel)
+
+        def welcomed() -> bool:
+            """A stream whose Hello got its Welcome. A gateway answers UNAVAILABLE while JetStream does
+            not answer yet (a cluster just started: "no responders"); an agent then tries again."""
+            self.out: queue.Queue = queue.Queue()
+            self.out.put(hello)
+            self.calls = stub.Stream(iter(self.out.get, None))
+            try:
+                return next(self.calls).HasField("welcome")
+            except grpc.RpcError as e:
+                self.out.put(None)   # the failed stream's request iterator ends
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                return False
+        wait_until(welcomed, 60, interval_s=0.2, what=f"{node_id}: a Welcome from {addr}")
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self):
