@@ -26,8 +26,16 @@ COPY client/ client/
 COPY common/ common/
 
 # The package into its own virtualenv, then Debian's bcc module linked in (as scripts/setup.sh does).
-RUN python3 -m venv /opt/xpusense/venv \
+# The collector's C reader of batches (collector/_wire_rows.c) is compiled here, its compiler and
+# headers removed in the same layer (without them the package installs and reads batches through
+# protobuf, ~100 us a batch more).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev python3-dev \
+ && python3 -m venv /opt/xpusense/venv \
  && /opt/xpusense/venv/bin/pip install . \
+ && /opt/xpusense/venv/bin/python -c 'import xpusense.collector._wire_rows' \
+ && apt-get purge -y --auto-remove gcc libc6-dev python3-dev \
+ && rm -rf /var/lib/apt/lists/* \
  && ln -s /usr/lib/python3/dist-packages/bcc \
         "$(/opt/xpusense/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/bcc" \
  && /opt/xpusense/venv/bin/xpusense-agent --help >/dev/null \

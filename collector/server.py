@@ -320,7 +320,7 @@ class IngestServicer(pb_grpc.IngestServicer):
                         pending.put_nowait(Violation(grpc.StatusCode.PERMISSION_DENIED,
                                                     f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}"))
                         return
-                    b_rows = rows(b)   # read once, for the limits and the state
+                    b_rows = rows(b, wire)   # read once, for the limits and the state
                     if self.limits is not None and (why := self.limits.check(node_id, b, self.state,
                                                                              list(map(_FIRST, b_rows)))):
                         pending.put_nowait(Violation(why.code, why.message))

@@ -41,16 +41,27 @@ from .diagnoses import Diagnoses
 from .history import POINT_BYTES, points_of
 from .series import Series
 
+try:   # built with the package where a C compiler was at hand (pyproject.toml ext-modules)
+    from . import _wire_rows
+except ImportError:
+    _wire_rows = None  # type: ignore[assignment]
+
 log = logging.getLogger("xpusense.collector")
 HISTOGRAM = pb.HISTOGRAM
 # A sample's (series_ref, time_unix_nano, value): read once a batch (`rows`), by the limits and here.
 _ROW = operator.attrgetter("series_ref", "time_unix_nano", "value")
 
 
-def rows(batch: pb.Batch) -> list[tuple[int, int, float]]:
+def rows(batch: pb.Batch, wire: bytes | None = None) -> list[tuple[int, int, float]]:
     """(series_ref, time, value) of each of the batch's samples, in order. Reading a protobuf
     message from Python is the costly part of ingest (a wrapper object per sample, a lookup per
-    field): the server reads them once, for Limits.check and FleetState.apply both."""
+    field): the server reads them once, for Limits.check and FleetState.apply both. Given `wire`,
+    the batch's bytes as received (wire.batch_wire), the C reader reads them there (~10x faster),
+    where it was built and reads those bytes (else protobuf's objects are read)."""
+    if wire is not None and _wire_rows is not None:
+        got = _wire_rows.rows(wire)
+        if got is not None:
+            return got
     return list(map(_ROW, batch.samples))
 
 MAX_BOOTS_REMEMBERED = 8

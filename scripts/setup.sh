@@ -42,8 +42,10 @@ if [ ! -x .venv/bin/python ]; then
     "$py" -m venv .venv
 fi
 stamp=.venv/.xpusense-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+# Installed again when pyproject.toml or the C reader changes, or the reader was not built here (a
+# fresh checkout beside an existing .venv: the editable install builds it into collector/).
+want=$(cat pyproject.toml collector/_wire_rows.c | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c 'import xpusense.collector._wire_rows' 2>/dev/null; then
     log "installing xpusense and its test tools into .venv"
     .venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
     echo "$want" > "$stamp"
@@ -55,4 +57,6 @@ if [ -d /usr/lib/python3/dist-packages/bcc ]; then
     sp=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     ln -sfn /usr/lib/python3/dist-packages/bcc "$sp/bcc"
 fi
+.venv/bin/python -c 'import xpusense.collector._wire_rows' 2>/dev/null \
+    || log "warning: the collector's C reader of batches (collector/_wire_rows.c) was not built (no C compiler?): ingest reads them through protobuf, slower"
 log "ready: $(.venv/bin/python --version), xpusense $(.venv/bin/python -c 'import xpusense; print(xpusense.__version__)')"
