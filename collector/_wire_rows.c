@@ -79,16 +79,49 @@ static int read_tag(const uint8_t **p, const uint8_t *end, uint64_t *field, unsi
     return 0;
 }
 
-/* The int of the time last read: the samples of a batch mostly share one time (a round of a tier),
- * so they share its int object. */
+/* The samples read from a Batch, in C arrays (grown as needed). */
 typedef struct {
-    int64_t t;
-    PyObject *obj;   /* a new reference, or NULL */
-} last_time;
+    Py_ssize_t n, cap;
+    uint32_t *ref;
+    int64_t *t;
+    double *v;
+} samples;
 
-/* One sample's row appended to `out`: 0, -1 for bytes not read (no Python error set), -2 for a
- * Python error (memory). */
-static int read_sample(const uint8_t *p, const uint8_t *end, PyObject *out, last_time *last)
+static void samples_free(samples *s)
+{
+    PyMem_Free(s->ref);
+    PyMem_Free(s->t);
+    PyMem_Free(s->v);
+}
+
+static int samples_add(samples *s, uint32_t ref, int64_t t, double v)
+{
+    if (s->n == s->cap) {
+        Py_ssize_t cap = s->cap ? 2 * s->cap : 256;
+        uint32_t *r2 = PyMem_Realloc(s->ref, cap * sizeof *r2);
+        if (r2 != NULL)
+            s->ref = r2;
+        int64_t *t2 = r2 ? PyMem_Realloc(s->t, cap * sizeof *t2) : NULL;
+        if (t2 != NULL)
+            s->t = t2;
+        double *v2 = t2 ? PyMem_Realloc(s->v, cap * sizeof *v2) : NULL;
+        if (v2 == NULL) {
+            PyErr_NoMemory();
+            return -2;
+        }
+        s->v = v2;
+        s->cap = cap;
+    }
+    s->ref[s->n] = ref;
+    s->t[s->n] = t;
+    s->v[s->n] = v;
+    s->n++;
+    return 0;
+}
+
+/* One sample's fields into `out`: 0, -1 for bytes not read (no Python error set), -2 for a Python
+ * error (memory). */
+static int read_sample(const uint8_t *p, const uint8_t *end, samples *out)
 {
     uint32_t ref = 0;
     int64_t t = 0;
@@ -118,82 +151,126 @@ static int read_sample(const uint8_t *p, const uint8_t *end, PyObject *out, last
             return -1;
         }
     }
-    PyObject *row = PyTuple_New(3);
-    if (row == NULL)
+    return samples_add(out, ref, t, v);
+}
+
+/* The Batch's samples from the bytes in `arg` into `out`: 0, -1 for bytes not read here, -2 for a
+ * Python error. */
+static int read_batch(PyObject *arg, samples *out)
+{
+    Py_buffer buf;
+    if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0)
         return -2;
-    if (last->obj == NULL || last->t != t) {
-        Py_XDECREF(last->obj);
-        last->obj = PyLong_FromLongLong(t);
-        last->t = t;
-        if (last->obj == NULL) {
-            Py_DECREF(row);
-            return -2;
+    const uint8_t *p = buf.buf, *end = p + buf.len;
+    int r = 0;
+    while (p < end && r == 0) {
+        uint64_t field, n;
+        unsigned wt;
+        if (read_tag(&p, end, &field, &wt) < 0) {
+            r = -1;
+        } else if (field == BATCH_SAMPLES && wt == WT_LEN) {
+            if (read_varint(&p, end, &n) < 0 || n > (uint64_t)(end - p))
+                r = -1;
+            else
+                r = read_sample(p, p + n, out);
+            p += r == 0 ? n : 0;
+        } else if (skip(&p, end, wt) < 0) {
+            r = -1;
         }
     }
-    Py_INCREF(last->obj);
-    PyObject *items[3] = {PyLong_FromUnsignedLong(ref), last->obj, PyFloat_FromDouble(v)};
-    for (int i = 0; i < 3; i++) {
-        if (items[i] == NULL) {
-            for (int j = 0; j < 3; j++)
-                Py_XDECREF(items[j]);
-            Py_DECREF(row);
-            return -2;
-        }
+    PyBuffer_Release(&buf);
+    return r;
+}
+
+/* (ref, time, value) of sample i; `time` is the int of that time (the samples of a batch mostly
+ * share one time, a round of a tier, and so share its int). */
+static PyObject *row(const samples *s, Py_ssize_t i, PyObject *time)
+{
+    PyObject *ref = PyLong_FromUnsignedLong(s->ref[i]);
+    PyObject *value = PyFloat_FromDouble(s->v[i]);
+    PyObject *r = (ref && value) ? PyTuple_New(3) : NULL;
+    if (r == NULL) {
+        Py_XDECREF(ref);
+        Py_XDECREF(value);
+        return NULL;
     }
-    for (int i = 0; i < 3; i++)
-        PyTuple_SET_ITEM(row, i, items[i]);
-    int r = PyList_Append(out, row);
-    Py_DECREF(row);
-    return r < 0 ? -2 : 0;
+    Py_INCREF(time);
+    PyTuple_SET_ITEM(r, 0, ref);
+    PyTuple_SET_ITEM(r, 1, time);
+    PyTuple_SET_ITEM(r, 2, value);
+    return r;
 }
 
 static PyObject *rows(PyObject *self, PyObject *arg)
 {
-    Py_buffer buf;
-    if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0)
-        return NULL;
-    const uint8_t *p = buf.buf, *end = p + buf.len;
-    last_time last = {0, NULL};
-    PyObject *out = PyList_New(0);
-    if (out == NULL)
-        goto fail;
-    while (p < end) {
-        uint64_t field, n;
-        unsigned wt;
-        if (read_tag(&p, end, &field, &wt) < 0)
-            goto give_up;
-        if (field == BATCH_SAMPLES && wt == WT_LEN) {
-            if (read_varint(&p, end, &n) < 0 || n > (uint64_t)(end - p))
-                goto give_up;
-            int r = read_sample(p, p + n, out, &last);
-            if (r == -1)
-                goto give_up;
-            if (r < 0)
-                goto fail;
-            p += n;
-        } else if (skip(&p, end, wt) < 0) {
-            goto give_up;
+    samples s = {0};
+    int r = read_batch(arg, &s);
+    PyObject *out = r == 0 ? PyList_New(s.n) : NULL, *time = NULL;
+    for (Py_ssize_t i = 0; out != NULL && i < s.n; i++) {
+        if (time == NULL || s.t[i] != s.t[i - 1]) {
+            Py_XDECREF(time);
+            time = PyLong_FromLongLong(s.t[i]);
         }
+        PyObject *item = time ? row(&s, i, time) : NULL;
+        if (item == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, item);
     }
-    Py_XDECREF(last.obj);
-    PyBuffer_Release(&buf);
+    Py_XDECREF(time);
+    samples_free(&s);
+    if (r == -1)
+        Py_RETURN_NONE;
+    return out;   /* NULL with the error set where r == -2 or a row was not made */
+}
+
+static PyObject *columns(PyObject *self, PyObject *arg)
+{
+    samples s = {0};
+    int r = read_batch(arg, &s);
+    if (r != 0) {
+        samples_free(&s);
+        if (r == -1)
+            Py_RETURN_NONE;
+        return NULL;
+    }
+    int one_time = 1, ascending = 1;
+    for (Py_ssize_t i = 1; i < s.n; i++) {
+        one_time &= s.t[i] == s.t[0];
+        ascending &= s.ref[i] > s.ref[i - 1];
+    }
+    PyObject *refs = PyTuple_New(s.n);
+    for (Py_ssize_t i = 0; refs != NULL && i < s.n; i++) {
+        PyObject *ref = PyLong_FromUnsignedLong(s.ref[i]);
+        if (ref == NULL)
+            Py_CLEAR(refs);
+        else
+            PyTuple_SET_ITEM(refs, i, ref);
+    }
+    PyObject *time = NULL;
+    if (one_time && s.n) {
+        time = PyLong_FromLongLong(s.t[0]);
+    } else {
+        time = Py_None;
+        Py_INCREF(time);
+    }
+    PyObject *values = PyBytes_FromStringAndSize((const char *)s.v, s.n * (Py_ssize_t)sizeof(double));
+    PyObject *out = (refs && time && values) ? PyTuple_Pack(4, refs, time, values, ascending ? Py_True : Py_False) : NULL;
+    Py_XDECREF(refs);
+    Py_XDECREF(time);
+    Py_XDECREF(values);
+    samples_free(&s);
     return out;
-give_up:
-    Py_XDECREF(last.obj);
-    Py_DECREF(out);
-    PyBuffer_Release(&buf);
-    Py_RETURN_NONE;
-fail:
-    Py_XDECREF(last.obj);
-    Py_XDECREF(out);
-    PyBuffer_Release(&buf);
-    return NULL;
 }
 
 static PyMethodDef methods[] = {
     {"rows", rows, METH_O,
      "rows(batch_wire) -> [(series_ref, time_unix_nano, value), ...] of the Batch encoded in "
      "batch_wire, in order; None where the bytes are not read here (read them with protobuf)."},
+    {"columns", columns, METH_O,
+     "columns(batch_wire) -> (refs, time, values, ascending): the samples' series_refs (a tuple), "
+     "their one time (None when they have several, or there are none), their values as the bytes of "
+     "an array('d'), and whether the refs rise strictly; None where rows() gives None."},
     {NULL, NULL, 0, NULL},
 };
 

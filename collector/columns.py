@@ -80,7 +80,6 @@ def store(state: Any, n: Any, boot: str, by_time: dict[int, list]) -> set[int] |
     `by_time`); the times of the groups left to the general path, or None when there are none."""
     frames = n.frames
     slow = None
-    grown = 0
     for t, g in by_time.items():
         g = by_time[t] = sorted(g)
         f = frames.get((boot, *map(_REF, g)))
@@ -90,18 +89,35 @@ def store(state: Any, n: Any, boot: str, by_time: dict[int, list]) -> set[int] |
             else:
                 slow.add(t)
             continue
-        f.t.append(t)
         f.v.fromlist([r[2] for r in g])
-        f.last_t = t
-        grown += f.k
-        state.frame_rows += 1
-        if len(f.t) == STEADY_ROWS:
-            n.frames_dissolves = 0
-        state.frame_points += f.k
-        if t > f.due_t or len(f.t) > f.due_n:
-            grown -= prune(state, f)
-    state.history_slots += grown
+        _row_added(state, n, f, t)
     return slow
+
+
+def store_row(state: Any, n: Any, key: tuple, t: int, values: bytes) -> bool:
+    """A batch of one group, its refs rising (batch_rows.BatchRows read as columns): its row on its
+    frame, `key` (boot, *refs), with `values` the bytes of its array('d'). False when that frame
+    does not take it (none, or a row not newer than its last): the general path stores it."""
+    f = n.frames.get(key)
+    if f is None or t <= f.last_t:
+        return False
+    f.v.frombytes(values)
+    _row_added(state, n, f, t)
+    return True
+
+
+def _row_added(state: Any, n: Any, f: Frame, t: int) -> None:
+    """The row at `t` whose values were just put on f.v: its time, the counts, a prune when due."""
+    f.t.append(t)
+    f.last_t = t
+    grown = f.k
+    state.frame_rows += 1
+    if len(f.t) == STEADY_ROWS:
+        n.frames_dissolves = 0
+    state.frame_points += f.k
+    if t > f.due_t or len(f.t) > f.due_n:
+        grown -= prune(state, f)
+    state.history_slots += grown
 
 
 def form(state: Any, n: Any, boot: str, by_time: dict[int, list], times: set[int]) -> None:

@@ -44,7 +44,7 @@ import dataclasses
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -159,10 +159,10 @@ class Limits:
         return cls(**{k: getattr(limits_cfg, k) for k in DEFAULTS}, **kw)
 
     # -- the check
-    def check(self, node_id: str, batch: pb.Batch, state=None, refs: list[int] | None = None) -> Violation | None:
+    def check(self, node_id: str, batch: pb.Batch, state=None, refs: Sequence[int] | None = None) -> Violation | None:
         """None, or why the batch is refused. With `state` (the FleetState) also the bounds on
         sequence numbers and on series per node. `refs`: the samples' series_ref, in order, when
-        the caller has read them already (state.rows)."""
+        the caller has read them already (batch_rows.BatchRows)."""
         v = self._check(node_id, batch, state, refs)
         if v is not None:
             self.count(v)
@@ -193,7 +193,7 @@ class Limits:
         return Violation(grpc.StatusCode.INVALID_ARGUMENT,
                          f"batch rejected: {what}, more than the collector's limits.{key} = {limit}", key)
 
-    def _check(self, node_id: str, batch: pb.Batch, state, refs: list[int] | None = None) -> Violation | None:
+    def _check(self, node_id: str, batch: pb.Batch, state, refs: Sequence[int] | None = None) -> Violation | None:
         n = len(batch.samples)
         if n > self.max_samples_per_batch:
             return self._bad(f"{n} samples", "max_samples_per_batch", self.max_samples_per_batch)
@@ -219,7 +219,7 @@ class Limits:
                          f"resend later (the bound grows with time)", "max_seq_jump")
 
     def _check_samples(self, node_id: str, batch: pb.Batch, state=None,
-                       refs: list[int] | None = None) -> Violation | None:
+                       refs: Sequence[int] | None = None) -> Violation | None:
         """Each series of this boot is checked once (by its series_ref); a new one counts against
         max_series_per_boot. With the state: the series the batch would add to its node (by name
         and labels, references or not) count against max_series_per_node."""

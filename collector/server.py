@@ -19,7 +19,6 @@ import functools
 import gc
 import ipaddress
 import logging
-import operator
 import os
 import re
 import socket
@@ -33,17 +32,17 @@ from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from . import gc_policy
+from .batch_rows import BatchRows
 from .limits import DEFAULTS as LIMITS
 from .limits import MalformedRequest, Violation, read_hello, short_boot
 from .scheduler.service import SCHEDULER_SERVICE
 from .scheduler.service import add_to_server as add_scheduler
-from .state import FleetState, rows
+from .state import FleetState
 from .store import StoreError
 from .wire import INGEST_SERVICE, add_ingest, batch_wire
 
 log = logging.getLogger("xpusense.collector")
 
-_FIRST = operator.itemgetter(0)
 QUERY_SERVICE = pb.DESCRIPTOR.services_by_name["Query"].full_name
 
 
@@ -320,9 +319,8 @@ class IngestServicer(pb_grpc.IngestServicer):
                         pending.put_nowait(Violation(grpc.StatusCode.PERMISSION_DENIED,
                                                     f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}"))
                         return
-                    b_rows = rows(b, wire)   # read once, for the limits and the state
-                    if self.limits is not None and (why := self.limits.check(node_id, b, self.state,
-                                                                             list(map(_FIRST, b_rows)))):
+                    b_rows = BatchRows(b, wire)   # read once, for the limits and the state
+                    if self.limits is not None and (why := self.limits.check(node_id, b, self.state, b_rows.refs)):
                         pending.put_nowait(Violation(why.code, why.message))
                         return
                     if self.store is not None:   # a slow or failing disk: this stream waits, unread

@@ -31,39 +31,18 @@ import collections
 import hashlib
 import itertools
 import logging
-import operator
 import time
 
 from xpusense.v1 import telemetry_pb2 as pb
 
 from . import columns
+from .batch_rows import BatchRows
 from .diagnoses import Diagnoses
 from .history import POINT_BYTES, points_of
 from .series import Series
 
-try:   # built with the package where a C compiler was at hand (pyproject.toml ext-modules)
-    from . import _wire_rows
-except ImportError:
-    _wire_rows = None  # type: ignore[assignment]
-
 log = logging.getLogger("xpusense.collector")
 HISTOGRAM = pb.HISTOGRAM
-# A sample's (series_ref, time_unix_nano, value): read once a batch (`rows`), by the limits and here.
-_ROW = operator.attrgetter("series_ref", "time_unix_nano", "value")
-
-
-def rows(batch: pb.Batch, wire: bytes | None = None) -> list[tuple[int, int, float]]:
-    """(series_ref, time, value) of each of the batch's samples, in order. Reading a protobuf
-    message from Python is the costly part of ingest (a wrapper object per sample, a lookup per
-    field): the server reads them once, for Limits.check and FleetState.apply both. Given `wire`,
-    the batch's bytes as received (wire.batch_wire), the C reader reads them there (~10x faster),
-    where it was built and reads those bytes (else protobuf's objects are read)."""
-    if wire is not None and _wire_rows is not None:
-        got = _wire_rows.rows(wire)
-        if got is not None:
-            return got
-    return list(map(_ROW, batch.samples))
-
 MAX_BOOTS_REMEMBERED = 8
 # Series references kept per boot where no max_series_per_node bounds a node's series (else twice it).
 MAX_REFS_PER_BOOT = 65536
@@ -366,23 +345,26 @@ class FleetState:
             self.series_total += 1
         return ser
 
-    def apply(self, batch: pb.Batch, batch_rows: list[tuple[int, int, float]] | None = None) -> None:
-        """The batch's samples and events into the fleet state (after accept); `batch_rows` is
-        rows(batch) when the caller has it already."""
+    def apply(self, batch: pb.Batch, read: BatchRows | None = None) -> None:
+        """The batch's samples and events into the fleet state (after accept); `read` is
+        BatchRows(batch) when the caller has it already."""
         n = self._node(batch.node_id)
         n.batches_stored += 1
         if batch.boot_id != n.boot_id and batch.boot_id in n.live:   # a boot that streams and is stored now
             n.boot_id = batch.boot_id
-        if batch_rows is None:
-            batch_rows = rows(batch)
-        if self.columns and batch_rows and batch_rows[0][0]:   # with series refs: groups to frames
-            by_time = columns.groups(batch_rows)
-            slow = columns.store(self, n, batch.boot_id, by_time)
-            if slow is not None:
-                self._apply_rows(n, batch, batch_rows, slow)
-                columns.form(self, n, batch.boot_id, by_time, slow)
+        if read is None:
+            read = BatchRows(batch)
+        if self.columns and read.refs and read.refs[0]:   # with series refs: groups to frames
+            if not (read.rising and read.time is not None
+                    and columns.store_row(self, n, (batch.boot_id, *read.refs), read.time, read.values)):
+                batch_rows = read.rows()
+                by_time = columns.groups(batch_rows)
+                slow = columns.store(self, n, batch.boot_id, by_time)
+                if slow is not None:
+                    self._apply_rows(n, batch, batch_rows, slow)
+                    columns.form(self, n, batch.boot_id, by_time, slow)
         else:
-            self._apply_rows(n, batch, batch_rows, None)
+            self._apply_rows(n, batch, read.rows(), None)
         if self.max_memory and self.memory_bytes() > self.max_memory:
             self._over_budget()
         for e in batch.events:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from test_store_snapshot import picture
 
 from xpusense.collector import columns
+from xpusense.collector.batch_rows import BatchRows
 from xpusense.collector.columns import held
 from xpusense.collector.state import FleetState
 from xpusense.collector.store import image
@@ -45,6 +46,16 @@ def make_batch(node: str, boot: str, seq: int, groups: list[tuple[int, list[int]
                 s.histogram.bounds.append(1.0)
                 s.histogram.counts.extend([1, 1])
     return b
+
+
+def ingest(state: FleetState, batch: pb.Batch, now_ns: int) -> bool:
+    """state.ingest, as the server does it: with columns, the samples read from the batch's bytes
+    (batch_rows.BatchRows: as columns where the C reader can, so a batch of one group with its refs
+    rising takes columns.store_row); without, from its protobuf objects."""
+    if state.accept(batch, now_ns) is None:
+        return False
+    state.apply(batch, BatchRows(batch, batch.SerializeToString() if state.columns else None))
+    return True
 
 
 values = st.floats(allow_nan=False, allow_infinity=False, width=32)
@@ -84,7 +95,7 @@ def run(script, with_columns: bool, history_s: float, snap_at: int):
         clock.now += step
         seqs[(node, boot)] = seqs.get((node, boot), 0) + 1
         state.hello(pb.Hello(node_id=node, boot_id=boot))
-        assert state.ingest(make_batch(node, boot, seqs[(node, boot)], groups), now_ns=clock.now)
+        assert ingest(state, make_batch(node, boot, seqs[(node, boot)], groups), clock.now)
         state.disconnected(node, boot)
         if k == snap_at:
             base_entries = [image.capture(n, None, base_parts, None, base) for n in state.nodes.values()]
@@ -133,7 +144,7 @@ def go_on(state: FleetState, script, shift: int) -> None:
         n = state.nodes.get(node)
         seq = (n.stored_up_to.get(boot, 0) if n is not None else 0) + 1
         state.hello(pb.Hello(node_id=node, boot_id=boot))
-        assert state.ingest(make_batch(node, boot, seq, [(t + shift, m, v) for t, m, v in groups]), now_ns=state.clock.now)
+        assert ingest(state, make_batch(node, boot, seq, [(t + shift, m, v) for t, m, v in groups]), state.clock.now)
         state.disconnected(node, boot)
 
 
@@ -192,6 +203,41 @@ def test_a_steady_group_is_held_in_one_frame_and_its_prefix_goes_with_the_window
     assert list(held(u)[0]) == [T0 + s * S for s in range(15, 21)]
     assert state.history_slots == sum(len(held(s)[0]) for s in n.series.values())
     assert n.series[("h", (("device", "0"),))].frame is None   # a histogram: on its own
+
+
+def test_a_round_read_as_columns_goes_onto_its_frame_in_one_step(monkeypatch):
+    """A batch of one time with its refs rising, read from its bytes as columns, is a row on its
+    frame without rows of (ref, time, value) ever made; one whose refs do not rise, or that its
+    frame does not take, goes the general way with the same result."""
+    clock = Clock()
+    state = FleetState(history_s=900.0, clock=clock)
+    state.hello(pb.Hello(node_id="A", boot_id="b1"))
+
+    def send(seq, members, t):
+        clock.now += S
+        b = make_batch("A", "b1", seq, [(t, members, [float(seq + m) for m in members])])
+        read = BatchRows(b, b.SerializeToString())
+        assert ingest(state, b, clock.now)
+        return read
+
+    for seq in range(1, 4):
+        send(seq, [0, 1, 2, 4], T0 + seq * S)
+    [f] = state.nodes["A"].frames.values()
+    general = columns.store
+
+    def not_here(*a, **kw):
+        raise AssertionError("the general path was taken")
+    monkeypatch.setattr(columns, "store", not_here)
+    read = send(4, [0, 1, 2, 4], T0 + 4 * S)
+    assert read.rising and read.time == T0 + 4 * S and read._rows is None   # no rows were made
+    assert list(f.t)[-1] == T0 + 4 * S and list(f.v)[-4:] == [4.0, 5.0, 6.0, 8.0]
+    monkeypatch.setattr(columns, "store", general)
+    read = send(5, [4, 2, 1, 0], T0 + 5 * S)   # the same series, in another order: the general path
+    assert not read.rising and list(f.v)[-4:] == [5.0, 6.0, 7.0, 9.0]
+    send(6, [0, 1, 2, 4], T0 + 5 * S)          # a time its frame has: not a row of the frame
+    u = state.nodes["A"].series[("u", (("device", "0"),))]
+    assert u.frame is None and list(held(u)[0])[-2:] == [T0 + 5 * S, T0 + 5 * S]
+    counted(state)
 
 
 def test_a_changed_group_dissolves_its_frame_and_forms_none_for_a_while():

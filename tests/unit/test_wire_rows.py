@@ -1,13 +1,15 @@
 """The C reader of a batch's samples (collector/_wire_rows.c) reads the bytes as protobuf does, or
-gives them back to protobuf (None): checked against protobuf's own reading of the same bytes."""
+gives them back to protobuf (None): checked against protobuf's own reading of the same bytes, as
+rows and as columns (collector/batch_rows.py)."""
 
 import math
 import struct
+from array import array
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xpusense.collector import _wire_rows, state
+from xpusense.collector import _wire_rows, batch_rows
 from xpusense.v1 import telemetry_pb2 as pb
 
 
@@ -17,7 +19,17 @@ def _key(rows):
 
 
 def _as_protobuf_reads(raw: bytes):
-    return state.rows(pb.Batch.FromString(raw))
+    return batch_rows.rows(pb.Batch.FromString(raw))
+
+
+def _columns_agree(raw: bytes, expected) -> None:
+    """columns(raw) says what the rows say: refs, their one time, values, whether refs rise."""
+    refs, time, values, rising = _wire_rows.columns(raw)
+    assert refs == tuple(r[0] for r in expected)
+    times = {r[1] for r in expected}
+    assert time == (times.pop() if len(times) == 1 else None)
+    assert values == array("d", [r[2] for r in expected]).tobytes()
+    assert rising == all(a[0] < b[0] for a, b in zip(expected, expected[1:]))
 
 
 def _varint(n: int) -> bytes:
@@ -65,8 +77,13 @@ def test_a_batch_is_read_as_protobuf_reads_it(samples, events, seq):
     raw = b.SerializeToString()
     got = _wire_rows.rows(raw)
     assert got is not None
-    assert _key(got) == _key(state.rows(b)) == _key(_as_protobuf_reads(raw))
-    assert _key(state.rows(b, raw)) == _key(got)
+    assert _key(got) == _key(batch_rows.rows(b)) == _key(_as_protobuf_reads(raw))
+    assert _key(batch_rows.rows(b, raw)) == _key(got)
+    _columns_agree(raw, got)
+    read = batch_rows.BatchRows(b, raw)
+    assert list(read.refs) == [r[0] for r in got] and _key(read.rows()) == _key(got)
+    slow = batch_rows.BatchRows(b)   # no bytes: protobuf's objects, rows only
+    assert slow.time is None and not slow.rising and list(slow.refs) == list(read.refs)
 
 
 def test_what_protobuf_reads_its_own_way_is_read_the_same():
@@ -97,6 +114,7 @@ def test_what_protobuf_reads_its_own_way_is_read_the_same():
         got = _wire_rows.rows(raw)
         assert got is not None, what
         assert _key(got) == _key(_as_protobuf_reads(raw)), what
+        _columns_agree(raw, got)
 
 
 def test_bytes_it_does_not_read_are_left_to_protobuf():
@@ -112,9 +130,10 @@ def test_bytes_it_does_not_read_are_left_to_protobuf():
         "wire type 7": _sample_wire(_varint(9 << 3 | 7)),
     }
     for what, raw in cases.items():
-        assert _wire_rows.rows(raw) is None, what
-    b = pb.Batch.FromString(cases["a group in a sample"])   # read the slow way, as protobuf reads it
-    assert state.rows(b, cases["a group in a sample"]) == [(0, 0, 0.0)]
+        assert _wire_rows.rows(raw) is None and _wire_rows.columns(raw) is None, what
+    raw = cases["a group in a sample"]
+    b = pb.Batch.FromString(raw)   # read the slow way, as protobuf reads it
+    assert batch_rows.rows(b, raw) == batch_rows.BatchRows(b, raw).rows() == [(0, 0, 0.0)]
 
 
 @settings(max_examples=500, deadline=None)
@@ -126,14 +145,18 @@ def test_any_bytes_are_read_as_protobuf_reads_them_or_given_back(raw):
     except Exception:   # not a Batch: never handed to the reader by the server; it must not crash
         return
     assert got is None or _key(got) == _key(expected)
+    if got is not None:
+        _columns_agree(raw, got)
 
 
 def test_it_takes_any_bytes_like_object_and_refuses_others():
     raw = _sample_wire(_field(8, 0, _varint(5)), _field(5, 1, struct.pack("<d", math.pi)))
     assert _wire_rows.rows(memoryview(raw)) == _wire_rows.rows(bytearray(raw)) == [(5, 0, math.pi)]
-    try:
-        _wire_rows.rows("not bytes")
-    except TypeError:
-        pass
-    else:
-        raise AssertionError("a str was read as bytes")
+    assert _wire_rows.columns(memoryview(raw))[0] == (5,)
+    for read in (_wire_rows.rows, _wire_rows.columns):
+        try:
+            read("not bytes")
+        except TypeError:
+            pass
+        else:
+            raise AssertionError("a str was read as bytes")
