@@ -239,11 +239,12 @@ class FleetState:
                 out.append(("m", nid, boot, seq))
         return out
 
-    def ingest(self, batch: pb.Batch, now_ns: int | None = None) -> bool:
-        """Store a batch; False when it was already stored (a resend), True when stored now."""
+    def ingest(self, batch: pb.Batch, now_ns: int | None = None, wire: bytes | None = None) -> bool:
+        """Store a batch (`wire`: the bytes it was parsed from, where the caller has them); False
+        when it was already stored (a resend), True when stored now."""
         if self.accept(batch, now_ns) is None:
             return False
-        self.apply(batch)
+        self.apply(batch, BatchRows(batch, wire))
         return True
 
     def accept(self, batch: pb.Batch, now_ns: int | None = None) -> int | None:

@@ -138,7 +138,7 @@ class Replay:
             b = pb.Batch.FromString(rec[1])
             if not b.node_id or not b.boot_id or b.seq <= 0:
                 raise ValueError(f"batch without node, boot or seq ({b.node_id!r}, {b.boot_id!r}, {b.seq})")
-            if st.ingest(b, now_ns=b.sent_unix_nano or None):
+            if st.ingest(b, now_ns=b.sent_unix_nano or None, wire=rec[1]):
                 fig["batches"] += 1
             else:
                 fig["duplicates"] += 1

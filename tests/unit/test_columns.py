@@ -52,10 +52,7 @@ def ingest(state: FleetState, batch: pb.Batch, now_ns: int) -> bool:
     """state.ingest, as the server does it: with columns, the samples read from the batch's bytes
     (batch_rows.BatchRows: as columns where the C reader can, so a batch of one group with its refs
     rising takes columns.store_row); without, from its protobuf objects."""
-    if state.accept(batch, now_ns) is None:
-        return False
-    state.apply(batch, BatchRows(batch, batch.SerializeToString() if state.columns else None))
-    return True
+    return state.ingest(batch, now_ns, batch.SerializeToString() if state.columns else None)
 
 
 values = st.floats(allow_nan=False, allow_infinity=False, width=32)
