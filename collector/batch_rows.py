@@ -35,6 +35,13 @@ def rows(batch: Any, wire: bytes | None = None) -> list[tuple[int, int, float]]:
     return list(map(_ROW, batch.samples))
 
 
+def refs_of(batch: Any, wire: bytes | None = None) -> tuple[int, ...] | list[int]:
+    """The samples' series_ref, in order (what Limits.check reads of every batch): from `wire` by
+    the C reader where it can, else from `batch`'s objects."""
+    got = _wire_rows.columns(wire) if wire is not None and _wire_rows is not None else None
+    return got[0] if got is not None else [s.series_ref for s in batch.samples]
+
+
 class BatchRows:
     """A batch's samples: `refs` (their series_ref, in order) always; `time`, `values` and `rising`
     when the C reader read them as columns (their one time, else None; their values as the bytes

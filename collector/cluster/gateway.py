@@ -31,6 +31,7 @@ import nats.js.errors
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
+from ..batch_rows import refs_of
 from ..limits import MalformedRequest, Violation, read_hello
 from ..wire import batch_payload
 from .marks import Marks
@@ -281,7 +282,7 @@ class ClusterIngestServicer(pb_grpc.IngestServicer):
                         pending.put_nowait(Violation(grpc.StatusCode.PERMISSION_DENIED,
                                                 f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}"))
                         return
-                    if self.limits is not None and (why := self.limits.check(node_id, b)):
+                    if self.limits is not None and (why := self.limits.check(node_id, b, refs=refs_of(b, payload))):
                         pending.put_nowait(Violation(why.code, why.message))
                         return
                     high = seen.get(b.boot_id)

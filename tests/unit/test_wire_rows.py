@@ -84,6 +84,7 @@ def test_a_batch_is_read_as_protobuf_reads_it(samples, events, seq):
     assert list(read.refs) == [r[0] for r in got] and _key(read.rows()) == _key(got)
     slow = batch_rows.BatchRows(b)   # no bytes: protobuf's objects, rows only
     assert slow.time is None and not slow.rising and list(slow.refs) == list(read.refs)
+    assert list(batch_rows.refs_of(b, raw)) == list(batch_rows.refs_of(b)) == list(read.refs)
 
 
 def test_what_protobuf_reads_its_own_way_is_read_the_same():
