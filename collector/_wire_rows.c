@@ -1,6 +1,7 @@
 /* The (series_ref, time_unix_nano, value) of each sample of a Batch, read from the Batch's wire
- * bytes: what collector/state.py's `rows` reads through protobuf's Python objects (a wrapper
- * object per sample, a lookup per field), in one pass over the bytes the agent sent.
+ * bytes, as rows (`rows`) or as columns (`columns`): what collector/batch_rows.py otherwise reads
+ * through protobuf's Python objects (a wrapper object per sample, a lookup per field), in one pass
+ * over the bytes the agent sent.
  *
  * The bytes have been parsed by protobuf already (the stream's request deserializer), so they are
  * a valid Batch; this reader still checks every bound, and gives up (returns None: the caller reads

@@ -35,10 +35,15 @@ def rows(batch: Any, wire: bytes | None = None) -> list[tuple[int, int, float]]:
     return list(map(_ROW, batch.samples))
 
 
+def _columns(wire: bytes | None) -> tuple[tuple[int, ...], int | None, bytes, bool] | None:
+    """The C reader's columns of `wire` (refs, time, values, rising), or None where it cannot."""
+    return _wire_rows.columns(wire) if wire is not None and _wire_rows is not None else None
+
+
 def refs_of(batch: Any, wire: bytes | None = None) -> tuple[int, ...] | list[int]:
     """The samples' series_ref, in order (what Limits.check reads of every batch): from `wire` by
     the C reader where it can, else from `batch`'s objects."""
-    got = _wire_rows.columns(wire) if wire is not None and _wire_rows is not None else None
+    got = _columns(wire)
     return got[0] if got is not None else [s.series_ref for s in batch.samples]
 
 
@@ -51,7 +56,7 @@ class BatchRows:
 
     def __init__(self, batch: Any, wire: bytes | None = None):
         self._batch, self._wire = batch, wire
-        got = _wire_rows.columns(wire) if wire is not None and _wire_rows is not None else None
+        got = _columns(wire)
         if got is None:
             self._rows: list[tuple[int, int, float]] | None = rows(batch)
             self.refs: tuple[int, ...] | list[int] = list(map(_FIRST, self._rows))
