@@ -161,3 +161,18 @@ def test_it_takes_any_bytes_like_object_and_refuses_others():
             pass
         else:
             raise AssertionError("a str was read as bytes")
+
+
+def test_without_the_c_reader_the_samples_are_read_through_protobuf(monkeypatch):
+    """A package installed where no C compiler was at hand (the extension is optional) reads the
+    same rows and refs, through protobuf's objects."""
+    b = pb.Batch(node_id="n1", boot_id="b1", seq=1)
+    for ref in (3, 1, 2):
+        b.samples.add(name="u", series_ref=ref, time_unix_nano=5, value=ref / 2)
+    raw = b.SerializeToString()
+    with_c = batch_rows.BatchRows(b, raw)
+    monkeypatch.setattr(batch_rows, "_wire_rows", None)
+    without = batch_rows.BatchRows(b, raw)
+    assert without.time is None and not without.rising and without.values == b""
+    assert list(without.refs) == list(with_c.refs) == [3, 1, 2] == list(batch_rows.refs_of(b, raw))
+    assert without.rows() == with_c.rows() == batch_rows.rows(b, raw) == [(3, 5, 1.5), (1, 5, 0.5), (2, 5, 1.0)]
