@@ -213,8 +213,9 @@ def test_a_round_read_as_columns_goes_onto_its_frame_in_one_step(monkeypatch):
     def send(seq, members, t):
         clock.now += S
         b = make_batch("A", "b1", seq, [(t, members, [float(seq + m) for m in members])])
-        read = BatchRows(b, b.SerializeToString())
-        assert ingest(state, b, clock.now)
+        read = BatchRows(b, b.SerializeToString())   # as the server reads it, handed to apply as it does
+        assert state.accept(b, clock.now) is not None
+        state.apply(b, read)
         return read
 
     for seq in range(1, 4):
@@ -226,7 +227,7 @@ def test_a_round_read_as_columns_goes_onto_its_frame_in_one_step(monkeypatch):
         raise AssertionError("the general path was taken")
     monkeypatch.setattr(columns, "store", not_here)
     read = send(4, [0, 1, 2, 4], T0 + 4 * S)
-    assert read.rising and read.time == T0 + 4 * S and read._rows is None   # no rows were made
+    assert read.rising and read.time == T0 + 4 * S and read._rows is None   # apply made no rows of it
     assert list(f.t)[-1] == T0 + 4 * S and list(f.v)[-4:] == [4.0, 5.0, 6.0, 8.0]
     monkeypatch.setattr(columns, "store", general)
     read = send(5, [4, 2, 1, 0], T0 + 5 * S)   # the same series, in another order: the general path
