@@ -297,7 +297,8 @@ class Limits:
     def _check_map(self, labels, what: str) -> Violation | None:
         if len(labels) > self.max_labels_per_sample:
             return self._bad(f"{what} with {len(labels)} labels", "max_labels_per_sample", self.max_labels_per_sample)
-        for k, val in labels.items():
+        for k in labels:   # a protobuf map's own iteration (C), not items() (collections.abc's generators)
+            val = labels[k]
             if len(k) > self.max_label_key_len:
                 return self._bad(f"{what}: a label key of {len(k)} characters", "max_label_key_len",
                                  self.max_label_key_len)

@@ -39,7 +39,7 @@ from . import columns
 from .batch_rows import BatchRows
 from .diagnoses import Diagnoses
 from .history import POINT_BYTES, points_of
-from .series import Series
+from .series import Series, read_labels, series_key
 
 log = logging.getLogger("xpusense.collector")
 HISTOGRAM = pb.HISTOGRAM
@@ -288,7 +288,7 @@ class FleetState:
         """The series (name, labels) among `samples` that the node does not have."""
         n = self.nodes.get(node_id)
         have = n.series if n is not None else {}
-        return {k for s in samples if (k := (s.name, tuple(sorted(s.labels.items())))) not in have}
+        return {k for s in samples if (k := series_key(s.name, read_labels(s.labels))) not in have}
 
     def evict_expired(self, node_id: str, newest_ns: int = 0, every_s: float = 10.0) -> int:
         """Let go of the node's series with no point for history_s: older by that much than its
@@ -329,10 +329,20 @@ class FleetState:
             self.counters["state.series_refs_reset"] += 1
         refs[ref] = ser
 
-    def _series_for(self, series: dict[tuple, Series], s: pb.Sample, room: int | None) -> Series | None:
+    def _series_for(self, series: dict[tuple, Series], s: pb.Sample, room: int | None,
+                    label_sets: dict[tuple, tuple] | None = None) -> Series | None:
         """The node's series of sample `s` by name and labels, made if new and there is room (None:
-        dropped, counted)."""
-        key = (s.name, tuple(sorted(s.labels.items())))
+        dropped, counted). `label_sets`: the label sets read so far from the same batch, whose
+        samples share them (a device's 20 series): a new series takes the dict and the tuple of
+        pairs already made, not copies of its own."""
+        labels = read_labels(s.labels)
+        pairs = tuple(sorted(labels.items()))
+        if label_sets is not None:
+            if (seen := label_sets.get(pairs)) is None:
+                label_sets[pairs] = (pairs, labels)
+            else:
+                pairs, labels = seen
+        key = (s.name, pairs)
         ser = series.get(key)
         if ser is None:
             if room is not None and len(series) >= room:
@@ -342,7 +352,7 @@ class FleetState:
                 return None
             if self.max_memory and not self._room_for_series():
                 return None
-            ser = series[key] = Series(s, self.history_points)
+            ser = series[key] = Series(s, labels)
             self.series_total += 1
         return ser
 
@@ -386,6 +396,7 @@ class FleetState:
         samples = batch.samples
         grown = 0
         known = refs.get
+        label_sets: dict[tuple, tuple] = {}
         # Per sample, the common case (a known series_ref, a newer point): the latest value and two
         # appends to the history. The sample itself is read again only for a new series (its
         # name and map of labels) or a histogram.
@@ -394,7 +405,7 @@ class FleetState:
                 continue
             ser = known(ref) if ref else None
             if ser is None:
-                ser = self._series_for(series, samples[i], room)
+                ser = self._series_for(series, samples[i], room, label_sets)
                 if ser is None:
                     continue
                 if ref:
@@ -487,7 +498,7 @@ class FleetState:
 
     def history(self, node_id: str, name: str, labels: dict[str, str]) -> pb.HistoryReply | None:
         n = self.nodes.get(node_id)
-        ser = n.series.get((name, tuple(sorted(labels.items())))) if n else None
+        ser = n.series.get(series_key(name, labels)) if n else None
         if ser is None:
             return None
         reply = pb.HistoryReply(unit=ser.unit)

@@ -39,7 +39,7 @@ from xpusense.v1 import telemetry_pb2 as pb
 
 from .. import columns
 from ..history import History
-from ..series import Series
+from ..series import Series, series_key
 from ..state import FleetState, NodeState
 
 
@@ -271,7 +271,7 @@ def _restore_full(state: FleetState, n: NodeState, series: list, runs: list, sta
         at += k << 3
         h.due_t, h.due_n = due_t, due_n
         slots += k
-        n.series[(name, tuple(sorted(labels.items())))] = ser
+        n.series[series_key(name, labels)] = ser
     state.series_total += len(n.series)
     state.history_slots += slots
     return at
@@ -393,7 +393,7 @@ def restore_node_v1(state: FleetState, data: list) -> None:
             raise ValueError(f"node {nid!r} series {name!r}: {len(h.t)} times but {len(h.v)} values")
         h.due_t, h.due_n = due_t, due_n
         slots += len(h.t)
-        n.series[(name, tuple(sorted(labels.items())))] = ser
+        n.series[series_key(name, labels)] = ser
     state.series_total += len(n.series)
     state.history_slots += slots
 

@@ -124,3 +124,27 @@ def test_series_references_a_client_makes_up_stay_bounded_and_cost_nothing_but_a
     assert st.counters["state.series_refs_reset"] >= 50 * 2 // 8 - 1
     assert [p.value for p in st.history("n", "x", {"device": "0"}).points] == list(range(50))
     assert [p.value for p in st.history("n", "y", {"device": "0"}).points] == [-k for k in range(50)]
+
+
+def test_series_of_one_batch_with_the_same_labels_share_one_label_set():
+    """A device's series come with the same labels: read once a batch, the new series share the
+    dict and the tuple of pairs (their keys still tell them apart by name); another label set, or
+    a later batch's new series, reads its own, equal to what the sample said."""
+    st = FleetState(history_s=60)
+    t = 1_000 * S
+    assert st.ingest(batch("n", 1, [gauge("a", t, 1.0, device="0", vendor="v"), gauge("b", t, 2.0, vendor="v", device="0"),
+                                    gauge("a", t, 3.0, device="1", vendor="v")]))
+    assert st.ingest(batch("n", 2, [gauge("c", t + S, 4.0, device="0", vendor="v")]))
+    series = st.nodes["n"].series
+    a0, b0, a1 = (series[(n, tuple(sorted(lb.items())))] for n, lb in
+                  (("a", {"device": "0", "vendor": "v"}), ("b", {"device": "0", "vendor": "v"}),
+                   ("a", {"device": "1", "vendor": "v"})))
+    c0 = series[("c", (("device", "0"), ("vendor", "v")))]
+    assert a0.labels is b0.labels and a0.labels == {"device": "0", "vendor": "v"}
+    keys = {ser: key for key, ser in series.items()}
+    assert keys[a0][1] is keys[b0][1] and keys[a0] != keys[b0]
+    assert a1.labels == {"device": "1", "vendor": "v"} and a1.labels is not a0.labels
+    assert c0.labels == a0.labels and c0.labels is not a0.labels   # another batch: its own
+    assert [st.history("n", n, lb).points[-1].value for n, lb in
+            (("a", {"device": "0", "vendor": "v"}), ("b", {"vendor": "v", "device": "0"}),
+             ("a", {"device": "1", "vendor": "v"}), ("c", {"device": "0", "vendor": "v"}))] == [1.0, 2.0, 3.0, 4.0]
