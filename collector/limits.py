@@ -292,18 +292,21 @@ class Limits:
             return self._bad(f"a metric name of {len(s.name)} characters", "max_name_len", self.max_name_len)
         if len(s.unit) > self.max_name_len:
             return self._bad(f"a unit of {len(s.unit)} characters", "max_name_len", self.max_name_len)
-        return self._check_map(s.labels, f"sample {s.name[:64]!r}")
+        return self._check_map(s.labels, "sample", s.name)
 
-    def _check_map(self, labels, what: str) -> Violation | None:
+    def _check_map(self, labels, kind: str, name: str) -> Violation | None:
+        """The labels (or attributes) of the `kind` ("sample", "event") called `name`: the message
+        naming them is made only for a refusal (this runs for every new series)."""
         if len(labels) > self.max_labels_per_sample:
-            return self._bad(f"{what} with {len(labels)} labels", "max_labels_per_sample", self.max_labels_per_sample)
+            return self._bad(f"{kind} {name[:64]!r} with {len(labels)} labels", "max_labels_per_sample",
+                             self.max_labels_per_sample)
         for k in labels:   # a protobuf map's own iteration (C), not items() (collections.abc's generators)
             val = labels[k]
             if len(k) > self.max_label_key_len:
-                return self._bad(f"{what}: a label key of {len(k)} characters", "max_label_key_len",
+                return self._bad(f"{kind} {name[:64]!r}: a label key of {len(k)} characters", "max_label_key_len",
                                  self.max_label_key_len)
             if len(val) > self.max_label_value_len:
-                return self._bad(f"{what}: label {k[:64]!r} with a value of {len(val)} characters",
+                return self._bad(f"{kind} {name[:64]!r}: label {k[:64]!r} with a value of {len(val)} characters",
                                  "max_label_value_len", self.max_label_value_len)
         return None
 
@@ -313,7 +316,7 @@ class Limits:
                 return self._bad(f"an event field of {len(field)} characters", "max_name_len", self.max_name_len)
         if len(e.message) > self.max_text_len:
             return self._bad(f"an event message of {len(e.message)} characters", "max_text_len", self.max_text_len)
-        return self._check_map(e.attributes, f"event {e.type[:64]!r}")
+        return self._check_map(e.attributes, "event", e.type)
 
     def _rate(self, node_id: str, boot_id: str = "") -> Violation | None:
         now = self.clock()
