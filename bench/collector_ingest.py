@@ -654,6 +654,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, val, goal, ok in rows:
         print(f"  {name:<44} {val:>10}  {goal:>8}  {'' if ok is None else ('yes' if ok else 'NO')}")
     print("  latency is measured to the Ack's arrival at the simulated agent: an upper bound on sample-to-stored.")
+    if gen_pct >= 90 * max(1, len(gen_cpus)):
+        print(f"  the load generator's CPUs were {gen_pct:.0f}% busy: its own delays are in the latency, and it may "
+              "not have offered the rate on time")
     shown = sorted(by_second)[:max(int(args.warmup_s), (settled or 0) + 2, 2)]
     print("  start-up, per second since go (acks, p99 ms): " + ", ".join(
         f"{sec}: {len(by_second[sec])} {percentile(sorted(by_second[sec]), 0.99):.0f}" for sec in shown))
