@@ -36,6 +36,20 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # fields 14, 15 of proc(5)
 
 
+def machine_ticks() -> tuple[int, int]:
+    """(all CPU time, stolen time) of the machine so far, in clock ticks (/proc/stat's `cpu` line):
+    on a VM, stolen time is when the host ran something else while this machine wanted a CPU."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields[:8]), fields[7]   # user nice system idle iowait irq softirq steal (guest is in user)
+
+
+def steal_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the machine's CPU time stolen between two machine_ticks(), in %."""
+    total = after[0] - before[0]
+    return 100.0 * (after[1] - before[1]) / total if total > 0 else 0.0
+
+
 def wait_collector(address: str, timeout_s: float) -> None:
     import grpc
     with grpc.insecure_channel(address) as ch:

@@ -56,7 +56,7 @@ import tempfile
 import time
 import uuid
 
-from _proc import cpu_s, free_port, stop, tail, tool, wait_collector
+from _proc import cpu_s, free_port, machine_ticks, steal_pct, stop, tail, tool, wait_collector
 
 GOAL_BATCHES_S = 2000.0
 GOAL_P99_MS = 100.0
@@ -568,8 +568,10 @@ def main(argv: list[str] | None = None) -> int:
         shared_times[0] = go
         time.sleep(max(0.0, t0 - time.monotonic()))
         c0, g0, w0 = cpu_s(collector.pid), sum(cpu_s(w.pid) for w in workers), time.monotonic()
+        m0 = machine_ticks()
         time.sleep(max(0.0, t1 - time.monotonic()))
         c1, g1, w1 = cpu_s(collector.pid), sum(cpu_s(w.pid) for w in workers), time.monotonic()
+        stolen = steal_pct(m0, machine_ticks())
 
         results = []
         for _ in workers:
@@ -638,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         ("collector CPU, % of one core", f"{col_pct:.0f}", "", None),
         ("collector CPU per stored batch, us", f"{cpu_us:.0f}", "", None),
         ("load generator CPU, % of one core (all procs)", f"{gen_pct:.0f}", "", None),
+        ("machine's CPU time stolen by the host, %", f"{stolen:.1f}", "", None),
         ("offered batches/s (rate x agents)", "max" if args.rate == 0 else f"{args.rate * args.agents:.0f}", "", None),
         ("acked whole run / collector batches_stored", f"{acked}/{stored}", "equal", acked == stored),
         ("duplicates (acked / collector)", f"{sum(r['duplicates'] for r in results)}/{dup_stored}", "", None),
@@ -672,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
                "samples_per_s": round(rate_s * DEVICES * len(SERIES)), "p50_ms": round(p50, 2),
                "p90_ms": round(p90, 2), "p99_ms": round(p99, 2), "max_ms": round(pmax, 2),
                "collector_cpu_pct": round(col_pct, 1), "collector_cpu_us_per_batch": round(cpu_us),
-               "generator_cpu_pct": round(gen_pct, 1),
+               "generator_cpu_pct": round(gen_pct, 1), "steal_pct": round(stolen, 1),
                "acked": acked, "collector_batches_stored": stored, "cross_check_ok": acked == stored,
                "connect_s": round(connect_s, 1), "connect_retries": connect_retries, "errors": len(fails),
                "goal_batches_met": rate_s >= goal_rate, "goal_p99_met": p99 <= GOAL_P99_MS,
