@@ -43,6 +43,7 @@ from xpusense.common import metric_names as m
 from xpusense.v1 import telemetry_pb2 as pb
 
 from ..diagnoses import diagnosis_id
+from ..series import read_labels, series_key
 from .marks import SeqWindow
 
 FORMAT = 1
@@ -189,10 +190,10 @@ class NodeLatest:
         name = s.name
         if name not in KEPT:
             return _IGNORED
-        labels = dict(s.labels)
+        labels = read_labels(s.labels)
         if any(k in labels for k in SKIPPED_LABELS):
             return _IGNORED
-        key = (name, tuple(sorted(labels.items())))
+        key = series_key(name, labels)
         e = series.get(key)
         if e is None:
             if len(series) >= MAX_SERIES:
