@@ -7,7 +7,8 @@ samples' series_ref, time and value there. The usual batch (an agent's round: on
 in the order of their refs) is then held as columns, with no object per sample: the refs, the one
 time and the values as the bytes of an array('d'), which a frame takes in one call
 (columns.store_row). Any other batch is read as rows, (series_ref, time, value) a sample; without
-the C reader, or bytes it does not read, protobuf's objects are read instead.
+the C reader, or bytes it does not read, protobuf's objects are read instead. A batch the stream's
+deserializer read lean (wire.WireBatch) comes with its columns, read in the same pass.
 """
 
 from __future__ import annotations
@@ -15,10 +16,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-try:   # built with the package where a C compiler was at hand (pyproject.toml ext-modules)
-    from . import _wire_rows
-except ImportError:
-    _wire_rows = None  # type: ignore[assignment]
+from .wire import WireBatch, _wire_rows
 
 # A sample's (series_ref, time_unix_nano, value), read through protobuf's objects.
 _ROW = operator.attrgetter("series_ref", "time_unix_nano", "value")
@@ -35,15 +33,18 @@ def rows(batch: Any, wire: bytes | None = None) -> list[tuple[int, int, float]]:
     return list(map(_ROW, batch.samples))
 
 
-def _columns(wire: bytes | None) -> tuple[tuple[int, ...], int | None, bytes, bool] | None:
-    """The C reader's columns of `wire` (refs, time, values, rising), or None where it cannot."""
+def _columns(batch: Any, wire: bytes | None) -> tuple[tuple[int, ...], int | None, bytes, bool] | None:
+    """The C reader's columns of the batch (refs, time, values, rising): a WireBatch's, read with
+    it; else read from `wire`; None where it cannot."""
+    if batch.__class__ is WireBatch:
+        return batch.columns
     return _wire_rows.columns(wire) if wire is not None and _wire_rows is not None else None
 
 
 def refs_of(batch: Any, wire: bytes | None = None) -> tuple[int, ...] | list[int]:
     """The samples' series_ref, in order (what Limits.check reads of every batch): from `wire` by
     the C reader where it can, else from `batch`'s objects."""
-    got = _columns(wire)
+    got = _columns(batch, wire)
     return got[0] if got is not None else [s.series_ref for s in batch.samples]
 
 
@@ -56,7 +57,7 @@ class BatchRows:
 
     def __init__(self, batch: Any, wire: bytes | None = None):
         self._batch, self._wire = batch, wire
-        got = _columns(wire)
+        got = _columns(batch, wire)
         if got is None:
             self._rows: list[tuple[int, int, float]] | None = rows(batch)
             self.refs: tuple[int, ...] | list[int] = list(map(_FIRST, self._rows))
@@ -70,6 +71,7 @@ class BatchRows:
     def rows(self) -> list[tuple[int, int, float]]:
         """(series_ref, time, value) of each sample, in order (read once, on first use)."""
         if self._rows is None:
-            self._rows = rows(self._batch, self._wire)
+            wire = self._batch.wire if self._batch.__class__ is WireBatch else self._wire
+            self._rows = rows(self._batch, wire)
         self._wire = None
         return self._rows

@@ -194,7 +194,7 @@ class Limits:
                          f"batch rejected: {what}, more than the collector's limits.{key} = {limit}", key)
 
     def _check(self, node_id: str, batch: pb.Batch, state, refs: Sequence[int] | None = None) -> Violation | None:
-        n = len(batch.samples)
+        n = len(refs) if refs is not None else len(batch.samples)
         if n > self.max_samples_per_batch:
             return self._bad(f"{n} samples", "max_samples_per_batch", self.max_samples_per_batch)
         if len(batch.events) > self.max_events_per_batch:
@@ -229,11 +229,11 @@ class Limits:
             checked = set()
         else:
             self._checked.move_to_end(key)
-        samples = batch.samples
         if refs is None:
-            refs = [s.series_ref for s in samples]
+            refs = [s.series_ref for s in batch.samples]
         if checked and checked.issuperset(refs):   # the usual batch: every series known (0 never is)
             return None
+        samples = batch.samples
         new: list[int] = []
         unknown: list[pb.Sample] = []     # samples whose series the node may not have yet
         max_buckets = self.max_histogram_buckets

@@ -8,13 +8,26 @@ itself (so that `batch_wire` can tell it is handed that very message, never a la
 recycled id). A stream's reader takes them as soon as its `async for` hands over the message,
 before it awaits anything, so no other stream's message is parsed in between; taking them lets
 them go (at most one message's bytes are held beyond that: the last one parsed, until the next).
+
+The usual batch (no events) is not parsed by protobuf at all: the C reader (`_wire_rows.lean_batch`)
+checks every field of it as protobuf would and reads its ids, seq and samples' columns in one pass,
+and the message is a LeanMessage holding a WireBatch, which parses the whole Batch only when
+something reads more than that (a new series' name and labels, an exporter's samples). Bytes the C
+reader does not accept whole are parsed by protobuf, which refuses what it always refused.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from xpusense.v1 import telemetry_pb2 as pb
+
+try:   # built with the package where a C compiler was at hand (pyproject.toml ext-modules)
+    from . import _wire_rows
+except ImportError:
+    _wire_rows = None  # type: ignore[assignment]
 
 INGEST_SERVICE = pb.DESCRIPTOR.services_by_name["Ingest"].full_name
 _BATCH_TAG = 0x12   # field 2 (batch), length-delimited
@@ -31,16 +44,80 @@ class _Received:
 _received = _Received()
 
 
-def parse_agent_message(raw: bytes) -> pb.AgentMessage:
-    """AgentMessage.FromString, keeping `raw` for batch_wire."""
+class WireBatch:
+    """A Batch as the C reader read it from its bytes (`wire`): node_id, boot_id, seq,
+    sent_unix_nano, no events, and its samples' `columns` (batch_rows.BatchRows). Any other
+    attribute (`samples` first) is the whole Batch's, parsed from `wire` on first use."""
+    __slots__ = ("node_id", "boot_id", "seq", "sent_unix_nano", "wire", "columns", "_batch")
+    events: tuple = ()
+
+    def __init__(self, node_id: str, boot_id: str, seq: int, sent_unix_nano: int, wire: bytes,
+                 columns: tuple) -> None:
+        self.node_id, self.boot_id, self.seq, self.sent_unix_nano = node_id, boot_id, seq, sent_unix_nano
+        self.wire, self.columns = wire, columns
+        self._batch: pb.Batch | None = None
+
+    def parsed(self) -> pb.Batch:
+        if self._batch is None:
+            self._batch = pb.Batch.FromString(self.wire)
+        return self._batch
+
+    @property
+    def samples(self) -> Any:
+        return self.parsed().samples
+
+    def SerializeToString(self) -> bytes:   # noqa: N802 (protobuf's name)
+        return self.wire
+
+    def ByteSize(self) -> int:   # noqa: N802
+        return len(self.wire)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.parsed(), name)
+
+
+class LeanMessage:
+    """An AgentMessage holding a WireBatch, as the Ingest stream's readers use one; anything else
+    they might read (`hello` of a batch sent first...) is the whole AgentMessage's, parsed then."""
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: WireBatch) -> None:
+        self.batch = batch
+
+    def WhichOneof(self, group: str) -> str:   # noqa: N802 (protobuf's name)
+        if group != "msg":
+            raise ValueError(f"no oneof {group!r} in AgentMessage")
+        return "batch"
+
+    def HasField(self, name: str) -> bool:   # noqa: N802 (protobuf's name)
+        return name in ("batch", "msg") or self.whole().HasField(name)
+
+    def whole(self) -> pb.AgentMessage:
+        m = pb.AgentMessage()
+        m.batch.CopyFrom(self.batch.parsed())
+        return m
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.whole(), name)
+
+
+def parse_agent_message(raw: bytes) -> pb.AgentMessage | LeanMessage:
+    """A batch without events that the C reader accepts whole: a LeanMessage. Anything else:
+    AgentMessage.FromString, keeping `raw` for batch_wire."""
+    if _wire_rows is not None and raw[:1] == b"\x12" and (lean := _wire_rows.lean_batch(raw)) is not None:
+        _received.raw, _received.msg = b"", None   # what an earlier message left: not held on
+        return LeanMessage(WireBatch(*lean))
     m = pb.AgentMessage.FromString(raw)
     _received.raw, _received.msg = raw, m
     return m
 
 
-def batch_wire(msg: pb.AgentMessage) -> bytes | None:
-    """The Batch of `msg` in the bytes it came in: when `msg` is the message parsed last and those
-    bytes are exactly tag + length + batch; else None. Lets go of the bytes held either way."""
+def batch_wire(msg: pb.AgentMessage | LeanMessage) -> bytes | None:
+    """The Batch of `msg` in the bytes it came in: a LeanMessage's own; else when `msg` is the
+    message parsed last and those bytes are exactly tag + length + batch; else None. Lets go of the
+    bytes held either way."""
+    if msg.__class__ is LeanMessage:
+        return msg.batch.wire
     raw, same = _received.raw, _received.msg is msg
     _received.raw, _received.msg = b"", None
     if same and len(raw) > 2 and raw[0] == _BATCH_TAG:
@@ -57,7 +134,7 @@ def batch_wire(msg: pb.AgentMessage) -> bytes | None:
     return None
 
 
-def batch_payload(msg: pb.AgentMessage) -> bytes:
+def batch_payload(msg: pb.AgentMessage | LeanMessage) -> bytes:
     """The Batch of `msg` encoded: batch_wire's bytes, or serialized again."""
     wire = batch_wire(msg)
     return wire if wire is not None else msg.batch.SerializeToString()

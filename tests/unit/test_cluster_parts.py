@@ -149,11 +149,17 @@ def test_fleet_index_updates_in_place():
 
 def test_a_batch_is_kept_in_the_bytes_it_came_in():
     """wire.batch_payload (a gateway publishes it, the single collector's store keeps it): the
-    wire bytes after the AgentMessage's tag and length when the message is the one parsed last and
-    holds nothing else; otherwise the batch serialized again. Either way the bytes parse to the
-    same Batch, and the bytes held are let go once taken (a big message does not stay in memory)."""
+    wire bytes after the AgentMessage's tag and length. A batch without events that the C reader
+    accepts whole is a LeanMessage holding those bytes; any other batch is parsed by protobuf, and
+    its bytes are taken when the message is the one parsed last and holds nothing else, otherwise
+    the batch is serialized again. Either way the bytes parse to the same Batch, and the bytes held
+    are let go once taken (a big message does not stay in memory)."""
     from xpusense.collector import wire as received
-    from xpusense.collector.wire import batch_payload, batch_wire, parse_agent_message
+    from xpusense.collector.wire import LeanMessage, batch_payload, batch_wire, parse_agent_message
+
+    def framed(sent: bytes) -> bytes:
+        n = len(sent)
+        return bytes([0x12, 0x80 | (n & 0x7F), n >> 7]) + sent
 
     b = pb.Batch(node_id="n1", boot_id="b1")
     for d in range(200):   # over 127 bytes: a length of two varint bytes
@@ -162,15 +168,27 @@ def test_a_batch_is_kept_in_the_bytes_it_came_in():
     sent = b.SerializeToString() + pb.Batch(seq=7).SerializeToString()
     b.seq = 7
     assert sent != b.SerializeToString() and pb.Batch.FromString(sent) == b
-    n = len(sent)
-    wire = bytes([0x12, 0x80 | (n & 0x7F), n >> 7]) + sent
+    msg = parse_agent_message(framed(sent))
+    if received._wire_rows is not None:   # the C reader: lean, its own bytes, whenever asked
+        assert msg.__class__ is LeanMessage and msg.WhichOneof("msg") == "batch"
+        assert batch_payload(msg) == batch_payload(msg) == sent and received._received.raw == b""
+        lean = msg.batch
+        assert (lean.node_id, lean.boot_id, lean.seq, lean.events) == ("n1", "b1", 7, ())
+        assert lean.columns[0] == (0,) * 200 and lean._batch is None   # not parsed by protobuf
+        assert lean.samples[3].labels["device"] == "3" and lean.parsed() == b   # parsed when read
+        assert msg.HasField("batch") and not msg.HasField("hello") and msg.whole() == pb.AgentMessage(batch=b)
+    # With an event: parsed by protobuf.
+    b.events.add(id="e1", type="xid")
+    sent = b.SerializeToString()
+    wire = framed(sent)
     msg = parse_agent_message(wire)
+    assert isinstance(msg, pb.AgentMessage)
     assert batch_payload(msg) == sent                       # the bytes it came in
     assert batch_payload(msg) == b.SerializeToString()      # taken once: then serialized again
     first, second = parse_agent_message(wire), parse_agent_message(wire)
     assert batch_payload(first) == b.SerializeToString()    # not the message parsed last
     msg = parse_agent_message(wire + bytes([0x50, 0x01]))   # a field after the batch (unknown here)
-    assert batch_payload(msg) == b.SerializeToString()
+    assert not isinstance(msg, LeanMessage) and batch_payload(msg) == b.SerializeToString()
     assert second is not None
     hello = parse_agent_message(pb.AgentMessage(hello=pb.Hello(node_id="n1")).SerializeToString())
     assert batch_wire(hello) is None and received._received.raw == b"" and received._received.msg is None

@@ -176,3 +176,105 @@ def test_without_the_c_reader_the_samples_are_read_through_protobuf(monkeypatch)
     assert without.time is None and not without.rising and without.values == b""
     assert list(without.refs) == list(with_c.refs) == [3, 1, 2] == list(batch_rows.refs_of(b, raw))
     assert without.rows() == with_c.rows() == batch_rows.rows(b, raw) == [(3, 5, 1.5), (1, 5, 0.5), (2, 5, 1.0)]
+
+
+# -- lean_batch: a whole AgentMessage read strictly, before protobuf (collector/wire.py) -----------
+
+def _message(b: pb.Batch) -> bytes:
+    return pb.AgentMessage(batch=b).SerializeToString()
+
+
+def _lean_agrees(raw: bytes, lean) -> None:
+    """What lean_batch read is what protobuf reads of the same bytes."""
+    m = pb.AgentMessage.FromString(raw)   # raises where protobuf refuses: lean_batch must not accept
+    node, boot, seq, sent, wire, columns = lean
+    b = m.batch
+    assert m.WhichOneof("msg") == "batch" and not b.events
+    assert (node, boot, seq, sent) == (b.node_id, b.boot_id, b.seq, b.sent_unix_nano)
+    assert pb.Batch.FromString(wire) == b and columns == _wire_rows.columns(wire)
+
+
+@settings(max_examples=300, deadline=None)
+@given(samples=st.lists(_samples, max_size=12), seq=st.integers(0, 2**64 - 1), sent=st.integers(-2**63, 2**63 - 1),
+       node=st.text(max_size=12))
+def test_a_batch_without_events_is_read_lean(samples, seq, sent, node):
+    b = pb.Batch(node_id=node, boot_id="b1", seq=seq, sent_unix_nano=sent)
+    for s in samples:
+        b.samples.add(**{k: v for k, v in s.items() if v is not None})
+    raw = _message(b)
+    lean = _wire_rows.lean_batch(raw)
+    assert lean is not None
+    _lean_agrees(raw, lean)
+    b.events.add(id="e1", type="xid")
+    assert _wire_rows.lean_batch(_message(b)) is None   # events: parsed by protobuf
+
+
+_VALID = _message(pb.Batch(node_id="n1", boot_id="b1", seq=3, samples=[
+    pb.Sample(name="hw.gpu.utilization", unit="1", kind=pb.GAUGE, labels={"device": "0", "vendor": "nvidia"},
+              value=0.5, time_unix_nano=10, series_ref=1),
+    pb.Sample(name="xpusense.network.tcp.rtt", kind=pb.HISTOGRAM, time_unix_nano=10, series_ref=2,
+              histogram=pb.Histogram(bounds=[1.0, 2.0], counts=[1, 2, 3], sum=4.0, count=6))]))
+
+
+@settings(max_examples=1500, deadline=None)
+@given(edits=st.lists(st.tuples(st.integers(0, 2), st.integers(0, len(_VALID) - 1), st.integers(0, 255)),
+                      min_size=1, max_size=3))
+def test_lean_batch_never_accepts_what_protobuf_refuses(edits):
+    raw = bytearray(_VALID)
+    for op, at, byte in edits:
+        at %= max(1, len(raw))
+        if op == 0 and raw:
+            raw[at] = byte
+        elif op == 1 and raw:
+            del raw[at]
+        else:
+            raw.insert(at, byte)
+    raw = bytes(raw)
+    lean = _wire_rows.lean_batch(raw)
+    if lean is not None:
+        _lean_agrees(raw, lean)
+
+
+def test_lean_batch_gives_back_what_it_does_not_check_whole():
+    import pytest
+    from google.protobuf.message import DecodeError
+
+    def batch(*fields: bytes) -> bytes:
+        return _field(2, 2, b"".join(fields))
+
+    def sample(*fields: bytes) -> bytes:
+        return _field(4, 2, b"".join(fields))
+
+    label = _field(4, 2, _field(1, 2, b"device") + _field(2, 2, b"\xed\xa0\x80"))   # a surrogate
+    refused = {   # protobuf refuses these too: the stream gets its usual error
+        "a surrogate in a label": batch(sample(label)),
+        "an overlong name": batch(sample(_field(1, 2, b"\xc0\xaf"))),
+        "past U+10FFFF in the node id": batch(_field(1, 2, b"\xf4\x90\x80\x80")),
+        "a cut UTF-8 sequence in the unit": batch(sample(_field(2, 2, b"ab\xe2\x82"))),
+        "a packed count cut short": batch(sample(_field(7, 2, _field(2, 2, b"\x01\x80")))),
+    }
+    for what, raw in refused.items():
+        assert _wire_rows.lean_batch(raw) is None, what
+        with pytest.raises(DecodeError):
+            pb.AgentMessage.FromString(raw)
+    given_back = {   # protobuf reads these: the long way
+        "an unknown field in a sample": batch(sample(_field(50, 0, _varint(1)))),
+        "an unknown field in the batch": batch(_field(9, 0, _varint(1))),
+        "a known field with another wire type": batch(sample(_field(5, 0, _varint(1)))),
+        "a tag in two bytes": batch(sample(bytes([8 << 3 | 0x80, 0x00]) + _varint(1))),   # series_ref, padded
+        "packed bounds of 7 bytes": batch(sample(_field(7, 2, _field(1, 2, b"\0" * 7)))),
+        "an event": batch(_field(5, 2, _field(1, 2, b"e1"))),
+        "a field after the batch": batch() + _field(10, 0, _varint(1)),
+        "a hello": _field(1, 2, _field(1, 2, b"n1")),
+    }
+    for what, raw in given_back.items():
+        assert _wire_rows.lean_batch(raw) is None, what
+        try:
+            pb.AgentMessage.FromString(raw)
+        except DecodeError:   # protobuf may refuse some: either way not read lean
+            pass
+    # A label map entry that is only a value, a field given twice: read as protobuf reads them.
+    raw = batch(_field(1, 2, b"a"), _field(1, 2, b"n2"), sample(_field(4, 2, _field(2, 2, b"v")), _field(8, 0, b"\x07")))
+    lean = _wire_rows.lean_batch(raw)
+    assert lean is not None and lean[0] == "n2" and lean[5][0] == (7,)
+    _lean_agrees(raw, lean)
