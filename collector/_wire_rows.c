@@ -14,9 +14,10 @@
  * 32 bits); a field given twice takes its last value; a field absent is 0; a known field with
  * another wire type is an unknown field, skipped, as is every other field.
  *
- * `lean_batch` reads a whole AgentMessage that holds a Batch, before protobuf has parsed it (the
- * Ingest stream's request deserializer, collector/wire.py): the Batch's node id, boot id, seq and
- * sent time, its bytes, and its samples' columns, in one pass and with no Python object per sample.
+ * `lean_batch` reads a whole AgentMessage that holds a Batch (`lean_batch_wire`: a Batch's own
+ * bytes, as a cluster worker reads them from the stream), before protobuf has parsed it (the Ingest
+ * stream's request deserializer, collector/wire.py): the Batch's node id, boot id, seq and sent
+ * time, its bytes, and its samples' columns, in one pass and with no Python object per sample.
  * It must never accept bytes that protobuf would refuse, so it accepts only what it checks whole:
  * every field of Batch, Sample, the labels' map entries and Histogram with the wire type the
  * schema gives it, every string valid UTF-8 (as proto3 requires), every varint at most 64 bits.
@@ -438,17 +439,21 @@ static PyObject *columns(PyObject *self, PyObject *arg)
     return out;
 }
 
-/* The Batch of an AgentMessage, read strictly (see the top): 0, -1 for bytes not read here, -2 for
- * a Python error. [*wire, *wire_end) is the Batch's own encoding. */
-static int read_lean(const uint8_t *p, const uint8_t *end, const uint8_t **wire, const uint8_t **wire_end,
-                     const uint8_t *ids[4], uint64_t *seq, uint64_t *sent, samples *out)
+/* A Batch read strictly (see the top), from an AgentMessage (`framed`) or from its own bytes: 0, -1
+ * for bytes not read here, -2 for a Python error. [*wire, *wire_end) is the Batch's own encoding. */
+static int read_lean(const uint8_t *p, const uint8_t *end, int framed, const uint8_t **wire,
+                     const uint8_t **wire_end, const uint8_t *ids[4], uint64_t *seq, uint64_t *sent, samples *out)
 {
     uint64_t field;
     unsigned wt;
     /* the message: one field, the batch, and nothing after it */
-    if (read_tag1(&p, end, &field, &wt) < 0 || field != MESSAGE_BATCH || wt != WT_LEN
-            || read_len(&p, end, wire, wire_end) < 0 || p != end)
+    if (framed && (read_tag1(&p, end, &field, &wt) < 0 || field != MESSAGE_BATCH || wt != WT_LEN
+                   || read_len(&p, end, wire, wire_end) < 0 || p != end))
         return -1;
+    if (!framed) {
+        *wire = p;
+        *wire_end = end;
+    }
     p = *wire;
     end = *wire_end;
     while (p < end) {
@@ -477,7 +482,7 @@ static int read_lean(const uint8_t *p, const uint8_t *end, const uint8_t **wire,
     return 0;
 }
 
-static PyObject *lean_batch(PyObject *self, PyObject *arg)
+static PyObject *lean(PyObject *arg, int framed)
 {
     Py_buffer buf;
     if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0)
@@ -486,14 +491,20 @@ static PyObject *lean_batch(PyObject *self, PyObject *arg)
     const uint8_t *ids[4] = {start, start, start, start};
     uint64_t seq = 0, sent = 0;
     samples s = {0};
-    int r = read_lean(start, start + buf.len, &wire, &wire_end, ids, &seq, &sent, &s);
+    int r = read_lean(start, start + buf.len, framed, &wire, &wire_end, ids, &seq, &sent, &s);
     PyObject *out = NULL;
     if (r == 0) {
         PyObject *node = PyUnicode_DecodeUTF8((const char *)ids[0], ids[1] - ids[0], "strict");
         PyObject *boot = node ? PyUnicode_DecodeUTF8((const char *)ids[2], ids[3] - ids[2], "strict") : NULL;
         PyObject *seq_obj = boot ? PyLong_FromUnsignedLongLong(seq) : NULL;
         PyObject *sent_obj = seq_obj ? PyLong_FromLongLong((int64_t)sent) : NULL;
-        PyObject *bytes = sent_obj ? PyBytes_FromStringAndSize((const char *)wire, wire_end - wire) : NULL;
+        PyObject *bytes = NULL;
+        if (sent_obj && !framed && PyBytes_CheckExact(arg)) {   /* the Batch's own bytes: kept, not copied */
+            bytes = arg;
+            Py_INCREF(bytes);
+        } else if (sent_obj) {
+            bytes = PyBytes_FromStringAndSize((const char *)wire, wire_end - wire);
+        }
         PyObject *cols = bytes ? make_columns(&s) : NULL;
         if (cols != NULL)
             out = PyTuple_Pack(6, node, boot, seq_obj, sent_obj, bytes, cols);
@@ -511,6 +522,16 @@ static PyObject *lean_batch(PyObject *self, PyObject *arg)
     return out;   /* NULL with the error set where r == -2 or an object was not made */
 }
 
+static PyObject *lean_batch(PyObject *self, PyObject *arg)
+{
+    return lean(arg, 1);
+}
+
+static PyObject *lean_batch_wire(PyObject *self, PyObject *arg)
+{
+    return lean(arg, 0);
+}
+
 static PyMethodDef methods[] = {
     {"rows", rows, METH_O,
      "rows(batch_wire) -> [(series_ref, time_unix_nano, value), ...] of the Batch encoded in "
@@ -523,6 +544,9 @@ static PyMethodDef methods[] = {
      "lean_batch(agent_message) -> (node_id, boot_id, seq, sent_unix_nano, batch_wire, columns) of an "
      "AgentMessage that holds a Batch without events, every field of which was checked as protobuf "
      "would (columns as columns() gives them); None for any other bytes (parse them with protobuf)."},
+    {"lean_batch_wire", lean_batch_wire, METH_O,
+     "lean_batch_wire(batch_wire) -> lean_batch's tuple for a Batch's own bytes (a cluster worker reads "
+     "them from the stream); None where lean_batch would give None."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -112,6 +112,14 @@ def parse_agent_message(raw: bytes) -> pb.AgentMessage | LeanMessage:
     return m
 
 
+def read_batch(data: bytes) -> WireBatch | pb.Batch:
+    """A Batch's own bytes (a message of a cluster's stream): a WireBatch where the C reader accepts
+    them whole, else protobuf's Batch (DecodeError where protobuf refuses them)."""
+    if _wire_rows is not None and (lean := _wire_rows.lean_batch_wire(data)) is not None:
+        return WireBatch(*lean)
+    return pb.Batch.FromString(data)
+
+
 def batch_wire(msg: pb.AgentMessage | LeanMessage) -> bytes | None:
     """The Batch of `msg` in the bytes it came in: a LeanMessage's own; else when `msg` is the
     message parsed last and those bytes are exactly tag + length + batch; else None. Lets go of the

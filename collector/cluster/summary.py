@@ -42,8 +42,10 @@ import msgpack
 from xpusense.common import metric_names as m
 from xpusense.v1 import telemetry_pb2 as pb
 
+from ..batch_rows import BatchRows
 from ..diagnoses import diagnosis_id
 from ..series import read_labels, series_key
+from ..wire import WireBatch
 from .marks import SeqWindow
 
 FORMAT = 1
@@ -148,7 +150,7 @@ class NodeLatest:
                 self.refs.pop(old, None)
         return w
 
-    def apply(self, b: pb.Batch, t_ns: int) -> bool:
+    def apply(self, b: pb.Batch | WireBatch, t_ns: int) -> bool:
         """A batch from the stream: False when its (boot, seq) was taken before (dropped)."""
         if t_ns > self.last_seen_ns:
             self.last_seen_ns = t_ns
@@ -162,19 +164,20 @@ class NodeLatest:
         if refs is None:
             refs = self.refs[b.boot_id] = {}
         series = self.series
-        for s in b.samples:
-            ref = s.series_ref
+        samples = None   # protobuf's, read only for a series not known by its ref
+        for i, (ref, t, v) in enumerate(BatchRows(b).rows()):
             e = refs.get(ref, None) if ref else None
             if e is None:
-                e = self._entry(s, series)
+                if samples is None:
+                    samples = b.samples
+                e = self._entry(samples[i], series)
                 if ref:
                     refs[ref] = e
             if e is _IGNORED:
                 continue
-            t = s.time_unix_nano
             if t >= e.time_ns:
                 e.prev_value, e.prev_time_ns = e.value, e.time_ns
-                e.value, e.time_ns = s.value, t
+                e.value, e.time_ns = v, t
         for ev in b.events:
             if ev.id and ev.id in self.event_ids:
                 continue

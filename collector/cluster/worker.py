@@ -40,6 +40,7 @@ from nats.js import api
 from xpusense.v1 import telemetry_pb2 as pb
 
 from ..diagnoses import Diagnoses
+from ..wire import read_batch
 from .engine import list_bucket
 from .subjects import KIND, node_of_subject, partition, partition_filter, stream_of, token
 from .summary import NodeLatest, decode, fleet_key
@@ -240,7 +241,7 @@ class Worker:
         headers = msg.headers or {}
         kind = headers.get(KIND)
         if kind is None:
-            batch = pb.Batch.FromString(msg.data)
+            batch = read_batch(msg.data)
             if not node.apply(batch, t):
                 self.dropped += 1
             elif batch.events or batch.boot_id != node.diagnoses_boot:

@@ -111,6 +111,27 @@ def test_summary_round_trip_and_takeover():
     assert decode(r.encode("w2", 61))["c"] == 0
 
 
+def test_a_worker_reads_batches_lean_to_the_same_summary():
+    """wire.read_batch: a batch without events, as the worker reads it from the stream, is a
+    WireBatch (read by the C reader) where it was built; the summary it makes is the one protobuf's
+    Batch makes, a series not known by its ref read from the samples then, and a batch with
+    events still read by protobuf."""
+    from xpusense.collector.wire import WireBatch, _wire_rows, read_batch
+
+    batches = [_batch(1, 0.5, 1_000_000_000), _batch(2, 0.7, 2_000_000_000, ["e1"]), _batch(3, 0.1, 1_500_000_000),
+               _batch(4, 0.9, 3_000_000_000)]
+    batches[3].samples.add(name="hw.gpu.utilization", unit="1", kind=pb.GAUGE, labels={"device": "1"}, value=0.25,
+                           time_unix_nano=3_000_000_000, series_ref=5)   # a new series, late
+    slow, lean = NodeLatest("n1", 0), NodeLatest("n1", 0)
+    for b in batches:
+        read = read_batch(b.SerializeToString())
+        assert (read.__class__ is WireBatch) == (_wire_rows is not None and not b.events)
+        assert slow.apply(b, 5) and lean.apply(read, 5)
+    assert decode(lean.encode("w", 9)) == decode(slow.encode("w", 9))
+    kept = {tuple(sorted(x[3].items())): x[4] for x in decode(lean.encode("w", 9))["s"] if x[0] == "hw.gpu.utilization"}
+    assert kept == {(("device", "0"),): 0.9, (("device", "1"),): 0.25}
+
+
 def test_list_nodes_pages_by_node():
     nodes = {}
     for i in range(5):
