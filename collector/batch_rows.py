@@ -13,7 +13,9 @@ deserializer read lean (wire.WireBatch) comes with its columns, read in the same
 
 from __future__ import annotations
 
+import itertools
 import operator
+from array import array
 from typing import Any
 
 from .wire import WireBatch, _wire_rows
@@ -56,6 +58,8 @@ class BatchRows:
     __slots__ = ("refs", "time", "values", "rising", "_rows", "_batch", "_wire")
 
     def __init__(self, batch: Any, wire: bytes | None = None):
+        if batch.__class__ is WireBatch:
+            wire = batch.wire
         self._batch, self._wire = batch, wire
         got = _columns(batch, wire)
         if got is None:
@@ -69,9 +73,12 @@ class BatchRows:
             self.refs, self.time, self.values, self.rising = got
 
     def rows(self) -> list[tuple[int, int, float]]:
-        """(series_ref, time, value) of each sample, in order (read once, on first use)."""
+        """(series_ref, time, value) of each sample, in order (read once, on first use): from the
+        columns when the samples share one time, else read again from the bytes."""
         if self._rows is None:
-            wire = self._batch.wire if self._batch.__class__ is WireBatch else self._wire
-            self._rows = rows(self._batch, wire)
+            if self.time is not None:
+                self._rows = list(zip(self.refs, itertools.repeat(self.time), array("d", self.values)))
+            else:
+                self._rows = rows(self._batch, self._wire)
         self._wire = None
         return self._rows

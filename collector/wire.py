@@ -69,9 +69,6 @@ class WireBatch:
     def SerializeToString(self) -> bytes:   # noqa: N802 (protobuf's name)
         return self.wire
 
-    def ByteSize(self) -> int:   # noqa: N802
-        return len(self.wire)
-
     def __getattr__(self, name: str) -> Any:
         return getattr(self.parsed(), name)
 
