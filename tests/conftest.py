@@ -44,9 +44,21 @@ def own_spool_dir(tmp_path, monkeypatch):
     return tmp_path / "spool"
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report kept on the test item (`rep_call`...), for fixtures that report on failure."""
+    rep = yield
+    setattr(item, f"rep_{rep.when}", rep)
+    return rep
+
+
+LOG_TAIL_LINES = 40
+
+
 @pytest.fixture
-def procs(tmp_path):
-    """Start real processes; every one is killed at the end of the test."""
+def procs(tmp_path, request):
+    """Start real processes; every one is killed at the end of the test. When the test failed, the
+    end of each process's log is printed (pytest shows it under the failure)."""
     started: list[Proc] = []
 
     def start(args: list[str], name: str, env: dict | None = None) -> Proc:
@@ -57,6 +69,12 @@ def procs(tmp_path):
     yield start
     for p in started:
         p.kill(signal.SIGTERM)
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        for p in started:
+            lines = p.output().splitlines()[-LOG_TAIL_LINES:]
+            print(f"--- last {len(lines)} lines of {p.log_path.name} (exit {p.p.returncode})")
+            print("\n".join(line[:400] for line in lines))
 
 
 def require_root():

@@ -24,15 +24,21 @@ from fakes.nvml import fakenvml  # noqa: E402
 
 FAKE_NPU_SMI = ROOT / "tests/fakes/npu-smi/npu-smi"
 NPU_SCENARIO = ROOT / "tests/fixtures/npu-smi/scenario-8x910B4"
+# Each tier's first round runs at the start, so long periods cost the test nothing, and they give a
+# round a budget (timeout_ratio x period) that a busy machine does not overrun: a discarded round
+# would leave its series out until the next one.
 AGENT = """
 [tiers]
-realtime_s = 0.5
-nearline_s = 1.0
-offline_s = 1.0
+realtime_s = 2.0
+nearline_s = 5.0
+offline_s = 10.0
+timeout_ratio = 1.0
 [stream]
 flush_s = 0.05
 [sources.npu_smi]
-timeout_s = 0.8
+timeout_s = 2.0
+nearline_timeout_s = 5.0
+offline_timeout_s = 10.0
 [sources.ebpf]
 enabled = false
 """
@@ -79,16 +85,23 @@ def test_prometheus_scrapes_native_and_dashboard_names(procs, tmp_path, promethe
                        "--node-id", "npu-node", "--npu-smi", str(FAKE_NPU_SMI)], "agent-npu",
                       env={"FAKE_NPU_SMI_DIR": str(npu_dir)})
 
-    def ready():
+    want = {"gpu-node": ("hw.gpu.utilization", "hw.gpu.memory.usage", "hw.power", "hw.temperature", "hw.energy",
+                         "xpusense.accelerator.clock.frequency", "xpusense.accelerator.hbm.bandwidth.utilization",
+                         "system.cpu.time"),
+            "npu-node": ("hw.gpu.utilization", "hw.gpu.memory.usage", "hw.power", "hw.temperature",
+                         "xpusense.accelerator.health")}
+
+    def missing() -> dict[str, list[str]]:
         nodes = {n["node_id"]: n for n in nodes_json(addr)["nodes"]}
-        g, n = nodes.get("gpu-node"), nodes.get("npu-node")
-        want_g = ("hw.gpu.utilization", "hw.gpu.memory.usage", "hw.power", "hw.temperature", "hw.energy",
-                  "xpusense.accelerator.clock.frequency", "xpusense.accelerator.hbm.bandwidth.utilization")
-        want_n = ("hw.gpu.utilization", "hw.gpu.memory.usage", "hw.power", "hw.temperature",
-                  "xpusense.accelerator.health")
-        return (g and n and all(series(g, x) for x in want_g) and all(series(n, x) for x in want_n)
-                and series(g, "system.cpu.time"))
-    wait_until(ready, timeout_s=120, what="GPU and NPU series at the collector")
+        return {node: [x for x in names if node not in nodes or not series(nodes[node], x)]
+                for node, names in want.items()}
+
+    def missing_said() -> str:
+        try:
+            return f"GPU and NPU series at the collector; missing: {missing()}"
+        except Exception as e:
+            return f"GPU and NPU series at the collector (which are missing is unknown: {e})"
+    wait_until(lambda: not any(missing().values()), timeout_s=300, what=missing_said)
     # The agents stop: the collector's latest values stand still, so Prometheus must show exactly them.
     gpu_agent.kill(signal.SIGTERM)
     npu_agent.kill(signal.SIGTERM)
