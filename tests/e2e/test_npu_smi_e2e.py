@@ -11,15 +11,18 @@ from helpers import BIN, ROOT, free_port, nodes_json, series, wait_until
 FAKE = ROOT / "tests/fakes/npu-smi/npu-smi"
 SCENARIO = ROOT / "tests/fixtures/npu-smi/scenario-8x910B4"
 
+# Long tier periods give a round a budget (timeout_ratio x period) that a busy machine does not
+# overrun (a discarded round leaves its series out until the next); the first rounds run at the start.
 CONFIG = """
 [tiers]
-realtime_s = 1.0
-nearline_s = 2.0
-offline_s = 2.0
+realtime_s = 2.0
+nearline_s = 5.0
+offline_s = 10.0
+timeout_ratio = 1.0
 [stream]
 flush_s = 0.1
 [sources.npu_smi]
-timeout_s = 0.8
+timeout_s = 2.0
 [sources.nvml]
 enabled = false
 [sources.ebpf]
@@ -67,7 +70,7 @@ def test_a_hanging_npu_smi_does_not_hold_back_the_other_sources(procs, tmp_path)
     """npu-smi hangs in setup (600 s, with a setup budget as long): the host source streams all the
     same, and the agent still stops cleanly on SIGTERM (issue 13 item 7: nothing was streamed for the
     first setup_timeout_s)."""
-    config = CONFIG.replace("timeout_s = 0.8\n", "timeout_s = 0.8\nsetup_timeout_s = 600\n") + "[spool]\nenabled = false\n"
+    config = CONFIG.replace("timeout_s = 2.0\n", "timeout_s = 2.0\nsetup_timeout_s = 600\n") + "[spool]\nenabled = false\n"
     addr, scenario, agent = start(procs, tmp_path, "hung-npu", config,
                                   {"FAKE_NPU_SMI_DELAY_S": "600", "FAKE_NPU_SMI_DELAY_ON": "info"})
 
