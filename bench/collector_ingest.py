@@ -161,7 +161,7 @@ class SimAgent:
                 else:
                     self.gauges.append((s, rng.uniform(0.1, 0.9)))
         self.msg = msg
-        self.samples = list(b.samples)
+        self._template(b)
         self.hello = pb.AgentMessage(hello=pb.Hello(
             node_id=self.node_id, boot_id=self.boot_id, agent_version="bench", time_unix_nano=time.time_ns(),
             inventory=pb.Inventory(hostname=self.node_id, labels={"cloud": "bench"}, resources=[
@@ -169,23 +169,79 @@ class SimAgent:
                             model="A100-SXM4-40GB" if vendor == "nvidia" else "Ascend-910B", id=str(d),
                             attributes={"memory": "40GB"}) for d in range(DEVICES)])))
 
-    def next_batch(self) -> bytes:
-        """The next batch, serialized; every sample stamped now (that is the latency's start)."""
-        self.seq += 1
-        now = time.time_ns()
-        b = self.msg.batch
-        b.seq = self.seq
-        b.sent_unix_nano = now
-        wobble = (self.seq % 17) / 100.0
-        for s in self.samples:
+    def _template(self, b) -> None:
+        """The samples' bytes as protobuf writes them, cut where each sample's value and time go:
+        a batch is then one struct.pack of the pieces with the new values (~4x cheaper than setting
+        160 samples' fields and serializing; the bytes are protobuf's own, checked below)."""
+        import struct
+        pieces: list = []
+        fmt = ["<"]
+        self.counters_at, self.gauges_at = [], []   # (piece index of the value, step or base)
+        steps = dict((id(s), step) for s, step in self.counters)
+        bases = dict((id(s), base) for s, base in self.gauges)
+        mark_v, mark_t = 1.2345678901234567e-300, (1 << 62) + 12345
+        for s in b.samples:
+            value = s.value
+            s.value, s.time_unix_nano = mark_v, mark_t
+            raw = b.__class__(samples=[s]).SerializeToString()   # tag, length, the sample's fields
+            s.value = value
+            at_v = raw.index(struct.pack("<d", mark_v))
+            at_t = raw.index(_varint(mark_t), at_v + 8)
+            if id(s) in steps:
+                self.counters_at.append((len(pieces) + 1, steps[id(s)]))
+            else:
+                self.gauges_at.append((len(pieces) + 1, bases[id(s)]))
+            pieces += [raw[:at_v], value, raw[at_v + 8:at_t], b"", raw[at_t + 9:]]
+            fmt.append(f"{at_v}sd{at_t - at_v - 8}s9s{len(raw) - at_t - 9}s")
+        self.pieces = pieces
+        self.packer = struct.Struct("".join(fmt))
+        self.time_at = range(3, len(pieces), 5)
+        self.header = (b.node_id, b.boot_id)
+        # The same bytes as protobuf's serialization, for one batch (a mistake here would measure
+        # a collector fed something else than agents send).
+        seq, now = 7, time.time_ns()
+        for s in b.samples:
             s.time_unix_nano = now
-        for s, base in self.gauges:
-            s.value = base + wobble
-        for s, step in self.counters:
-            s.value += step
+        for (s, base), (i, _) in zip(self.gauges, self.gauges_at):   # a gauge's 0.0 is not written
+            s.value = pieces[i] = base
+        b.seq, b.sent_unix_nano = seq, now
+        assert self._bytes(seq, now) == self.msg.SerializeToString(), "bench batch template != protobuf"
+
+    def _bytes(self, seq: int, now: int) -> bytes:
+        pb, pieces = self.pb, self.pieces
+        t = _varint(now)
+        for i in self.time_at:
+            pieces[i] = t
+        node_id, boot_id = self.header
+        head = pb.Batch(node_id=node_id, boot_id=boot_id, seq=seq).SerializeToString()
+        batch = head + self.packer.pack(*pieces) + pb.Batch(sent_unix_nano=now).SerializeToString()
+        return b"\x12" + _varint(len(batch)) + batch   # AgentMessage.batch (field 2, length-delimited)
+
+    def next_batch(self, now: int | None = None) -> bytes:
+        """The next batch, serialized; every sample stamped now (that is the latency's start), or
+        at `now` (--memory-nodes feeds 15 minutes of history in a few)."""
+        self.seq += 1
+        now = time.time_ns() if now is None else now
+        wobble = (self.seq % 17) / 100.0
+        pieces = self.pieces
+        for i, base in self.gauges_at:
+            pieces[i] = base + wobble
+        for i, step in self.counters_at:
+            pieces[i] += step
         self.sent_ns[self.seq] = now
         self.sent += 1
-        return self.msg.SerializeToString()
+        return self._bytes(self.seq, now)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low = n & 0x7F
+        n >>= 7
+        if not n:
+            out.append(low)
+            return bytes(out)
+        out.append(low | 0x80)
 
 
 async def run_agent(ag: SimAgent, address: str, rate: float, window: int, phase_s: float,
@@ -384,6 +440,7 @@ def memory_mode(nodes: int, history_s: float, trace: bool) -> int:
     from xpusense.collector.limits import Limits
     from xpusense.collector.scheduler.core import Scheduler
     from xpusense.collector.state import FleetState
+    from xpusense.v1 import telemetry_pb2 as pb
     cfg = load_collector(None, env={})
     agents = [SimAgent(i, "nvidia" if i % 2 == 0 else "huawei") for i in range(nodes)]
     gc.collect()
@@ -403,10 +460,7 @@ def memory_mode(nodes: int, history_s: float, trace: bool) -> int:
     for k in range(rounds):
         t = t_base + k * 10**9
         for a in agents:
-            a.next_batch()
-            b = a.msg.batch
-            for smp in a.samples:
-                smp.time_unix_nano = t
+            b = pb.AgentMessage.FromString(a.next_batch(now=t)).batch
             c0 = clock()
             if limits.check(a.node_id, b, state) is None and state.accept(b, now_ns=t) is not None:
                 state.apply(b)
