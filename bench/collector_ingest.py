@@ -183,7 +183,9 @@ class SimAgent:
         for s in b.samples:
             value = s.value
             s.value, s.time_unix_nano = mark_v, mark_t
-            raw = b.__class__(samples=[s]).SerializeToString()   # tag, length, the sample's fields
+            # tag, length, the sample's fields (a map's entries in key order: protobuf's own order
+            # may differ from one map object to another)
+            raw = b.__class__(samples=[s]).SerializeToString(deterministic=True)
             s.value = value
             at_v = raw.index(struct.pack("<d", mark_v))
             at_t = raw.index(_varint(mark_t), at_v + 8)
@@ -197,15 +199,17 @@ class SimAgent:
         self.packer = struct.Struct("".join(fmt))
         self.time_at = range(3, len(pieces), 5)
         self.header = (b.node_id, b.boot_id)
-        # The same bytes as protobuf's serialization, for one batch (a mistake here would measure
-        # a collector fed something else than agents send).
+        # The same bytes as protobuf's serialization (deterministic: map entries by key), for one
+        # batch (a mistake here would measure a collector fed something else than agents send).
         seq, now = 7, time.time_ns()
         for s in b.samples:
             s.time_unix_nano = now
         for (s, base), (i, _) in zip(self.gauges, self.gauges_at):   # a gauge's 0.0 is not written
             s.value = pieces[i] = base
         b.seq, b.sent_unix_nano = seq, now
-        assert self._bytes(seq, now) == self.msg.SerializeToString(), "bench batch template != protobuf"
+        mine = self._bytes(seq, now)
+        if mine != self.msg.SerializeToString(deterministic=True):
+            assert self.pb.AgentMessage.FromString(mine) == self.msg, f"{self.node_id}: bench batch != protobuf's"
 
     def _bytes(self, seq: int, now: int) -> bytes:
         pb, pieces = self.pb, self.pieces
