@@ -36,12 +36,38 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # fields 14, 15 of proc(5)
 
 
-def machine_ticks() -> tuple[int, int]:
-    """(all CPU time, stolen time) of the machine so far, in clock ticks (/proc/stat's `cpu` line):
-    on a VM, stolen time is when the host ran something else while this machine wanted a CPU."""
+def machine_ticks(cpu: int | None = None) -> tuple[int, int]:
+    """(all CPU time, stolen time) of the machine (or of one CPU) so far, in clock ticks (/proc/stat's
+    `cpu` or `cpuN` line): on a VM, stolen time is when the host ran something else while this
+    machine wanted a CPU."""
+    name = "cpu" if cpu is None else f"cpu{cpu}"
     with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return sum(fields[:8]), fields[7]   # user nice system idle iowait irq softirq steal (guest is in user)
+        for line in f:
+            head, _, rest = line.partition(" ")
+            if head == name:
+                fields = [int(x) for x in rest.split()]
+                return sum(fields[:8]), fields[7]   # user nice system idle iowait irq softirq steal (guest is in user)
+    raise ValueError(f"/proc/stat has no {name} line")
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (sched_setaffinity on a pid moves only that one
+    thread: a running nats-server's other threads, Go's, would stay free to run anywhere). Threads
+    started meanwhile inherit from the one that starts them, so passes go on until none is new."""
+    done: set[int] = set()
+    while True:
+        try:
+            tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")} - done
+        except FileNotFoundError:
+            return
+        if not tids:
+            return
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:
+                pass
+        done |= tids
 
 
 def steal_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
