@@ -19,8 +19,9 @@ JetStream's default sync policy), then, one after the other:
    and watches it (collector/cluster/scheduler.py) and the core answers in process (p50/p99 over
    the request shapes of bench/place_latency.py); then a `scheduler` replica process answers a
    client over gRPC (the decisions, in process and in the replica, run on a CPU of their own, as a
-   replica is deployed, and the NATS servers, the bucket's writer and the client on the others;
-   --shared-cpus: all on every CPU, as before 2026-12-02);
+   replica is deployed, and the NATS servers (every thread), the bucket's writer and the client on
+   the others; --shared-cpus: all on every CPU, as before 2026-12-02); where the slowest 1% of the
+   in-process decisions went (their own CPU time; the window's wait behind other tasks, steal);
 6. the projection for 100,000 nodes at 1 batch/s: cores of gateways and workers from the rates
    above, the scheduler replicas' cost of following the bucket (measured per summary update) and
    the memory of worker and scheduler state from the per-node figures.
