@@ -50,6 +50,23 @@ def machine_ticks(cpu: int | None = None) -> tuple[int, int]:
     raise ValueError(f"/proc/stat has no {name} line")
 
 
+def run_delay_ms(pid: int) -> float:
+    """The time the threads of process `pid` have spent runnable but waiting for a CPU so far, in ms
+    (the second field of each /proc/PID/task/TID/schedstat): preempted by other tasks."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total / 1e6
+
+
 def pin(pid: int, cpus: set[int]) -> None:
     """Every thread of process `pid` onto `cpus` (sched_setaffinity on a pid moves only that one
     thread: a running nats-server's other threads, Go's, would stay free to run anywhere). Threads

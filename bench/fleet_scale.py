@@ -52,7 +52,7 @@ import time
 import tracemalloc
 from types import SimpleNamespace
 
-from _proc import cpu_s, free_port, machine_ticks, pin, steal_pct, stop, tail, wait_collector
+from _proc import cpu_s, free_port, machine_ticks, pin, run_delay_ms, steal_pct, stop, tail, wait_collector
 from collector_ingest import DEVICES, SERIES, percentile, raise_nofile
 from collector_ingest import SimAgent as LoadAgent
 from collector_ingest import worker as load_worker
@@ -265,7 +265,7 @@ async def place_from_bucket(urls: list[str], data: list[bytes], seconds: float, 
     # Off its CPU in the window (read once each side: a /proc read before every decision cost it
     # ~40 us of CPU at p50, caches): waiting behind another task, and the host's steal.
     mine_cpu = min(os.sched_getaffinity(0))   # the decisions' CPU (place_step pins them to one)
-    ticks0, delay0 = machine_ticks(mine_cpu), run_delay_ns()
+    ticks0, delay0 = machine_ticks(mine_cpu), run_delay_ms(os.getpid())
     while time.monotonic() < end:
         r0 = view.refreshes
         c, t = time.thread_time_ns(), time.perf_counter_ns()
@@ -276,7 +276,7 @@ async def place_from_bucket(urls: list[str], data: list[bytes], seconds: float, 
         caught_up_nodes += view.refreshes - r0
         i += 1
         await asyncio.sleep(0.002)
-    ticks1, delay1 = machine_ticks(mine_cpu), run_delay_ns()
+    ticks1, delay1 = machine_ticks(mine_cpu), run_delay_ms(os.getpid())
     stop_ev.set()
     await refresh
     gc_stop.set()
@@ -293,14 +293,8 @@ async def place_from_bucket(urls: list[str], data: list[bytes], seconds: float, 
             # Where the slowest 1% went: the decision's own CPU time, and off its CPU (preempted by
             # another task, the host's steal, interrupts).
             "slow_ms": sum(lat[k] for k in slow) / len(slow), "slow_cpu_ms": sum(cpu[k] for k in slow) / len(slow),
-            "slow_off_cpu_ms": sum(off_cpu) / len(slow), "waited_ms": (delay1 - delay0) / 1e6,
+            "slow_off_cpu_ms": sum(off_cpu) / len(slow), "waited_ms": delay1 - delay0,
             "steal_pct": steal_pct(ticks0, ticks1)}
-
-
-def run_delay_ns() -> int:
-    """This thread's time runnable but waiting for a CPU so far (/proc/thread-self/schedstat)."""
-    with open("/proc/thread-self/schedstat") as f:
-        return int(f.read().split()[1])
 
 
 def place_over_grpc(tmp: str, urls: list[str], data: list[bytes], seconds: float, updates_s: float,
@@ -339,9 +333,9 @@ def place_over_grpc(tmp: str, urls: list[str], data: list[bytes], seconds: float
         parent, child = mp.get_context("spawn").Pipe(duplex=False)
         c = mp.get_context("spawn").Process(target=grpc_client, args=(addr, seconds, 0.002, child), daemon=True)
         c.start()
-        c0, w0 = cpu_s(p.pid), time.monotonic()
+        c0, w0, d0 = cpu_s(p.pid), time.monotonic(), (run_delay_ms(p.pid), run_delay_ms(c.pid))
         asyncio.run(_refresh_for(urls, data, updates_s, seconds))
-        c1, w1 = cpu_s(p.pid), time.monotonic()
+        c1, w1, d1 = cpu_s(p.pid), time.monotonic(), (run_delay_ms(p.pid), run_delay_ms(c.pid))
         lat = parent.recv() if parent.poll(120) else []
         c.join(10)
         rss = _rss_kb(p.pid)
@@ -353,7 +347,9 @@ def place_over_grpc(tmp: str, urls: list[str], data: list[bytes], seconds: float
     finally:
         stop(p)
     return {"p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "n": len(lat), "rss_mb": rss / 1024,
-            "replica_cpu": (c1 - c0) / max(1e-9, w1 - w0)}
+            "replica_cpu": (c1 - c0) / max(1e-9, w1 - w0),
+            # Time the replica's threads and the client's waited behind other tasks in the window, a call
+            "replica_waited_ms": (d1[0] - d0[0]) / max(1, len(lat)), "client_waited_ms": (d1[1] - d0[1]) / max(1, len(lat))}
 
 
 async def _refresh_for(urls: list[str], data: list[bytes], updates_s: float, seconds: float) -> None:
@@ -407,7 +403,9 @@ def place_only(args: argparse.Namespace) -> int:
           f"{inproc['slow_cpu_ms']:.3f} ms of it on its CPU; in the window {inproc['waited_ms']:.1f} ms waiting "
           f"behind other tasks, its CPU's steal {inproc['steal_pct']:.1f}%); over gRPC p50 {over['p50_ms']:.3f} ms, "
           f"p99 {over['p99_ms']:.3f} ms (goal <= 5; {over['n']} calls; the replica's CPU meanwhile "
-          f"{100 * over['replica_cpu']:.0f}% of a core); load average {os.getloadavg()[0]:.2f}"
+          f"{100 * over['replica_cpu']:.0f}% of a core; waits behind other tasks, a call on average: the "
+          f"replica's threads {over['replica_waited_ms']:.3f} ms, the client's {over['client_waited_ms']:.3f} ms); "
+          f"load average {os.getloadavg()[0]:.2f}"
           + (f"; py-spy profile of the replica: {os.path.join(tmp, 'scheduler.spy.txt')}" if args.spy else ""))
     print(json.dumps({"bench": "fleet_scale", "place_only": True, "place_nodes": inproc["listed"],
                       "place_inproc": {k: round(v, 3) if isinstance(v, float) else v for k, v in inproc.items()},
