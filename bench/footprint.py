@@ -209,7 +209,7 @@ def thread_groups(before: dict, after: dict, wall: float, names: dict[str, str])
     return dict(sorted(rows.items(), key=lambda kv: -kv[1]["ms_per_s"]))
 
 
-def machine_ticks() -> tuple[int, int]:
+def busy_ticks() -> tuple[int, int]:
     """(busy, total) jiffies of all CPUs from /proc/stat."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
@@ -348,12 +348,12 @@ def loader_line(log_path: str) -> dict:
 def quiet_window(agent: subprocess.Popen, ne: subprocess.Popen, ne_url: str, seconds: float) -> dict:
     sampler = Sampler(ne_url, {"agent": agent.pid, "node_exporter": ne.pid})
     t0 = thread_ns(agent.pid)
-    a0, n0, m0, w0 = cpu_s(agent.pid), cpu_s(ne.pid), machine_ticks(), time.monotonic()
+    a0, n0, m0, w0 = cpu_s(agent.pid), cpu_s(ne.pid), busy_ticks(), time.monotonic()
     sampler.thread.start()
     time.sleep(seconds)
     sampler.stop.set()
     sampler.thread.join(10)
-    a1, n1, m1, w1 = cpu_s(agent.pid), cpu_s(ne.pid), machine_ticks(), time.monotonic()
+    a1, n1, m1, w1 = cpu_s(agent.pid), cpu_s(ne.pid), busy_ticks(), time.monotonic()
     wall = w1 - w0
     t1 = thread_ns(agent.pid)
     out = {"seconds": round(wall, 1), "scrapes": sampler.scrapes, "scrape_errors": sampler.scrape_errors,
