@@ -50,21 +50,32 @@ def machine_ticks(cpu: int | None = None) -> tuple[int, int]:
     raise ValueError(f"/proc/stat has no {name} line")
 
 
-def run_delay_ms(pid: int) -> float:
-    """The time the threads of process `pid` have spent runnable but waiting for a CPU so far, in ms
-    (the second field of each /proc/PID/task/TID/schedstat): preempted by other tasks."""
-    total = 0
+def thread_ids(pid: int) -> list[str]:
+    """The thread ids of process `pid` now (/proc/PID/task); [] when it is gone."""
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        return 0.0
-    for tid in tids:
+        return os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+
+
+def thread_schedstat(pid: int) -> dict[str, tuple[int, int, int]]:
+    """Per thread of `pid`: tid -> (ns on CPU, ns runnable but waiting for a CPU, times scheduled
+    in), from /proc/PID/task/*/schedstat. A thread gone between listing and reading is left out."""
+    out = {}
+    for tid in thread_ids(pid):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[1])
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return total / 1e6
+                run_ns, wait_ns, slices = (int(x) for x in f.read().split())
+        except (OSError, ValueError):
+            continue
+        out[tid] = (run_ns, wait_ns, slices)
+    return out
+
+
+def run_delay_ms(pid: int) -> float:
+    """The time the threads of process `pid` have spent runnable but waiting for a CPU so far, in ms:
+    preempted by other tasks."""
+    return sum(wait_ns for _run, wait_ns, _slices in thread_schedstat(pid).values()) / 1e6
 
 
 def pin(pid: int, cpus: set[int]) -> None:
@@ -73,10 +84,7 @@ def pin(pid: int, cpus: set[int]) -> None:
     started meanwhile inherit from the one that starts them, so passes go on until none is new."""
     done: set[int] = set()
     while True:
-        try:
-            tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")} - done
-        except FileNotFoundError:
-            return
+        tids = {int(t) for t in thread_ids(pid)} - done
         if not tids:
             return
         for tid in tids:

@@ -43,7 +43,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from _proc import cpu_s, free_port, stop, tail, tool, wait_collector
+from _proc import cpu_s, free_port, stop, tail, thread_schedstat, tool, wait_collector
 from ebpf_cost import FSYNC_WRITER, PING_PONG, UDP_SENDER, ctxt, delta, enable_bpf_stats, prog_stats, sh, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,17 +162,11 @@ def thread_ns(pid: int) -> dict[str, tuple[int, int]]:
     """Per thread of `pid`: tid:name -> (ns on CPU, times it was scheduled in), from
     /proc/PID/task/*/schedstat and comm. A thread gone between listing and reading is left out."""
     out = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for t in tids:
+    for t, (run_ns, _wait_ns, slices) in thread_schedstat(pid).items():
         try:
             with open(f"/proc/{pid}/task/{t}/comm") as f:
                 name = f.read().strip()
-            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
-                run_ns, _wait_ns, slices = (int(x) for x in f.read().split())
-        except (OSError, ValueError):
+        except OSError:
             continue
         out[f"{t}:{name}"] = (run_ns, slices)
     return out
