@@ -140,7 +140,14 @@ def test_fleet_index_lists_and_watches_again_when_its_watch_fails_or_ends(nats_c
         nc = await nats.connect(servers=nats_cluster.urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
         js = nc.jetstream(timeout=10)
         kv = await js.create_key_value(bucket="fleet-flaky", history=1, replicas=3)
-        await kv.put("n1", summary("n1"))
+        for _ in range(600):   # a new R3 bucket answers once its stream has elected a leader
+            try:
+                await kv.put("n1", summary("n1"))
+                break
+            except nats.js.errors.NoStreamResponseError:
+                await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the new fleet-flaky bucket's stream never elected a leader")
         cluster_scheduler.WATCH_BACKOFF_S = (0.05, 0.2)
         idx, bucket = FleetIndex(), _FlakyBucket(kv)
         task = asyncio.get_running_loop().create_task(idx.follow(js, bucket, "fleet-flaky"))
