@@ -36,8 +36,14 @@ async def connect(ncfg: Any, name: str, on_state=None, timeout_s: float = 10.0):
     async def error_cb(e: Exception) -> None:
         log.debug("nats: %s", e)
 
+    client: list = []   # the connection, once made: its callbacks tell a close from a lost server
+
     async def disconnected_cb() -> None:
-        log.warning("nats: disconnected from the cluster; reconnecting")
+        # nats-py calls this on close() too (status CLOSED): that is no lost server, and no reconnect follows.
+        if client and client[0].is_closed:
+            log.info("nats: connection closed")
+        else:
+            log.warning("nats: disconnected from the cluster; reconnecting")
         if on_state is not None:
             on_state(False)
 
@@ -48,10 +54,12 @@ async def connect(ncfg: Any, name: str, on_state=None, timeout_s: float = 10.0):
 
     opts.update(error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb)
     try:   # the client retries the servers itself; bounded here so a wrong address fails at start
-        return await asyncio.wait_for(nats.connect(**opts), timeout_s)
+        nc = await asyncio.wait_for(nats.connect(**opts), timeout_s)
     except Exception as e:
         raise ClusterUnavailable(f"cannot reach the NATS cluster at {','.join(ncfg.urls)}: "
                                  f"{type(e).__name__} {e}; is it running? set [nats] urls / --nats") from None
+    client.append(nc)
+    return nc
 
 
 class ClusterUnavailable(Exception):

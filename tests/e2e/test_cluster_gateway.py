@@ -117,6 +117,45 @@ def test_cluster_mode_commands_say_what_is_wrong(tmp_path):
     assert out.returncode == 1 and "cannot reach the NATS cluster" in out.stderr
 
 
+def test_connection_tells_a_lost_server_from_a_close(nats_cluster, tmp_path, caplog):  # noqa: F811
+    """engine.connect's callbacks: the server it is connected to SIGKILLed -> a warning that it
+    reconnects, on_state False then True (another server); a close() -> on_state False and an info
+    line, not the warning (nats-py calls the disconnected callback on close() too)."""
+    import asyncio
+    import logging
+
+    from xpusense.collector.cluster.cli import load_config
+    from xpusense.collector.cluster.engine import connect
+
+    cfg = load_config(str(cluster_config(tmp_path, nats_cluster)), {}, env={})
+    states: list[bool] = []
+    lost = "nats: disconnected from the cluster; reconnecting"
+
+    async def until(cond, what: str, timeout_s: float = 60.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not cond():
+            assert asyncio.get_running_loop().time() < deadline, f"{what}: states {states}"
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> None:
+        nc = await connect(cfg.nats, "test-connection", on_state=states.append)
+        try:
+            port = nc.connected_url.port
+            name = next(s.name for s in nats_cluster.servers if s.port == port)
+            await asyncio.get_running_loop().run_in_executor(None, nats_cluster.kill, name)
+            await until(lambda: states == [False, True], "reconnected to another server")
+            assert nc.connected_url.port != port
+        finally:
+            await nc.close()
+
+    with caplog.at_level(logging.INFO, logger="xpusense.collector.cluster"):
+        run(scenario(), timeout_s=120)
+    said = [r.getMessage() for r in caplog.records if r.name == "xpusense.collector.cluster"]
+    assert states == [False, True, False]
+    assert said.count(lost) == 1, said
+    assert said[-1] == "nats: connection closed", said
+
+
 def test_pipelined_publish_acks_duplicates_times_out_and_gives_up(nats_cluster, tmp_path):  # noqa: F811
     """The gateway's pipelined first publish (one ack inbox, one timeout sweeper), against the real
     cluster: a new msg id is stored, the same id again is a duplicate; a publish nobody answers
