@@ -26,7 +26,10 @@ async def connect(ncfg: Any, name: str, on_state=None, timeout_s: float = 10.0):
     `on_state(connected: bool)` is called when it goes and comes back."""
     opts: dict[str, Any] = dict(servers=list(ncfg.urls), name=name, connect_timeout=2, reconnect_time_wait=0.25,
                                 max_reconnect_attempts=-1, allow_reconnect=True, ping_interval=5, max_outstanding_pings=2,
-                                pending_size=64 * 2**20)
+                                pending_size=64 * 2**20,
+                                # A drain (disconnect(), at stop) of a server that goes meanwhile: nats-py
+                                # would wait its flush's 10 s; this bounds the whole drain.
+                                drain_timeout=ncfg.publish_timeout_s)
     if ncfg.creds_file:
         opts["user_credentials"] = ncfg.creds_file
     if ncfg.tls_ca:
@@ -60,6 +63,26 @@ async def connect(ncfg: Any, name: str, on_state=None, timeout_s: float = 10.0):
                                  f"{type(e).__name__} {e}; is it running? set [nats] urls / --nats") from None
     client.append(nc)
     return nc
+
+
+async def disconnect(nc: Any) -> None:
+    """A stopping process's last word to the cluster: drain the connection (its subscriptions and
+    the publishes in flight finish, then it closes; nats-py bounds that by its drain_timeout), or,
+    when there is no server to drain to (reconnecting: the cluster is down) or the drain fails,
+    close it at once. nats-py's drain() refuses a reconnecting connection, which was then left open
+    to the event loop's teardown."""
+    if nc.is_closed:
+        return
+    if nc.is_connected and not nc.is_draining:
+        try:
+            await nc.drain()
+            return
+        except Exception as e:
+            log.debug("nats: drain: %s; closing instead", e)
+    try:
+        await nc.close()
+    except Exception as e:
+        log.debug("nats: close: %s", e)
 
 
 class ClusterUnavailable(Exception):

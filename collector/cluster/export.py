@@ -157,7 +157,7 @@ class StreamQueue:
 async def run_exporter(cfg: Any, stop: asyncio.Event) -> None:
     """`xpusense-collector exporter`: [export.otlp] from the streams until stopped."""
     from ..otlp_export import OtlpExport
-    from .engine import ClusterUnavailable, connect, ensure
+    from .engine import ClusterUnavailable, connect, disconnect, ensure
     if not cfg.export.otlp.enabled:
         raise ClusterUnavailable("the exporter has nothing to do: set [export.otlp] enabled = true (and its endpoint)")
     ncfg = cfg.nats
@@ -174,5 +174,4 @@ async def run_exporter(cfg: Any, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         await asyncio.get_running_loop().run_in_executor(None, export.stop)
-        with contextlib.suppress(Exception):
-            await nc.drain()
+        await disconnect(nc)

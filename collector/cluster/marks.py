@@ -94,10 +94,20 @@ class Marks:
         if m.seq > m.written:   # raised while writing, or the cluster did not answer: once more
             m.task = asyncio.get_running_loop().create_task(self._write_later(node_id, boot_id, m))
 
-    async def flush_all(self) -> None:
-        """Write every raised mark now (the gateway is stopping)."""
-        await asyncio.gather(*(self.flush(n, b) for (n, b), m in list(self.marks.items()) if m.seq > m.written),
-                             return_exceptions=True)
+    async def flush_all(self, timeout_s: float | None = None) -> int:
+        """Write every raised mark now (the gateway is stopping), for at most `timeout_s` (None: no
+        bound; with the cluster gone a write tries 5 times, each a publish timeout). The marks not
+        written: their agents resend what followed them, dropped downstream by message id or
+        SeqWindow."""
+        writes = [asyncio.ensure_future(self.flush(n, b)) for (n, b), m in list(self.marks.items())
+                  if m.seq > m.written]
+        if not writes:
+            return 0
+        done, late = await asyncio.wait(writes, timeout=timeout_s)
+        for t in late:
+            t.cancel()
+        await asyncio.gather(*late, return_exceptions=True)   # their cancellations taken before this returns
+        return len(late) + sum(1 for t in done if t.exception() is not None)
 
     async def flush(self, node_id: str, boot_id: str) -> None:
         """Write the boot's mark now (the stream ended); then forget it here."""

@@ -243,7 +243,7 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
     from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
     from ..server import QUERY_SERVICE
-    from .engine import connect, ensure
+    from .engine import connect, disconnect, ensure
     from .query import ClusterQueryServicer
     from .rpc import SERVING, bind, grpc_server
     ncfg = cfg.nats
@@ -273,8 +273,7 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
         await server.stop(grace=2.0)
         collections_held.cancel()
         await sched.close()
-        with contextlib.suppress(Exception):
-            await nc.drain()
+        await disconnect(nc)
 
 
 def _prometheus(cfg: Any, index: FleetIndex):

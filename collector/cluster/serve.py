@@ -21,7 +21,7 @@ from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 from ..gc_policy import freeze_long_lived
 from ..server import QUERY_SERVICE
 from ..wire import INGEST_SERVICE, add_ingest
-from .engine import connect, ensure
+from .engine import connect, disconnect, ensure
 from .gateway import ClusterIngestServicer, Gateway
 from .rpc import NOT_SERVING, SERVING, bind, grpc_server
 
@@ -73,7 +73,7 @@ async def start_gateway(cfg: Any, security=None, limits=None, credentials=None, 
     await server.start()
     for svc in services:
         await hs.set(svc, SERVING)
-    return server, gw, closers + [gw.close, nc.drain]
+    return server, gw, closers + [gw.close, lambda: disconnect(nc)]
 
 
 async def run_gateway(cfg: Any, stop: asyncio.Event, security=None, limits=None, credentials=None) -> None:
@@ -87,7 +87,11 @@ async def run_gateway(cfg: Any, stop: asyncio.Event, security=None, limits=None,
     log.info("gateway %s stopping: %d batches published, %d duplicates, %d publishes sent again (%d not answered "
              "in time), %d stream waits for in-flight room", gw.id, gw.published, gw.duplicates, gw.retries,
              gw.timeouts, gw.inflight_waits)
-    await gw.marks.flush_all()
+    unwritten = await gw.marks.flush_all(timeout_s=cfg.nats.publish_timeout_s)
+    if unwritten:
+        log.warning("gateway %s: %d marks not written to the cluster within %g s of stopping: those agents "
+                    "will resend what followed them (dropped downstream as duplicates)", gw.id, unwritten,
+                    cfg.nats.publish_timeout_s)
     for close in closers:
         try:
             await close()

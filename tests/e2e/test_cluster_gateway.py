@@ -156,6 +156,48 @@ def test_connection_tells_a_lost_server_from_a_close(nats_cluster, tmp_path, cap
     assert said[-1] == "nats: connection closed", said
 
 
+def test_disconnect_closes_a_connection_the_cluster_has_gone_from(nats_cluster, tmp_path):  # noqa: F811
+    """engine.disconnect, what every cluster-mode process does when it stops: a connected client is
+    drained and closed; one reconnecting (every server gone) is closed too, where nats-py's drain()
+    refuses it (ConnectionReconnectingError) and left it open to the loop's teardown."""
+    import asyncio
+
+    import nats.errors
+
+    from xpusense.collector.cluster.cli import load_config
+    from xpusense.collector.cluster.engine import connect, disconnect
+
+    cfg = load_config(str(cluster_config(tmp_path, nats_cluster)), {}, env={})
+
+    async def scenario() -> tuple[bool, bool, str]:
+        healthy = await connect(cfg.nats, "test-healthy")
+        await disconnect(healthy)
+        lost = await connect(cfg.nats, "test-lost")
+        try:
+            loop = asyncio.get_running_loop()
+            for s in nats_cluster.servers:
+                await loop.run_in_executor(None, nats_cluster.kill, s.name)
+            deadline = loop.time() + 60
+            while not lost.is_reconnecting:
+                assert loop.time() < deadline, "the client never noticed every server gone"
+                await asyncio.sleep(0.05)
+            try:
+                await lost.drain()
+                refused = "drained"
+            except nats.errors.ConnectionReconnectingError:
+                refused = "refused"
+            await disconnect(lost)
+            return healthy.is_closed, lost.is_closed, refused
+        finally:
+            if not lost.is_closed:
+                await lost.close()
+
+    healthy_closed, lost_closed, drain = run(scenario(), timeout_s=120)
+    assert healthy_closed
+    assert drain == "refused"      # what the processes called before: the connection stayed open
+    assert lost_closed
+
+
 def test_pipelined_publish_acks_duplicates_times_out_and_gives_up(nats_cluster, tmp_path):  # noqa: F811
     """The gateway's pipelined first publish (one ack inbox, one timeout sweeper), against the real
     cluster: a new msg id is stored, the same id again is a duplicate; a publish nobody answers

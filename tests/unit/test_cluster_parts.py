@@ -213,3 +213,77 @@ def test_a_batch_is_kept_in_the_bytes_it_came_in():
     assert second is not None
     hello = parse_agent_message(pb.AgentMessage(hello=pb.Hello(node_id="n1")).SerializeToString())
     assert batch_wire(hello) is None and received._received.raw == b"" and received._received.msg is None
+
+
+def test_a_stopping_worker_hands_its_partitions_over_at_once():
+    """Worker.release_all: every partition's handover (its summaries written, its lease deleted)
+    is under way before any ends, so a stop with the cluster gone waits one publish timeout, not
+    one a partition; each lease is deleted at the revision the worker holds, and a handover that
+    fails is left to the lease's expiry without stopping the others."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from xpusense.collector.cluster.worker import Worker, _Partition
+
+    parts = 12
+    started: list[str] = []
+    deleted: list[tuple[str, int]] = []
+
+    class Leases:
+        def __init__(self) -> None:
+            self.all_started = asyncio.Event()
+
+        async def delete(self, key: str, last: int) -> None:
+            started.append(key)
+            if len(started) == parts:
+                self.all_started.set()
+            await asyncio.wait_for(self.all_started.wait(), 30)   # one after another: never set
+            if key == "p.3":
+                raise RuntimeError("the cluster said no")
+            deleted.append((key, last))
+
+    async def scenario() -> Worker:
+        w = Worker(None, SimpleNamespace(leases=Leases(), fleet=None), SimpleNamespace(), "w1")
+        for k in range(parts):
+            w.parts[k] = _Partition(k, revision=100 + k)
+        await w.release_all()
+        return w
+
+    w = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert len(started) == parts and not w.parts
+    assert sorted(deleted) == sorted((f"p.{k}", 100 + k) for k in range(parts) if k != 3)
+
+
+
+def test_a_stopping_gateway_writes_its_marks_within_a_bound():
+    """Marks.flush_all(timeout_s): the marks the cluster takes are written; those it never answers
+    for are given up after the bound and counted (their agents resend, dropped downstream), where
+    each used to take 5 tries of a publish timeout."""
+    import asyncio
+
+    from xpusense.collector.cluster.marks import Marks
+    from xpusense.collector.cluster.subjects import mark_key
+
+    written: dict[str, bytes] = {}
+
+    class Bucket:
+        def __init__(self) -> None:
+            self.never = asyncio.Event()
+
+        async def update(self, key: str, value: bytes, last: int) -> int:
+            if "silent" in key:
+                await self.never.wait()   # a cluster that is gone: no answer
+            written[key] = value
+            return last + 1
+
+    async def scenario() -> tuple[int, int]:
+        marks = Marks(Bucket(), flush_s=3600)   # no timed write comes before the flush
+        for node in ("ok-1", "ok-2", "silent-1"):
+            marks.raised(node, "b1", 5)
+        return await marks.flush_all(timeout_s=0.5), len(marks.marks)
+
+    unwritten, left = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert unwritten == 1
+    assert sorted(written) == [mark_key("ok-1", "b1"), mark_key("ok-2", "b1")]
+    assert set(written.values()) == {b"5"}
+    assert left == 0   # written or given up: none kept for a gateway that is stopping
