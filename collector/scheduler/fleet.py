@@ -104,6 +104,7 @@ class FleetView:
         self._held_since = 0.0
         self._idle: asyncio.Event | None = None
         self.refreshes = self.deferred = 0   # summaries refreshed; batches that only marked their node
+        self.unchanged = 0   # refreshes that found nothing a decision reads moved (groups and filing kept)
         self.settings = settings
         self.stale_ns = settings.stale_ns
         self.peak_tflops = PeakTflops(settings.peak_tflops)
@@ -338,7 +339,7 @@ class FleetView:
             for e in reversed(s.state.events):   # the node's recent events, oldest first
                 self._note_events(s, (e,))
         old = s.best_value
-        self._refresh(s, self.state.clock())
+        self._refresh(s, self.state.clock(), force=True)
         s.best_value = max((g.value for g in s.by_type.values()), default=-1.0)
         if s.best_value > self.best_value or (old >= self.best_value and s.best_value < old):
             self._rescale_fleet()
@@ -448,8 +449,10 @@ class FleetView:
             elif kind == "checkpoint_request":
                 s.checkpoint_requests[e.device] = (t, e.message or "HBM bandwidth watch fired")
 
-    def _refresh(self, s: NodeSummary, now: int) -> None:
-        """New readings or events: each device's free HBM, free score and health; then the groups."""
+    def _refresh(self, s: NodeSummary, now: int, force: bool = False) -> None:
+        """New readings or events: each device's free HBM, free score and health; then the groups,
+        filed in the index, unless nothing a decision reads moved (`force`: a new inventory, whose
+        devices and layout are new whatever their readings)."""
         self.refreshes += 1
         if len(s.state.series) != s.series_seen:
             self._map_series(s)
@@ -460,7 +463,12 @@ class FleetView:
         with_events = bool(s.xid_events or s.health_events or s.checkpoint_requests or diagnosed)
         nan = math.nan
         looked = False   # whether any device's health was looked at (else none is out)
+        # Whether anything a decision reads moved: with events (their windows and texts age) always;
+        # else only where a device's readings, or whether it is offered or penalised, did.
+        changed = with_events or force
         for d in s.devices:
+            if not changed:
+                was = (d.readings, d.excluded, d.penalty)
             d.excluded = d.penalty = None
             if with_events or d.health:
                 looked = True
@@ -476,6 +484,11 @@ class FleetView:
             score = d.free_score = free_score(util, used, free, total, bandwidth)
             d.readings = (util, free, total, bandwidth)
             d.choice_order = (d.penalty is not None, -score, -free)
+            if not changed and was != (d.readings, d.excluded, d.penalty):
+                changed = True
+        if not changed:   # an idle node's round: its groups and their filing in the index stand
+            self.unchanged += 1
+            return
         self._group(s)
         s.not_offered = [d for d in s.devices if d.excluded is not None] if looked else []
         if expires != s.expires_ns:

@@ -649,6 +649,19 @@ def test_place_refreshes_what_it_has_time_for_beyond_the_bound():
     asyncio.run(run())
 
 
+def test_a_node_whose_accelerators_are_gone_from_its_inventory_leaves_the_index():
+    """A new inventory regroups the node whatever its readings: with no accelerators left (none
+    to read, so none moved) it is in no pool."""
+    fleet = Fleet()
+    fleet.agent("a100-1", "a100")
+    ask = {"accelerator": spb.ACCELERATOR_ANY, "count": 1}
+    assert [c.node_id for c in fleet.place(**ask).candidates] == ["a100-1"]
+    fleet.state.set_inventory("a100-1", pb.Inventory(hostname="a100-1"))
+    reply = fleet.place(**ask)
+    assert not reply.candidates and reply.nodes_feasible == 0
+    assert all("a100-1" not in pool.entries for pool in fleet.core.view.pools)
+
+
 def test_index_refresh_ms_0_refreshes_on_every_batch(tmp_path):
     fleet = Fleet(cfg=write_cfg(tmp_path, "[scheduler]\nindex_refresh_ms = 0\n"))
     agent = fleet.agent("a100-1", "a100")

@@ -177,6 +177,69 @@ def test_indexed_search_answers_as_the_full_scan_does_with_many_blocks_per_bucke
     assert max(len(b.counts[0].blocks) for p in sch.view.pools[:2] for b in p.buckets.values() if b.counts) > 5
 
 
+def test_a_refresh_that_finds_nothing_moved_answers_as_one_that_regroups(monkeypatch):
+    """An idle node's round (the same readings, health and no events: what most of a fleet's
+    nodes send between jobs) keeps its groups and their filing (FleetView.unchanged counts it).
+    Two cores follow one fleet state, the second regrouping on every refresh as before: every
+    answer is the same, while nodes go idle, busy, unhealthy and back with the same readings,
+    take XIDs and checkpoint requests, and those windows end."""
+    from xpusense.collector.scheduler import fleet as fleet_mod
+
+    rng = random.Random(7)
+    clock = [10**18]
+    st_ = FleetState(clock=lambda: clock[0])
+    lazy = Scheduler(st_, DEFAULTS.scheduler, DEFAULTS.stale_s)
+    eager = Scheduler(st_, DEFAULTS.scheduler, DEFAULTS.stale_s)
+    refresh = fleet_mod.FleetView._refresh
+
+    def always(self, s, now, force=False):
+        refresh(self, s, now, force=force or self is eager.view)
+
+    monkeypatch.setattr(fleet_mod.FleetView, "_refresh", always)
+    for view in (lazy.view, eager.view):
+        view.refresh_ns = 0   # every batch refreshes its node at once
+    kinds = ["a100", "910b", "a100pcie"]
+    nodes: dict[str, list] = {}
+    for i in range(40):
+        nid, kind = f"n{i:02d}", rng.choice(kinds)
+        st_.hello(pb.Hello(node_id=nid, boot_id="b", inventory=inventory(kind, 8, region=rng.choice(["r1", "r2"]),
+                                                                            price="1")))
+        nodes[nid] = [kind, 0, None]   # kind, seq, the readings sent last
+    for step in range(12):
+        clock[0] += int(rng.choice((1, 2, 30)) * 1e9)   # 30 s: XID and checkpoint windows end (expire)
+        for nid, (kind, seq, last) in nodes.items():
+            hbm = KINDS[kind][4] / GiB
+            if last is None or rng.random() < 0.3:   # busy: readings move; else idle: the same again
+                last = nodes[nid][2] = (
+                    {d: rng.choice((0.0, 0.5)) for d in range(8)}, {d: rng.choice((0.0, hbm / 2)) for d in range(8)},
+                    {d: rng.choice(["OK"] * 6 + ["Alarm"]) for d in range(8)})
+            util, used, health = last
+            if rng.random() < 0.1:   # a device's health changes, its readings do not
+                health = {**health, (d := rng.randrange(8)): "Alarm" if health[d] == "OK" else "OK"}
+                nodes[nid][2] = (util, used, health)
+            events = []
+            if rng.random() < 0.08:
+                events.append(event(rng.choice(["xid", "checkpoint_request"]), dev_id(kind, rng.randrange(8)),
+                                    clock[0]))
+            nodes[nid][1] = seq = seq + 1
+            assert st_.ingest(pb.Batch(node_id=nid, boot_id="b", seq=seq, events=events, samples=readings(
+                kind, 8, util=util, used_gib=used, health=health, t_ns=clock[0])))
+        for _ in range(15):
+            req = spb.PlaceRequest(
+                accelerator=rng.choice([spb.ACCELERATOR_ANY, spb.ACCELERATOR_GPU, spb.ACCELERATOR_NPU]),
+                memory_bytes=int(rng.choice((0, 16, 32, 40, 64)) * GiB), count=rng.choice((1, 2, 4, 8)),
+                same_domain=rng.random() < 0.3, limit=rng.choice((1, 5)), max_excluded=400)
+            fast, ref = lazy.place(req), eager.place(req)
+            where = f"step {step} request {req}"
+            assert_same_answer(fast, ref, where)
+            assert [[(d.dimension, d.detail) for d in c.dimensions] + [p.detail for p in c.penalties]
+                    for c in fast.candidates] == \
+                [[(d.dimension, d.detail) for d in c.dimensions] + [p.detail for p in c.penalties]
+                 for c in ref.candidates], where
+        check_index(lazy)
+    assert lazy.view.unchanged > 150 and eager.view.unchanged == 0   # idle rounds were found, and kept
+
+
 def same_answer(sch: Scheduler, req: spb.PlaceRequest, where: str) -> spb.PlaceReply:
     """The indexed answer and the full scan's: the same counts, candidates in the same order (ties
     by node id), the same excluded nodes."""
