@@ -65,6 +65,10 @@ DEVICES = 8
 # through the environment so that spawned load-generator processes see it too.
 NO_SERIES_REF = os.environ.get("XPUSENSE_BENCH_NO_SERIES_REF") == "1"
 BDP_PROBE = os.environ.get("XPUSENSE_BENCH_BDP_PROBE") == "1"   # --bdp-probe, likewise
+# --idle-share: this share of the agents (every agent whose index % 100 is below it x 100) send
+# idle accelerators: their gauges the same every round (utilisation, HBM used, bandwidth...), their
+# counters still counting; the others' gauges move every round (the default: all of them).
+IDLE_SHARE = float(os.environ.get("XPUSENSE_BENCH_IDLE_SHARE", "0"))
 
 # 20 series per device: (name, unit, kind) with kind "g" gauge / "c" counter (running total).
 SERIES = [
@@ -135,6 +139,7 @@ class SimAgent:
         from xpusense.v1 import telemetry_pb2 as pb
         self.pb = pb
         self.node_id = f"{NODE_PREFIX}{index:05d}"
+        self.idle = index % 100 < IDLE_SHARE * 100
         self.boot_id = uuid.uuid4().hex
         self.seq = 0
         self.sent_ns: dict[int, int] = {}
@@ -226,7 +231,7 @@ class SimAgent:
         at `now` (--memory-nodes feeds 15 minutes of history in a few)."""
         self.seq += 1
         now = time.time_ns() if now is None else now
-        wobble = (self.seq % 17) / 100.0
+        wobble = 0.0 if self.idle else (self.seq % 17) / 100.0
         pieces = self.pieces
         for i, base in self.gauges_at:
             pieces[i] = base + wobble
@@ -526,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collector-cmd", metavar="CMD",
                    help="another collector build to measure (default: xpusense-collector); "
                         "'serve --listen ...' is appended")
+    p.add_argument("--idle-share", type=float, default=0.0, metavar="F",
+                   help="share of the agents (0..1) whose accelerators are idle: the same gauges every round "
+                        "(default 0: every agent's gauges move every round)")
     p.add_argument("--index-refresh-ms", type=float, default=None,
                    help="the collector's [scheduler] index_refresh_ms (default: its own, 1000)")
     p.add_argument("--memory-nodes", type=int, default=0, metavar="N",
@@ -541,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--data-dir {args.data_dir} already holds a store: give an empty or new directory")
     if args.agents < 1 or args.window < 1 or args.rate < 0 or args.seconds <= 0:
         p.error("--agents and --window must be >= 1, --rate >= 0, --seconds > 0")
+    if not 0.0 <= args.idle_share <= 1.0:
+        p.error(f"--idle-share {args.idle_share:g}: a share of the agents, 0..1")
     raise_nofile()
 
     all_cpus = sorted(os.sched_getaffinity(0))
@@ -584,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["XPUSENSE_BENCH_NO_SERIES_REF"] = "1"
     if args.bdp_probe:
         os.environ["XPUSENSE_BENCH_BDP_PROBE"] = "1"
+    os.environ["XPUSENSE_BENCH_IDLE_SHARE"] = repr(args.idle_share)
     ctx = mp.get_context("spawn")
     collector = None
     workers: list = []
@@ -683,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     goal_label = f">= {GOAL_BATCHES_S:g}" if args.rate == 0 else "offered"
     mode = "saturation (rate 0)" if args.rate == 0 else f"cadence {args.rate:g} batch/s per agent"
     print(f"collector ingest: {mode}, {args.agents} agents in {procs} processes, window {args.window}, "
-          f"{DEVICES}x{len(SERIES)} samples/batch, {wall:.1f} s after {args.warmup_s:g} s warm-up")
+          f"{DEVICES}x{len(SERIES)} samples/batch, {wall:.1f} s after {args.warmup_s:g} s warm-up"
+          + (f", {args.idle_share:.0%} of the agents idle (the same gauges every round)" if args.idle_share else ""))
     print(f"  collector on CPU {col_cpu}; load generator on CPUs {gen_cpus or [col_cpu]} "
           f"(of {len(all_cpus)}); {len(nodes)} agents connected in {connect_s:.1f} s"
           + (f", {connect_retries} connect retries ({', '.join(sorted(retry_codes))})" if connect_retries else ""))
@@ -733,6 +745,7 @@ def main(argv: list[str] | None = None) -> int:
         pstats.Stats(args.profile).sort_stats("tottime").print_stats(25)
     summary = {"bench": "collector_ingest", "mode": "saturation" if args.rate == 0 else "cadence",
                "agents": args.agents, "rate_per_agent": args.rate, "window": args.window, "procs": procs,
+               "idle_share": args.idle_share,
                "seconds": round(wall, 1), "batches_per_s": round(rate_s, 1),
                "samples_per_s": round(rate_s * DEVICES * len(SERIES)), "p50_ms": round(p50, 2),
                "p90_ms": round(p90, 2), "p99_ms": round(p99, 2), "max_ms": round(pmax, 2),
