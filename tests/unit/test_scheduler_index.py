@@ -89,6 +89,14 @@ def check_index(sch: Scheduler) -> None:
                 assert filed == expected
 
 
+def assert_same_details(fast: spb.PlaceReply, ref: spb.PlaceReply, where: str) -> None:
+    """The candidates' dimensions and penalties, in the same words."""
+    def details(reply: spb.PlaceReply) -> list:
+        return [[(d.dimension, d.detail) for d in c.dimensions] + [p.detail for p in c.penalties]
+                for c in reply.candidates]
+    assert details(fast) == details(ref), where
+
+
 def test_indexed_search_answers_as_the_full_scan_does_with_many_blocks_per_bucket(monkeypatch):
     """Few placement keys and blocks of 2-4 values: every bucket's sorted values span many blocks
     that split and merge as readings, health, labels and inventories change; GPU, NPU, mixed
@@ -166,10 +174,7 @@ def test_indexed_search_answers_as_the_full_scan_does_with_many_blocks_per_bucke
             assert_same_answer(fast, ref, where)
             # The candidates' details, kept on the groups for the next request (explain.chosen_devices)
             # in the indexed answer, afresh in the reference: the same words.
-            assert [[(d.dimension, d.detail) for d in c.dimensions] + [p.detail for p in c.penalties]
-                    for c in fast.candidates] == \
-                [[(d.dimension, d.detail) for d in c.dimensions] + [p.detail for p in c.penalties]
-                 for c in ref.candidates], where
+            assert_same_details(fast, ref, where)
             check_index(sch)
         cut = clock[0] - sch.settings.stale_ns
         assert set(sch.view.stale_known) == {nid for nid in nodes if st_.nodes[nid].last_seen_ns < cut}
@@ -232,10 +237,7 @@ def test_a_refresh_that_finds_nothing_moved_answers_as_one_that_regroups(monkeyp
             fast, ref = lazy.place(req), eager.place(req)
             where = f"step {step} request {req}"
             assert_same_answer(fast, ref, where)
-            assert [[(d.dimension, d.detail) for d in c.dimensions] + [p.detail for p in c.penalties]
-                    for c in fast.candidates] == \
-                [[(d.dimension, d.detail) for d in c.dimensions] + [p.detail for p in c.penalties]
-                 for c in ref.candidates], where
+            assert_same_details(fast, ref, where)
         check_index(lazy)
     assert lazy.view.unchanged > 150 and eager.view.unchanged == 0   # idle rounds were found, and kept
 
