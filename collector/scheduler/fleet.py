@@ -15,8 +15,7 @@ what a decision must not miss). `refresh_ns` 0, or no running loop to time it: r
 id in the index (busy: its tie key changed at its last refresh) is moved under its tie key once it
 has not been refreshed for SETTLE_NS, by a second timer (settle_quiet; by catch_up() without a
 loop), so that no decision walks quiet nodes one by one. A refresh that finds nothing a decision reads
-moved (no device's readings, health or penalty; no events to age) keeps the node's groups and
-their filing as they are (`unchanged`): an idle node's round costs its readings alone.
+moved (an idle node's round) keeps the node's groups and their filing (`unchanged`, _refresh).
 
 Per node: its accelerators' free HBM and free score from the latest readings, their health (an XID
 or double-bit ECC event within xid_window_s, or a health state other than OK: the newer of the
