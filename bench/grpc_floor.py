@@ -22,12 +22,13 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from xpusense.common.grpc_engine import POLLING_LISTENER, choose_engine  # noqa: E402
+from xpusense.common.grpc_engine import POLLING_LISTENER, choose_engine
 
 choose_engine(POLLING_LISTENER)   # before grpc is imported, as xpusense-collector does
 
 import grpc  # noqa: E402
 
+from xpusense.collector.server import SERVER_OPTIONS  # noqa: E402
 from xpusense.collector.wire import _wire_rows  # noqa: E402  (None where it was not built)
 from xpusense.v1 import telemetry_pb2 as pb  # noqa: E402
 
@@ -62,12 +63,7 @@ class Floor:
 
 
 async def main(listen: str) -> None:
-    server = grpc.aio.server(options=[   # collector/server.py start_server's
-        ("grpc.so_reuseport", 0),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-        ("grpc.http2.max_ping_strikes", 0),
-    ])
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     floor = Floor()
     server.add_generic_rpc_handlers((
         grpc.method_handlers_generic_handler("xpusense.v1.Ingest", {

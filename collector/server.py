@@ -480,6 +480,16 @@ def check_bind(listen: str) -> None:
             raise BindError(f"cannot listen on {listen}: {e.strerror}; {hint}choose another address with --listen") from None
 
 
+# Every collector-side gRPC server's options (the single collector, cluster gateways and scheduler
+# replicas, bench/grpc_floor.py), beside its message size bound.
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),   # a second collector on the same port must fail, not share it
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
 async def start_server(listen: str, state: FleetState, max_message_bytes: int = 16 * 1024 * 1024,
                        credentials: grpc.ServerCredentials | None = None, security=None,
                        limits=None, config=None, store=None) -> grpc.aio.Server:
@@ -487,13 +497,8 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
     # limits.interceptors(): a message that does not parse ends its call with INVALID_ARGUMENT.
     interceptors = [*(security.interceptors() if security is not None else ()),
                     *(limits.interceptors() if limits is not None else ())]
-    server = grpc.aio.server(interceptors=interceptors or None, options=[
-        ("grpc.so_reuseport", 0),   # a second collector on the same port must fail, not share it
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-        ("grpc.http2.max_ping_strikes", 0),
-    ])
+    server = grpc.aio.server(interceptors=interceptors or None,
+                             options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_message_bytes)])
     ingest = IngestServicer(state, security, limits, store)
     if limits is not None:
         state.max_series_per_node = limits.max_series_per_node

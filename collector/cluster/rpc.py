@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2
 
-from ..server import BindError, check_bind
+from ..server import SERVER_OPTIONS, BindError, check_bind
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -14,13 +14,8 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 def grpc_server(security=None, limits=None, max_message_bytes: int = 16 * 2**20) -> grpc.aio.Server:
     interceptors = [*(security.interceptors() if security is not None else ()),
                     *(limits.interceptors() if limits is not None else ())]
-    return grpc.aio.server(interceptors=interceptors or None, options=[
-        ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-        ("grpc.http2.max_ping_strikes", 0),
-    ])
+    return grpc.aio.server(interceptors=interceptors or None,
+                           options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_message_bytes)])
 
 
 def bind(server: grpc.aio.Server, listen: str, credentials=None) -> None:
