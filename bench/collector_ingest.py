@@ -1,10 +1,11 @@
 """Collector ingest: stored batches/s and sample-to-stored latency of a real collector on one core.
 
 Starts a real collector (`xpusense-collector serve`) pinned to CPU 0, and --agents simulated agents
-spread over --procs worker processes (pinned to the other CPUs when there are any). Every simulated
-agent opens its own connection, with the agent's channel options (common/tls.py channel_options:
-keepalive, no BDP probing; --bdp-probe for gRPC's default, as this bench ran before 2026-12-01), and
-the real bidirectional Ingest stream (xpusense.v1 protos), says Hello, then sends Batches (node id,
+(bench/load_agents.py: by default one C process on libnghttp2, --generator python for grpc aio
+workers) pinned to the other CPUs when there are any. Every simulated agent opens its own
+connection, with the agent's channel options (common/tls.py channel_options: keepalive, no BDP
+probing; --bdp-probe, with --generator python, for gRPC's default, as this bench ran before
+2026-12-01), and the real bidirectional Ingest stream (xpusense.v1 protos), says Hello, then sends Batches (node id,
 boot id, seq) of 8 devices x 20 series, labels device/vendor, all samples stamped with the time the
 batch is built:
 
@@ -42,7 +43,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import os
 import random
 import re
@@ -56,6 +56,7 @@ import tempfile
 import time
 import uuid
 
+import load_agents
 from _proc import cpu_s, free_port, machine_ticks, steal_pct, stop, tail, tool, wait_collector
 
 GOAL_BATCHES_S = 2000.0
@@ -514,8 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=8, help="batches in flight per agent at most (default 8)")
     p.add_argument("--seconds", type=float, default=30.0, help="measurement window (default 30)")
     p.add_argument("--warmup-s", type=float, default=5.0, help="sending before the window (default 5)")
+    p.add_argument("--generator", choices=load_agents.KINDS, default="c",
+                   help="the simulated agents: c (bench/loadgen/ingest_agents.c, one process; default) or python "
+                        "(grpc aio, several processes, ~10x the CPU a batch: as the bench ran before 2026-12-03)")
     p.add_argument("--procs", type=int, default=0,
-                   help="load-generator processes (default min(agents, 8, 2 x the generator's CPUs))")
+                   help="with --generator python: its processes (default min(agents, 8, 2 x the generator's CPUs))")
     p.add_argument("--collector-cpu", type=int, default=0, help="the one CPU the collector runs on (default 0)")
     p.add_argument("--durable", action="store_true",
                    help="collector with a durable store (--data-dir in a temporary directory); adds store size "
@@ -549,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--data-dir {args.data_dir} already holds a store: give an empty or new directory")
     if args.agents < 1 or args.window < 1 or args.rate < 0 or args.seconds <= 0:
         p.error("--agents and --window must be >= 1, --rate >= 0, --seconds > 0")
+    if args.bdp_probe and args.generator != "python":
+        p.error("--bdp-probe is a grpc channel option: with --generator python")
     if not 0.0 <= args.idle_share <= 1.0:
         p.error(f"--idle-share {args.idle_share:g}: a share of the agents, 0..1")
     raise_nofile()
@@ -560,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     # used 89-98% of the generator's core at 2,000 agents, 2 of them 70-74%; at saturation 8 offered
     # 2,964-3,890 batches/s, 2 offered 5,555-6,721/s (the collector's core then 93-95% busy).
     procs = args.procs or min(args.agents, 8, 2 * max(1, len(gen_cpus)))
-    procs = max(1, min(procs, args.agents))
+    procs = 1 if args.generator == "c" else max(1, min(procs, args.agents))
     if gen_cpus:
         os.sched_setaffinity(0, set(gen_cpus))   # keep this process off the collector's core too
 
@@ -595,10 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.bdp_probe:
         os.environ["XPUSENSE_BENCH_BDP_PROBE"] = "1"
     os.environ["XPUSENSE_BENCH_IDLE_SHARE"] = repr(args.idle_share)
-    ctx = mp.get_context("spawn")
     collector = None
-    workers: list = []
-    shared_times = ctx.Array("d", 3, lock=False)
+    gen = None
     try:
         with open(col_log, "w") as log:
             collector = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -609,52 +613,34 @@ def main(argv: list[str] | None = None) -> int:
             print(f"collector did not come up on {address}:\n{tail(col_log)}", file=sys.stderr)
             return 1
 
-        ready_q, out_q = ctx.Queue(), ctx.Queue()
-        groups = [list(range(i, args.agents, procs)) for i in range(procs)]
-        for g in groups:
-            w = ctx.Process(target=worker, args=(g, address, args.rate, args.window, gen_cpus,
-                                                 ready_q, shared_times, out_q), daemon=True)
-            w.start()
-            workers.append(w)
+        gen = load_agents.start(args.generator, list(range(args.agents)), address, args.rate, args.window,
+                                gen_cpus, procs)
         t_conn = time.monotonic()
-        connect_fails: list[str] = []
-        connect_retries, retry_codes = 0, set()
-        for _ in groups:
-            try:
-                _, fails, retries, codes = ready_q.get(timeout=120)
-                connect_retries += retries
-                retry_codes.update(codes)
-            except Exception:
-                shared_times[2] = -1.0
-                print("simulated agents did not connect within 120 s", file=sys.stderr)
-                return 1
-            connect_fails += fails
+        try:
+            connect_fails, connect_retries, retry_codes = gen.wait_ready(120.0 + args.agents / 100)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 1
         connect_s = time.monotonic() - t_conn
         if connect_fails:
-            shared_times[2] = -1.0
             print(f"{len(connect_fails)} simulated agents failed to connect, e.g. {connect_fails[0]}", file=sys.stderr)
             return 1
 
         go = time.monotonic() + 0.2
         t0, t1 = go + args.warmup_s, go + args.warmup_s + args.seconds
-        shared_times[1], shared_times[2] = t0, t1
-        shared_times[0] = go
+        gen.go(go, t0, t1)
         time.sleep(max(0.0, t0 - time.monotonic()))
-        c0, g0, w0 = cpu_s(collector.pid), sum(cpu_s(w.pid) for w in workers), time.monotonic()
+        c0, g0, w0 = cpu_s(collector.pid), sum(map(cpu_s, gen.pids)), time.monotonic()
         m0 = machine_ticks()
         time.sleep(max(0.0, t1 - time.monotonic()))
-        c1, g1, w1 = cpu_s(collector.pid), sum(cpu_s(w.pid) for w in workers), time.monotonic()
+        c1, g1, w1 = cpu_s(collector.pid), sum(map(cpu_s, gen.pids)), time.monotonic()
         stolen = steal_pct(m0, machine_ticks())
 
-        results = []
-        for _ in workers:
-            try:
-                results.append(out_q.get(timeout=60))
-            except Exception:
-                print("a load-generator process did not report within 60 s", file=sys.stderr)
-                return 1
-        for w in workers:
-            w.join(10)
+        try:
+            results = gen.results(60.0)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 1
         if collector.poll() is not None:
             print(f"collector exited {collector.returncode}:\n{tail(col_log)}", file=sys.stderr)
             return 1
@@ -663,11 +649,8 @@ def main(argv: list[str] | None = None) -> int:
             stop(collector)
             restart = restart_figures(tool("xpusense-collector") if args.profile else prefix, data_dir, cfg_path, tmp)
     finally:
-        shared_times[2] = shared_times[2] or -1.0
-        for w in workers:
-            if w.is_alive():
-                w.terminate()
-                w.join(5)
+        if gen is not None:
+            gen.close()
         stop(collector)
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -693,7 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     goal_rate = GOAL_BATCHES_S if args.rate == 0 else 0.995 * args.rate * args.agents
     goal_label = f">= {GOAL_BATCHES_S:g}" if args.rate == 0 else "offered"
     mode = "saturation (rate 0)" if args.rate == 0 else f"cadence {args.rate:g} batch/s per agent"
-    print(f"collector ingest: {mode}, {args.agents} agents in {procs} processes, window {args.window}, "
+    print(f"collector ingest: {mode}, {args.agents} agents in {procs} {args.generator} load-generator processes, "
+          f"window {args.window}, "
           f"{DEVICES}x{len(SERIES)} samples/batch, {wall:.1f} s after {args.warmup_s:g} s warm-up"
           + (f", {args.idle_share:.0%} of the agents idle (the same gauges every round)" if args.idle_share else ""))
     print(f"  collector on CPU {col_cpu}; load generator on CPUs {gen_cpus or [col_cpu]} "
@@ -745,6 +729,7 @@ def main(argv: list[str] | None = None) -> int:
         pstats.Stats(args.profile).sort_stats("tottime").print_stats(25)
     summary = {"bench": "collector_ingest", "mode": "saturation" if args.rate == 0 else "cadence",
                "agents": args.agents, "rate_per_agent": args.rate, "window": args.window, "procs": procs,
+               "generator": args.generator,
                "idle_share": args.idle_share,
                "seconds": round(wall, 1), "batches_per_s": round(rate_s, 1),
                "samples_per_s": round(rate_s * DEVICES * len(SERIES)), "p50_ms": round(p50, 2),
