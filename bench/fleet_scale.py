@@ -4,9 +4,9 @@ on this machine, and what 100,000 nodes at one batch a second would take.
 A real 3-server NATS JetStream cluster on loopback (collector/cluster/localnats.py, R3 streams,
 JetStream's default sync policy), then, one after the other:
 
-1. gateway, saturation: one `serve --nats` gateway pinned to CPU 0, simulated agents (the load
-   generator of bench/collector_ingest.py: 8 devices x 20 series = 160 samples a batch, --window
-   in flight) on the other CPUs as fast as acks allow; batches/s acknowledged (each after its R3
+1. gateway, saturation: one `serve --nats` gateway pinned to CPU 0, simulated agents
+   (bench/load_agents.py, the C generator unless --generator python: 8 devices x 20 series = 160
+   samples a batch, --window in flight) on the other CPUs as fast as acks allow; batches/s acknowledged (each after its R3
    publish ack) divided by the gateway's CPU (utime+stime, /proc) = batches/s per core;
 2. gateway, a fleet at 1 s: --fleet agents x 1 batch/s through the same gateway; ack p99 (sample
    time -> Ack at the agent, an upper bound on -> stored in JetStream);
@@ -52,10 +52,10 @@ import time
 import tracemalloc
 from types import SimpleNamespace
 
+import load_agents
 from _proc import cpu_s, free_port, machine_ticks, pin, run_delay_ms, steal_pct, stop, tail, wait_collector
 from collector_ingest import DEVICES, SERIES, percentile, raise_nofile
 from collector_ingest import SimAgent as LoadAgent
-from collector_ingest import worker as load_worker
 from place_latency import Fleet, config, grpc_client, pct, requests
 
 GOALS = {"gateway_per_core": 2500, "worker_per_core": 3000, "bytes_per_node": 64 * 1024, "ack_p99_ms": 100.0,
@@ -78,44 +78,29 @@ def collector_toml(tmp: str, urls: list[str], top: str = "") -> str:
 
 
 def load(address: str, agents: int, rate: float, window: int, seconds: float, warmup_s: float,
-         gen_cpus: list[int], watch_pid: int, procs: int, also_pids: tuple[int, ...] = (), on_window=None) -> dict:
-    """collector_ingest's simulated agents against `address`; the figures, watch_pid's CPU and the
-    summed CPU of also_pids (the nats-servers) and of the load generator in the window;
-    on_window() is called as the window opens."""
-    ctx = mp.get_context("spawn")
-    shared = ctx.Array("d", 3, lock=False)
-    ready_q, out_q = ctx.Queue(), ctx.Queue()
-    procs = max(1, min(procs, agents))
-    groups = [list(range(i, agents, procs)) for i in range(procs)]
-    workers = []
+         gen_cpus: list[int], watch_pid: int, procs: int, also_pids: tuple[int, ...] = (), on_window=None,
+         generator: str = "c") -> dict:
+    """collector_ingest's simulated agents (bench/load_agents.py, `generator`) against `address`; the
+    figures, watch_pid's CPU and the summed CPU of also_pids (the nats-servers) and of the load
+    generator in the window; on_window() is called as the window opens."""
+    gen = load_agents.start(generator, list(range(agents)), address, rate, window, gen_cpus, procs)
     try:
-        for g in groups:
-            w = ctx.Process(target=load_worker, args=(g, address, rate, window, gen_cpus, ready_q, shared, out_q),
-                            daemon=True)
-            w.start()
-            workers.append(w)
-        for _ in groups:
-            _, fails, _, _ = ready_q.get(timeout=300)
-            if fails:
-                raise RuntimeError(f"{len(fails)} simulated agents failed to connect, e.g. {fails[0]}")
+        fails, _, _ = gen.wait_ready(300.0)
+        if fails:
+            raise RuntimeError(f"{len(fails)} simulated agents failed to connect, e.g. {fails[0]}")
         go = time.monotonic() + 0.2
         t0, t1 = go + warmup_s, go + warmup_s + seconds
-        shared[1], shared[2] = t0, t1
-        shared[0] = go
+        gen.go(go, t0, t1)
         time.sleep(max(0.0, t0 - time.monotonic()))
         if on_window is not None:
             on_window()
-        gens = tuple(w.pid for w in workers if w.pid is not None)
+        gens = gen.pids
         c0, o0, g0, w0 = cpu_s(watch_pid), sum(map(cpu_s, also_pids)), sum(map(cpu_s, gens)), time.monotonic()
         time.sleep(max(0.0, t1 - time.monotonic()))
         c1, o1, g1, w1 = cpu_s(watch_pid), sum(map(cpu_s, also_pids)), sum(map(cpu_s, gens)), time.monotonic()
-        results = [out_q.get(timeout=120) for _ in workers]
+        results = gen.results(120.0)
     finally:
-        shared[2] = shared[2] or -1.0
-        for w in workers:
-            w.join(10)
-            if w.is_alive():
-                w.terminate()
+        gen.close()
     wall = w1 - w0
     lat = sorted(x for r in results for x in r["latencies_ms"])
     acked = sum(r["window_acked"] for r in results)
@@ -497,7 +482,7 @@ def ack_only(args: argparse.Namespace) -> int:
             try:
                 window: list[float] = []
                 fleet = load(address, args.fleet, 1.0, 8, args.seconds, 5.0, gen_cpus, gw.pid, 4, servers,
-                             on_window=lambda: (window.append(time.monotonic()), probe.start()))
+                             generator=args.generator, on_window=lambda: (window.append(time.monotonic()), probe.start()))
             finally:
                 probe_stop.set()
             la1 = os.getloadavg()[0]
@@ -551,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--place-nodes", type=int, default=10000, help="nodes in the fleet bucket for Place (default 10000)")
     p.add_argument("--updates-s", type=float, default=1000.0,
                    help="summary updates/s the index follows while Place is measured (default 1000)")
+    p.add_argument("--generator", choices=load_agents.KINDS, default="c",
+                   help="the simulated agents: c (default) or python (grpc aio, as before 2026-12-03)")
     p.add_argument("--place-only", action="store_true", help="only step 5, Place from the fleet bucket")
     p.add_argument("--ack-only", action="store_true",
                    help="only step 2, ack latency of --fleet agents x 1 batch/s through one gateway")
@@ -584,9 +571,10 @@ def whole_run(args) -> int:
         gw, address, log_path = gateway_proc(tmp, urls, gw_cpu)
         try:
             print(f"1. gateway saturation: {args.agents} agents, {args.seconds:g} s ...", flush=True)
-            sat = load(address, args.agents, 0.0, 8, args.seconds, 3.0, gen_cpus, gw.pid, min(args.agents, 4))
+            sat = load(address, args.agents, 0.0, 8, args.seconds, 3.0, gen_cpus, gw.pid, min(args.agents, 4),
+                       generator=args.generator)
             print(f"2. gateway at 1 s: {args.fleet} agents x 1 batch/s, {args.seconds:g} s ...", flush=True)
-            fleet = load(address, args.fleet, 1.0, 8, args.seconds, 5.0, gen_cpus, gw.pid, 4)
+            fleet = load(address, args.fleet, 1.0, 8, args.seconds, 5.0, gen_cpus, gw.pid, 4, generator=args.generator)
         except Exception:
             print(tail(log_path), file=sys.stderr)
             raise

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # All set-up on a fresh Debian machine, as root; idempotent and quick when already done.
-#   Debian packages (compiler for the test fakes, iproute2 for network namespaces, prometheus and
-#   systemd for the export and unit tests, bcc and kernel
-#   headers via setup-ebpf.sh), the virtualenv in .venv with xpusense and its test tools, and bcc
-#   linked into that virtualenv.
+#   Debian packages (compiler for the test fakes, libnghttp2-dev for the benches' C load
+#   generator, iproute2 for network namespaces, prometheus and systemd for the export and unit
+#   tests, bcc and kernel headers via setup-ebpf.sh), the virtualenv in .venv with xpusense and
+#   its test tools, and bcc linked into that virtualenv.
 # Env: PYTHON (default python3), XPUSENSE_SKIP_EBPF=1 to leave out the eBPF set-up.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -14,7 +14,7 @@ log() { echo "setup: $*"; }
 need=()
 # prometheus: the Prometheus e2e test's real server; systemd: `systemd-analyze verify` of the units;
 # systemd-container + debootstrap: the units under a live systemd (tests/privileged/test_systemd_units.py).
-for p in python3-venv python3-dev gcc libc6-dev iproute2 procps prometheus systemd systemd-container debootstrap; do
+for p in python3-venv python3-dev gcc libc6-dev libnghttp2-dev iproute2 procps prometheus systemd systemd-container debootstrap; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || need+=("$p")
 done
 # prometheus-node-exporter and bpftrace: the peers bench/footprint.py measures the agent against (it

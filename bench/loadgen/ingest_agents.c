@@ -241,29 +241,27 @@ static void drop_conn(agent_t *a) {
     a->want_out = 0;
 }
 
-/* Write what nghttp2 has to send; what the socket refuses waits in wbuf for EPOLLOUT. */
+/* Write what nghttp2 has to send, in one send() (frames gathered first, as grpc's transport writes
+   them: a batch's HEADERS/DATA/PING frames in one segment, not one each); what the socket refuses
+   waits in wbuf for EPOLLOUT. */
 static int flush(agent_t *a) {
+    if (!a->wlen) {
+        for (;;) {
+            const uint8_t *data;
+            ssize_t n = nghttp2_session_mem_send(a->s, &data);
+            if (n < 0) return -1;
+            if (n == 0) break;
+            grow(&a->wbuf, &a->wcap, a->wlen + n);
+            memcpy(a->wbuf + a->wlen, data, n);
+            a->wlen += n;
+        }
+    }
     while (a->wlen) {
         ssize_t n = send(a->fd, a->wbuf, a->wlen, MSG_NOSIGNAL);
         if (n < 0) { if (errno == EAGAIN) { want_out(a, 1); return 0; } return -1; }
         memmove(a->wbuf, a->wbuf + n, a->wlen - n);
         a->wlen -= n;
-    }
-    for (;;) {
-        const uint8_t *data;
-        ssize_t n = nghttp2_session_mem_send(a->s, &data);
-        if (n < 0) return -1;
-        if (n == 0) break;
-        ssize_t w = send(a->fd, data, n, MSG_NOSIGNAL);
-        if (w < 0 && errno != EAGAIN) return -1;
-        if (w < 0) w = 0;
-        if (w < n) {
-            grow(&a->wbuf, &a->wcap, n - w);
-            memcpy(a->wbuf, data + w, n - w);
-            a->wlen = n - w;
-            want_out(a, 1);
-            return 0;
-        }
+        if (!a->wlen && nghttp2_session_want_write(a->s)) return flush(a);
     }
     want_out(a, 0);
     return 0;
