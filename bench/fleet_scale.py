@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -56,7 +55,7 @@ import load_agents
 from _proc import cpu_s, free_port, machine_ticks, pin, run_delay_ms, steal_pct, stop, tail, wait_collector
 from collector_ingest import DEVICES, SERIES, percentile, raise_nofile
 from collector_ingest import SimAgent as LoadAgent
-from place_latency import Fleet, config, grpc_client, pct, requests
+from place_latency import CLIENTS, Fleet, PlaceCalls, config, pct, requests
 
 GOALS = {"gateway_per_core": 2500, "worker_per_core": 3000, "bytes_per_node": 64 * 1024, "ack_p99_ms": 100.0,
          "place_inproc_p99_ms": 1.0, "place_grpc_p99_ms": 5.0}
@@ -282,7 +281,7 @@ async def place_from_bucket(urls: list[str], data: list[bytes], seconds: float, 
 
 
 def place_over_grpc(tmp: str, urls: list[str], data: list[bytes], seconds: float, updates_s: float,
-                    spy: str = "", replica_cpus: set[int] | None = None) -> dict:
+                    spy: str = "", replica_cpus: set[int] | None = None, client_kind: str = "c") -> dict:
     """A `scheduler` replica process answering a client over gRPC while the bucket changes at
     updates_s; also the replica's CPU in the window (a share of a core). `spy`: py-spy's binary, to
     record the replica's stacks over the window (raw, for flame graphs; tmp/scheduler.spy.txt).
@@ -314,14 +313,11 @@ def place_over_grpc(tmp: str, urls: list[str], data: list[bytes], seconds: float
                                          "--duration", str(int(seconds)), "--output",
                                          os.path.join(tmp, "scheduler.spy.txt"), "--nonblocking"],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        parent, child = mp.get_context("spawn").Pipe(duplex=False)
-        c = mp.get_context("spawn").Process(target=grpc_client, args=(addr, seconds, 0.002, child), daemon=True)
-        c.start()
+        c = PlaceCalls(client_kind, addr, seconds, 0.002)
         c0, w0, d0 = cpu_s(p.pid), time.monotonic(), (run_delay_ms(p.pid), run_delay_ms(c.pid))
         asyncio.run(_refresh_for(urls, data, updates_s, seconds))
         c1, w1, d1 = cpu_s(p.pid), time.monotonic(), (run_delay_ms(p.pid), run_delay_ms(c.pid))
-        lat = parent.recv() if parent.poll(120) else []
-        c.join(10)
+        lat = c.latencies(120.0)
         rss = _rss_kb(p.pid)
         if spy_proc is not None:
             spy_proc.wait(60)
@@ -365,7 +361,7 @@ def place_step(args: argparse.Namespace, cluster, tmp: str) -> tuple[dict, dict]
         os.sched_setaffinity(0, mine)
         inproc = asyncio.run(place_from_bucket(cluster.urls, big, args.seconds, args.updates_s))
         os.sched_setaffinity(0, others)
-        over = place_over_grpc(tmp, cluster.urls, big, args.seconds, args.updates_s, args.spy, mine)
+        over = place_over_grpc(tmp, cluster.urls, big, args.seconds, args.updates_s, args.spy, mine, args.client)
     finally:
         os.sched_setaffinity(0, set(cpus))
         for srv in cluster.servers:
@@ -538,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="summary updates/s the index follows while Place is measured (default 1000)")
     p.add_argument("--generator", choices=load_agents.KINDS, default="c",
                    help="the simulated agents: c (default) or python (grpc aio, as before 2026-12-03)")
+    p.add_argument("--client", choices=CLIENTS, default="c",
+                   help="step 5's gRPC client: c (bench/loadgen/place_calls.c, default) or python (grpc's stub, as "
+                        "before 2026-12-03)")
     p.add_argument("--place-only", action="store_true", help="only step 5, Place from the fleet bucket")
     p.add_argument("--ack-only", action="store_true",
                    help="only step 2, ack latency of --fleet agents x 1 batch/s through one gateway")

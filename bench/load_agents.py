@@ -32,27 +32,29 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-C_SOURCE = os.path.join(HERE, "loadgen", "ingest_agents.c")
-C_BINARY = os.path.join(HERE, "loadgen", "build", "ingest_agents")
 KINDS = ("c", "python")
 
 
-def build_c() -> str:
-    """The C generator's binary, compiled when missing or older than its source."""
-    if os.path.exists(C_BINARY) and os.path.getmtime(C_BINARY) >= os.path.getmtime(C_SOURCE):
-        return C_BINARY
+def build_c(name: str = "ingest_agents") -> str:
+    """bench/loadgen/NAME.c's binary (the C agents, or `place_calls`), compiled into
+    bench/loadgen/build/ when missing or older than its source."""
+    source = os.path.join(HERE, "loadgen", f"{name}.c")
+    binary = os.path.join(HERE, "loadgen", "build", name)
+    if os.path.exists(binary) and os.path.getmtime(binary) >= os.path.getmtime(source):
+        return binary
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        raise SystemExit("load generator: needs gcc to build bench/loadgen/ingest_agents.c "
-                         "(apt-get install gcc libnghttp2-dev), or --generator python")
-    os.makedirs(os.path.dirname(C_BINARY), exist_ok=True)
-    tmp = C_BINARY + f".{os.getpid()}"
-    r = subprocess.run([cc, "-O2", "-Wall", "-o", tmp, C_SOURCE, "-lnghttp2", "-lm"], capture_output=True, text=True)
+        raise SystemExit(f"bench: needs gcc to build {source} (apt-get install gcc libnghttp2-dev), "
+                         "or the Python client (--generator / --client python)")
+    os.makedirs(os.path.dirname(binary), exist_ok=True)
+    tmp = binary + f".{os.getpid()}"
+    r = subprocess.run([cc, "-O2", "-Wall", "-o", tmp, source, "-lnghttp2", "-lm"], capture_output=True, text=True)
     if r.returncode != 0:
         hint = " (apt-get install libnghttp2-dev)" if "nghttp2" in r.stderr else ""
-        raise SystemExit(f"load generator: building {C_SOURCE} failed{hint}, or use --generator python:\n{r.stderr}")
-    os.replace(tmp, C_BINARY)
-    return C_BINARY
+        raise SystemExit(f"bench: building {source} failed{hint}, or use the Python client "
+                         f"(--generator / --client python):\n{r.stderr}")
+    os.replace(tmp, binary)
+    return binary
 
 
 def plan_lines(ag) -> list[str]:

@@ -18,8 +18,10 @@ Measured over --seconds after --warmup-s, per fleet size:
   60GB x1 in two allowed regions); `inproc_cpu` is the same calls' CPU time on the loop thread
   (time.thread_time), which leaves out what preempted the thread (other processes, gRPC threads);
 - over gRPC: a client process calling Scheduler/Place in a closed loop (one call at a time, a
-  pause of --interval-ms between), timed around the call: serialisation, loopback and waiting for
-  the loop, which is also ingesting, are included.
+  pause of --interval-ms between), timed around the call: loopback and waiting for the loop, which
+  is also ingesting, are included. The client is bench/loadgen/place_calls.c (--client c, the
+  default) or grpc's Python stub (--client python, as before 2026-12-03: its own ~1 ms of CPU a
+  call is in its figure).
 With more than one CPU the client is pinned to the last one.
 Ingest achieved (batches/s against the target) is printed too, so an overloaded loop shows.
 
@@ -39,6 +41,7 @@ import multiprocessing as mp
 import os
 import random
 import socket
+import subprocess
 import sys
 import time
 
@@ -187,7 +190,7 @@ class Fleet:
 
 
 def grpc_client(addr: str, seconds: float, pause_s: float, conn) -> None:
-    """Closed-loop Place calls from another process; sends back the latencies (ms)."""
+    """Closed-loop Place calls from another process (grpc's sync stub); sends back the latencies (ms)."""
     pin_client()
     import grpc
 
@@ -209,8 +212,57 @@ def grpc_client(addr: str, seconds: float, pause_s: float, conn) -> None:
     conn.close()
 
 
+CLIENTS = ("c", "python")
+
+
+class PlaceCalls:
+    """Closed-loop Place calls to `addr` from another process, pinned by pin_client(): `kind` "c",
+    bench/loadgen/place_calls.c (one HTTP/2 connection, the requests' bytes as protobuf makes them;
+    the default since 2026-12-03), or "python", grpc_client() above (grpc's sync stub: ~1 ms of CPU
+    a call of its own, in the figure, as every figure before was taken)."""
+
+    def __init__(self, kind: str, addr: str, seconds: float, pause_s: float):
+        self.kind = kind
+        if kind == "c":
+            import tempfile
+
+            from load_agents import build_c
+            binary = build_c("place_calls")
+            with tempfile.NamedTemporaryFile("w", suffix=".hex", delete=False) as f:
+                f.write("".join(r.SerializeToString().hex() + "\n" for r in requests()))
+            self.path = f.name
+            self.proc = subprocess.Popen([binary, addr, f.name, repr(seconds), repr(pause_s)], stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True, preexec_fn=pin_client)
+            self.pid = self.proc.pid
+        elif kind == "python":
+            self.conn, child = mp.get_context("spawn").Pipe(duplex=False)
+            self.client = mp.get_context("spawn").Process(target=grpc_client, args=(addr, seconds, pause_s, child),
+                                                          daemon=True)
+            self.client.start()
+            self.pid = self.client.pid
+        else:
+            raise ValueError(f"Place client {kind!r}: one of {', '.join(CLIENTS)}")
+
+    def latencies(self, timeout_s: float) -> list[float]:
+        """The calls' latencies (ms) once the client is done; a failed call is an error naming its status."""
+        if self.kind == "python":
+            lat = self.conn.recv() if self.conn.poll(timeout_s) else []
+            self.client.join(10)
+            return lat
+        try:
+            out, err = self.proc.communicate(timeout=timeout_s)
+        finally:
+            os.unlink(self.path)
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"the C Place client exited {self.proc.returncode}: {err.strip()}")
+        r = json.loads(out)
+        if r["errors"]:
+            raise RuntimeError(f"{r['errors']} Place calls failed, the first with {r['first_error']}")
+        return r["latencies_ms"]
+
+
 async def run_size(n: int, seconds: float, warmup_s: float, interval_ms: float, seed: int,
-                   identical: int = 0) -> dict:
+                   identical: int = 0, client_kind: str = "c") -> dict:
     from xpusense.collector.gc_policy import freeze_long_lived
     from xpusense.collector.server import start_server
     from xpusense.collector.state import FleetState
@@ -283,18 +335,14 @@ async def run_size(n: int, seconds: float, warmup_s: float, interval_ms: float, 
     await asyncio.sleep(warmup_s)
     ingested_at_start, t0 = ingested, time.monotonic()
     lag_ms.clear()
-    parent, child = mp.get_context("spawn").Pipe(duplex=False)
-    proc = mp.get_context("spawn").Process(target=grpc_client, args=(addr, seconds, interval_ms / 1000, child),
-                                           daemon=True)
-    proc.start()
+    client = PlaceCalls(client_kind, addr, seconds, interval_ms / 1000)
     dec = asyncio.create_task(decider())
     await asyncio.sleep(seconds)
     stop.set()
     window_s = time.monotonic() - t0
     batches_s = (ingested - ingested_at_start) / window_s
     await asyncio.gather(feed, dec)
-    over_grpc = await asyncio.get_running_loop().run_in_executor(None, lambda: parent.recv() if parent.poll(60) else [])
-    proc.join(10)
+    over_grpc = await asyncio.get_running_loop().run_in_executor(None, lambda: client.latencies(60.0))
     await server.stop(0)
     inproc_steady = inproc[len(reqs):]   # the first round of each shape is not in the figures
     cpu_steady = inproc_cpu[len(reqs):]
@@ -321,13 +369,17 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=9)
     p.add_argument("--identical", type=int, default=0,
                    help="nodes alike in everything but their id, besides each size's varied nodes (default 0)")
+    p.add_argument("--client", choices=CLIENTS, default="c",
+                   help="the gRPC client: c (bench/loadgen/place_calls.c, default) or python (grpc's stub, as before "
+                        "2026-12-03)")
     args = p.parse_args()
     sizes = [int(x) for x in args.nodes.split(",") if x]
     results = []
     for n in sizes:
         # Fewer in-process decisions at 10,000 nodes, so the loop still has room to ingest.
         interval = args.interval_ms * max(1.0, n / 2000)
-        results.append(asyncio.run(run_size(n, args.seconds, args.warmup_s, interval, args.seed, args.identical)))
+        results.append(asyncio.run(run_size(n, args.seconds, args.warmup_s, interval, args.seed, args.identical,
+                                           args.client)))
     head = (f"{'nodes':>6} {'path':<10} {'decisions':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8}"
             "  ingest batches/s (target)")
     print(head)

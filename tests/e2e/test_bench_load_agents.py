@@ -68,3 +68,39 @@ def test_collector_ingest_bench_stores_every_batch_the_c_agents_had_acknowledged
     # go .. t1 is 5.2 s at 4 batches/s: 20 or 21 batches an agent, whatever the phase
     assert 20 * 20 <= summary["acked"] <= 20 * 21, summary
     assert summary["p99_ms"] == summary["p99_ms"]   # latencies were recorded (not NaN)
+
+
+def test_c_place_client_times_calls_a_real_scheduler_answers():
+    """bench/loadgen/place_calls.c against the collector's real gRPC server: a call a few ms for a
+    second, each answered with grpc-status 0 (the bench's figure over gRPC)."""
+    from helpers import InProcessCollector
+    from place_latency import PlaceCalls
+    col = InProcessCollector()
+    try:
+        lat = PlaceCalls("c", col.addr, 1.0, 0.002).latencies(120.0)
+    finally:
+        col.stop()
+    assert len(lat) >= 10 and all(ms > 0 for ms in lat), lat[:10]
+
+
+def test_c_place_client_names_a_call_the_scheduler_refused(tmp_path):
+    """A request the scheduler refuses (weights out of the platform's ranges) is counted as an error
+    with its grpc-status and message, not as a latency."""
+    from helpers import InProcessCollector
+
+    from xpusense.v1 import scheduler_pb2 as spb
+    good = spb.PlaceRequest(accelerator=spb.ACCELERATOR_GPU, memory_bytes=2**30, count=1)
+    bad = spb.PlaceRequest(accelerator=spb.ACCELERATOR_GPU, memory_bytes=2**30, count=1,
+                           weights=spb.Weights(compute=0.9))
+    reqs = tmp_path / "requests.hex"
+    reqs.write_text(good.SerializeToString().hex() + "\n" + bad.SerializeToString().hex() + "\n")
+    col = InProcessCollector()
+    try:
+        r = subprocess.run([load_agents.build_c("place_calls"), col.addr, str(reqs), "0.5", "0.002"],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        col.stop()
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["errors"] >= 1 and out["latencies_ms"], out
+    assert out["first_error"].startswith("grpc-status 3: ") and "compute" in out["first_error"], out["first_error"]
