@@ -5,9 +5,9 @@ Starts a real collector (`xpusense-collector serve`) pinned to CPU 0, and --agen
 workers) pinned to the other CPUs when there are any. Every simulated agent opens its own
 connection, with the agent's channel options (common/tls.py channel_options: keepalive, no BDP
 probing; --bdp-probe, with --generator python, for gRPC's default, as this bench ran before
-2026-12-01), and the real bidirectional Ingest stream (xpusense.v1 protos), says Hello, then sends Batches (node id,
-boot id, seq) of 8 devices x 20 series, labels device/vendor, all samples stamped with the time the
-batch is built:
+2026-12-01), and the real bidirectional Ingest stream (xpusense.v1 protos), says Hello, then sends
+Batches (node id, boot id, seq) of 8 devices x 20 series, labels device/vendor, all samples stamped
+with the time the batch is built:
 
 - --rate R > 0: R batches/s per agent on a fixed schedule (random phase per agent, as a fleet
   would), at most --window batches in flight per agent;

@@ -6,8 +6,9 @@ JetStream's default sync policy), then, one after the other:
 
 1. gateway, saturation: one `serve --nats` gateway pinned to CPU 0, simulated agents
    (bench/load_agents.py, the C generator unless --generator python: 8 devices x 20 series = 160
-   samples a batch, --window in flight) on the other CPUs as fast as acks allow; batches/s acknowledged (each after its R3
-   publish ack) divided by the gateway's CPU (utime+stime, /proc) = batches/s per core;
+   samples a batch, --window in flight) on the other CPUs as fast as acks allow; batches/s
+   acknowledged (each after its R3 publish ack) divided by the gateway's CPU (utime+stime, /proc) =
+   batches/s per core;
 2. gateway, a fleet at 1 s: --fleet agents x 1 batch/s through the same gateway; ack p99 (sample
    time -> Ack at the agent, an upper bound on -> stored in JetStream);
 3. worker: a worker in this process (collector/cluster/worker.py) takes every partition and reads
@@ -20,7 +21,8 @@ JetStream's default sync policy), then, one after the other:
    the request shapes of bench/place_latency.py); then a `scheduler` replica process answers a
    client over gRPC (the decisions, in process and in the replica, run on a CPU of their own, as a
    replica is deployed, and the NATS servers (every thread), the bucket's writer and the client on
-   the others; --shared-cpus: all on every CPU, as before 2026-12-02); where the slowest 1% of the
+   the others; --shared-cpus: all on every CPU, as before 2026-12-02; the client
+   bench/loadgen/place_calls.c unless --client python); where the slowest 1% of the
    in-process decisions went (their own CPU time; the window's wait behind other tasks, steal);
 6. the projection for 100,000 nodes at 1 batch/s: cores of gateways and workers from the rates
    above, the scheduler replicas' cost of following the bucket (measured per summary update) and

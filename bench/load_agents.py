@@ -4,7 +4,7 @@ with one interface, in either of two implementations:
 - "c" (the default): bench/loadgen/ingest_agents.c, one process on libnghttp2 and epoll, built here
   on first use (gcc, Debian's libnghttp2-dev). Each agent still has its own connection, HTTP/2
   session and Ingest stream, sends the same bytes (the Python agent's template, filled in the same
-  way: held equal by tests/unit/test_bench_load_agents.py) on the same schedule, and pings as the
+  way: held equal by tests/e2e/test_bench_load_agents.py) on the same schedule, and pings as the
   agent's channel does. It costs a fraction of the Python generator's CPU a batch, so that on a
   2-CPU machine the latency figure is the server's, not the generator's.
 - "python": collector_ingest's asyncio workers on grpc aio, spread over several processes (as the
