@@ -412,14 +412,19 @@ static int start_stream(agent_t *a) {
 }
 
 /* -- connecting ------------------------------------------------------------------------------------ */
-static int connect_one(agent_t *a) {
+static int connect_one(agent_t *a) {   /* 0, or the errno that refused it at once */
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
     inet_pton(AF_INET, host, &sa.sin_addr);
     a->fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (a->fd < 0) return -1;
+    if (a->fd < 0) return errno;
     int one = 1;
     setsockopt(a->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    if (connect(a->fd, (struct sockaddr *)&sa, sizeof sa) < 0 && errno != EINPROGRESS) { close(a->fd); a->fd = -1; return -1; }
+    if (connect(a->fd, (struct sockaddr *)&sa, sizeof sa) < 0 && errno != EINPROGRESS) {
+        int e = errno;
+        close(a->fd);
+        a->fd = -1;
+        return e;
+    }
     struct epoll_event ev = {.events = EPOLLIN | EPOLLOUT, .data.ptr = a};
     epoll_ctl(ep, EPOLL_CTL_ADD, a->fd, &ev);
     a->want_out = 1;
@@ -609,11 +614,13 @@ int main(int argc, char **argv) {
         for (int i = 0; i < n_agents && handshaking < CONNECTS_IN_FLIGHT; i++)
             if (retry_at[i] > 0 && retry_at[i] <= now) {
                 retry_at[i] = 0;
-                if (connect_one(&agents[i])) retry_or_fail(&agents[i], "connect failed");
+                int e = connect_one(&agents[i]);
+                if (e) retry_or_fail(&agents[i], strerror(e));
             }
         while (next_connect < n_agents && handshaking < CONNECTS_IN_FLIGHT) {
             agent_t *a = &agents[next_connect++];
-            if (connect_one(a)) retry_or_fail(a, "connect failed");
+            int e = connect_one(a);
+            if (e) retry_or_fail(a, strerror(e));
         }
         if (!reported) {
             int settled = next_connect == n_agents;
