@@ -626,15 +626,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(connect_fails)} simulated agents failed to connect, e.g. {connect_fails[0]}", file=sys.stderr)
             return 1
 
-        go = time.monotonic() + 0.2
-        t0, t1 = go + args.warmup_s, go + args.warmup_s + args.seconds
-        gen.go(go, t0, t1)
-        time.sleep(max(0.0, t0 - time.monotonic()))
-        c0, g0, w0 = cpu_s(collector.pid), sum(map(cpu_s, gen.pids)), time.monotonic()
-        m0 = machine_ticks()
-        time.sleep(max(0.0, t1 - time.monotonic()))
-        c1, g1, w1 = cpu_s(collector.pid), sum(map(cpu_s, gen.pids)), time.monotonic()
-        stolen = steal_pct(m0, machine_ticks())
+        pid, gen_pids = collector.pid, gen.pids
+        (c0, g0, w0, m0), (c1, g1, w1, m1) = load_agents.window(
+            gen, args.warmup_s, args.seconds,
+            lambda: (cpu_s(pid), sum(map(cpu_s, gen_pids)), time.monotonic(), machine_ticks()))
+        stolen = steal_pct(m0, m1)
 
         try:
             results = gen.results(60.0)

@@ -89,16 +89,11 @@ def load(address: str, agents: int, rate: float, window: int, seconds: float, wa
         fails, _, _ = gen.wait_ready(300.0)
         if fails:
             raise RuntimeError(f"{len(fails)} simulated agents failed to connect, e.g. {fails[0]}")
-        go = time.monotonic() + 0.2
-        t0, t1 = go + warmup_s, go + warmup_s + seconds
-        gen.go(go, t0, t1)
-        time.sleep(max(0.0, t0 - time.monotonic()))
-        if on_window is not None:
-            on_window()
         gens = gen.pids
-        c0, o0, g0, w0 = cpu_s(watch_pid), sum(map(cpu_s, also_pids)), sum(map(cpu_s, gens)), time.monotonic()
-        time.sleep(max(0.0, t1 - time.monotonic()))
-        c1, o1, g1, w1 = cpu_s(watch_pid), sum(map(cpu_s, also_pids)), sum(map(cpu_s, gens)), time.monotonic()
+        (c0, o0, g0, w0), (c1, o1, g1, w1) = load_agents.window(
+            gen, warmup_s, seconds,
+            lambda: (cpu_s(watch_pid), sum(map(cpu_s, also_pids)), sum(map(cpu_s, gens)), time.monotonic()),
+            on_window)
         results = gen.results(120.0)
     finally:
         gen.close()

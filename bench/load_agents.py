@@ -13,6 +13,7 @@ with one interface, in either of two implementations:
     gen = start(kind, indices, address, rate, window, cpus, procs)
     gen.wait_ready(timeout_s)  -> (connect fails, connect retries, retry codes)
     gen.go(go, t0, t1)            CLOCK_MONOTONIC seconds: sending starts at go, the window is [t0, t1)
+                                  (or window() below: go, then sample() as the window opens and closes)
     gen.results(timeout_s)     -> [the per-process figures: acked, window_acked, duplicates, sent,
                                    latencies_ms (in the window), by_second, fails]
     gen.pids                      the processes whose CPU is the generator's
@@ -202,3 +203,17 @@ def start(kind: str, indices: list[int], address: str, rate: float, window: int,
     if kind == "python":
         return PyAgents(indices, address, rate, window, cpus, procs)
     raise ValueError(f"load generator {kind!r}: one of {', '.join(KINDS)}")
+
+
+def window(gen: CAgents | PyAgents, warmup_s: float, seconds: float, sample, on_window=None) -> tuple:
+    """Sending starts 0.2 s from now; after `warmup_s` the window of `seconds` opens (on_window()
+    is called, then `sample()`), and as it closes `sample()` is called again: the two samples."""
+    go = time.monotonic() + 0.2
+    t0, t1 = go + warmup_s, go + warmup_s + seconds
+    gen.go(go, t0, t1)
+    time.sleep(max(0.0, t0 - time.monotonic()))
+    if on_window is not None:
+        on_window()
+    before = sample()
+    time.sleep(max(0.0, t1 - time.monotonic()))
+    return before, sample()

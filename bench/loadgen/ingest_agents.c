@@ -69,7 +69,6 @@ typedef struct {
     uint64_t seq;
     int64_t *sent_ns; uint64_t *sent_seq;   /* ring of window+1, by seq */
     int inflight, blocked, done_sending;
-    double next_due;
     long acked, window_acked, duplicates, sent;
 } agent_t;
 
@@ -105,14 +104,12 @@ static void dpush(dvec *d, double x) {
     d->v[d->n++] = x;
 }
 
-static void fail(agent_t *a, const char *fmt, const char *detail) {
+static void fail(agent_t *a, const char *why) {   /* "NODE: why", the first MAX_FAILS kept */
     fails_total++;
     if (n_fails < MAX_FAILS) {
-        char buf[400];
-        snprintf(buf, sizeof buf, fmt, detail);
-        size_t n = strlen(a->node_id) + strlen(buf) + 3;
+        size_t n = strlen(a->node_id) + strlen(why) + 3;
         fails[n_fails] = xmalloc(n);
-        snprintf(fails[n_fails++], n, "%s: %s", a->node_id, buf);
+        snprintf(fails[n_fails++], n, "%s: %s", a->node_id, why);
     }
 }
 
@@ -381,7 +378,7 @@ static int on_close(nghttp2_session *s, int32_t sid, uint32_t err, void *ud) {
     snprintf(why, sizeof why, "stream closed (grpc-status %s %s)", a->grpc_status[0] ? a->grpc_status : "none", a->grpc_message);
     a->closing = 2;   /* handled after nghttp2 returns */
     if (a->state == ST_HELLO) retry_or_fail(a, why);
-    else { fail(a, "%s", why); a->state = ST_FAILED; }
+    else { fail(a, why); a->state = ST_FAILED; }
     return 0;
 }
 
@@ -438,7 +435,7 @@ static double *retry_at;
 
 static void retry_or_fail(agent_t *a, const char *why) {
     if (a->state == ST_CONNECTING || a->state == ST_HELLO) handshaking--;
-    if (++a->attempts >= CONNECT_ATTEMPTS) { fail(a, "%s", why); a->state = ST_FAILED; }
+    if (++a->attempts >= CONNECT_ATTEMPTS) { fail(a, why); a->state = ST_FAILED; }
     else {
         retries++;
         if (strlen(codes) + strlen(why) + 4 < sizeof codes && !strstr(codes, why)) {
@@ -476,7 +473,7 @@ static void on_io(agent_t *a, uint32_t ev) {
             if (n < 0 && errno == EAGAIN) break;
             /* EOF or error */
             if (a->state == ST_HELLO) retry_or_fail(a, "connection closed before the Welcome");
-            else if (a->state == ST_READY) { fail(a, "%s", "connection closed by the collector"); a->state = ST_FAILED; }
+            else if (a->state == ST_READY) { fail(a, "connection closed by the collector"); a->state = ST_FAILED; }
             a->closing = 2;
             break;
         }
@@ -485,7 +482,7 @@ static void on_io(agent_t *a, uint32_t ev) {
     if ((ev & EPOLLOUT) || nghttp2_session_want_write(a->s)) {
         if (flush(a)) {
             if (a->state == ST_HELLO) retry_or_fail(a, "write failed");
-            else if (a->state == ST_READY) { fail(a, "%s", "write failed"); a->state = ST_FAILED; }
+            else if (a->state == ST_READY) { fail(a, "write failed"); a->state = ST_FAILED; }
             drop_conn(a);
         }
     }
@@ -521,7 +518,7 @@ static void send_one(agent_t *a) {
     a->sent++;
     queue_out(a);
     if (in_recv) return;   /* nghttp2 may not send from its own callbacks: on_io flushes after */
-    if (flush(a)) { fail(a, "%s", "write failed"); a->state = ST_FAILED; drop_conn(a); }
+    if (flush(a)) { fail(a, "write failed"); a->state = ST_FAILED; drop_conn(a); }
 }
 
 static void finish(agent_t *a) {   /* done sending and drained: end the stream, close */
@@ -647,7 +644,7 @@ int main(int argc, char **argv) {
                     else if (now >= drain_until) {
                         char msg[80];
                         snprintf(msg, sizeof msg, "%d batches not acknowledged %g s after the end", a->inflight, DRAIN_S);
-                        fail(a, "%s", msg);
+                        fail(a, msg);
                         finish(a);
                     } else busy = 1;
                 }
@@ -662,7 +659,7 @@ int main(int argc, char **argv) {
                 if (a->state == ST_READY && now - a->last_ping >= keepalive_ms / 1000.0) {
                     a->last_ping = now;
                     nghttp2_submit_ping(a->s, NGHTTP2_FLAG_NONE, NULL);
-                    if (flush(a)) { fail(a, "%s", "write failed"); a->state = ST_FAILED; drop_conn(a); }
+                    if (flush(a)) { fail(a, "write failed"); a->state = ST_FAILED; drop_conn(a); }
                 }
             }
         }
@@ -682,9 +679,8 @@ int main(int argc, char **argv) {
                     n_sec = (int)(t1_t - go_t + DRAIN_S + 5);
                     by_sec = calloc(n_sec, sizeof(dvec));
                     for (int i = 0; i < n_agents; i++) {
-                        agents[i].next_due = go_t + agents[i].phase_s;
                         if (agents[i].state == ST_READY) {
-                            if (rate > 0) hpush(agents[i].next_due, i);
+                            if (rate > 0) hpush(go_t + agents[i].phase_s, i);
                             else for (int w = 0; w < window_; w++) hpush(go_t, i);
                         }
                     }
