@@ -48,6 +48,16 @@ def test_a_commands_entry_chooses_the_polling_engine_before_grpc_is_imported(ent
     assert POLLING_CONNECT not in default and POLLING_ACCEPT not in default
 
 
+def test_python_m_cluster_runs_on_the_collectors_engine():
+    """`python -m xpusense.collector.cluster` (how the bench starts gateways and scheduler replicas)
+    chooses the engine `xpusense-collector` does. Before, it ran on grpc's default, and
+    bench/fleet_scale.py measured that instead of what is deployed."""
+    out = _traced("import runpy, sys\nsys.argv = ['cluster', '--help']\ntry:\n"
+                  "    runpy.run_module('xpusense.collector.cluster', run_name='__main__')\n"
+                  "except SystemExit:\n    pass\n")
+    assert POLLING_ACCEPT in out and POLLING_CONNECT not in out
+
+
 def test_an_operators_choice_and_a_late_call_are_left_alone():
     env = {"GRPC_EXPERIMENTS": "event_engine_listener"}
     assert choose_engine(POLLING_LISTENER, env) is None and env == {"GRPC_EXPERIMENTS": "event_engine_listener"}
