@@ -77,8 +77,9 @@ COLLECTOR_SCHEMA = {
                                                                 "whatever the series_ref"),
         "max_nodes": Key(int, 10_000, positive, help="node ids held in the fleet state; a new one past it is refused"),
         "max_streams": Key(int, 10_000, positive, help="Ingest streams open at once"),
-        "max_stream_pending_batches": Key(int, 64, positive, help="read on one stream, not yet acknowledged; past "
-                                                                  "it (or the bytes) the stream is not read"),
+        "max_stream_pending_batches": Key(int, 64, positive, help="with a durable store: read on one stream, not yet "
+                                                                  "acknowledged; past it (or the bytes) the stream "
+                                                                  "is not read (memory only: one at a time)"),
         "max_stream_pending_bytes": Key(int, 8 * 2**20, positive, help="their size on the wire"),
         "max_inventory_bytes": Key(int, 2**20, positive, help="one node's inventory"),
         "max_reply_bytes": Key(int, 4_000_000, positive, help="one ListNodes page (nodes/top read every page)"),

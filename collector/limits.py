@@ -109,7 +109,7 @@ DEFAULTS = {
     "max_series_per_node": 200_000,     # distinct (name, labels) of one node, whatever the series_ref
     "max_nodes": 10_000,                # node ids in the fleet state (a new one past it is refused)
     "max_streams": 10_000,              # Ingest streams open at once
-    "max_stream_pending_batches": 64,   # read from one stream, not yet acknowledged...
+    "max_stream_pending_batches": 64,   # durable store: read from one stream, not yet acknowledged...
     "max_stream_pending_bytes": 8 * 2**20,  # ...and their size on the wire: past either, reading waits
     "max_inventory_bytes": 2**20,       # one node's inventory (Hello or Inventory message)
     "max_reply_bytes": 4_000_000,       # one ListNodes page (gRPC clients take 4 MiB by default)

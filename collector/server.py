@@ -2,11 +2,12 @@
 all on one port, on one asyncio event loop that owns the fleet state.
 
 Bounds (collector/limits.py, `[limits]`): Ingest streams open at once (`max_streams`), node ids
-(`max_nodes`), and per stream what was read and not yet acknowledged (`max_stream_pending_batches`,
-`max_stream_pending_bytes`: past either the stream is not read until acks go out, so gRPC's flow
-control holds back a client that does not read its acks). A stream's messages are let go when it
-ends, and the garbage collector runs soon after (the exception of an aborted call holds them in a
-reference cycle). ListNodes replies are pages of at most `max_reply_bytes`; boot ids go only to
+(`max_nodes`). A collector without a durable store reads a stream's next message only once it has
+acknowledged the last (one task a stream: gRPC's flow control holds back a client that does not read
+its acks); with a store, reading and acknowledging are pipelined, bounded per stream by what was read
+and not yet acknowledged (`max_stream_pending_batches`, `max_stream_pending_bytes`: past either the
+stream is not read until acks go out). A stream's messages are let go when it ends, and the garbage
+collector runs soon after (the exception of an aborted call holds them in a reference cycle). ListNodes replies are pages of at most `max_reply_bytes`; boot ids go only to
 callers the collector trusts (`QueryServicer.trusted`).
 """
 
@@ -219,6 +220,16 @@ class IngestServicer(pb_grpc.IngestServicer):
             self.store.append_nowait(["i", node_id, boot_id, hello.inventory.SerializeToString()])
         log.info("node %s connected from %s (boot %s, stored up to %d)", node_id, peer, short_boot(boot_id),
                  welcome.stored_up_to)
+        if self.store is None:
+            try:
+                yield pb.CollectorMessage(welcome=welcome)
+                async for ack in self._in_memory(request_iterator, context, node_id, boot_id):
+                    yield ack
+            finally:
+                self.state.disconnected(node_id, boot_id)
+                log.info("node %s disconnected", node_id)
+                request_iterator = hello = None   # see below
+            return
         # Reading and acknowledging are pipelined: batches are written to the store as they come,
         # and acknowledged in order once fsync'ed, so batches that arrive together share a group
         # commit (a spool draining after an outage is not held to one fsync per batch).
@@ -229,7 +240,7 @@ class IngestServicer(pb_grpc.IngestServicer):
         reader = asyncio.create_task(self._read(request_iterator, context, node_id, boot_id, pending, window))
         item = None   # the batch being acknowledged, until it is applied (see _apply_later)
         try:
-            if self.store is not None and self.undurable.get((node_id, boot_id)):
+            if self.undurable.get((node_id, boot_id)):
                 # The Welcome's stored_up_to acknowledges what it covers: not before that is durable
                 # (a boot with nothing in flight is welcomed at once, even while the disk fails).
                 await asyncio.shield(self.store.barrier())
@@ -241,20 +252,18 @@ class IngestServicer(pb_grpc.IngestServicer):
                 if isinstance(item, Violation):   # aborted here, in the handler's own task
                     await context.abort(item.code, item.message)
                 b, previous, durable, b_rows = item
-                if durable is not None:
-                    try:   # shielded: if the stream ends meanwhile, _apply_later still sees how it went
-                        await asyncio.shield(durable)
-                    except StoreError as e:
-                        # Refused by the store (it holds too much not yet on disk): this batch and the
-                        # later ones of the stream (not read, _read stopped) are resent by the agent.
-                        if previous is not None:
-                            self.state.unaccept(b, previous)
-                        item = None
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                try:   # shielded: if the stream ends meanwhile, _apply_later still sees how it went
+                    await asyncio.shield(durable)
+                except StoreError as e:
+                    # Refused by the store (it holds too much not yet on disk): this batch and the
+                    # later ones of the stream (not read, _read stopped) are resent by the agent.
+                    if previous is not None:
+                        self.state.unaccept(b, previous)
+                    item = None
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
                 if previous is not None:
                     self.state.apply(b, b_rows)
-                    if durable is not None:
-                        self.store.untrack(durable)   # a snapshot now holds it (store/snapshotter.py)
+                    self.store.untrack(durable)   # a snapshot now holds it (store/snapshotter.py)
                 item = None
                 yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=previous is None))
                 window.done()
@@ -266,6 +275,49 @@ class IngestServicer(pb_grpc.IngestServicer):
             log.info("node %s disconnected", node_id)
             # An abort's traceback keeps this frame alive (a cycle): let go of the messages now.
             request_iterator = hello = item = b = None
+
+    async def _in_memory(self, request_iterator, context: grpc.aio.ServicerContext, node_id: str, boot_id: str):
+        """Without a store: each batch is applied and acknowledged as it is read, in the stream's one
+        task (nothing to wait for, so no reader task to hand batches over through a queue: that
+        hand-over cost the loop a task switch and a future a batch)."""
+        state = self.state
+        try:
+            async for msg in request_iterator:
+                got = self._checked(msg, node_id, boot_id, context)
+                if got is None:
+                    continue
+                if isinstance(got, Violation):
+                    await context.abort(got.code, got.message)
+                else:
+                    b, _, b_rows = got
+                    previous = state.accept(b)
+                    if previous is not None:
+                        state.apply(b, b_rows)
+                    yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=previous is None))
+        except MalformedRequest as e:
+            await context.abort(e.violation.code, e.violation.message)
+        finally:   # an abort's traceback keeps this frame alive (a cycle): let go of the messages now
+            request_iterator = msg = got = b = b_rows = None
+
+    def _checked(self, msg, node_id: str, boot_id: str, context) -> tuple | Violation | None:
+        """A message of the stream after its Hello: a batch as (batch, its bytes as received, its
+        BatchRows) once it is the stream's node's and within the limits; None for an inventory taken;
+        else the Violation that ends the stream."""
+        kind = msg.WhichOneof("msg")
+        if kind == "batch":
+            wire = batch_wire(msg)   # first: before anything here awaits (wire.py)
+            b = msg.batch
+            # An earlier boot's batches may come again (the agent's spool after a restart); another node's never.
+            if b.node_id != node_id:
+                return Violation(grpc.StatusCode.PERMISSION_DENIED,
+                                 f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}")
+            b_rows = BatchRows(b, wire)   # read once, for the limits and the state
+            if self.limits is not None and (why := self.limits.check(node_id, b, self.state, b_rows.refs)):
+                return Violation(why.code, why.message)
+            return b, wire, b_rows
+        if kind == "inventory":
+            return self._take_inventory(node_id, boot_id, msg.inventory, context)
+        return Violation(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected message {kind!r} after Hello")
 
     def _settled(self, key: tuple[str, str], durable: asyncio.Future) -> None:
         if self.undurable.get(key, 0) > 1:
@@ -282,8 +334,8 @@ class IngestServicer(pb_grpc.IngestServicer):
         while not pending.empty():
             items.append(pending.get_nowait())
         for it in items:
-            if isinstance(it, Violation) or not isinstance(it, tuple) or it[1] is None or it[2] is None:
-                continue   # a refusal, the end, a duplicate, or memory only (applied at once)
+            if isinstance(it, Violation) or not isinstance(it, tuple) or it[1] is None:
+                continue   # a refusal, the end, or a duplicate
             b, durable = it[0], it[2]
             if durable.done():
                 self._apply_if_durable(b, durable)
@@ -306,54 +358,36 @@ class IngestServicer(pb_grpc.IngestServicer):
         return None
 
     async def _read(self, request_iterator, context, node_id: str, boot_id: str, pending: asyncio.Queue,
-                    window: _Window | None = None) -> None:
+                    window: _Window) -> None:
         try:
             async for msg in request_iterator:
-                kind = msg.WhichOneof("msg")
-                if kind == "batch":
-                    wire = batch_wire(msg)   # first: before anything here awaits (wire.py)
-                    b = msg.batch
-                    # An earlier boot's batches may come again (the agent's spool after a restart);
-                    # another node's never.
-                    if b.node_id != node_id:
-                        pending.put_nowait(Violation(grpc.StatusCode.PERMISSION_DENIED,
-                                                    f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}"))
-                        return
-                    b_rows = BatchRows(b, wire)   # read once, for the limits and the state
-                    if self.limits is not None and (why := self.limits.check(node_id, b, self.state, b_rows.refs)):
-                        pending.put_nowait(Violation(why.code, why.message))
-                        return
-                    if self.store is not None:   # a slow or failing disk: this stream waits, unread
-                        await self.store.wait_room(getattr(request_iterator, "wire_bytes", 0))
-                    previous = self.state.accept(b)
-                    durable = None
-                    if self.store is not None:
-                        if previous is None:   # a resend: acknowledged once what it resends is durable
-                            durable = self.store.barrier()
-                        else:
-                            durable = self.store.submit(["b", wire if wire is not None else b.SerializeToString()])
-                            self.store.track(durable, node_id, b.boot_id, b.seq)
-                            key = (node_id, b.boot_id)
-                            self.undurable[key] = self.undurable.get(key, 0) + 1
-                            durable.add_done_callback(functools.partial(self._settled, key))
-                    pending.put_nowait((b, previous, durable, b_rows))
-                    if durable is not None and durable.done() and durable.exception() is not None:
-                        return   # refused: nothing after it may be stored before it (the handler ends the stream)
-                    if window is not None:
-                        window.add(getattr(request_iterator, "wire_bytes", 0))   # limits.GuardedRequests
-                        if window.full():   # not read further until acks go out (a client not reading them)
-                            if self.limits is not None:
-                                self.limits.hit("max_stream_pending_bytes" if window.bytes >= window.max_bytes
-                                                else "max_stream_pending_batches")
-                            await window.wait()
-                elif kind == "inventory":
-                    if (v := self._take_inventory(node_id, boot_id, msg.inventory, context)) is not None:
-                        pending.put_nowait(v)
-                        return
-                else:
-                    pending.put_nowait(Violation(grpc.StatusCode.INVALID_ARGUMENT,
-                                                 f"unexpected message {kind!r} after Hello"))
+                got = self._checked(msg, node_id, boot_id, context)
+                if got is None:
+                    continue
+                if isinstance(got, Violation):
+                    pending.put_nowait(got)
                     return
+                b, wire, b_rows = got
+                # a slow or failing disk: this stream waits, unread
+                await self.store.wait_room(getattr(request_iterator, "wire_bytes", 0))
+                previous = self.state.accept(b)
+                if previous is None:   # a resend: acknowledged once what it resends is durable
+                    durable = self.store.barrier()
+                else:
+                    durable = self.store.submit(["b", wire if wire is not None else b.SerializeToString()])
+                    self.store.track(durable, node_id, b.boot_id, b.seq)
+                    key = (node_id, b.boot_id)
+                    self.undurable[key] = self.undurable.get(key, 0) + 1
+                    durable.add_done_callback(functools.partial(self._settled, key))
+                pending.put_nowait((b, previous, durable, b_rows))
+                if durable.done() and durable.exception() is not None:
+                    return   # refused: nothing after it may be stored before it (the handler ends the stream)
+                window.add(getattr(request_iterator, "wire_bytes", 0))   # limits.GuardedRequests
+                if window.full():   # not read further until acks go out (a client not reading them)
+                    if self.limits is not None:
+                        self.limits.hit("max_stream_pending_bytes" if window.bytes >= window.max_bytes
+                                        else "max_stream_pending_batches")
+                    await window.wait()
         except MalformedRequest as e:   # aborted by the handler's task, not this one (see MalformedRequest)
             pending.put_nowait(e.violation)
         finally:

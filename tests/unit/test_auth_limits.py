@@ -20,6 +20,7 @@ from xpusense.collector.config import COLLECTOR_SCHEMA, load_collector
 from xpusense.collector.limits import DEFAULTS, Limits, MalformedRequest
 from xpusense.collector.server import IngestServicer
 from xpusense.collector.state import FleetState
+from xpusense.collector.store import Store
 from xpusense.common.tls import is_loopback_host, make_channel
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
@@ -158,9 +159,11 @@ def test_a_malformed_message_amid_acknowledgements_is_still_invalid_argument(gua
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-def test_ingest_ends_a_stream_with_a_malformed_message_from_the_handlers_own_task():
-    """The deterministic half of the test above: the reader task hands the refusal over, and the
-    abort (one status for the call) is sent by the task that also sends the acks."""
+@pytest.mark.parametrize("durable", [False, True])
+def test_ingest_ends_a_stream_with_a_malformed_message_from_the_handlers_own_task(durable, tmp_path):
+    """The deterministic half of the test above: the abort (one status for the call) is sent by the
+    task that also sends the acks. With a store a reader task reads ahead and hands the refusal over;
+    without one the stream's one task reads."""
     aborts = []
 
     class Context:
@@ -176,18 +179,27 @@ def test_ingest_ends_a_stream_with_a_malformed_message_from_the_handlers_own_tas
         yield pb.AgentMessage(batch=batch(seq=1, samples=[{"name": "x"}]))
         raise MalformedRequest("DecodeError: a test")
 
+    state = FleetState()
+    store = Store(str(tmp_path), fsync=False) if durable else None
+    if store is not None:
+        store.open(state)
+
     async def run():
         replies = []
 
         async def handler():
-            async for out in IngestServicer(FleetState()).Stream(requests(), Context()):
+            async for out in IngestServicer(state, store=store).Stream(requests(), Context()):
                 replies.append(out.WhichOneof("msg"))
         task = asyncio.create_task(handler())
         with pytest.raises(grpc.aio.AbortError):
             await task
         return task, replies
 
-    task, replies = asyncio.run(run())
+    try:
+        task, replies = asyncio.run(run())
+    finally:
+        if store is not None:
+            store.close()
     assert replies == ["welcome", "ack"]
     assert [(t is task, code, msg) for t, code, msg in aborts] == [
         (True, INVALID, "malformed message: DecodeError: a test")]
