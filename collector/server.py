@@ -7,8 +7,9 @@ acknowledged the last (one task a stream: gRPC's flow control holds back a clien
 its acks); with a store, reading and acknowledging are pipelined, bounded per stream by what was read
 and not yet acknowledged (`max_stream_pending_batches`, `max_stream_pending_bytes`: past either the
 stream is not read until acks go out). A stream's messages are let go when it ends, and the garbage
-collector runs soon after (the exception of an aborted call holds them in a reference cycle). ListNodes replies are pages of at most `max_reply_bytes`; boot ids go only to
-callers the collector trusts (`QueryServicer.trusted`).
+collector runs soon after (the exception of an aborted call holds them in a reference cycle).
+ListNodes replies are pages of at most `max_reply_bytes`; boot ids go only to callers the collector
+trusts (`QueryServicer.trusted`).
 """
 
 from __future__ import annotations
