@@ -93,7 +93,7 @@ def step(agents: list[SimAgent], t: int, sec: int) -> None:
             s.value += inc
         for i, (s, base) in enumerate(a.gauges):
             s.value = base + 0.05 * ((sec + i) % 7)
-        for s in a.samples:
+        for s in b.samples:
             s.time_unix_nano = t
 
 
