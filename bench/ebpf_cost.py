@@ -98,7 +98,16 @@ tracepoint:block:{done} /@start[args->dev, args->sector]/ {{
     delete(@start[args->dev, args->sector]);
 }}
 """
-BLOCK_PAIRS = {"io_start": ("block_io_start", "block_io_done"), "rq_issue": ("block_rq_issue", "block_rq_complete")}
+
+
+def block_pair(plans: list) -> tuple[str, str]:
+    """The block tracepoints (start, done) our blkio attaches here, from its planned variant's own
+    list (probes/specs.py): the bpftrace peer times the same pair. block_rq_* when blkio does not plan."""
+    for p in plans:
+        if p.probe.name == "blkio":
+            start, done = (tp.split(":", 1)[1] for tp in p.variant.tracepoints[:2])
+            return start, done
+    return "block_rq_issue", "block_rq_complete"
 
 
 # ------------------------------------------------------------------------------------------ the agent child
@@ -257,7 +266,7 @@ def main() -> int:
         from xpusense.agent.sources.ebpf.family import plans_for, table_from
         cfg = {"tc_netns": ns_a, "tc_interfaces": [if_a]}
         plans, why = plans_for(table_from(cfg))
-        blk_variant = next((p.variant.name for p in plans if p.probe.name == "blkio"), "rq_issue")
+        blk_start, blk_done = block_pair(plans)
 
         # Start all three at once: each compiles/loads on its own.
         ready = os.path.join(tmp, "agent.json")
@@ -275,7 +284,7 @@ def main() -> int:
         if bpftrace:
             script = os.path.join(tmp, "blk.bt")
             with open(script, "w") as f:
-                f.write(BPFTRACE.format(start=BLOCK_PAIRS[blk_variant][0], done=BLOCK_PAIRS[blk_variant][1]))
+                f.write(BPFTRACE.format(start=blk_start, done=blk_done))
             bt = subprocess.Popen([bpftrace, script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             procs.append(bt)
             bt_lines = line_reader(bt)
@@ -342,7 +351,7 @@ def main() -> int:
             rows.append({"what": "bcc runqlat-bpfcc", "missing": f"{runqlat_tool} not found (apt-get install bpfcc-tools)"})
         if bt:
             cnt, ns = delta(before["bt"], after["bt"], after["bt"].keys())
-            rows.append({"what": f"bpftrace hist on block:{'/'.join(BLOCK_PAIRS[blk_variant])}", "events": cnt,
+            rows.append({"what": f"bpftrace hist on block:{blk_start}/{blk_done}", "events": cnt,
                          "events_per_s": round(cnt / wall), "ns_per_event": round(ns / cnt, 1) if cnt else None})
         else:
             rows.append({"what": "bpftrace", "missing": "bpftrace not installed (apt-get install bpftrace)"})

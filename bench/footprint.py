@@ -44,7 +44,18 @@ import uuid
 from pathlib import Path
 
 from _proc import cpu_s, free_port, stop, tail, thread_schedstat, tool, wait_collector
-from ebpf_cost import FSYNC_WRITER, PING_PONG, UDP_SENDER, ctxt, delta, enable_bpf_stats, prog_stats, sh, wait_for
+from ebpf_cost import (
+    FSYNC_WRITER,
+    PING_PONG,
+    UDP_SENDER,
+    block_pair,
+    ctxt,
+    delta,
+    enable_bpf_stats,
+    prog_stats,
+    sh,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 GOALS = {"cpu_ratio_max": 0.7, "rss_steady_mb_max": 100.0, "rss_peak_mb_max": 130.0, "load_pct_max": 2.0,
@@ -407,7 +418,8 @@ def agent_window(agent: subprocess.Popen, probes: list[str], variants: dict, tmp
     return out
 
 
-def start_peers(probes: list[str], variants: dict, tmp: str, lib: str, procs: list) -> dict:
+def start_peers(probes: list[str], variants: dict, blk_pair: tuple[str, str], tmp: str, lib: str,
+                procs: list) -> dict:
     """bcc's and bpftrace's tools on the same events as our probes: probe -> (what, process or None, why not)."""
     peers: dict[str, tuple[str, subprocess.Popen | None, str]] = {}
     for probe, what, exe, argv, ready in (
@@ -423,7 +435,6 @@ def start_peers(probes: list[str], variants: dict, tmp: str, lib: str, procs: li
         else:
             peers[probe] = (what, None, f"{path} not found (apt-get install bpfcc-tools)")
     bpftrace = shutil.which("bpftrace")
-    pairs = {"io_start": ("block_io_start", "block_io_done"), "rq_issue": ("block_rq_issue", "block_rq_complete")}
     for probe, (what, text) in PEERS.items():
         # The bpftrace peer sums sock_send/recv_length per cgroup: the hooks of both socket variants.
         if probe not in probes or (probe == "netio" and variants.get("netio") not in ("sock", "sock_cgroup")):
@@ -431,7 +442,7 @@ def start_peers(probes: list[str], variants: dict, tmp: str, lib: str, procs: li
         if not bpftrace:
             peers[probe] = (f"bpftrace {what}", None, "bpftrace not installed (apt-get install bpftrace)")
             continue
-        a, b = pairs.get(variants.get("blkio", ""), pairs["rq_issue"])
+        a, b = blk_pair
         script = os.path.join(tmp, f"{probe}.bt")
         Path(script).write_text(text.format(a=a, b=b, lib=lib))
         peers[probe] = (f"bpftrace {what}", *start_peer([bpftrace, script], "Attaching", f"bpftrace for {probe}",
@@ -546,7 +557,7 @@ def main() -> int:
             net = (ns_a, ns_b, "10.233.0.2")
             load = agent_window(agent, probes, variants, tmp, lib, net, args.load_seconds, args.round_trips, procs)
             stop(agent)
-            peers = start_peers(probes, variants, tmp, lib, procs)
+            peers = start_peers(probes, variants, block_pair(plans), tmp, lib, procs)
             peer_w = peers_window(peers, tmp, lib, net, args.load_seconds, args.round_trips, procs)
             load["peers_window"] = {k: peer_w[k] for k in ("seconds", "context_switches_per_s", "work_done")}
             load["rows"] = compare(load, peer_w)

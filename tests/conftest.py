@@ -11,6 +11,13 @@ import uuid
 import pytest
 from helpers import FIGURES, Proc
 
+# Ctrl-C reaches the processes the tests start (tests send `top`, agents and collectors SIGINT and
+# wait for them to quit): a suite started as a background job of a non-interactive shell (`cmd &`,
+# nohup) inherits SIGINT ignored, which exec passes on to every child, and Python leaves it ignored.
+# A handler of our own here is reset to the default in each child at exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def agent_config_without_ebpf(tmp_path_factory):
