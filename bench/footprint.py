@@ -439,13 +439,14 @@ def start_peers(probes: list[str], variants: dict, blk_pair: tuple[str, str], tm
         # The bpftrace peer sums sock_send/recv_length per cgroup: the hooks of both socket variants.
         if probe not in probes or (probe == "netio" and variants.get("netio") not in ("sock", "sock_cgroup")):
             continue
-        if not bpftrace:
-            peers[probe] = (f"bpftrace {what}", None, "bpftrace not installed (apt-get install bpftrace)")
-            continue
         a, b = blk_pair
+        what = "bpftrace " + what.format(a=a, b=b)
+        if not bpftrace:
+            peers[probe] = (what, None, "bpftrace not installed (apt-get install bpftrace)")
+            continue
         script = os.path.join(tmp, f"{probe}.bt")
         Path(script).write_text(text.format(a=a, b=b, lib=lib))
-        peers[probe] = (f"bpftrace {what}", *start_peer([bpftrace, script], "Attaching", f"bpftrace for {probe}",
+        peers[probe] = (what, *start_peer([bpftrace, script], "Attaching", f"bpftrace for {probe}",
                                                         procs))
     return peers
 
