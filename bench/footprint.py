@@ -446,8 +446,7 @@ def start_peers(probes: list[str], variants: dict, blk_pair: tuple[str, str], tm
             continue
         script = os.path.join(tmp, f"{probe}.bt")
         Path(script).write_text(text.format(a=a, b=b, lib=lib))
-        peers[probe] = (what, *start_peer([bpftrace, script], "Attaching", f"bpftrace for {probe}",
-                                                        procs))
+        peers[probe] = (what, *start_peer([bpftrace, script], "Attaching", f"bpftrace for {probe}", procs))
     return peers
 
 
