@@ -16,7 +16,11 @@ Exactly once into the summary: a new owner loads the partition's summaries from 
 previous owner's state, marks included), resets the durable consumer to its ack floor (everything
 not yet covered by a written summary comes again) and drops by SeqWindow what was taken. Messages
 are acknowledged (AckPolicy ALL: the last acks all before it) only after the summaries that cover
-them are written.
+them are written, and only by the lease's holder: a partition's writes run one at a time (a
+handover's last write waits for the one in flight, so that its acknowledgement never runs ahead of
+a summary still on its way, which the next owner would load without), and the lease is renewed
+between the writes and the acknowledgement (a worker whose lease was taken over acknowledges
+nothing: the new owner reads those messages again).
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ class _Partition:
         self.last: Msg | None = None          # newest message handled, not yet acknowledged
         self.ready = asyncio.Event()          # loaded and consuming
         self.stopping = False
+        self.writing = asyncio.Lock()         # one summary write at a time (Worker._write)
+        self.lost = False                     # its lease was taken over: acknowledge nothing more
 
 
 class Worker:
@@ -126,8 +132,8 @@ class Worker:
             keys = []
         alive = max(1, sum(1 for key in keys if key.startswith("w.")))
         taken = {int(key[2:]) for key in keys if key.startswith("p.") and key[2:].isdigit()}
-        for k in list(self.parts):
-            if not await self._renew(k):
+        for k, p in list(self.parts.items()):
+            if not await self._renew(p):
                 log.warning("worker %s: lost partition %d to another worker", self.id, k)
                 await self._release(k, delete=False)
         target = math.ceil(n.partitions / alive)
@@ -147,9 +153,10 @@ class Worker:
                 continue
             self._acquire(k, rev)
 
-    async def _renew(self, k: int) -> bool:
-        p = self.parts[k]
-        leases = self.buckets.leases
+    async def _renew(self, p: _Partition) -> bool:
+        """Renew the partition's lease (compare-and-set on the revision held); False when another
+        worker holds it now."""
+        k, leases = p.k, self.buckets.leases
         try:
             p.revision = await leases.update(f"p.{k}", self.id.encode(), last=p.revision)
             return True
@@ -179,6 +186,7 @@ class Worker:
         if p is None:
             return
         p.stopping = True
+        p.lost = not delete
         if p.task is not None:
             p.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -187,6 +195,7 @@ class Worker:
             with contextlib.suppress(*_TRANSIENT):
                 await self._write(k, p)
                 await self.buckets.leases.delete(f"p.{k}", last=p.revision)
+        p.lost = True   # a round's write that comes later (its nodes are gone) acknowledges nothing
         for nid in [nid for nid, node in self.nodes.items() if node.part == k]:
             del self.nodes[nid]
         log.info("worker %s: let go of partition %d", self.id, k)
@@ -270,6 +279,14 @@ class Worker:
                 await self._write(k, p)
 
     async def _write(self, k: int, p: _Partition) -> None:
+        """The partition's changed summaries into the bucket, then the messages they cover
+        acknowledged, while the lease is still this worker's; one write at a time per partition."""
+        async with p.writing:
+            await self._write_held(k, p)
+
+    async def _write_held(self, k: int, p: _Partition) -> None:
+        if p.lost:   # another worker's now: its summaries are that worker's to write
+            return
         last = p.last
         dirty = [node for node in self.nodes.values() if node.part == k and node.dirty]
         now = time.time_ns()
@@ -287,9 +304,14 @@ class Worker:
             if failed:
                 log.info("worker %s: %d summaries not written (%s); next round", self.id, len(failed), results[0])
                 return
-        if last is not None:
-            with contextlib.suppress(*_TRANSIENT):
-                await last.ack()
+        if last is None or p.lost:
+            return
+        with contextlib.suppress(*_TRANSIENT):
+            if not await self._renew(p):   # taken over meanwhile: the new owner reads them again
+                p.lost = True
+                log.warning("worker %s: partition %d taken over while writing; not acknowledging", self.id, k)
+                return
+            await last.ack()
             if p.last is last:
                 p.last = None
 

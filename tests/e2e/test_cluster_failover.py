@@ -72,6 +72,7 @@ class PlaceProbe(threading.Thread):
         self.addr, self.stop_ev = addr, threading.Event()
         self.answers: list[tuple[float, int, int]] = []
         self.errors: list[str] = []
+        self.excluded = ""   # the last answer's excluded nodes and counts, for a failure's message
 
     def run(self):
         req = spb.PlaceRequest(accelerator=spb.ACCELERATOR_GPU, memory_bytes=10 * 2**30, count=2, limit=3)
@@ -81,6 +82,9 @@ class PlaceProbe(threading.Thread):
                 try:
                     r = stub.Place(req, timeout=15)
                     self.answers.append((time.monotonic(), r.nodes_total, r.nodes_feasible))
+                    if r.nodes_feasible < r.nodes_total:
+                        self.excluded = (f"{dict(r.excluded_counts)}: "
+                                         + "; ".join(f"{x.node_id} {x.reason} {x.detail}" for x in r.excluded))
                 except grpc.RpcError as e:
                     self.errors.append(f"{e.code().name}: {e.details()}")
 
@@ -133,7 +137,8 @@ def test_done_when_leader_gateway_and_worker_die_mid_stream(nats_cluster, procs,
     # At some moment every node is fresh in the replica's index (one may lag a round on a loaded machine).
     wait_until(lambda: any(feasible == AGENTS for _, _, feasible in probe.answers), 180,
                what=lambda: f"Place: 20 feasible nodes (last answers (t, total, feasible): {probe.answers[-5:]}, "
-                            f"{len(probe.errors)} errors, last: {probe.errors[-3:]}; scheduler log tail: "
+                            f"{len(probe.errors)} errors, last: {probe.errors[-3:]}; excluded: {probe.excluded}; "
+                            f"scheduler log tail: "
                             f"{sched.output()[-3000:]})")
 
     # 1. The leader of a stream dies: a new one is elected, writes go on, nothing acked is lost.

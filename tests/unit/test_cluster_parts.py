@@ -287,3 +287,149 @@ def test_a_stopping_gateway_writes_its_marks_within_a_bound():
     assert sorted(written) == [mark_key("ok-1", "b1"), mark_key("ok-2", "b1")]
     assert set(written.values()) == {b"5"}
     assert left == 0   # written or given up: none kept for a gateway that is stopping
+
+
+class _LeaseBucket:
+    """The `leases` bucket as Worker uses it: compare-and-set on the revision, like JetStream KV."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[bytes, int]] = {}
+        self.rev = 0
+        self.deleted: list[tuple[str, int]] = []
+
+    def _next(self, key: str, value: bytes) -> int:
+        self.rev += 1
+        self.entries[key] = (value, self.rev)
+        return self.rev
+
+    async def create(self, key: str, value: bytes) -> int:
+        from nats.js.errors import KeyWrongLastSequenceError
+        if key in self.entries:
+            raise KeyWrongLastSequenceError(f"{key} exists")
+        return self._next(key, value)
+
+    async def update(self, key: str, value: bytes, last: int) -> int:
+        from nats.js.errors import KeyWrongLastSequenceError
+        if key not in self.entries or self.entries[key][1] != last:
+            raise KeyWrongLastSequenceError(f"{key}: wrong last sequence {last}")
+        return self._next(key, value)
+
+    async def get(self, key: str):
+        from types import SimpleNamespace
+
+        from nats.js.errors import NotFoundError
+        if key not in self.entries:
+            raise NotFoundError()
+        value, rev = self.entries[key]
+        return SimpleNamespace(value=value, revision=rev)
+
+    async def delete(self, key: str, last: int) -> None:
+        self.deleted.append((key, last))
+        self.entries.pop(key, None)
+
+
+def _worker_mid_write():
+    """A Worker owning partition 0 with node X (its Hello handled: inventory) whose summary write
+    the `fleet` bucket holds back until `fleet.gate` is set; what it stores and the acks it gets
+    are recorded with whether any summary put was still on its way."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from xpusense.collector.cluster.worker import Worker, _Partition
+
+    log: list[tuple] = []
+
+    class Fleet:
+        def __init__(self) -> None:
+            self.gate, self.held = asyncio.Event(), asyncio.Event()
+            self.pending = 0
+            self.stored: dict[str, bytes] = {}
+
+        async def put(self, key: str, value: bytes) -> int:
+            self.pending += 1
+            if "node-x" in key:
+                self.held.set()
+                await self.gate.wait()
+            self.stored[key] = value
+            self.pending -= 1
+            return len(self.stored)
+
+    class Msg:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        async def ack(self) -> None:
+            log.append(("ack", self.name, fleet.pending))
+
+    fleet, leases = Fleet(), _LeaseBucket()
+    w = Worker(None, SimpleNamespace(leases=leases, fleet=fleet), SimpleNamespace(), "w1")
+    rev = leases._next("p.0", b"w1")
+    p = w.parts[0] = _Partition(0, rev)
+    p.ready.set()
+    x = w.nodes["node-x"] = NodeLatest("node-x", 0)
+    x.hello(pb.Hello(node_id="node-x", boot_id="b1", inventory=pb.Inventory(hostname="x")), "gw/1", "peer", 1)
+    p.last = Msg("hello of x")
+    return w, p, fleet, leases, log, Msg
+
+
+async def _yield_until(cond, turns: int = 2000) -> bool:
+    """Let the loop run (no timers: every fake here answers without waiting) until cond() or `turns`."""
+    import asyncio
+    for _ in range(turns):
+        if cond():
+            return True
+        await asyncio.sleep(0)
+    return cond()
+
+
+def test_a_handover_waits_for_the_summaries_in_flight_before_acknowledging():
+    """A partition handed over while a round's summary write is on its way: the handover's write
+    waits for it, so no message is acknowledged (AckPolicy ALL: with all before it) before the
+    summaries covering it are stored; the lease goes only then. (It acknowledged at once, and the
+    next owner, loading the bucket, lost node X's Hello: its inventory, so Place never offered it.)"""
+    import asyncio
+
+    async def scenario():
+        w, p, fleet, leases, log, Msg = _worker_mid_write()
+        rounds = asyncio.create_task(w.write_summaries())
+        await asyncio.wait_for(fleet.held.wait(), 30)
+        y = w.nodes["node-y"] = NodeLatest("node-y", 0)   # a later message, for another node
+        y.hello(pb.Hello(node_id="node-y", boot_id="b2"), "gw/1", "peer", 2)
+        p.last = Msg("hello of y")
+        handover = asyncio.create_task(w._release(0, delete=True))
+        early = await _yield_until(lambda: handover.done() or bool(log))
+        fleet.gate.set()
+        await asyncio.wait_for(asyncio.gather(rounds, handover), 30)
+        return early, log, fleet, leases
+
+    early, log, fleet, leases = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert not early, f"acknowledged or handed over while X's summary was on its way: {log}"
+    assert [a[:2] for a in log] == [("ack", "hello of x"), ("ack", "hello of y")]
+    assert all(pending == 0 for _, _, pending in log), log   # each ack after the puts before it
+    assert decode(fleet.stored["p0.node-x"])["i"] == pb.Inventory(hostname="x").SerializeToString()
+    assert "p0.node-y" in fleet.stored
+    assert leases.deleted == [("p.0", leases.rev)] and "p.0" not in leases.entries
+
+
+def test_a_worker_whose_lease_was_taken_acknowledges_nothing():
+    """The lease taken over (by compare-and-set) while a write was on its way: the write ends without
+    acknowledging (the new owner, from the ack floor, reads those messages again), and the next
+    round neither writes nor acknowledges."""
+    import asyncio
+
+    async def scenario():
+        w, p, fleet, leases, log, _ = _worker_mid_write()
+        rounds = asyncio.create_task(w.write_summaries())
+        await asyncio.wait_for(fleet.held.wait(), 30)
+        leases.entries["p.0"] = (b"w2", leases._next("w.w2", b""))   # w2 took it (the lease ran out)
+        fleet.gate.set()
+        await asyncio.wait_for(rounds, 30)
+        x = w.nodes["node-x"]
+        x.dirty = True
+        stored = dict(fleet.stored)
+        await asyncio.wait_for(w.write_summaries(), 30)
+        return p, log, stored, fleet.stored
+
+    p, log, before, after = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert log == [] and p.lost
+    assert before == after   # the next round wrote nothing over the new owner's summaries
