@@ -72,7 +72,8 @@ class _Partition:
         self.ready = asyncio.Event()          # loaded and consuming
         self.stopping = False
         self.writing = asyncio.Lock()         # one summary write at a time (Worker._write)
-        self.lost = False                     # its lease was taken over: acknowledge nothing more
+        self.renewing = asyncio.Lock()        # one lease renewal at a time (a round's, a write's)
+        self.lost = False                     # its lease was taken over: write and acknowledge nothing more
 
 
 class Worker:
@@ -133,7 +134,7 @@ class Worker:
         alive = max(1, sum(1 for key in keys if key.startswith("w.")))
         taken = {int(key[2:]) for key in keys if key.startswith("p.") and key[2:].isdigit()}
         for k, p in list(self.parts.items()):
-            if not await self._renew(p):
+            if p.lost or not await self._renew(p):   # lost: found taken over by a write (it may be free again)
                 log.warning("worker %s: lost partition %d to another worker", self.id, k)
                 await self._release(k, delete=False)
         target = math.ceil(n.partitions / alive)
@@ -155,23 +156,26 @@ class Worker:
 
     async def _renew(self, p: _Partition) -> bool:
         """Renew the partition's lease (compare-and-set on the revision held); False when another
-        worker holds it now."""
-        k, leases = p.k, self.buckets.leases
-        try:
-            p.revision = await leases.update(f"p.{k}", self.id.encode(), last=p.revision)
-            return True
-        except nats.js.errors.KeyWrongLastSequenceError:
+        worker holds it now. One at a time (a round's, a write's): run together on a lease that had
+        run out, one re-created it and the other, its create refused, took it for another worker's."""
+        k, leases, me = p.k, self.buckets.leases, self.id.encode()
+        async with p.renewing:
+            try:
+                p.revision = await leases.update(f"p.{k}", me, last=p.revision)
+                return True
+            except nats.js.errors.KeyWrongLastSequenceError:
+                pass
             try:   # our last renewal may have been stored without its ack reaching us
                 e = await leases.get(f"p.{k}")
             except nats.js.errors.NotFoundError:
                 # Expired (this worker was held up past lease_s): nobody took it yet, so take it again.
                 try:
-                    p.revision = await leases.create(f"p.{k}", self.id.encode())
+                    p.revision = await leases.create(f"p.{k}", me)
                     log.info("worker %s: partition %d's lease had run out; renewed", self.id, k)
                     return True
                 except nats.js.errors.KeyWrongLastSequenceError:
                     return False
-            if e.value == self.id.encode():
+            if e.value == me:
                 p.revision = e.revision
                 return True
             return False

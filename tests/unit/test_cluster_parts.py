@@ -302,14 +302,22 @@ class _LeaseBucket:
         self.entries[key] = (value, self.rev)
         return self.rev
 
+    @staticmethod
+    async def _round_trip() -> None:
+        """A request's way to the server: other tasks run meanwhile."""
+        import asyncio
+        await asyncio.sleep(0)
+
     async def create(self, key: str, value: bytes) -> int:
         from nats.js.errors import KeyWrongLastSequenceError
+        await self._round_trip()
         if key in self.entries:
             raise KeyWrongLastSequenceError(f"{key} exists")
         return self._next(key, value)
 
     async def update(self, key: str, value: bytes, last: int) -> int:
         from nats.js.errors import KeyWrongLastSequenceError
+        await self._round_trip()
         if key not in self.entries or self.entries[key][1] != last:
             raise KeyWrongLastSequenceError(f"{key}: wrong last sequence {last}")
         return self._next(key, value)
@@ -318,6 +326,7 @@ class _LeaseBucket:
         from types import SimpleNamespace
 
         from nats.js.errors import NotFoundError
+        await self._round_trip()
         if key not in self.entries:
             raise NotFoundError()
         value, rev = self.entries[key]
@@ -433,3 +442,24 @@ def test_a_worker_whose_lease_was_taken_acknowledges_nothing():
     p, log, before, after = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert log == [] and p.lost
     assert before == after   # the next round wrote nothing over the new owner's summaries
+
+
+def test_a_rounds_and_a_writes_renewals_together_keep_the_lease():
+    """The lease ran out (the cluster did not answer for a while) and a round and a write renew it
+    at once: the worker keeps it, and it is not taken for lost. (Together, one re-created it and the
+    other, its create refused, said another worker had it: the partition was never written again.)"""
+    import asyncio
+
+    async def scenario():
+        w, p, fleet, leases, log, _ = _worker_mid_write()
+        fleet.gate.set()            # no put held back here
+        del leases.entries["p.0"]   # run out
+        renewed = await asyncio.wait_for(asyncio.gather(w._renew(p), w._renew(p)), 30)
+        w.nodes["node-x"].dirty = True
+        await asyncio.wait_for(w.write_summaries(), 30)
+        return renewed, p, leases, log
+
+    renewed, p, leases, log = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert renewed == [True, True] and not p.lost
+    assert leases.entries["p.0"] == (b"w1", p.revision)
+    assert [a[:2] for a in log] == [("ack", "hello of x")]
