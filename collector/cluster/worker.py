@@ -190,7 +190,8 @@ class Worker:
         if p is None:
             return
         p.stopping = True
-        p.lost = not delete
+        if not delete:   # taken over: a write in flight acknowledges nothing (a lost one stays lost)
+            p.lost = True
         if p.task is not None:
             p.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -333,6 +333,10 @@ class _LeaseBucket:
         return SimpleNamespace(value=value, revision=rev)
 
     async def delete(self, key: str, last: int) -> None:
+        from nats.js.errors import KeyWrongLastSequenceError
+        await self._round_trip()
+        if key in self.entries and self.entries[key][1] != last:
+            raise KeyWrongLastSequenceError(f"{key}: wrong last sequence {last}")
         self.deleted.append((key, last))
         self.entries.pop(key, None)
 
@@ -423,7 +427,7 @@ def test_a_handover_waits_for_the_summaries_in_flight_before_acknowledging():
 def test_a_worker_whose_lease_was_taken_acknowledges_nothing():
     """The lease taken over (by compare-and-set) while a write was on its way: the write ends without
     acknowledging (the new owner, from the ack floor, reads those messages again), and the next
-    round neither writes nor acknowledges."""
+    round neither writes nor acknowledges, nor does the worker's stop (its handover of everything)."""
     import asyncio
 
     async def scenario():
@@ -431,17 +435,23 @@ def test_a_worker_whose_lease_was_taken_acknowledges_nothing():
         rounds = asyncio.create_task(w.write_summaries())
         await asyncio.wait_for(fleet.held.wait(), 30)
         leases.entries["p.0"] = (b"w2", leases._next("w.w2", b""))   # w2 took it (the lease ran out)
+        w2_lease = leases.entries["p.0"]
         fleet.gate.set()
         await asyncio.wait_for(rounds, 30)
         x = w.nodes["node-x"]
         x.dirty = True
         stored = dict(fleet.stored)
         await asyncio.wait_for(w.write_summaries(), 30)
-        return p, log, stored, fleet.stored
+        after_round = dict(fleet.stored)
+        x.dirty = True
+        await asyncio.wait_for(w.release_all(), 30)
+        return p, log, stored, after_round, dict(fleet.stored), w2_lease, leases
 
-    p, log, before, after = asyncio.run(asyncio.wait_for(scenario(), 60))
+    p, log, before, after_round, after_stop, w2_lease, leases = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert log == [] and p.lost
-    assert before == after   # the next round wrote nothing over the new owner's summaries
+    assert before == after_round   # the next round wrote nothing over the new owner's summaries
+    assert before == after_stop    # nor did the stop's handover
+    assert leases.entries["p.0"] == w2_lease and leases.deleted == []
 
 
 def test_a_rounds_and_a_writes_renewals_together_keep_the_lease():
