@@ -15,6 +15,7 @@ from xpusense.common.tls import make_channel
 
 from .config import ConfigError, load_agent
 from .daemon import Agent, build_sources, inventory
+from .request_dir import RequestDirError
 from .sources.ebpf.launch import discard_early
 from .spool import SpoolError
 from .stream import resolve
@@ -47,7 +48,7 @@ def execute(args: argparse.Namespace, path: str | None) -> int:
 def _run(cfg, args) -> int:
     try:
         agent = Agent(cfg, setup_in_background=not args.once)
-    except SpoolError as e:
+    except (SpoolError, RequestDirError) as e:
         print(f"xpusense-agent: {e}", file=sys.stderr)
         return EXIT_FAIL
     finally:

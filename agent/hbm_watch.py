@@ -21,20 +21,24 @@ false with everything, so `NaN < threshold` would otherwise read as "above").
 Every pid is checked before a request names it (`pid_problem`): pids come from vendor libraries,
 and a misread NVML process list gives 0 (to kill(), the agent's own process group) or 4294967295
 (os.getpgid raises on it). A request goes only to live processes other than init and the agent.
+The signal goes only to a process that catches it and is still the one listed (proc_signal.py):
+a process without a handler (an inference server) gets the request file and event only. Every pid
+not signalled is logged with why and counted by reason (`status()["not_signalled"]`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
 import signal as signal_mod
-import tempfile
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable
 
+from . import proc_signal
+from .request_dir import prepare_request_dir, write_atomically
 from .sources.base import Event, Sample
 
 log = logging.getLogger("xpusense.agent.hbm_watch")
@@ -74,6 +78,7 @@ class Request:
     pids: list[int]
     time_ns: int
     crossed_ns: int
+    listed: dict[int, proc_signal.Listed] = dataclasses.field(default_factory=dict)   # pid -> as listed
     actions: list[str] = dataclasses.field(default_factory=list)
     file: str = ""
 
@@ -117,22 +122,28 @@ def pid_max(proc: str = "/proc") -> int:
         return PID_MAX_LIMIT
 
 
-def pid_problem(pid: object, proc: str = "/proc", own_pid: int | None = None) -> str | None:
-    """Why a request must not name this pid (None when it may): not an integer, 0 (kill(0, sig)
-    signals the caller's own process group), 1 (init), above pid_max (a misread list), the agent
-    itself, or no such process."""
+def pid_refusal(pid: object, proc: str = "/proc", own_pid: int | None = None) -> proc_signal.Refusal | None:
+    """(reason key, why) a request must not name this pid, None when it may: not an integer, 0
+    (kill(0, sig) signals the caller's own process group), 1 (init), above pid_max (a misread
+    list), the agent (its pid, a thread of it, its process group's leader), or no such process."""
     if not isinstance(pid, int) or isinstance(pid, bool):
-        return f"{pid!r} is not a pid"
+        return "invalid", f"{pid!r} is not a pid"
     if pid <= 1:
-        return f"pid {pid} is {'init' if pid == 1 else 'not a process (0 signals our own process group)'}"
+        return "invalid", f"pid {pid} is {'init' if pid == 1 else 'not a process (0 signals our own process group)'}"
     limit = pid_max(proc)
     if pid > limit:
-        return f"pid {pid} is above pid_max {limit} (a misread process list)"
-    if pid == (os.getpid() if own_pid is None else own_pid):
-        return f"pid {pid} is the agent itself"
+        return "invalid", f"pid {pid} is above pid_max {limit} (a misread process list)"
+    if why := proc_signal.agent_problem(pid, proc, own_pid):
+        return proc_signal.AGENT, why
     if not os.path.isdir(f"{proc}/{pid}"):
-        return f"pid {pid}: no such process"
+        return proc_signal.ENDED, f"pid {pid}: no such process"
     return None
+
+
+def pid_problem(pid: object, proc: str = "/proc", own_pid: int | None = None) -> str | None:
+    """Why a request must not name this pid (None when it may); see pid_refusal."""
+    refusal = pid_refusal(pid, proc, own_pid)
+    return None if refusal is None else refusal[1]
 
 
 def job_key(pid: int, group_by: str = "auto", proc: str = "/proc") -> str:
@@ -157,32 +168,14 @@ def group_jobs(pids: Iterable[int], group_by: str = "auto", proc: str = "/proc")
     return jobs
 
 
-def write_atomically(directory: str, name: str, data: dict) -> str:
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        path = os.path.join(directory, name)
-        os.replace(tmp, path)
-        return path
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 class HbmWatch:
     def __init__(self, rules: dict[str, Rule], processes: Callable[[], dict[int, set[str]]],
                  actions: Iterable[str] = ("signal", "file", "event"), signal_name: str = "SIGUSR1",
                  request_dir: str = "/run/xpusense/checkpoint", group_by: str = "auto", proc: str = "/proc",
-                 kill: Callable[[int, int], None] = os.kill, own_pid: int | None = None):
-        """rules: vendor -> Rule ('default' for any vendor without its own)."""
+                 kill: Callable[[int, int], None] | None = None, own_pid: int | None = None):
+        """rules: vendor -> Rule ('default' for any vendor without its own). kill: None sends through
+        a pidfd (os.kill where there is none); tests over a fake /proc give their own. Raises
+        RequestDirError when the "file" action's request_dir is unsafe (request_dir.py)."""
         self.rules = rules
         self.processes = processes
         self.actions = list(actions)
@@ -193,12 +186,15 @@ class HbmWatch:
         self.kill = kill
         self.own_pid = own_pid
         self.bad_pids = 0                       # pids refused by pid_problem
+        self.not_signalled: Counter[str] = Counter()   # reason -> pids not signalled (left out or refused)
         self.tracks: dict[tuple[str, str], Track] = {}
         self.last_fired: dict[str, int] = {}   # job -> time_ns of its last request
         self.sent: list[Request] = []           # what was sent, for status and tests
         self.fired = 0
         self.suppressed = 0
         self.ignored = 0                        # values that were not ratios (NaN...)
+        if "file" in self.actions:
+            prepare_request_dir(request_dir)
 
     def rule(self, vendor: str) -> Rule:
         return self.rules.get(vendor) or self.rules["default"]
@@ -247,6 +243,16 @@ class HbmWatch:
             log.info("HBM bandwidth of %s at %.0f%% for %g s, but no process uses it: nothing to ask",
                      dev, value * 100, rule.window_s)
             return []
+        # Right after the list is read: each pid's start time, and a pidfd on it (closed below).
+        listed = proc_signal.record(pids, self.proc, pidfds=self.kill is None and "signal" in self.actions)
+        try:
+            return self._requests(dev, vendor, value, crossed_ns, now_ns, pids, listed)
+        finally:
+            proc_signal.release(listed)
+
+    def _requests(self, dev: str, vendor: str, value: float, crossed_ns: int, now_ns: int, pids: list[int],
+                  listed: dict[int, proc_signal.Listed]) -> list[Event]:
+        rule = self.rule(vendor)
         events = []
         for job, job_pids in group_jobs(pids, self.group_by, self.proc).items():
             last = self.last_fired.get(job)
@@ -256,18 +262,21 @@ class HbmWatch:
                          dev, job, (now_ns - last) / 1e9, rule.cooldown_s)
                 continue
             self.last_fired[job] = now_ns
-            req = Request(uuid.uuid4().hex[:16], dev, vendor, value, rule, job, job_pids, now_ns, crossed_ns)
+            req = Request(uuid.uuid4().hex[:16], dev, vendor, value, rule, job, job_pids, now_ns, crossed_ns,
+                          {pid: listed[pid] for pid in job_pids})
             events += self._act(req)
         return events
 
     def _checked(self, pids: list[int], dev: str) -> list[int]:
         ok = []
         for pid in pids:
-            why = pid_problem(pid, self.proc, self.own_pid)
-            if why is None:
+            refusal = pid_refusal(pid, self.proc, self.own_pid)
+            if refusal is None:
                 ok.append(pid)
                 continue
+            reason, why = refusal
             self.bad_pids += 1
+            self.not_signalled[reason] += 1
             log.warning("HBM watch on %s: process list names %s: left out of the request", dev, why)
         return ok
 
@@ -282,17 +291,22 @@ class HbmWatch:
             except OSError as e:
                 log.error("checkpoint request %s: cannot write to %s: %s", req.id, self.request_dir, e)
         if "signal" in self.actions:
-            sent = []
+            sent, refused = [], []
             for pid in req.pids:
-                try:
-                    self.kill(pid, self.signum)
+                refusal = proc_signal.send(pid, self.signum, req.listed[pid], self.proc, self.own_pid, self.kill)
+                if refusal is None:
                     sent.append(pid)
-                except ProcessLookupError:
-                    pass  # it ended since the process list was read
-                except PermissionError as e:
-                    log.error("checkpoint request %s: cannot signal pid %d: %s", req.id, pid, e)
+                    continue
+                reason, why = refusal
+                self.not_signalled[reason] += 1
+                refused.append(f"{pid} ({reason})")
+                quiet = reason in (proc_signal.NO_HANDLER, proc_signal.ENDED)   # expected: said at info
+                log.log(logging.INFO if quiet else logging.WARNING, "checkpoint request %s: not signalled: %s",
+                        req.id, why)
             if sent:
                 done.append(f"{signal_mod.Signals(self.signum).name} to pids {sent}")
+            if refused:
+                done.append(f"not signalled: {', '.join(refused)}")
         req.actions = done
         self.sent.append(req)
         self.fired += 1
@@ -310,5 +324,6 @@ class HbmWatch:
 
     def status(self) -> dict:
         return {"fired": self.fired, "suppressed_by_cooldown": self.suppressed, "refused_pids": self.bad_pids,
+                "not_signalled": dict(self.not_signalled),
                 "armed": {f"{v}/{d}": t.armed for (v, d), t in self.tracks.items()}}
 

@@ -18,6 +18,12 @@ point: the signal handler only sets the flag, never runs your code.
             requests.done(req, path="ckpt.pt") # optional: tells the agent it was handled
 
 or `requests.at_safe_point(save_checkpoint)` at the safe point, which calls it when one is pending.
+
+The agent signals only a process that has a handler for the signal installed (this helper's
+install() does it): a process without one gets the request file and event only, never the signal.
+The request directory is shared by every job on the node (mode 1777, like /tmp): this helper reads
+only request files owned by root or by the directory's owner (the agent), never follows a symlink
+there, and writes its done file under a new name of its own before renaming it into place.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +40,7 @@ from types import FrameType
 from typing import Any
 
 DEFAULT_DIR = os.environ.get("XPUSENSE_CHECKPOINT_DIR", "/run/xpusense/checkpoint")
+MAX_REQUEST_BYTES = 64 * 1024   # a request is well under 1 KiB; a larger file is read this far (and fails)
 
 # What signal.signal() returns: a handler, SIG_DFL/SIG_IGN (ints), or None (not set from Python).
 _Handler = Callable[[int, FrameType | None], Any] | int | None
@@ -129,14 +138,23 @@ class CheckpointRequests:
         """Record that a request was handled (a `<id>.done.json` beside the request file)."""
         if not req.get("id") or not self.directory:
             return
-        path = os.path.join(self.directory, f"{req['id']}.done.json")
-        tmp = f"{path}.{os.getpid()}.tmp"
+        rid = os.path.basename(str(req["id"]))
+        path = os.path.join(self.directory, f"{rid}.done.json")
         try:
-            with open(tmp, "w") as f:
+            # A name no one else can have made (O_EXCL|O_NOFOLLOW) in the shared directory.
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{rid}.done-", suffix=".tmp")
+        except OSError:
+            return  # the agent's directory may be read-only for the job: the checkpoint still happened
+        try:
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), 0o644)
                 json.dump({"id": req["id"], "pid": os.getpid(), "time": time.time(), **info}, f)
             os.replace(tmp, path)
         except OSError:
-            pass  # the agent's directory may be read-only for the job: the checkpoint still happened
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
     # -- internals ----------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -162,16 +180,32 @@ class CheckpointRequests:
         except OSError:
             return False
 
+    def _read_request(self, name: str, owners: set[int]) -> object:
+        """The request in `name`, None unless it is a regular file written by root or the agent."""
+        assert self.directory
+        try:
+            fd = os.open(os.path.join(self.directory, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid not in owners:
+                return None   # another user's file in the shared directory: not a request
+            try:
+                return json.loads(f.read(MAX_REQUEST_BYTES))
+            except (OSError, ValueError):
+                return None
+
     def _scan_locked(self) -> None:
         if not self.directory:
             return
+        try:
+            owners = {0, os.stat(self.directory).st_uid}
+        except OSError:
+            return
         for name in sorted(set(self._names()) - self._seen):
             self._seen.add(name)
-            try:
-                with open(os.path.join(self.directory, name)) as f:
-                    req = json.load(f)
-            except (OSError, ValueError):
-                continue
+            req = self._read_request(name, owners)
             if isinstance(req, dict) and self._mine(req):
                 self._queue.append(req)
 

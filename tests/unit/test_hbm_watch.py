@@ -24,13 +24,23 @@ def samples(values, dev="gpu0", vendor="nvidia", start_s=100, step_s=1.0):
 TRAINER = 4242   # a process of the fake /proc below
 
 
+def fake_process(proc, pid, started=1000, caught=(signal.SIGUSR1,), tgid=None):
+    """/proc/PID of a fake /proc: its start time (stat field 22), the signals it catches (SigCgt)."""
+    d = proc / str(pid)
+    d.mkdir(parents=True, exist_ok=True)
+    mask = sum(1 << (s - 1) for s in caught)
+    (d / "status").write_text(f"Name:\ttrainer\nTgid:\t{tgid or pid}\nPid:\t{pid}\nSigCgt:\t{mask:016x}\n")
+    (d / "stat").write_text(f"{pid} (my trainer) S 1 {pid} {pid} 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 "
+                            f"{started} 1000 10 0\n")
+
+
 def make(tmp_path, procs=None, rules=None, actions=("file", "event"), kill=None, live=None):
-    """A watch over a fake /proc in which the pids of `procs` (or `live`) exist."""
+    """A watch over a fake /proc in which the pids of `procs` (or `live`) exist, and catch SIGUSR1."""
     procs = procs if procs is not None else {TRAINER: {"gpu0"}}
     proc = tmp_path / "proc"
     for pid in (live if live is not None else procs):
-        (proc / str(pid)).mkdir(parents=True, exist_ok=True)
-    proc.mkdir(exist_ok=True)
+        fake_process(proc, pid)
+    proc.mkdir(parents=True, exist_ok=True)
     sent_signals = []
     w = HbmWatch(rules or {"default": Rule()}, lambda: procs, actions=actions, request_dir=str(tmp_path / "req"),
                  group_by="pid", proc=str(proc), kill=kill or (lambda pid, sig: sent_signals.append((pid, sig))))
