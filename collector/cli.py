@@ -16,6 +16,7 @@ import grpc
 
 from xpusense.common.config import DEFAULT_ADDRESS, ConfigError, split_host_port
 from xpusense.common.journal import configure_logging
+from xpusense.common.supervise import TASKS
 from xpusense.common.tls import make_channel
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
@@ -156,12 +157,13 @@ def _serve(args) -> int:
 
     async def amain() -> None:
         stop = asyncio.Event()
-        asyncio.get_running_loop().create_task(freeze_long_lived(stop, postpone=reclaim_pending))
+        # Background tasks under common/supervise.py: a failure is logged, counted (tasks.restarts) and restarted.
+        TASKS.task("gc-policy", lambda: freeze_long_lived(stop, postpone=reclaim_pending), stop)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         if snapshots is not None:   # store/snapshotter.py: a restart replays only the log after the last one
-            loop.create_task(snapshots.run(stop))
+            TASKS.task("store-snapshots", lambda: snapshots.run(stop), stop)
         await serve(cfg.listen, state, cfg.max_message_bytes, stop, cfg, store=store,
                     credentials=security.server_credentials(), security=security, limits=limits)
         if snapshots is not None and store is not None:   # a clean stop: one more, covering everything durable

@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from xpusense.common.config import split_host_port
+from xpusense.common.supervise import TASKS
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
@@ -489,6 +490,8 @@ def counters(ingest: IngestServicer) -> dict[str, int]:
         out["auth.refusals"] = ingest.security.refusals
     out["streams.gc_runs"] = ingest.reclaim.runs
     out["streams.gc_sweeps"] = ingest.reclaim.deep_runs
+    out["tasks.restarts"] = TASKS.total()   # background tasks that failed and were started again, and by task
+    out.update({f"tasks.restarts.{name}": n for name, n in TASKS.counts().items()})
     if ingest.store is not None:   # collector/store/metrics.py says what each one is
         out.update({f"store.{k}": max(0, int(v)) for k, v in ingest.store.stats().items()})
     return out
@@ -560,16 +563,15 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
     for svc in ("", INGEST_SERVICE, QUERY_SERVICE, SCHEDULER_SERVICE):
         await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
     if store is not None:   # overall and Ingest health: NOT_SERVING while the store cannot write
-        server.store_health = set()   # the tasks that set it, held until done
-        store.on_change.append(functools.partial(_follow_store, hs, store, server.store_health))
+        store.on_change.append(functools.partial(_follow_store, hs, store))
         await _store_health(hs, store)
     return server
 
 
-def _follow_store(hs, store, tasks: set, _writable: bool) -> None:
-    task = asyncio.get_running_loop().create_task(_store_health(hs, store))
-    tasks.add(task)
-    task.add_done_callback(tasks.discard)
+def _follow_store(hs, store, _writable: bool) -> None:
+    """Health follows the store (a task: setting it awaits); one that fails sets it again from the
+    store's state then (common/supervise.py)."""
+    TASKS.task("store-health", functools.partial(_store_health, hs, store))
 
 
 async def _store_health(hs, store) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -125,6 +127,25 @@ class Proc:
             return self.p.wait()
         finally:
             self._log.close()
+
+
+@contextlib.contextmanager
+def tmpfs(directory: Path, size: str):
+    """A tmpfs of `size` (mount's size=, e.g. "2m") mounted on `directory` for the block, unmounted
+    after it; the test is skipped, saying why, where it cannot be mounted (not root, no mount(8))."""
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root to mount a {size} tmpfs (a full-disk test); CI runs it as root")
+    if not shutil.which("mount"):
+        pytest.skip("needs mount(8)")
+    directory.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], capture_output=True)
 
 
 def nodes_json(address: str) -> dict:

@@ -101,9 +101,13 @@ class SnapshotFile:
         self.tmp = os.path.join(directory, f"{TMP_PREFIX}{name}.{os.getpid()}")
         self.f = open(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "wb")
         self.frames = self.nodes = self.bytes = 0
-        self.f.write(MAGIC + bytes([VERSION]))
-        bpos, bid = base if base is not None else ((-1, -1), -1)
-        self.add(["h", VERSION, pos[0], pos[1], time.time_ns(), self.id, bpos[0], bpos[1], bid])
+        try:
+            self.f.write(MAGIC + bytes([VERSION]))
+            bpos, bid = base if base is not None else ((-1, -1), -1)
+            self.add(["h", VERSION, pos[0], pos[1], time.time_ns(), self.id, bpos[0], bpos[1], bid])
+        except BaseException:
+            self.abort()
+            raise
 
     def add(self, record: list, parts: list[bytes] | tuple = ()) -> None:
         """One frame: the record, then `parts` as its blob (written as they are, not joined)."""
@@ -141,13 +145,17 @@ class SnapshotFile:
         return self.path
 
     def abort(self) -> None:
+        """Give this snapshot up: its temporary file is closed and removed (never renamed into place,
+        so never read as a snapshot). It runs where a write already failed: the close's flush of what
+        is still buffered fails the same way (ENOSPC, EIO), and that is ignored, never raised."""
         try:
-            self.f.close()
-        finally:
-            try:
-                os.unlink(self.tmp)
-            except OSError:
-                pass
+            self.f.close()   # the raw file is closed even when the flush before it fails
+        except OSError:
+            pass
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
 
 
 class Reader:

@@ -27,6 +27,7 @@ import time
 
 from . import image
 from .snapfile import SnapshotFile
+from .writer import why_failed
 
 DIFF_RATIO = 8
 
@@ -104,10 +105,10 @@ class Snapshotter:
             path = await loop.run_in_executor(self._pool, f.finish)
         except Exception as e:   # a full or failing disk: the log is kept; tried again next period
             self.failures += 1
-            log.warning("store snapshot (%s) not written: %r; the log is kept and replayed from the last good "
-                        "snapshot (counted: snapshot_failures)", why, e)
+            log.warning("store snapshot (%s) not written: %s; the log is kept and replayed from the last good "
+                        "snapshot; tried again in %g s (counted: snapshot_failures)", why, why_failed(e), self.every_s)
             if f is not None:
-                await loop.run_in_executor(self._pool, f.abort)
+                self._abort(f)
             return None
         self.written += 1
         self.bytes_written += f.bytes
@@ -116,7 +117,10 @@ class Snapshotter:
             self.base, self.base_image, self.base_bytes, self.diff_bytes = (pos, f.id), into, f.bytes, 0
         else:
             self.diff_bytes = f.bytes
-        self.store.snapshot_written(pos)
+        try:
+            self.store.snapshot_written(pos)   # prunes older snapshots, deletes segments it no longer needs
+        except OSError as e:   # the snapshot stands; what it frees is freed after the next one
+            log.warning("store snapshot (%s) written, but older snapshots and segments not pruned: %s", why, why_failed(e))
         self.last = {"snapshot_bytes": f.bytes, "snapshot_nodes_written": f.nodes, "snapshot_full": int(full),
                      "snapshot_write_ms": round((time.monotonic() - t0) * 1000),
                      "snapshot_loop_ms": round(cpu_loop * 1000)}
@@ -124,6 +128,15 @@ class Snapshotter:
                  "the event loop)", why, path, f.nodes, f.bytes / 1e6, "full" if full else "a diff", pos[0], pos[1],
                  time.monotonic() - t0, cpu_loop * 1000)
         return path
+
+    def _abort(self, f: SnapshotFile) -> None:
+        """Remove what a failed snapshot wrote (here, not in the pool: it may be shut down at stop;
+        closing and unlinking a file take no time worth a thread). Never raises: it is an error path."""
+        try:
+            f.abort()
+        except Exception as e:
+            log.error("store snapshot %s: cannot be removed after a failed write: %s; it is never loaded (a "
+                      "temporary name; removed at the next start)", f.tmp, why_failed(e))
 
     def stats(self) -> dict[str, float]:
         return {"snapshots_written": self.written, "snapshots_full_written": self.full_written,

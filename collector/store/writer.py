@@ -38,7 +38,7 @@ def _pwrite_all(fd: int, data: bytes, off: int) -> None:
         view, off = view[n:], off + n
 
 
-def _why(exc: BaseException) -> str:
+def why_failed(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno:
         return f"{exc.strerror} ({errno.errorcode.get(exc.errno, exc.errno)})"
     return repr(exc)
@@ -355,7 +355,7 @@ class Store:
         self.write_errors += 1
         self._pending[:0] = group
         self._pending_bytes += held
-        why = _why(exc)
+        why = why_failed(exc)
         if not self.failing:
             self.unwritable_episodes += 1
             self.failing_since = time.monotonic()
@@ -450,7 +450,7 @@ class Store:
                 io.write(data, roll)
             except OSError as e:
                 log.error("store %s closed with %d records (%d bytes) not on disk (%s): they were never "
-                          "acknowledged; agents resend them", self.dir, len(left), len(data), _why(e))
+                          "acknowledged; agents resend them", self.dir, len(left), len(data), why_failed(e))
         self._io.close()
 
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import struct
-import subprocess
 import time
 
 import grpc
@@ -16,7 +14,7 @@ import msgpack
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import BIN, HOST_SOURCES_ONLY, free_port, nodes_json, record_figure, wait_until
+from helpers import BIN, HOST_SOURCES_ONLY, free_port, nodes_json, record_figure, tmpfs, wait_until
 
 from xpusense.agent.sources.base import Sample
 from xpusense.agent.stream import StreamClient
@@ -289,19 +287,8 @@ FLOOD_BATCHES = 60   # per flood client, ~400 KB each: 70 MB offered in all
 @pytest.fixture
 def small_disk(tmp_path):
     """A 2 MiB tmpfs mounted for the test (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a 2 MiB tmpfs (the full-disk test); CI runs it as root")
-    if not shutil.which("mount"):
-        pytest.skip("needs mount(8)")
-    d = tmp_path / "small-disk"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "small-disk", "2m") as d:
         yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], capture_output=True)
 
 
 def fill(path) -> int:
