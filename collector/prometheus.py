@@ -5,7 +5,8 @@ Native names: the OpenTelemetry name with dots as underscores and the unit as a 
 OpenTelemetry's Prometheus exporters write them (`hw.gpu.memory.usage` By -> `hw_gpu_memory_usage_bytes`,
 `hw.gpu.utilization` 1 -> `hw_gpu_utilization_ratio`, counters end in `_total`); labels are the
 series' labels (dots as underscores) plus `node` (node id) and `host_name`. Histograms keep their
-buckets (`le` in the unit of the series).
+buckets (`le` in the unit of the series). Whatever a node sends, what Prometheus would refuse is
+renamed or left out and counted (collector/prom_names.py), so one node cannot fail the scrape.
 
 With `compat_names` the accelerator series are also written under the names existing dashboards
 use, in those exporters' units and labels, for the signals that have an equivalent (tables below).
@@ -34,6 +35,9 @@ from xpusense.v1 import telemetry_pb2 as pb
 
 from . import diagnoses as dg
 from .inventory_book import InventoryBook
+from .prom_names import REASONS, Families, Tally, prom_labels, prom_name
+
+__all__ = ["DCGM", "NPU", "FleetCollector", "PrometheusEndpoint", "npu_id", "prom_labels", "prom_name"]
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -42,9 +46,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("xpusense.collector.prometheus")
 
-UNIT_SUFFIX = {"By": "bytes", "s": "seconds", "ms": "milliseconds", "ns": "nanoseconds", "W": "watts",
-               "J": "joules", "Cel": "celsius", "Hz": "hertz", "By/s": "bytes_per_second", "V": "volts",
-               "TFLOP/J": "teraflops_per_joule", "1": "ratio"}
+SANITIZED = "xpusense_collector_prometheus_sanitized"
+# The families the collector writes itself, by type: a node's series never takes these names.
+OWN = {"xpusense_node_connected": "gauge", "xpusense_diagnoses_open": "gauge",
+       "xpusense_diagnoses_opened": "counter", SANITIZED: "counter"}
 
 # dcgm-exporter's names (NVIDIA/dcgm-exporter etc/default-counters.csv and etc/dcp-metrics-included.csv;
 # labels gpu, UUID, device, modelName, Hostname, as dcgm-exporter writes them): our series -> (name,
@@ -105,23 +110,6 @@ NPU: dict[_SeriesKey, tuple[str, float, str]] = {
     (m.HEALTH, ()): ("npu_chip_info_health_status", 1.0, "the npu health status"),
 }
 
-_BAD = re.compile(r"[^a-zA-Z0-9_]")
-
-
-def prom_name(name: str, unit: str, kind: int) -> str:
-    base = _BAD.sub("_", name)
-    suffix = "" if unit.startswith("{") else UNIT_SUFFIX.get(unit, _BAD.sub("_", unit) if unit else "")
-    if suffix == "ratio" and kind != pb.GAUGE:
-        suffix = ""
-    if suffix and not base.endswith("_" + suffix):
-        base = f"{base}_{suffix}"
-    return base   # counters: prometheus-client adds _total
-
-
-def prom_labels(labels: dict[str, str]) -> dict[str, str]:
-    return {_BAD.sub("_", k): v for k, v in labels.items()}
-
-
 def npu_id(res, index: int) -> str:
     """npu-exporter's `id` is the chip's physical id: from the inventory where npu-smi gave one,
     else the NPU ID for one chip per card (`npuN-0`), else the chip's position among the NPUs."""
@@ -145,6 +133,8 @@ class FleetCollector:
         self.compat_names = compat_names
         self.max_age_s = max_age_s
         self.scrapes = 0
+        self.sanitized: dict[str, int] = dict.fromkeys(REASONS, 0)   # since start, per reason (prom_names.py)
+        self._lock = threading.Lock()
 
     def describe(self):
         return []   # unchecked collector: the set of names depends on the fleet
@@ -152,26 +142,14 @@ class FleetCollector:
     def collect(self) -> Iterator[Metric]:
         from prometheus_client.metrics_core import Metric
         self.scrapes += 1
-        families: dict[str, Metric] = {}
+        tally = Tally()
+        families = self._families(tally)
         now_ns = self.clock_ns()
         cutoff = now_ns - int(self.max_age_s * 1e9)
+        emit = families.add
 
-        def emit(name: str, kind: str, help_: str, labels: dict, value, hist=None) -> None:
-            m = families.get(name)
-            if m is None:
-                m = families[name] = Metric(name, help_, kind)
-            if m.type != kind:
-                return   # one name, one type
-            if kind == "counter":
-                m.add_sample(name + "_total", labels, value)
-            elif kind == "histogram":
-                buckets, total, sum_ = hist
-                for le, c in buckets:
-                    m.add_sample(name + "_bucket", {**labels, "le": le}, c)
-                m.add_sample(name + "_count", labels, total)
-                m.add_sample(name + "_sum", labels, sum_)
-            else:
-                m.add_sample(name, labels, value)
+        def compat(name: str, kind: str, help_: str, labels: dict, value: float) -> None:
+            families.add(name, kind, help_, labels, value, own=True)
 
         up = Metric("xpusense_node_connected", "1 while the node's agent has a stream open", "gauge")
         for n in list(self.state.nodes.values()):
@@ -184,8 +162,11 @@ class FleetCollector:
                 t, value = ser.time_ns, ser.value
                 if t < cutoff or math.isnan(value):
                     continue
-                labels = {**prom_labels(ser.labels), "node": n.node_id, "host_name": host}
-                name = prom_name(ser.name, ser.unit, ser.kind)
+                tally.where = (ser.name, n.node_id)
+                name = prom_name(ser.name, ser.unit, ser.kind, tally)
+                if not name:
+                    continue
+                labels = {**prom_labels(ser.labels, tally=tally), "node": n.node_id, "host_name": host}
                 help_ = f"{ser.name} ({ser.unit})"
                 h = ser.histogram
                 if ser.kind == pb.COUNTER:
@@ -199,11 +180,43 @@ class FleetCollector:
                     emit(name, "gauge", help_, labels, value)
                 if self.compat_names and "device" in ser.labels:
                     dev = ser.labels["device"]
-                    self._compat(emit, ser, value, n.node_id, host, resources.get(dev),
+                    self._compat(compat, ser, value, n.node_id, host, resources.get(dev),
                                  npus.index(dev) if dev in npus else 0)
         yield up
-        yield from families.values()
+        yield from families.metrics.values()
         yield from self._diagnoses()
+        yield self._sanitized(tally)
+
+    def _families(self, tally: Tally) -> Families:
+        """This scrape's families, with the names the collector writes itself kept from the nodes'
+        series: its own metrics and, with compat_names, the dashboards' names."""
+        families = Families(tally)
+        for name, kind in OWN.items():
+            families.reserve(name, kind)
+        if self.compat_names:
+            for dcgm_name, _, kind, _ in DCGM.values():
+                families.reserve(dcgm_name, "unknown" if kind == "counter" else kind)
+            for npu_name, _, _ in NPU.values():
+                families.reserve(npu_name, "gauge")
+        return families
+
+    def _sanitized(self, tally: Tally) -> Metric:
+        """What the scrapes renamed or left out, per reason, since start (each scrape adds its own);
+        the first time a reason happens it is logged with its first case."""
+        from prometheus_client.metrics_core import Metric
+        with self._lock:
+            new = [r for r in tally.counts if self.sanitized[r] == 0]
+            for r, k in tally.counts.items():
+                self.sanitized[r] += k
+            counts = dict(self.sanitized)
+        for r in new:
+            log.warning("Prometheus: %s, first %s (counted in %s_total{reason=%r}; docs/export.md)",
+                        REASONS[r], tally.first[r], SANITIZED, r)
+        m = Metric(SANITIZED, "label keys and series renamed or left out so that Prometheus accepts the "
+                              "scrape, per reason (docs/export.md)", "counter")
+        for r, k in counts.items():
+            m.add_sample(SANITIZED + "_total", {"reason": r}, float(k))
+        return m
 
     def _diagnoses(self) -> Iterator[Metric]:
         """Open diagnoses per node, rule and device (a gauge; a closed one is no longer written) and

@@ -1,23 +1,28 @@
 """The collector's Prometheus endpoint scraped by Debian's real `prometheus` server (loopback ports,
 a temporary TSDB), read back through Prometheus's HTTP query API: every series of two nodes (8 fake
 H100s, 8 fake Ascend 910B4s) under its native name, and the dcgm-exporter / npu-exporter names with
-their units and labels, equal to what the collector holds."""
+their units and labels, equal to what the collector holds; and a node sending names and labels
+Prometheus would refuse, which no longer fails the scrape (promtool reads the same text)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 import urllib.parse
 import urllib.request
 
+import grpc
 import pytest
-from helpers import BIN, ROOT, free_port, nodes_json, series, wait_until
+from helpers import BIN, FAST_HOST_ONLY, ROOT, free_port, nodes_json, series, wait_until
 
 from xpusense.collector.prometheus import prom_labels, prom_name
 from xpusense.v1 import telemetry_pb2 as pb
+from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(ROOT / "tests"))
 from fakes.nvml import fakenvml  # noqa: E402
@@ -183,3 +188,114 @@ def test_prometheus_scrapes_native_and_dashboard_names(procs, tmp_path, promethe
     assert not query(prom, 'npu_chip_info_utilization{node="gpu-node"}')
     assert not query(prom, 'DCGM_FI_DEV_GPU_UTIL{Hostname="npu-node"}') or g["inventory"]["hostname"] == "npu-node"
     assert one(prom, 'xpusense_node_connected{node="gpu-node"}') == 0.0
+
+
+def sample(name: str, value: float, kind=pb.GAUGE, unit: str = "1", **labels) -> pb.Sample:
+    return pb.Sample(name=name, value=value, kind=kind, unit=unit, labels=labels, time_unix_nano=time.time_ns())
+
+
+def odd_samples() -> list[pb.Sample]:
+    """What one careless or hostile node sends (docs/export.md "Names Prometheus accepts" says how
+    each reads in Prometheus)."""
+    return [
+        sample("odd.empty.key", 1.0, **{"": "x", "device": "gpu0"}),
+        sample("odd.name.key", 2.0, __name__="spoof"),
+        sample("odd.chars", 3.0, **{"a-b": "1", "a.b": "2", "clé": "3", "9lives": "4", "node": "spoof", "le": "0.5",
+                                    "quoted": 'a "b" \\ c\nd'}),
+        sample("odd.requests", 5.0, pb.COUNTER, "{request}"),
+        sample("odd.requests.total", 6.0, pb.GAUGE, "{request}"),       # the counter's exposed name, as a gauge
+        sample("xpusense.node.connected", 7.0, unit="{x}"),             # the collector's own name
+        sample("odd-metric.é", 8.0),
+        sample("odd.dup", 9.0, **{"a.b": "1"}),
+        sample("odd.dup", 10.0, **{"a-b": "1"}),                        # the same series once renamed
+        sample("odd.dup", 11.0),
+        sample("odd.dup", 12.0, x=""),                                  # to Prometheus, the same as no label
+    ]
+
+
+# promtool's lint warnings that are accepted, all about names kept as they are: OpenTelemetry's
+# (units other than the base one, as `_milliseconds`; gauges such as `system.cpu.logical.count`)
+# and the dashboards' (dcgm-exporter's camelCase labels). Parse errors never are.
+ACCEPTED_LINT = re.compile(r"^\S+ (use base unit \"\w+\" instead of \"\w+\"|metric names should not contain "
+                           r"abbreviated units|label names should be written in 'snake_case' not 'camelCase'"
+                           r"|non-histogram and non-summary metrics should not have \"_count\" suffix)$")
+
+
+def test_one_nodes_names_cannot_fail_the_scrape(procs, tmp_path, prometheus_bin):
+    addr = f"127.0.0.1:{free_port()}"
+    metrics = f"127.0.0.1:{free_port()}"
+    ccfg = tmp_path / "collector.toml"
+    ccfg.write_text(f'[export.prometheus]\nenabled = true\nlisten = "{metrics}"\ncompat_names = true\n')
+    procs([str(BIN / "xpusense-collector"), "serve", "--config", str(ccfg), "--listen", addr], "collector")
+    wait_until(lambda: nodes_json(addr) is not None, what="collector to answer")
+    acfg = tmp_path / "agent.toml"
+    acfg.write_text(FAST_HOST_ONLY)
+    procs([str(BIN / "xpusense-agent"), "run", "--config", str(acfg), "--collector", addr, "--node-id", "plain"],
+          "agent")
+    odd = odd_samples()
+    with grpc.insecure_channel(addr) as ch:
+        acks = list(pb_grpc.IngestStub(ch).Stream(iter([
+            pb.AgentMessage(hello=pb.Hello(node_id="odd", boot_id="b")),
+            pb.AgentMessage(batch=pb.Batch(node_id="odd", boot_id="b", seq=1, samples=odd))]), timeout=30))
+    assert any(a.HasField("ack") for a in acks), acks
+
+    def held() -> dict | None:
+        nodes = {n["node_id"]: n for n in nodes_json(addr)["nodes"]}
+        if "odd" in nodes and len(nodes["odd"]["series"]) == len(odd) and series(nodes.get("plain", {"series": []}),
+                                                                                  "system.cpu.time"):
+            return nodes
+        return None
+    nodes = wait_until(held, what="both nodes' series at the collector")
+
+    # The text Prometheus's own parser reads (promtool: the 0.0.4 text format).
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    check = subprocess.run([shutil.which("promtool") or "promtool", "check", "metrics"], input=text,
+                           capture_output=True, text=True)
+    said = (check.stdout + check.stderr).strip()
+    assert check.returncode in (0, 3), said          # 3: lint warnings only; 1: the text does not parse
+    assert all(ACCEPTED_LINT.match(line) for line in said.splitlines()), said
+
+    prom = f"127.0.0.1:{free_port()}"
+    pcfg = tmp_path / "prometheus.yml"
+    pcfg.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                    f"scrape_configs:\n  - job_name: xpusense\n    static_configs:\n      - targets: ['{metrics}']\n")
+    procs([prometheus_bin, f"--config.file={pcfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+           f"--web.listen-address={prom}", "--log.level=warn"], "prometheus")
+    up = wait_until(lambda: query(prom, 'up{job="xpusense"}'), timeout_s=120, what="Prometheus to scrape once")
+    assert float(up[0]["value"][1]) == 1.0, "Prometheus refused the scrape"
+    wait_until(lambda: query(prom, '{node="odd"}'), timeout_s=60, what="the odd node's series in Prometheus")
+
+    # The plain node is all there, under its usual names.
+    for s in nodes["plain"]["series"]:
+        if s["value"] is not None and s["kind"] != "histogram":
+            name = prom_name(s["name"], s["unit"], KINDS[s["kind"]]) + ("_total" if s["kind"] == "counter" else "")
+            assert query(prom, f'{name}{{node="plain"}}'), name
+
+    def only(q: str) -> tuple[dict, float]:
+        got = query(prom, q)
+        assert len(got) == 1, (q, got)
+        lb = {k: v for k, v in got[0]["metric"].items() if k not in ("job", "instance")}
+        return lb, float(got[0]["value"][1])
+    # (Prometheus keeps no label with an empty value: the odd node sent no hostname.)
+    assert only('odd_empty_key_ratio') == ({"__name__": "odd_empty_key_ratio", "device": "gpu0", "node": "odd"}, 1.0)
+    assert only('odd_name_key_ratio')[0]["key__name__"] == "spoof"
+    lb, v = only('odd_chars_ratio')
+    assert v == 3.0 and lb == {"__name__": "odd_chars_ratio", "a_b": "1;2", "cl_": "3", "key_9lives": "4",
+                               "exported_node": "spoof", "exported_le": "0.5", "quoted": 'a "b" \\ c\nd',
+                               "node": "odd"}
+    assert only('odd_requests_total') == ({"__name__": "odd_requests_total", "node": "odd"}, 5.0)
+    assert only('xpusense_node_connected{node="odd"}')[0] == {"__name__": "xpusense_node_connected", "node": "odd"}
+    assert only('odd_metric___ratio')[1] == 8.0
+    dup = sorted(float(r["value"][1]) for r in query(prom, 'odd_dup_ratio'))
+    assert dup == [9.0, 11.0], dup                  # the first of each pair that Prometheus would see as one
+    # What was renamed or left out is counted (per scrape), by reason.
+    counted = {r["metric"]["reason"]: float(r["value"][1])
+               for r in query(prom, "xpusense_collector_prometheus_sanitized_total")}
+    assert {k for k, v in counted.items() if v > 0} == {
+        "label_empty", "label_renamed", "label_merged", "name_renamed", "name_taken", "series_duplicate"}, counted
+    # Prometheus itself saw no duplicate series in any scrape.
+    with urllib.request.urlopen(f"http://{prom}/metrics", timeout=10) as r:
+        own = r.read().decode()
+    dups = re.search(r"^prometheus_target_scrapes_sample_duplicate_timestamp_total (\S+)$", own, re.M)
+    assert dups is not None and float(dups.group(1)) == 0.0, dups
