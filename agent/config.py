@@ -94,12 +94,20 @@ AGENT_SCHEMA: dict[str, Any] = {
                                help="while no collector answers at all, each address is tried again at least this "
                                     "often (a TCP connect), so one back after an outage is found within about this "
                                     "long; failures after a connection was made back off up to backoff_max_s"),
+        "series_idle_s": Key((int, float), 900.0, positive,
+                             help="a series with no sample this long has its series reference retired (the table "
+                                  "of references does not only grow); one that comes back gets a new number"),
     },
     "hbm_watch": {
         "enabled": Key(bool, True),
-        "actions": Key(list, ["signal", "file", "event"], one_of("signal", "file", "event")),
-        "signal": Key(str, "SIGUSR1", signal_name),
-        "request_dir": Key(str, "/run/xpusense/checkpoint"),
+        "actions": Key(list, ["signal", "file", "event"], one_of("signal", "file", "event"),
+                       help="how a job is asked: the signal goes only to processes with a handler for it "
+                            "installed (xpusense.client.checkpoint does it); the others get the file and event"),
+        "signal": Key(str, "SIGUSR1", signal_name,
+                      help="sent to a job's processes that catch it (SigCgt), never to one that does not"),
+        "request_dir": Key(str, "/run/xpusense/checkpoint",
+                           help="request files, one per request; created 1777 when missing; the agent refuses one "
+                                "writable by others without the sticky bit, a symlink, or one owned by another user"),
         "group_by": Key(str, "auto", one_of("auto", "cgroup", "pgid", "pid")),
         **_rule_keys(True),
         "vendor": {"nvidia": _rule_keys(False), "huawei": _rule_keys(False)},

@@ -154,7 +154,7 @@ class Agent:
             lambda: inventory_to_proto(inventory(cfg, self.states)),
             queue_batches=s.queue_batches, flush_s=s.flush_s, max_samples_per_batch=s.max_samples_per_batch,
             backoff_initial_s=s.backoff_initial_s, backoff_max_s=s.backoff_max_s, agent_version=__version__,
-            backoff_reset_s=s.backoff_reset_s, reconnect_max_s=s.reconnect_max_s,
+            backoff_reset_s=s.backoff_reset_s, reconnect_max_s=s.reconnect_max_s, series_idle_s=s.series_idle_s,
             spool=self.spool, channel=[make_channel(a, cfg.collector, options=channel_options(
                 s.backoff_initial_s, min(s.backoff_max_s, s.reconnect_max_s), connect_timeout_s=5.0))
                 for a in addresses(cfg.collector.address)])

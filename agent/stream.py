@@ -42,7 +42,8 @@ from xpusense.v1 import telemetry_pb2 as pb
 
 from .encoded import batch_message, encode_message
 from .grpc_waits import quiet_grpc_waits, wait_connecting
-from .sources.base import COUNTER, GAUGE, HISTOGRAM, Event, Sample
+from .series_refs import KINDS, SeriesRefs
+from .sources.base import HISTOGRAM, Event, Sample
 from .spool import RecordError
 
 log = logging.getLogger("xpusense.agent.stream")
@@ -52,8 +53,6 @@ REFUSED = "batch rejected"
 IDLE_TICK_S = 1.0    # the batcher's wake-up while nothing comes: its progress() for the watchdog
 STREAM_METHOD = "/xpusense.v1.Ingest/Stream"
 FRESH_BATCHES = 8    # spooled batches whose bytes are kept until sent (older ones are read back)
-
-KINDS = {GAUGE: pb.GAUGE, COUNTER: pb.COUNTER, HISTOGRAM: pb.HISTOGRAM}
 
 def sample_to_proto(s: Sample, series_ref: int = 0) -> pb.Sample:
     m = pb.Sample(name=s.name, unit=s.unit, kind=KINDS[s.kind], labels=s.labels, value=s.value,
@@ -114,7 +113,7 @@ class StreamClient:
                  queue_batches: int = 3600, flush_s: float = 0.2, max_samples_per_batch: int = 5000,
                  backoff_initial_s: float = 0.2, backoff_max_s: float = 10.0, agent_version: str = "",
                  channel: Callable[[], grpc.Channel] | list[Callable[[], grpc.Channel]] | None = None, spool=None,
-                 backoff_reset_s: float = 10.0, reconnect_max_s: float = 1.0):
+                 backoff_reset_s: float = 10.0, reconnect_max_s: float = 1.0, series_idle_s: float = 900.0):
         self.address = address
         self.addresses = addresses(address)   # several: failed over in turn
         self.node_id = node_id
@@ -158,9 +157,8 @@ class StreamClient:
         self._maybe_delivered: dict[tuple[str, int], int] = {}
         self.spool = spool
         self._seq = 0
-        self._series: dict[tuple, int] = {}  # series (name, labels) -> series_ref, for this boot
-        self._templates: dict[tuple, pb.Sample] = {}   # (name, unit, kind, labels) -> its template (_template)
-        self.max_templates = 4 * max_samples_per_batch
+        # This boot's series references and templates; those of series gone idle retired (agent/series_refs.py).
+        self.refs = SeriesRefs(4 * max_samples_per_batch, series_idle_s)
         self._inventory_dirty = False
         self._stop = threading.Event()
         self._conn_closed = True
@@ -200,17 +198,20 @@ class StreamClient:
     def _cut_locked(self) -> None:
         """Turn what was put so far into batches. A sequence number is used only by a batch that is
         kept (spooled, or in memory while the spool cannot write): never by one that is lost."""
+        if self.refs.turn_if_due():
+            log.debug("retired the series references of series with no sample for %gs or more (%d so far)",
+                      self.refs.idle_s, self.refs.retired)
         while self._samples or self._events:
             chunk, self._samples = self._samples[: self.max_samples], self._samples[self.max_samples:]
             events, self._events = self._events, []
             b = pb.Batch(node_id=self.node_id, boot_id=self.boot_id, seq=self._seq + 1,
                          sent_unix_nano=time.time_ns())
-            add, templates = b.samples.add, self._templates
+            add, templates = b.samples.add, self.refs.templates
             for s in chunk:
                 try:
                     m = add()
-                    tmpl = templates.get((s.name, s.unit, s.kind, tuple(s.labels.items())))   # as _template
-                    m.CopyFrom(tmpl if tmpl is not None else self._template(s))   # name, unit, kind, labels, ref
+                    tmpl = templates.get((s.name, s.unit, s.kind, tuple(s.labels.items())))   # as refs.template
+                    m.CopyFrom(tmpl if tmpl is not None else self.refs.template(s))   # name, unit, kind, labels, ref
                     m.value, m.time_unix_nano = s.value, s.time_ns
                     if s.kind == HISTOGRAM:
                         fill_histogram(m.histogram, s)
@@ -304,23 +305,10 @@ class StreamClient:
                 self._unsent.append(key)
             self._cond.notify_all()
 
-    def _template(self, s: Sample) -> pb.Sample:
-        """The series' fixed part (name, unit, kind, labels, its series_ref for this boot), built once:
-        copying it costs a third of building a Sample from its fields (the agent's 1 s path)."""
-        # Keyed by the labels in their given order (a source builds a series' labels the same way every
-        # round), so that no sort is paid per sample; the series_ref is keyed by the sorted labels.
-        key = (s.name, s.unit, s.kind, tuple(s.labels.items()))
-        tmpl = self._templates.get(key)
-        if tmpl is None:
-            series = (s.name, tuple(sorted(s.labels.items())))
-            ref = self._series.get(series)
-            if ref is None:
-                ref = self._series[series] = len(self._series) + 1
-            tmpl = pb.Sample(name=s.name, unit=s.unit, kind=KINDS[s.kind], labels=s.labels, series_ref=ref)
-            if len(self._templates) >= self.max_templates:   # series come and go (pids, pods): start again
-                self._templates.clear()
-            self._templates[key] = tmpl
-        return tmpl
+    def series_refs(self) -> int:
+        """Series references held (agent/series_refs.py)."""
+        with self._cond:
+            return len(self.refs)
 
     def pending(self) -> int:
         with self._cond:
@@ -591,5 +579,6 @@ class StreamClient:
                 "reconnects": self.reconnects, "dropped_batches": self.dropped_batches,
                 "dropped_samples": self.dropped_samples, "last_error": self.last_error,
                 "memory_batches": len(self._mem), "set_aside": self.set_aside,
+                "series_refs": self.series_refs(), "series_retired": self.refs.retired,
                 "spool_bytes": self.spool.bytes_used() if self.spool is not None else 0,
                 "spool": self.spool.status() if self.spool is not None else None}

@@ -186,6 +186,8 @@ METRICS: tuple[Metric, ...] = (
     _m("xpusense.agent.stream.dropped", "{sample}", COUNTER),
     _m("xpusense.agent.stream.dropped_batches", "{batch}", COUNTER),
     _m("xpusense.agent.stream.reconnects", "{connection}", COUNTER),
+    _m("xpusense.agent.stream.series", "{series}", GAUGE),
+    _m("xpusense.agent.stream.series_retired", "{series}", COUNTER),
     _m("xpusense.agent.spool.usage", "By", GAUGE),
     _m("xpusense.agent.spool.writable", "1", GAUGE),
     _m("xpusense.agent.spool.write_failures", "{batch}", COUNTER),

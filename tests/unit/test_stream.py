@@ -406,7 +406,7 @@ def test_series_templates_keep_each_series_ref_and_fields(client_factory):
     gets its own buckets, and a cleared template cache keeps the refs of this boot."""
     coll = InProcessCollector()
     client = client_factory(coll.addr, max_samples_per_batch=2)
-    client.max_templates = 2
+    client.refs.max_templates = 2
     client.start()
     try:
         hist = Sample("test.lat", 3.0, "s", {"k": "h"}, kind=HISTOGRAM, bounds=[1.0, 2.0], counts=[1, 2, 3],
@@ -416,7 +416,7 @@ def test_series_templates_keep_each_series_ref_and_fields(client_factory):
         client.put([Sample("test.a", 4.0, "1", {"k": "a"}, time_ns=2_000_000_001)])
         client.flush()
         wait_until(lambda: client.pending() == 0 and client.acked >= 2, what="the batches acknowledged")
-        assert client._series == {("test.a", (("k", "a"),)): 1, ("test.b", (("k", "b"),)): 2,
+        assert client.refs.series == {("test.a", (("k", "a"),)): 1, ("test.b", (("k", "b"),)): 2,
                                   ("test.lat", (("k", "h"),)): 3}
         points = coll.on_loop(lambda: coll.state.history("node-a", "test.a", {"k": "a"}))
         assert [p.value for p in points.points] == [1.0, 4.0]
@@ -442,7 +442,7 @@ def test_a_series_whose_labels_come_in_another_order_keeps_its_ref_and_its_wire_
     first, second, third = batch.samples
     assert first.series_ref == second.series_ref == 1 and third.series_ref == 2
     assert first.SerializeToString(deterministic=True) == second.SerializeToString(deterministic=True)
-    assert len(client._series) == 2
+    assert len(client.refs.series) == 2
 
 
 def test_an_encoded_batch_goes_out_as_the_same_agent_message_at_every_length_prefix_size():
