@@ -43,9 +43,18 @@ COLLECTOR_SCHEMA = {
                                                      "history is shortened, then samples of new series are dropped, "
                                                      "counted and logged; 0: no budget"),
         "min_history_points": Key(int, 60, positive, help="the budget never cuts a series' history below this"),
+        "series_idle_s": Key((int, float), 3600.0, positive,
+                             help="a series with no point received this long is let go, with its history (counted "
+                                  "state.series.expired; in cluster mode by the workers), and the gateways' and "
+                                  "workers' series references idle this long are forgotten (collector/idle.py); "
+                                  "keep it well above the agents' slowest tier"),
         "max_open_diagnoses_per_node": Key(int, 64, positive, help="open diagnoses kept per node (collector/diagnoses.py; "
                                                                    "in cluster mode by the workers); past it the "
                                                                    "oldest is let go, counted"),
+        "max_clock_offset_s": Key((int, float), 5.0, positive,
+                                  help="a node whose clock is further than this off the collector's (estimated from "
+                                       "its send times against their arrival) gets a clock_offset diagnosis; its "
+                                       "readings are judged by arrival either way (collector/clock.py)"),
     },
     "scheduler": SCHEDULER_SCHEMA,
     # Cluster mode (collector/cluster/, docs/scale.md): with urls set, serve is a gateway to NATS JetStream.

@@ -10,7 +10,12 @@ one message is bounded before any of this by gRPC itself (`max_message_bytes`, R
 Reading a sample's labels from Python is the costly part of ingest, so names and labels are checked
 once per series reference (`series_ref`) of a node's boot, which is also all the fleet state reads
 for a known reference: a later sample with the same reference is not read again, here or there.
-References enter the checked set only when their whole batch passed.
+References enter the checked set only when their whole batch passed. The set is kept in two
+generations (collector/idle.py RefGenerations, turned every `[state] series_idle_s`): references of
+series gone idle are let go (counted `limits.series_refs.expired`), and a boot never holds more
+than `max_series_per_boot`: past it the idle ones go first, and new ones that still do not fit
+are checked each time they come instead of remembered (counted `limits.max_series_per_boot`, a
+bound hit, not a refusal: a node is never silenced by how many series it has had).
 
 Codes: INVALID_ARGUMENT for a batch that would never pass (too many samples, a label too long: fix
 the agent or raise the limit), RESOURCE_EXHAUSTED for the rate and the series of a node (the agent
@@ -52,6 +57,8 @@ from google.protobuf.message import DecodeError
 
 from xpusense.common.ids import bad_id
 from xpusense.v1 import telemetry_pb2 as pb
+
+from .idle import RefGenerations
 
 HISTOGRAM = pb.HISTOGRAM
 log = logging.getLogger("xpusense.collector.limits")
@@ -149,7 +156,10 @@ class Limits:
             setattr(self, k, v)
         self.clock = clock
         self._buckets: dict[tuple[str, str], list[float]] = {}   # (node, boot) -> [tokens, last refill]
-        self._checked: collections.OrderedDict[tuple[str, str], set[int]] = collections.OrderedDict()
+        # Per node boot, the series references checked: two generations, the older let go every
+        # series_idle_s (collector/idle.py; set from [state] by the server or gateway).
+        self._checked: collections.OrderedDict[tuple[str, str], RefGenerations[set]] = collections.OrderedDict()
+        self.series_idle_s = 3600.0
         self.violations: collections.Counter[str] = collections.Counter()
         self.hits: collections.Counter[str] = collections.Counter()   # "limits.KEY" -> times hit
         self.log = RateLimitedLog(log)
@@ -220,25 +230,34 @@ class Limits:
 
     def _check_samples(self, node_id: str, batch: pb.Batch, state=None,
                        refs: Sequence[int] | None = None) -> Violation | None:
-        """Each series of this boot is checked once (by its series_ref); a new one counts against
-        max_series_per_boot. With the state: the series the batch would add to its node (by name
-        and labels, references or not) count against max_series_per_node."""
+        """Each series of this boot is checked once (by its series_ref) while it is in use (see
+        _remember). With the state: the series the batch would add to its node (by name and labels,
+        references or not) count against max_series_per_node."""
         key = (node_id, batch.boot_id)
-        checked = self._checked.get(key)
-        if checked is None:
-            checked = set()
+        gens = self._checked.get(key)
+        if gens is None:
+            gens = RefGenerations(set(), self.clock() + self.series_idle_s)
         else:
             self._checked.move_to_end(key)
+            if (now := self.clock()) >= gens.turn_at:   # references idle a whole generation go
+                if gone := gens.turn(now + self.series_idle_s):
+                    self.hits["limits.series_refs.expired"] += gone
+        checked = gens.cur
         if refs is None:
             refs = [s.series_ref for s in batch.samples]
         if checked and checked.issuperset(refs):   # the usual batch: every series known (0 never is)
             return None
+        earlier = gens.old
         samples = batch.samples
         new: list[int] = []
         unknown: list[pb.Sample] = []     # samples whose series the node may not have yet
         max_buckets = self.max_histogram_buckets
         for s, ref in zip(samples, refs):
             if ref and ref in checked:
+                continue
+            if ref and ref in earlier:   # checked in the generation before: in use again
+                earlier.discard(ref)
+                checked.add(ref)
                 continue
             if (v := self._check_series(s)) is not None:
                 return v
@@ -251,20 +270,31 @@ class Limits:
         if state is not None and unknown and (v := self._room(node_id, unknown, state)) is not None:
             return v
         if new:
-            if len(checked) + len(new) > self.max_series_per_boot:
-                checked.update(new)
-                if len(checked) > self.max_series_per_boot:
-                    checked.difference_update(new)
-                    return Violation(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"batch rejected: boot {short_boot(batch.boot_id)!r} of node {node_id[:128]!r} would "
-                                     f"have more than limits.max_series_per_boot = {self.max_series_per_boot} series",
-                                     "max_series_per_boot")
-            checked.update(new)
-            if key not in self._checked:
-                self._checked[key] = checked
-                while len(self._checked) > self.MAX_TRACKED_BOOTS:
-                    self._checked.popitem(last=False)
+            self._remember(node_id, key, gens, new)
         return None
+
+    def _remember(self, node_id: str, key: tuple[str, str], gens: RefGenerations[set], new: list[int]) -> None:
+        """The batch's new references into the checked ones (only once the whole batch passed), at
+        most max_series_per_boot of them: past it the older generation (references idle since the
+        last turn) is let go, and what still does not fit is not remembered (checked whenever it
+        comes, as a sample without a reference is). A boot is never refused for its references:
+        an agent that keeps streaming keeps being stored."""
+        limit = self.max_series_per_boot
+        if len(gens) + len(new) > limit:
+            self.hits["limits.max_series_per_boot"] += 1
+            self.hits["limits.series_refs.expired"] += len(gens.old)
+            gens.old = set()
+            room = max(0, limit - len(gens.cur))
+            if room < len(new):
+                self.log.warning("node %r: boot %r uses more than limits.max_series_per_boot = %d series "
+                                 "references at once; %d new ones are checked each time they come, not remembered",
+                                 node_id[:128], short_boot(key[1]), limit, len(new) - room)
+                new = new[:room]
+        gens.cur.update(new)
+        if key not in self._checked:
+            self._checked[key] = gens
+            while len(self._checked) > self.MAX_TRACKED_BOOTS:
+                self._checked.popitem(last=False)
 
     def _room(self, node_id: str, samples: list[pb.Sample], state) -> Violation | None:
         """Refuse the batch if the series it adds would take its node past max_series_per_node."""

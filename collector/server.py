@@ -540,6 +540,10 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
     ingest = IngestServicer(state, security, limits, store)
     if limits is not None:
         state.max_series_per_node = limits.max_series_per_node
+    if config is not None:   # [state] series_idle_s: idle series and references let go (collector/idle.py)
+        state.series_idle_ns = int(config.state.series_idle_s * 1e9)
+        if limits is not None:
+            limits.series_idle_s = float(config.state.series_idle_s)
     if config is not None and hasattr(state, "configure"):   # [state]: the memory budget
         state.configure(config.state.max_memory, config.state.min_history_points,
                         config.state.max_open_diagnoses_per_node)

@@ -53,6 +53,8 @@ async def start_gateway(cfg: Any, security=None, limits=None, credentials=None, 
     buckets = await ensure(js, ncfg)
     gw = Gateway(nc, js, buckets, ncfg)
     await gw.start()
+    if limits is not None:   # its series-reference tables forget references idle this long (collector/idle.py)
+        limits.series_idle_s = float(cfg.state.series_idle_s)
     server = grpc_server(security, limits, cfg.max_message_bytes)
     add_ingest(ClusterIngestServicer(gw, security, limits), server)
     snapshot = FleetSnapshot(js, buckets.fleet, ncfg.fleet_bucket, ncfg.snapshot_s, ncfg.partitions)

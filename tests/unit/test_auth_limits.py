@@ -92,13 +92,45 @@ def test_series_are_checked_once_per_reference_and_only_from_batches_that_passed
     assert lim.check("n", batch(boot="other", samples=[long | {"series_ref": 1}])).code == INVALID
 
 
-def test_series_per_boot_are_bounded():
-    lim = Limits(max_series_per_boot=3, batches_per_s=1000)
-    assert lim.check("n", batch(samples=[{"name": "x", "series_ref": r} for r in (1, 2)])) is None
-    v = lim.check("n", batch(samples=[{"name": "x", "series_ref": r} for r in (2, 3, 4)]))
-    assert v.code == EXHAUSTED and "limits.max_series_per_boot" in v.message
-    assert lim.check("n", batch(samples=[{"name": "x", "series_ref": r} for r in (1, 2, 3)])) is None
-    assert lim.check("n", batch(boot="next", samples=[{"name": "x", "series_ref": r} for r in (1, 2, 3)])) is None
+def test_series_per_boot_bound_the_references_remembered_never_the_stream():
+    """Past max_series_per_boot a boot's batches still pass: the references idle longest are let go
+    and new ones that do not fit are checked each time (a remembered one is not read again, so a
+    bad label under it passes: that tells the two apart)."""
+    now = [0.0]
+    lim = Limits(max_series_per_boot=3, max_label_value_len=5, batches_per_s=1000, clock=lambda: now[0])
+    lim.series_idle_s = 10.0
+    good = [{"name": "x", "labels": {"k": "v"}, "series_ref": r} for r in range(8)]
+    long = [{"name": "x", "labels": {"k": "v" * 6}, "series_ref": r} for r in range(8)]
+    assert lim.check("n", batch(samples=good[1:3])) is None
+    now[0] = 11.0                                    # a turn: 1 and 2 are the older generation
+    assert lim.check("n", batch(samples=[good[2], good[3]])) is None   # 2 in use again; 3 new
+    assert lim.hits["limits.max_series_per_boot"] == 0
+    assert lim.check("n", batch(samples=good[4:6])) is None   # over 3: idle 1 let go, then 5 does not fit
+    assert lim.hits["limits.max_series_per_boot"] == 1 and lim.hits["limits.series_refs.expired"] == 1
+    assert lim.check("n", batch(samples=[long[4]])) is None        # remembered
+    assert lim.check("n", batch(samples=[long[5]])).code == INVALID   # not remembered: read again
+    assert lim.check("n", batch(samples=[long[1]])).code == INVALID   # let go: read again
+    for _ in range(3):                               # whatever a boot sends, it is never refused for it
+        assert lim.check("n", batch(samples=good[5:8])) is None
+    assert lim.check("n", batch(boot="next", samples=good[1:4])) is None   # another boot: its own
+    assert lim.check("n", batch(boot="next", samples=[long[3]])) is None
+
+
+def test_references_idle_a_whole_generation_are_let_go():
+    now = [0.0]
+    lim = Limits(max_label_value_len=5, batches_per_s=1000, clock=lambda: now[0])
+    lim.series_idle_s = 10.0
+    good = [{"name": "x", "labels": {"k": "v"}, "series_ref": r} for r in range(3)]
+    long = [{"name": "x", "labels": {"k": "v" * 6}, "series_ref": r} for r in range(3)]
+    assert lim.check("n", batch(samples=good[1:3])) is None
+    now[0] = 11.0
+    assert lim.check("n", batch(samples=[good[1]])) is None   # a turn; 2 not used since: kept for now
+    assert lim.hits["limits.series_refs.expired"] == 0
+    now[0] = 22.0
+    assert lim.check("n", batch(samples=[good[1]])) is None   # the next turn: 2 idle a whole generation
+    assert lim.hits["limits.series_refs.expired"] == 1
+    assert lim.check("n", batch(samples=[long[2]])).code == INVALID   # let go: read again
+    assert lim.check("n", batch(samples=[long[1]])) is None           # in use: remembered
 
 
 def test_limit_defaults_are_the_config_defaults():
