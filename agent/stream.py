@@ -37,6 +37,7 @@ from google.protobuf.message import DecodeError
 
 from xpusense.common.backoff import backoff_delays
 from xpusense.common.config import addresses, split_host_port
+from xpusense.common.supervise import TASKS
 from xpusense.common.tls import channel_options
 from xpusense.v1 import telemetry_pb2 as pb
 
@@ -322,7 +323,7 @@ class StreamClient:
     def start(self) -> None:
         quiet_grpc_waits()
         for target, name in ((self._batcher, "stream-batcher"), (self._sender, "stream-sender")):
-            t = threading.Thread(target=target, name=name, daemon=True)
+            t = TASKS.thread(name, target, self._stop)   # a failure: logged, counted, started again
             t.start()
             self._threads.append(t)
 
@@ -490,7 +491,7 @@ class StreamClient:
     def _sender(self) -> None:
         try:
             self._send_loop()
-        except Exception as e:   # a bug; the thread is gone, progress() says so, and the watchdog stops
+        except Exception as e:   # a bug: said once here; the supervisor starts the loop again (common/supervise.py)
             self._unexpected("stream-sender", e)
             raise
 

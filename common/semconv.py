@@ -197,6 +197,7 @@ METRICS: tuple[Metric, ...] = (
     _m("xpusense.agent.source.errors", "{error}", COUNTER),
     _m("xpusense.agent.source.timeouts", "{round}", COUNTER),
     _m("xpusense.agent.source.skipped", "{round}", COUNTER),
+    _m("xpusense.agent.task.restarts", "{restart}", COUNTER),
     # -- accelerators (NVML, npu-smi) ------------------------------------------------------------------
     _m(n.GPU_UTILIZATION, "1", GAUGE, device=ACCELERATOR, hw=GPU, const={"hw.gpu.task": "general"}),
     _m(n.ENCODER_UTILIZATION, "1", GAUGE, otlp=n.GPU_UTILIZATION, device=ACCELERATOR, hw=GPU,

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import psutil
 
+from xpusense.common.supervise import TASKS
+
 from .base import COUNTER, NEARLINE, Sample, Source
 
 MODES = ("user", "system")
@@ -61,6 +63,7 @@ class AgentSelfSource(Source):
         return cpu + [
             Sample("process.memory.usage", float(self._proc.memory_info().rss), "By", dict(self._labels)),
             Sample("process.thread.count", float(self._proc.num_threads()), "{thread}", dict(self._labels)),
+            Sample("xpusense.agent.task.restarts", float(TASKS.total()), "{restart}", {}, COUNTER),
             Sample("xpusense.agent.stream.pending", float(st["pending_batches"]), "{batch}"),
             Sample("xpusense.agent.stream.dropped", float(st["dropped_samples"]), "{sample}", {}, COUNTER),
             Sample("xpusense.agent.stream.dropped_batches", float(st["dropped_batches"]), "{batch}", {}, COUNTER),
