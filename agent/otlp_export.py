@@ -20,6 +20,7 @@ from xpusense.common.otlp import (
     metrics_data,
     resource_attributes,
 )
+from xpusense.common.supervise import TASKS
 from xpusense.v1 import telemetry_pb2 as pb
 
 from .stream import sample_to_proto
@@ -65,7 +66,7 @@ class AgentOtlpExporter:
                             self.max_points, over, self.dropped)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="otlp-export", daemon=True)
+        self._thread = TASKS.thread("otlp-export", self._run, self.stop_event)   # a failure: logged, counted, started again
         self._thread.start()
 
     def _inventory(self) -> pb.Inventory | None:

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable
 
 import grpc
 
+from xpusense.common.supervise import TASKS
 from xpusense.podresources.v1 import api_pb2, api_pb2_grpc
 
 from .sources.base import GAUGE, Event, Sample
@@ -252,7 +253,7 @@ class PodLabeler:
         if not self.socket:
             return
         self.refresh()
-        self._thread = threading.Thread(target=self._run, name="pod-resources", daemon=True)
+        self._thread = TASKS.thread("pod-resources", self._run, self._stop)
         self._thread.start()
 
     def _run(self) -> None:

@@ -21,6 +21,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+from xpusense.common.supervise import TASKS
+
 log = logging.getLogger("xpusense.agent.sdnotify")
 
 
@@ -86,7 +88,7 @@ class Watchdog:
         notify(f"READY=1\nSTATUS=measuring\nMAINPID={os.getpid()}", self.env)
         self._status_sent = "measuring"
         if self.interval_s > 0 or self.status is not None:
-            self._thread = threading.Thread(target=self._run, name="sd-watchdog", daemon=True)
+            self._thread = TASKS.thread("sd-watchdog", self._run, self._stop)
             self._thread.start()
 
     @staticmethod

@@ -40,6 +40,8 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from xpusense.common.supervise import TASKS
+
 from . import marks, records
 from .aside import Aside
 
@@ -165,7 +167,7 @@ class Spool:
         self._found = None
         self.lost_at_open = {"dropped_batches": self.dropped_batches, "dropped_samples": self.dropped_samples,
                              "damaged_records": self.damaged_records}
-        self._flusher = threading.Thread(target=self._flush_loop, name="spool-flush", daemon=True)
+        self._flusher = TASKS.thread("spool-flush", self._flush_loop, self._stop)
         self._flusher.start()
         if found:
             log.info("spool %s: %d batches from earlier runs to send (%d samples)", self.dir, len(found),
