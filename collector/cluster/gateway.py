@@ -28,6 +28,7 @@ import nats.errors
 import nats.js.api
 import nats.js.errors
 
+from xpusense.common.supervise import TASKS
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
@@ -80,7 +81,7 @@ class Gateway:
         """Subscribe to this gateway's ack inbox and start the timeout sweeper."""
         self._inbox = f"{self.nc._inbox_prefix.decode()}.{uuid.uuid4().hex}.".encode()
         self._sub = await self.nc.subscribe(self._inbox.decode() + "*", cb=self._on_ack)
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        self._sweeper = TASKS.task("gateway-sweeper", self._sweep)   # restarted when it fails (common/supervise.py)
 
     async def close(self) -> None:
         if self._sweeper is not None:

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from xpusense.common.backoff import backoff_delays
+from xpusense.common.supervise import TASKS
 from xpusense.v1 import scheduler_pb2 as spb
 from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
 from xpusense.v1 import telemetry_pb2 as pb
@@ -219,7 +220,7 @@ class ClusterScheduler:
 async def follow_fleet(js, kv, cfg: Any, timeout_s: float = 60.0) -> ClusterScheduler:
     """List the bucket, build the core over it, then keep watching."""
     index = FleetIndex()
-    task = asyncio.get_running_loop().create_task(index.follow(js, kv, cfg.nats.fleet_bucket))
+    task = TASKS.task("fleet-index", lambda: index.follow(js, kv, cfg.nats.fleet_bucket))   # its watch: follow() restarts it
     try:
         await asyncio.wait_for(index.ready.wait(), timeout_s)
     except BaseException:
@@ -254,7 +255,7 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
     buckets = await ensure(js, ncfg)
     server = grpc_server(security, None, cfg.max_message_bytes)
     sched = await add_scheduler(server, js, buckets.fleet, cfg)
-    collections_held = asyncio.get_running_loop().create_task(freeze_long_lived())
+    collections_held = TASKS.task("gc-policy", freeze_long_lived)
     pb_grpc.add_QueryServicer_to_server(ClusterQueryServicer(sched.index, js, ncfg, cfg.stale_s, security), server)
     prometheus = _prometheus(cfg, sched.index)
     hs = health.aio.HealthServicer()
