@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
+from xpusense.common.supervise import TASKS
 from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
@@ -80,7 +81,7 @@ async def start_gateway(cfg: Any, security=None, limits=None, credentials=None, 
 
 async def run_gateway(cfg: Any, stop: asyncio.Event, security=None, limits=None, credentials=None) -> None:
     server, gw, closers = await start_gateway(cfg, security, limits, credentials)
-    gc_task = asyncio.get_running_loop().create_task(freeze_long_lived(stop, sweep_s=GATEWAY_SWEEP_S))
+    gc_task = TASKS.task("gc-policy", lambda: freeze_long_lived(stop, sweep_s=GATEWAY_SWEEP_S), stop)
     log.info("gateway %s listening on %s, publishing to the NATS cluster at %s", gw.id, cfg.listen,
              ",".join(cfg.nats.urls))
     await stop.wait()
