@@ -193,8 +193,9 @@ class HbmWatch:
         self.fired = 0
         self.suppressed = 0
         self.ignored = 0                        # values that were not ratios (NaN...)
-        if "file" in self.actions:
-            prepare_request_dir(request_dir)
+        if "file" in self.actions and (why := prepare_request_dir(request_dir)):
+            log.warning("hbm_watch.request_dir: %s: checkpoint requests go out without their file until it "
+                        "exists (mode 1777, docs/security.md)", why)
 
     def rule(self, vendor: str) -> Rule:
         return self.rules.get(vendor) or self.rules["default"]

@@ -24,6 +24,7 @@ class RequestDirError(Exception):
 
 
 def _problem(path: str, st: os.stat_result, uid: int) -> str | None:
+    """Why the agent must not write into `path` (None when it may)."""
     mode = stat.S_IMODE(st.st_mode)
     if stat.S_ISLNK(st.st_mode):
         return f"{path} is a symlink (to {os.readlink(path)!r}): give the real directory"
@@ -38,28 +39,35 @@ def _problem(path: str, st: os.stat_result, uid: int) -> str | None:
     return None
 
 
-def prepare_request_dir(path: str, uid: int | None = None) -> None:
-    """Create `path` (mode 1777) when missing; raise RequestDirError when it is unsafe to write."""
-    uid = os.geteuid() if uid is None else uid
+def dir_problem(path: str, uid: int | None = None) -> str | None:
+    """Why the agent must not write into `path` now (None when it may), a missing one included."""
     try:
         st = os.lstat(path)
+    except OSError as e:
+        return f"cannot read {path}: {e.strerror}"
+    return _problem(path, st, os.geteuid() if uid is None else uid)
+
+
+def prepare_request_dir(path: str, uid: int | None = None) -> str | None:
+    """At start-up: create `path` (mode 1777) when missing; raise RequestDirError when it is unsafe to
+    write. Returns why it could not be made (no right to; a warning: each request says it again, and
+    a directory made later is checked before every write), None when it is ready."""
+    try:
+        os.lstat(path)
     except FileNotFoundError:
-        parent = os.path.dirname(os.path.abspath(path))
         try:
-            os.makedirs(parent, 0o755, exist_ok=True)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), 0o755, exist_ok=True)
             os.mkdir(path, 0o700)
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
             try:
                 os.fchmod(fd, DIR_MODE)   # on what was made, never by path (umask would clear bits)
-                st = os.fstat(fd)
             finally:
                 os.close(fd)
         except OSError as e:
-            raise RequestDirError(f"hbm_watch.request_dir: cannot create {path}: {e}") from e
-    except OSError as e:
-        raise RequestDirError(f"hbm_watch.request_dir: cannot read {path}: {e}") from e
-    if why := _problem(path, st, uid):
+            return f"cannot create {path}: {e.strerror}"
+    if why := dir_problem(path, uid):
         raise RequestDirError(f"hbm_watch.request_dir: {why}")
+    return None
 
 
 def _fsync_dir(directory: str) -> None:
@@ -73,7 +81,10 @@ def _fsync_dir(directory: str) -> None:
 def write_atomically(directory: str, name: str, data: dict) -> str:
     """Write `data` as JSON to `directory/name`: a new temporary file (O_CREAT|O_EXCL|O_NOFOLLOW,
     mkstemp), its mode set on the descriptor, fsync'd, renamed into place, the directory fsync'd.
-    Raises OSError, also when the temporary name no longer names the file written (swapped)."""
+    Raises OSError: the directory is unsafe or missing (dir_problem), the temporary name no longer
+    names the file written (swapped), or the write failed."""
+    if why := dir_problem(directory):
+        raise OSError(why)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
     try:
         with os.fdopen(fd, "w") as f:

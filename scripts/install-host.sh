@@ -137,6 +137,11 @@ if [ "$collector" = 1 ]; then
     units=(xpusense-collector.service "${units[@]}")   # the collector first: the agent streams to it
 fi
 [ ${#units[@]} -gt 0 ] || die "nothing to install (--no-agent without --collector)"
+# The checkpoint request dir of a running agent (RuntimeDirectoryPreserve= keeps it): as the unit
+# makes it, 1777 (jobs add their done files; only a file's owner may rename it).
+if [ "$agent" = 1 ] && [ -d /run/xpusense/checkpoint ] && [ ! -L /run/xpusense/checkpoint ]; then
+    chmod 1777 /run/xpusense/checkpoint
+fi
 systemctl daemon-reload
 systemctl enable --quiet "${units[@]}"
 if [ "$start" = 1 ]; then

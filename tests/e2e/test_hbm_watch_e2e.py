@@ -4,7 +4,9 @@ helper, the agent and the collector as real processes."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 
 import grpc
@@ -216,3 +218,57 @@ def test_a_misread_process_list_never_names_a_wrong_pid(libdir, procs, tmp_path)
     assert len(reqs) == 1 and reqs[0]["pids"] == [trainer.p.pid], reqs
     assert agent.p.poll() is None          # the agent did not signal its own process group
     assert "impossible pids" in agent.output()
+
+
+def write_procs(tmp_path, pids):
+    """The fake NVML's process list (re-read on each call): each pid on GPU 0, written in one step."""
+    tmp = tmp_path / "procs.tmp"
+    tmp.write_text("".join(f"0 {pid} 1073741824\n" for pid in pids))
+    tmp.replace(tmp_path / "procs")
+
+
+def test_only_a_process_with_a_handler_is_signalled_never_one_without_nor_the_agents_threads(libdir, procs, tmp_path):
+    """On the GPU: the trainer (the helper's SIGUSR1 handler), a server with no handler (SIGUSR1's
+    default action would end it), and, once the agent runs, the ids of the agent's own threads."""
+    trainer, ckpt, req = start_trainer(procs, tmp_path)
+    server = procs([sys.executable, "-c", "import time; print('serving', flush=True); time.sleep(600)"], "server")
+    wait_until(lambda: "serving" in server.output(), what="the server to start")
+    write_procs(tmp_path, [trainer.p.pid, server.p.pid])
+    scn = ramp_scenario(tmp_path, "0:40 5:40 5:92 13:92 13:40")
+    addr = start_collector(procs)
+    agent = run_agent(procs, tmp_path, addr, req, nvml_env(libdir, tmp_path, scn))
+    scenario_t0(tmp_path)   # the ramp starts 5 s after this: the threads are listed well before it
+    threads = [int(t) for t in os.listdir(f"/proc/{agent.p.pid}/task") if int(t) != agent.p.pid]
+    assert threads
+    write_procs(tmp_path, [trainer.p.pid, server.p.pid, *threads])
+
+    wait_until(lambda: checkpoints(ckpt), what="the trainer's checkpoint")
+    node = wait_until(lambda: next((n for n in nodes_json(addr)["nodes"] if n["node_id"] == "watch-node"
+                                    and any(e["type"] == "checkpoint_request" for e in n["events"])), None),
+                      what="the checkpoint request event at the collector")
+    ev = next(e for e in node["events"] if e["type"] == "checkpoint_request")
+    assert server.p.poll() is None, f"the server without a handler exited {server.p.returncode}"
+    assert agent.p.poll() is None, f"the agent exited {agent.p.returncode}"
+    # One job (one process group): its request file names both; the signal went to the trainer only.
+    r = requests(req)
+    assert len(r) == 1 and sorted(r[0]["pids"]) == sorted([trainer.p.pid, server.p.pid]), r
+    assert f"SIGUSR1 to pids [{trainer.p.pid}]" in ev["attributes"]["actions"]
+    assert f"not signalled: {server.p.pid} (no_handler)" in ev["attributes"]["actions"]
+    out = agent.output()
+    assert f"pid {server.p.pid} has no SIGUSR1 handler" in out
+    assert "is a thread of the agent" in out   # the agent's threads: left out of the request, said why
+
+
+def test_agent_refuses_a_request_dir_anyone_can_write_without_the_sticky_bit(procs, tmp_path):
+    req = tmp_path / "req"
+    req.mkdir()
+    req.chmod(0o777)
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(CONFIG.format(req=req) + "[sources.nvml]\nenabled = false\n[sources.npu_smi]\nenabled = false\n")
+    addr = start_collector(procs)
+    run = [str(BIN / "xpusense-agent"), "run", "--once", "--config", str(cfg), "--collector", addr]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and f"{req} has mode 0777" in out.stderr and "sticky" in out.stderr, out.stderr
+    req.chmod(0o1777)   # the sticky bit: anyone may add files, only their owner rename them
+    out = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

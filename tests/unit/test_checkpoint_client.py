@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 
+import pytest
 from helpers import wait_until
 
+from xpusense.agent.request_dir import prepare_request_dir, write_atomically
 from xpusense.client.checkpoint import CheckpointRequests
 
 
@@ -72,3 +78,42 @@ def test_a_signal_after_its_file_was_taken_is_not_a_second_request(tmp_path):
         os.kill(os.getpid(), signal.SIGUSR2)
         wait_until(req.pending, what="the bare signal")
         assert req.take() == {} and not req.pending()
+
+
+JOB = """
+import json, os, sys
+from xpusense.client.checkpoint import CheckpointRequests
+os.setgroups([]); os.setgid(65534); os.setuid(65534)   # python itself lies under /root (0700): started as root
+with CheckpointRequests(sys.argv[1], None, poll_s=0.02, pids={4242}) as req:
+    print("ready", flush=True)
+    while not req.pending():
+        req._stop.wait(0.02)
+    got = req.take()
+    req.done(got, path="ckpt")
+    print(json.dumps(got), flush=True)
+"""
+
+
+def test_a_job_of_another_user_takes_only_the_agents_request_and_writes_done_beside_it(tmp_path):
+    """The request dir as the agent makes it (1777): a job running as `nobody` takes the agent's
+    request, not one another user put there, and records it done."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the job as another user")
+    top = tempfile.mkdtemp(prefix="xps-req-")   # pytest's own tmp dirs are 0700: nobody could enter
+    try:
+        os.chmod(top, 0o755)
+        d = os.path.join(top, "checkpoint")
+        assert prepare_request_dir(d) is None
+        job = subprocess.Popen([sys.executable, "-c", JOB, d], stdout=subprocess.PIPE, text=True)
+        assert job.stdout is not None and job.stdout.readline() == "ready\n"
+        forged = os.open(os.path.join(d, "a-forged.json"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(forged, json.dumps({"id": "forged", "pids": [4242]}).encode())
+        os.fchown(forged, 65533, 65533)   # another user of the node
+        os.close(forged)
+        write_atomically(d, "r1.json", {"id": "r1", "pids": [4242]})   # the agent's
+        out, _ = job.communicate(timeout=60)
+        assert json.loads(out)["id"] == "r1"
+        done = os.path.join(d, "r1.done.json")
+        assert os.stat(done).st_uid == 65534 and json.load(open(done))["path"] == "ckpt"
+    finally:
+        shutil.rmtree(top)

@@ -166,3 +166,24 @@ def test_units_are_hardened_as_the_issue_asks():
     coll = dict(re.findall(r"^(\w+)=(.*)$", (ROOT / "systemd/xpusense-collector.service").read_text(), re.M))
     assert coll["ProtectSystem"] == "strict" and "--data-dir /var/lib/xpusense/collector" in coll["ExecStart"]
     assert coll["StateDirectory"] == "xpusense/collector" and coll["CapabilityBoundingSet"] == ""
+
+
+def test_the_checkpoint_request_dir_is_made_1777_where_the_agent_writes_it(tmp_path):
+    """The DaemonSet's init container and the unit make the request dir 1777 (the jobs' helper adds
+    its done files; the sticky bit keeps others' files theirs), and the agent accepts it."""
+    from xpusense.agent.request_dir import prepare_request_dir
+    cms = {doc["metadata"]["name"]: doc["data"] for _, doc in documents() if doc["kind"] == "ConfigMap"}
+    request_dir = tomllib.loads(cms["xpusense-agent"]["agent.toml"])["hbm_watch"]["request_dir"]
+    spec = next(doc for _, doc in documents() if doc["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    init = next(c for c in spec["initContainers"] if c["name"] == "checkpoint-dir")
+    agent = spec["containers"][0]
+    vol = next(m["name"] for m in agent["volumeMounts"] if m["mountPath"] == request_dir)
+    assert [m["mountPath"] for m in init["volumeMounts"] if m["name"] == vol] == [request_dir]
+    hostpath = tmp_path / "checkpoint"
+    hostpath.mkdir(mode=0o755)   # as the kubelet makes a DirectoryOrCreate hostPath
+    subprocess.run([str(hostpath) if a == request_dir else a for a in init["command"]], check=True, timeout=30)
+    assert oct(hostpath.stat().st_mode & 0o7777) == oct(0o1777)
+    assert prepare_request_dir(str(hostpath)) is None
+    unit = dict(re.findall(r"^(\w+)=(.*)$", (ROOT / "systemd/xpusense-agent.service").read_text(), re.M))
+    assert f"/run/{unit['RuntimeDirectory']}" == load_agent(None, env={}).hbm_watch.request_dir
+    assert unit["RuntimeDirectoryMode"] == "1777"
