@@ -18,7 +18,7 @@ starts again at the next sample). A value that is not a ratio (NaN, infinite, be
 no value at all: it counts as a missing sample, never as one at or above the threshold (NaN compares
 false with everything, so `NaN < threshold` would otherwise read as "above").
 
-Every pid is checked before a request names it (`pid_problem`): pids come from vendor libraries,
+Every pid is checked before a request names it (`pid_refusal`): pids come from vendor libraries,
 and a misread NVML process list gives 0 (to kill(), the agent's own process group) or 4294967295
 (os.getpgid raises on it). A request goes only to live processes other than init and the agent.
 The signal goes only to a process that catches it and is still the one listed (proc_signal.py):
@@ -140,12 +140,6 @@ def pid_refusal(pid: object, proc: str = "/proc", own_pid: int | None = None) ->
     return None
 
 
-def pid_problem(pid: object, proc: str = "/proc", own_pid: int | None = None) -> str | None:
-    """Why a request must not name this pid (None when it may); see pid_refusal."""
-    refusal = pid_refusal(pid, proc, own_pid)
-    return None if refusal is None else refusal[1]
-
-
 def job_key(pid: int, group_by: str = "auto", proc: str = "/proc") -> str:
     """Which job a process belongs to: its container/service cgroup, else its process group."""
     if group_by == "pid":
@@ -185,7 +179,7 @@ class HbmWatch:
         self.proc = proc
         self.kill = kill
         self.own_pid = own_pid
-        self.bad_pids = 0                       # pids refused by pid_problem
+        self.bad_pids = 0                       # pids refused by pid_refusal
         self.not_signalled: Counter[str] = Counter()   # reason -> pids not signalled (left out or refused)
         self.tracks: dict[tuple[str, str], Track] = {}
         self.last_fired: dict[str, int] = {}   # job -> time_ns of its last request
