@@ -45,7 +45,7 @@ FRAME_POINT_BYTES = 9
 
 
 class Frame:
-    __slots__ = ("key", "series", "k", "t", "v", "dropped", "due_t", "due_n", "last_t", "prefixed")
+    __slots__ = ("key", "series", "k", "t", "v", "dropped", "due_t", "due_n", "last_t", "prefixed", "recv_ns")
 
     def __init__(self, key: tuple, members: list, last_t: int):
         self.key = key
@@ -58,6 +58,7 @@ class Frame:
         self.due_n = 0             # ...or once there are more rows than this
         self.last_t = last_t       # a row must be newer than this (the members' latest point when formed)
         self.prefixed = True       # some member may still hold points of its own (all older than the rows)
+        self.recv_ns = 0           # its last row's time on the collector's clock (0: not known; clock.py)
 
 
 def groups(batch_rows: list) -> dict[int, list]:
@@ -110,6 +111,8 @@ def _row_added(state: Any, n: Any, f: Frame, t: int) -> None:
     """The row at `t` whose values were just put on f.v: its time, the counts, a prune when due."""
     f.t.append(t)
     f.last_t = t
+    r = t + n.recv_shift   # its time on the collector's clock (clock.received_at)
+    f.recv_ns = r if r < n.recv_ns else n.recv_ns
     grown = f.k
     state.frame_rows += 1
     if len(f.t) == STEADY_ROWS:
@@ -139,6 +142,7 @@ def form(state: Any, n: Any, boot: str, by_time: dict[int, list], times: set[int
                    for s in members):
             continue
         f = Frame((boot, *refs), members, t)
+        f.recv_ns = members[0]._recv_ns
         for col, s in enumerate(members):
             s.frame, s.col = f, col
         n.frames[f.key] = f
@@ -173,6 +177,8 @@ def dissolve(state: Any, n: Any, f: Frame) -> None:
             else:
                 s._prev_value, s._prev_time_ns = s._value, s._time_ns
             s._value, s._time_ns = f.v[(rows - 1) * k + col], f.t[-1]
+            if f.recv_ns:   # else as it was (a frame restored from a snapshot: not known)
+                s._recv_ns = f.recv_ns
             h.t.extend(f.t)
             h.v.extend(f.v[col::k])
         h.dropped += f.dropped

@@ -159,7 +159,7 @@ class FleetCollector:
             resources = {r.id: r for r in inv.resources} if inv is not None else {}
             npus = [r.id for r in resources.values() if r.type == "NPU"]
             for ser in list(n.series.values()):
-                t, value = ser.time_ns, ser.value
+                t, value = ser.recv_ns, ser.value   # its age: since it arrived (collector/clock.py)
                 if t < cutoff or math.isnan(value):
                     continue
                 tally.where = (ser.name, n.node_id)

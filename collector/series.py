@@ -1,6 +1,7 @@
 """One series of a node in the collector's fleet state (state.py): what it is (name, unit, kind,
-labels), its latest and previous point, its histogram, and where its history is: its own History
-(history.py) or a column of a Frame (columns.py)."""
+labels), its latest and previous point (and the latest's time on the collector's clock, when it was
+received: collector/clock.py), its histogram, and where its history is: its own History (history.py) or a
+column of a Frame (columns.py)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ class Series:
     History, or (`frame` set) a column of a Frame (collector/columns.py) after the points its History
     held before. The latest and previous values are read through properties, which look at the
     frame's last rows; the general ingest path and a snapshot's restore write the underscored
-    fields of a series without a frame."""
+    fields of a series without a frame. `idle_n` and `idle_at`: its points received when the idle
+    sweep (collector/idle.py) last saw that count move, and when (unset until it first looks)."""
 
     __slots__ = ("name", "unit", "kind", "labels", "_value", "_time_ns", "_prev_value", "_prev_time_ns",
-                 "histogram", "history", "frame", "col")
+                 "_recv_ns", "histogram", "history", "frame", "col", "idle_n", "idle_at")
 
     def __init__(self, s: pb.Sample, labels: dict[str, str] | None = None):
         self.name = s.name
@@ -46,6 +48,7 @@ class Series:
         self._time_ns = 0
         self._prev_value = math.nan
         self._prev_time_ns = 0
+        self._recv_ns = 0
         self.histogram = None
         self.history = History()
         self.frame: Frame | None = None
@@ -60,6 +63,13 @@ class Series:
     def time_ns(self) -> int:
         f = self.frame
         return self._time_ns if f is None or not f.t else f.t[-1]
+
+    @property
+    def recv_ns(self) -> int:
+        """Its latest point's time on the collector's clock (when received, clock.received_at); its
+        stamp where that is not known (restored from a snapshot, _recv_ns unset, until its next point)."""
+        f = self.frame
+        return (getattr(self, "_recv_ns", 0) if f is None or not f.t else f.recv_ns) or self.time_ns
 
     @property
     def prev_value(self) -> float:

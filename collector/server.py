@@ -546,7 +546,7 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
             limits.series_idle_s = float(config.state.series_idle_s)
     if config is not None and hasattr(state, "configure"):   # [state]: the memory budget
         state.configure(config.state.max_memory, config.state.min_history_points,
-                        config.state.max_open_diagnoses_per_node)
+                        config.state.max_open_diagnoses_per_node, config.state.max_clock_offset_s)
     add_ingest(ingest, server)   # a batch is stored in the bytes it came in (wire.py)
     pb_grpc.add_QueryServicer_to_server(
         QueryServicer(state, security, limits, counters=functools.partial(counters, ingest)), server)

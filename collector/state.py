@@ -4,12 +4,14 @@ a short history (default 15 min), recent events, and what it has stored per agen
 Exactly once: a batch is stored only if its sequence number is above the highest one already
 stored for that node and agent boot; agents send in order on one stream, so anything at or below
 that mark is a resend of something stored (acknowledged again, never stored twice).
-All methods run on the collector's event loop thread; no locks.
+All methods run on the collector's event loop thread; no locks. Clocks (collector/clock.py): a series'
+latest point is the newest received, kept with when (state clock); a node, its agent's clock offset.
 
 Bounds (collector/limits.py decides; the state counts and keeps to them): the boots remembered per
 node (the boots with an open stream are never forgotten), the series of a node (`max_series_per_node`,
 held even against batches admitted together; series with no point for `history_s` are let go first),
-how far a boot's sequence number may jump (`seq_ceiling`), and the bytes of one ListNodes page.
+series with no point received for `[state] series_idle_s` (collector/idle.py: a bounded step of a
+sweep as a batch is stored), how far a boot's sequence number may jump (`seq_ceiling`), and the bytes of one ListNodes page.
 
 Memory: history is kept 16 bytes a point in a series' own History (collector/history.py), about 8
 in columns where a node's series come together (collector/columns.py: one time a row). With
@@ -35,7 +37,8 @@ import time
 
 from xpusense.v1 import telemetry_pb2 as pb
 
-from . import columns
+from . import clock as agent_clock
+from . import columns, idle
 from .batch_rows import BatchRows
 from .diagnoses import Diagnoses
 from .history import POINT_BYTES, points_of
@@ -58,6 +61,9 @@ class NodeState:
         self.boot_id = ""
         self.streams = 0
         self.last_seen_ns = 0
+        self.recv_ns = 0                               # when (state clock) the batch being stored was received
+        self.recv_shift = 0                            # and what puts its stamps on our clock (clock.shift_of)
+        self.offset = agent_clock.ClockOffset()        # its agent's clock against ours (collector/clock.py)
         self.peer = ""
         self.inventory = pb.Inventory()
         self.stored_up_to: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -111,10 +117,17 @@ class FleetState:
         self.series_total = 0
         self.diagnoses = Diagnoses(self.counters)   # open diagnoses per node, opened per rule
         self.columns = True   # series that come together held in columns (collector/columns.py)
+        # [state] series_idle_s: a series with no point received this long is let go (collector/idle.py).
+        self.series_idle_ns = 3600 * 10**9
+        self.idle_due_ns = 0                # when the next pass over every series starts
+        self.idle_walk = None               # the pass under way (idle.sweep), else None
+        self.max_clock_offset_ns = 5 * 10**9   # [state] max_clock_offset_s: past it, a diagnosis (clock.py)
 
-    def configure(self, max_memory: int = 0, min_history_points: int = 60, max_open_diagnoses_per_node: int = 64) -> None:
+    def configure(self, max_memory: int = 0, min_history_points: int = 60, max_open_diagnoses_per_node: int = 64,
+                  max_clock_offset_s: float = 5.0) -> None:
         """The [state] budget (collector/config.py); applied at once if already over it."""
         self.max_memory, self.min_history_points = int(max_memory), max(1, int(min_history_points))
+        self.max_clock_offset_ns = int(max_clock_offset_s * 1e9)
         self.diagnoses.configure(max_open_diagnoses_per_node)
         if self.max_memory and self.memory_bytes() > self.max_memory:
             self._over_budget()
@@ -188,6 +201,8 @@ class FleetState:
         n.stored_up_to.move_to_end(hello.boot_id)
         self._forget_boots(n, hello.boot_id)
         self.diagnoses.hello(n, hello.boot_id)   # a new agent boot: the last one's diagnoses end
+        n.offset.observe(hello.time_unix_nano, n.last_seen_ns)
+        self._clock_checked(n, n.last_seen_ns)
         for w in self.watchers:
             w(n, None)
         return pb.Welcome(boot_id=hello.boot_id, stored_up_to=n.stored_up_to[hello.boot_id])
@@ -252,6 +267,12 @@ class FleetState:
         below what was stored (a resend)."""
         n = self._node(batch.node_id)
         n.last_seen_ns = self.clock() if now_ns is None else now_ns
+        if now_ns is None:   # live: received now; the agent's clock against ours
+            n.recv_ns = n.last_seen_ns
+            n.offset.observe(batch.sent_unix_nano, n.recv_ns)
+            self._clock_checked(n, n.recv_ns)
+        else:   # the store's replay: received when sent, as far as is known
+            n.recv_ns = min(now_ns, self.clock())
         mark = n.stored_up_to.get(batch.boot_id)
         if mark is None:  # no Hello for this boot on this stream (a replay of an earlier boot)
             mark = n.stored_up_to[batch.boot_id] = self.known_marks.get((batch.node_id, batch.boot_id), 0)
@@ -263,6 +284,12 @@ class FleetState:
         # When the mark rose: now, or for the store's replay (now_ns given) when the batch was sent.
         n.mark_at[batch.boot_id] = self.clock() if now_ns is None else min(now_ns, self.clock())
         return mark
+
+    def _clock_checked(self, n: NodeState, now_ns: int) -> None:
+        """The node's clock_offset diagnosis opened, updated or closed (collector/clock.py)."""
+        e = agent_clock.check(self.diagnoses, n, n.offset.ns, self.max_clock_offset_ns, now_ns)
+        if e is not None:
+            n.events.appendleft(e)
 
     def seq_ceiling(self, node_id: str, boot_id: str, max_jump: int, per_s: float) -> int | None:
         """The highest sequence number a batch of this boot may carry now: `max_jump` above the
@@ -302,14 +329,8 @@ class FleetState:
         n.expired_tried_ns = now
         cutoff = max(newest_ns, max((s.time_ns for s in n.series.values()), default=0)) - self.history_ns
         old = [k for k, s in n.series.items() if s.time_ns < cutoff]
-        for k in old:
-            if (f := n.series[k].frame) is not None:
-                columns.dissolve(self, n, f)
-        for k in old:
-            self.history_slots -= len(n.series.pop(k).history)
-        self.series_total -= len(old)
         if old:
-            n.refs.clear()
+            idle.let_go(self, n, old)
             self.counters["series_expired"] += len(old)
         return len(old)
 
@@ -361,6 +382,9 @@ class FleetState:
         BatchRows(batch) when the caller has it already."""
         n = self._node(batch.node_id)
         n.batches_stored += 1
+        n.recv_shift = agent_clock.shift_of(batch.sent_unix_nano, n.recv_ns)
+        if self.series_idle_ns and idle.due(self, now := self.clock()):   # a bounded step (idle.py)
+            idle.sweep(self, now)
         if batch.boot_id != n.boot_id and batch.boot_id in n.live:   # a boot that streams and is stored now
             n.boot_id = batch.boot_id
         if read is None:
@@ -393,11 +417,12 @@ class FleetState:
         room = self.max_series_per_node
         hist_ns, cap = self.history_ns, self.history_cap
         slack_ns = hist_ns >> 5
+        recv, shift = n.recv_ns, n.recv_shift
         samples = batch.samples
         grown = 0
         known = refs.get
         label_sets: dict[tuple, tuple] = {}
-        # Per sample, the common case (a known series_ref, a newer point): the latest value and two
+        # Per sample, the common case (a known series_ref): the latest value, its time and two
         # appends to the history. The sample itself is read again only for a new series (its
         # name and map of labels) or a histogram.
         for i, (ref, t, v) in enumerate(batch_rows):
@@ -413,14 +438,16 @@ class FleetState:
                 cap = self.history_cap   # a new series may have shortened the history (max_memory)
             if ser.frame is not None:   # its frame's rows back in each member's own History
                 columns.dissolve(self, n, ser.frame)
-            if t >= ser._time_ns:   # an older point (agent clock stepped back) only joins the history
-                ser._prev_value = ser._value
-                ser._prev_time_ns = ser._time_ns
-                ser._value = v
-                ser._time_ns = t
-                if ser.kind == HISTOGRAM:   # a copy: a sub-message would keep the whole batch alive
-                    ser.histogram = hg = pb.Histogram()
-                    hg.CopyFrom(samples[i].histogram)
+            # The newest received is the latest, whatever its stamp (an agent clock stepped back).
+            ser._prev_value = ser._value
+            ser._prev_time_ns = ser._time_ns
+            ser._value = v
+            ser._time_ns = t
+            r = t + shift   # its time on our clock (collector/clock.py received_at)
+            ser._recv_ns = r if r < recv else recv
+            if ser.kind == HISTOGRAM:   # a copy: a sub-message would keep the whole batch alive
+                ser.histogram = hg = pb.Histogram()
+                hg.CopyFrom(samples[i].histogram)
             # Age is measured on the agent's clock (the series' newest point), so a skewed
             # agent clock cannot empty the history.
             h = ser.history

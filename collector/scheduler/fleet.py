@@ -17,16 +17,15 @@ has not been refreshed for SETTLE_NS, by a second timer (settle_quiet; by catch_
 loop), so that no decision walks quiet nodes one by one. A refresh that finds nothing a decision reads
 moved (an idle node's round) keeps the node's groups and their filing (`unchanged`, _refresh).
 
-Per node: its accelerators' free HBM and free score from the latest readings, their health (an XID
-or double-bit ECC event within xid_window_s, or a health state other than OK: the newer of the
-`xpusense.accelerator.health` series and the last `health` event, takes a device out; a checkpoint
-request from the HBM watch within hbm_watch_window_s, or a diagnosis open on it now (FleetState's
-NodeState.diagnoses, collector/diagnoses.py, or in cluster mode the node summary's; for as long as
-it is open), keeps it, penalised, the same penalty and factor), its groups by type and
-interconnect domain. Staleness is read from each NodeState's last_seen_ns when a node is looked at;
-`stale()` finds the stale nodes without a scan. Its `xpusense.network.tcp.rtt{remote_region}`
-histograms: a new point joins the node's window and its figure is filed under the region pair
-(latency.py), so that a decision reads a pair's measured figure in O(1).
+Per node: its accelerators' free HBM and free score from the latest readings, their health (an XID or double-bit ECC
+event within xid_window_s, or a health state other than OK: the newer of the `xpusense.accelerator.health` series
+and the last `health` event, takes a device out; events and series timed by when they arrived, not by the node's
+clock, collector/clock.py; a checkpoint request from the HBM watch within hbm_watch_window_s, or a diagnosis open on
+it now (FleetState's NodeState.diagnoses, collector/diagnoses.py, or in cluster mode the node summary's; for as long
+as it is open), keeps it, penalised, the same penalty and factor), its groups by type and interconnect domain.
+Staleness is read from each NodeState's last_seen_ns when a node is looked at; `stale()` finds the stale nodes
+without a scan. Its `xpusense.network.tcp.rtt{remote_region}` histograms: a new point joins the node's window and
+its figure is filed under the region pair (latency.py), so that a decision reads a pair's measured figure in O(1).
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from xpusense.common.metric_names import NETWORK_TCP_RTT
 from xpusense.v1 import scheduler_pb2 as spb
 
 from .. import diagnoses as dg
+from ..clock import events_received
 from .config import Settings
 from .index import (
     ACCEL_TYPES,
@@ -148,7 +148,7 @@ class FleetView:
                 if batch is None:
                     return
             if batch.events or nid in self.first:   # events: read now (the batch is not kept)
-                self._note_events(s, batch.events)
+                self._note_events(s, batch.events, events_received(node, batch))
                 self.first.discard(nid)
                 self.dirty.pop(nid, None)
                 self._refresh(s, self.state.clock())
@@ -432,10 +432,10 @@ class FleetView:
                 setattr(dev, attr, ser)
         s.series_seen = len(s.state.series)
 
-    def _note_events(self, s: NodeSummary, events: Any) -> None:
-        now = self.state.clock()
-        for e in events:
-            t = e.time_unix_nano or now
+    def _note_events(self, s: NodeSummary, events: Any, received: list[int] | None = None) -> None:
+        now = self.state.clock()   # an event counts from `received` (on our clock, clock.py), else its stamp
+        for i, e in enumerate(events):
+            t = received[i] if received is not None else (e.time_unix_nano or now)
             if t > now:   # an agent clock ahead of ours: count from when it arrived
                 t = now
             kind = e.type
@@ -589,9 +589,9 @@ def _health_state(d: Device, event: tuple | None) -> tuple | None:
     """("unhealthy", detail) when the newer of the health series and the last health event says
     the device is not OK, else None."""
     newest_time, newest = -1, cast(Any, None)
-    for ser in d.health:
-        if ser.time_ns > newest_time:
-            newest_time, newest = ser.time_ns, ser
+    for ser in d.health:   # by when it arrived, as the events
+        if ser.recv_ns > newest_time:
+            newest_time, newest = ser.recv_ns, ser
     if event is not None and event[0] > newest_time:
         return None if event[1] else ("unhealthy", event[2])
     if newest is not None and newest.value < 1.0:

@@ -209,18 +209,20 @@ def test_agent_direct_exporter_keeps_points_until_accepted(tmp_path):
 
 
 def test_prometheus_rendering_native_and_compat_names():
-    state = FleetState()
+    now = 10**18 * 2
+    clock = [now - 700 * 10**9]   # the collector's: a series' age is since its point arrived
+    state = FleetState(clock=lambda: clock[0])
     book = InventoryBook().watch(state)
     state.hello(pb.Hello(node_id="n1", boot_id="b", inventory=INV))
-    now = 10**18 * 2
-    state.ingest(pb.Batch(node_id="n1", boot_id="b", seq=1, samples=[
+    state.ingest(pb.Batch(node_id="n1", boot_id="b", seq=1, samples=[s("old.one", 1.0, t=now)]))
+    clock[0] = now
+    state.ingest(pb.Batch(node_id="n1", boot_id="b", seq=2, samples=[
         s("hw.gpu.utilization", 0.42, t=now, device="gpu0", vendor="nvidia"),
         s("hw.gpu.memory.usage", 3 * 2**30, unit="By", t=now, device="gpu0", vendor="nvidia"),
         s("hw.energy", 12.5, pb.COUNTER, "J", now, device="gpu0", vendor="nvidia"),
         s("hw.gpu.utilization", 0.9, t=now, device="npu0-0", vendor="huawei"),
         s("xpusense.accelerator.health", 1.0, t=now, device="npu0-0", vendor="huawei", status="OK"),
         s("xpusense.agent.source.errors", 3, pb.COUNTER, "{error}", now, source="host"),
-        s("old.one", 1.0, t=1),
         hist(now, [1, 3, 3, 4], 0.25),
         s("k8s.thing", 1.0, t=now, **{"k8s.pod.name": "p"}),
     ]))
@@ -236,7 +238,7 @@ def test_prometheus_rendering_native_and_compat_names():
     assert fams["hw_energy_joules"].type == "counter"
     assert val("hw_energy_joules", "hw_energy_joules_total", device="gpu0") == 12.5
     assert val("xpusense_agent_source_errors", "xpusense_agent_source_errors_total", source="host") == 3
-    assert "old_one_ratio" not in fams                       # older than max_age_s
+    assert "old_one_ratio" not in fams                       # arrived longer than max_age_s ago
     assert val("xpusense_disk_operation_latency_seconds", "xpusense_disk_operation_latency_seconds_bucket",
                le="0.01") == 3
     assert val("k8s_thing_ratio", "k8s_thing_ratio", k8s_pod_name="p") == 1.0

@@ -189,12 +189,13 @@ def test_unhealthy_accelerator_is_out_until_a_newer_reading_says_ok():
     assert "npu0-0" not in c.devices and [(d.device, d.reason) for d in c.excluded_devices] == [("npu0-0", "unhealthy")]
     assert "Alarm" in c.excluded_devices[0].detail
     # A health event newer than the reading: npu1 goes Critical at once (the series lags, 5 min tier).
+    # Newer on the collector's clock: a batch's stamps are put on it by when the batch arrived.
     n.send(events=[pb.Event(id="h1", type="health", severity="critical", device="npu1-0", message="Critical",
-                            attributes={"status": "Critical"}, time_unix_nano=t + 1)], t_ns=t)
+                            attributes={"status": "Critical"}, time_unix_nano=t + 10**9)], t_ns=t)
     reply = fleet.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, count=7)
     assert not reply.candidates and reply.excluded[0].reason == "unhealthy"
     assert sorted(d.device for d in reply.excluded[0].devices) == ["npu0-0", "npu1-0"]
-    n.send(health={0: "OK", 1: "OK"}, t_ns=t + 2)
+    n.send(health={0: "OK", 1: "OK"}, t_ns=t + 2 * 10**9)
     assert len(fleet.place(accelerator=spb.ACCELERATOR_NPU, memory_bytes=GiB, count=8).candidates) == 1
 
 

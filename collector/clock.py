@@ -1,0 +1,131 @@
+"""Agent clocks as the collector sees them: per node an estimate of how far its clock is off the
+collector's, an agent's stamp put on the collector's clock, and the diagnosis for a node too far off.
+
+The collector keeps, beside the times an agent stamps (a sample's, an event's), when they happened
+on its own clock: when the batch that carried them was received, less how long before the agent
+built it they were stamped (`received_at`, never after it arrived), and decides on that: freshness
+(Prometheus' `max_age_s`, the scheduler's health checks), how recent an event is; a series' latest
+point is the newest received, whatever its stamp. The stamps are shown as sent.
+
+The offset (agent minus collector): each Hello's `time_unix_nano` and each batch's `sent_unix_nano`
+against when it was received is a sample of it less the delay on the way (network, queues, the
+agent's spool), which only lowers it, so the estimate is the highest sample of the last one to two
+WINDOW_NS (two windows' maxima: O(1) a node; a clock stepped back shows within 2 x WINDOW_NS). A
+batch resent from the spool is a low sample, outweighed by any fresh one in the windows (a drain
+longer than that shows the node behind meanwhile).
+
+A node whose estimate is more than `[state] max_clock_offset_s` off gets a node-wide diagnosis of
+rule `clock_offset`, made by the collector (collector/diagnoses.py keeps it with the agent's; in
+cluster mode the worker does): its cause names the offset, attribute `clock.offset_s` holds it. It
+is updated when the offset moves by more than the bound and closes once the estimate is within it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from xpusense.v1 import telemetry_pb2 as pb
+
+from .diagnoses import CAUSE, CLOSED, EVIDENCE, ID, OPEN, OPENED, REMEDY, RULE, STATE, SYMPTOM, TYPE, Diagnoses
+
+WINDOW_NS = 30 * 10**9
+RULE_NAME = "clock_offset"
+DIAGNOSIS_ID = "collector.clock_offset"
+OFFSET = "clock.offset_s"
+SYMPTOM_TEXT = "agent clock off the collector's"
+REMEDY_TEXT = ("synchronise the node's clock (chrony or NTP); meanwhile the collector judges its readings and events "
+               "by when they arrived")
+
+
+def shift_of(sent: int, recv: int) -> int:
+    """What puts a stamp of a batch built at `sent` (the agent's clock; 0: not known) and received
+    at `recv` on the collector's clock: stamp + shift, capped at `recv` (received_at)."""
+    return recv - sent if sent else recv
+
+
+def received_at(stamp: int, sent: int, recv: int) -> int:
+    """An agent's `stamp` (of an event or sample in a batch the agent built at `sent`, its clock)
+    on the collector's clock, the batch received at `recv`: as long before `recv` as it was before
+    `sent` (an interval of the agent's own clock), never after `recv`; `recv` where one is missing."""
+    if not stamp:
+        return recv
+    return min(recv, stamp + shift_of(sent, recv))
+
+
+def events_received(node, batch) -> list[int]:
+    """When each event of a stored batch happened, on the collector's clock: a cluster replica's
+    changes carry them (`received_ns`, the worker's); FleetState's batch was received at its node's
+    `recv_ns`."""
+    got = getattr(batch, "received_ns", None)
+    if got is not None:
+        return got
+    sent, recv = batch.sent_unix_nano, node.recv_ns
+    return [received_at(e.time_unix_nano, sent, recv) for e in batch.events]
+
+
+class ClockOffset:
+    """The estimate of one node's clock offset (agent - collector, ns): the highest sample of the
+    current window and the one before."""
+
+    __slots__ = ("cur", "prev", "since")
+
+    def __init__(self) -> None:
+        self.cur: int | None = None
+        self.prev: int | None = None
+        self.since = 0          # when (collector clock) the current window began
+
+    def observe(self, agent_ns: int, recv_ns: int) -> None:
+        """A message the agent stamped `agent_ns` (0: not stamped, ignored), received at `recv_ns`."""
+        if not agent_ns:
+            return
+        if recv_ns - self.since >= WINDOW_NS:
+            self.prev = self.cur if recv_ns - self.since < 2 * WINDOW_NS else None
+            self.cur, self.since = None, recv_ns
+        sample = agent_ns - recv_ns
+        if self.cur is None or sample > self.cur:
+            self.cur = sample
+
+    @property
+    def ns(self) -> int | None:
+        """The estimate; None before any sample."""
+        if self.prev is None:
+            return self.cur
+        return self.prev if self.cur is None else max(self.cur, self.prev)
+
+
+def describe(offset_ns: int) -> str:
+    s = offset_ns / 1e9
+    side = "ahead of" if s > 0 else "behind"
+    days = f" ({abs(s) / 86400:.1f} days)" if abs(s) >= 86400 else ""
+    return f"the node's clock is {abs(s):.1f} s{days} {side} the collector's"
+
+
+def check(book: Diagnoses, n, offset_ns: int | None, bound_ns: int, now_ns: int) -> pb.Event | None:
+    """Open, update or close node `n`'s clock_offset diagnosis (held by `book`, as the agent's are)
+    for the estimate `offset_ns` (None: none yet); the event made, or None when nothing changed."""
+    held = n.diagnoses.get(DIAGNOSIS_ID)
+    offset = offset_ns or 0
+    skewed = abs(offset) > bound_ns
+    if not skewed and held is None:
+        return None
+    if skewed and held is not None:
+        try:
+            was = float(held.attributes.get(OFFSET, ""))
+        except ValueError:
+            was = 0.0
+        if abs(was * 1e9 - offset) <= bound_ns:
+            return None
+    offset_s = offset / 1e9
+    opened = held.attributes.get(OPENED, str(now_ns)) if held is not None else str(now_ns)
+    cause = describe(offset) if skewed else "the node's clock is back within the bound"
+    e = pb.Event(id=f"{DIAGNOSIS_ID}-{now_ns}", type=TYPE, severity="warning" if skewed else "info",
+                 message=f"{SYMPTOM_TEXT}: {cause}; remedy: {REMEDY_TEXT}" if skewed else f"resolved: {cause}",
+                 time_unix_nano=now_ns, attributes={
+                     ID: DIAGNOSIS_ID, STATE: OPEN if skewed else CLOSED, RULE: RULE_NAME, SYMPTOM: SYMPTOM_TEXT,
+                     CAUSE: cause, REMEDY: REMEDY_TEXT, OPENED: opened, OFFSET: f"{offset_s:.3f}",
+                     EVIDENCE: json.dumps([{"series": "", "labels": {}, "values": [round(offset_s, 3)],
+                                            "window_s": 2 * WINDOW_NS / 1e9,
+                                            "summary": "agent send times against their arrival, the least "
+                                                       f"delayed; bound {bound_ns / 1e9:g} s"}])})
+    book.event(n, e)
+    return e
