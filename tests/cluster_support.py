@@ -140,18 +140,21 @@ def check_exactly_once(ids: collections.Counter, acked: dict[tuple[str, str], in
 
 class SimAgent:
     """An agent speaking the real Ingest protocol to a gateway (8 accelerators of one model), for
-    tests that need many nodes or accelerators without agent processes."""
+    tests that need many nodes or accelerators without agent processes. `clock`: the agent's own
+    (ns), which stamps its Hello, batches and samples."""
 
     def __init__(self, addr: str, node_id: str, labels: dict, model=("GPU", "nvidia", "A100-SXM4-80GB", "80GB"),
-                 hbm: float = 80 * 2**30):
+                 hbm: float = 80 * 2**30, clock=None):
         import queue
         import threading
+        import time
 
         import grpc
 
         from xpusense.v1 import telemetry_pb2 as pb
         from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
         self.pb, self.node_id, self.hbm = pb, node_id, hbm
+        self.clock = clock or time.time_ns
         self.boot, self.seq, self.lock = f"boot-{node_id}", 0, threading.Lock()
         self.rtype, self.vendor = model[0], model[1]
         inv = pb.Inventory(hostname=node_id, labels=labels)
@@ -161,7 +164,8 @@ class SimAgent:
             r.interconnects.add(type="NVLink")
         self.channel = grpc.insecure_channel(addr)
         self.acks: queue.Queue = queue.Queue()
-        hello = pb.AgentMessage(hello=pb.Hello(node_id=node_id, boot_id=self.boot, inventory=inv))
+        hello = pb.AgentMessage(hello=pb.Hello(node_id=node_id, boot_id=self.boot, inventory=inv,
+                                               time_unix_nano=self.clock()))
         stub = pb_grpc.IngestStub(self.channel)
 
         def welcomed() -> bool:
@@ -189,11 +193,10 @@ class SimAgent:
             pass
 
     def send(self, util: float = 0.1, used: float = 2 * 2**30, events=()):
-        import time
         pb = self.pb
         with self.lock:
             self.seq += 1
-            t = time.time_ns()
+            t = self.clock()
             b = pb.Batch(node_id=self.node_id, boot_id=self.boot, seq=self.seq, sent_unix_nano=t, events=list(events))
             for i in range(8):
                 lab = {"device": f"gpu{i}", "vendor": self.vendor}

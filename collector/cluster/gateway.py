@@ -5,8 +5,9 @@ agent may move between them at any time.
 Per agent stream: Hello -> the boot's mark from the `marks` bucket (marks.py) -> a `hello` message
 on the node's subject (inventory, for the workers) -> Welcome(stored_up_to = mark). Each batch above
 what this stream has seen is published to `<prefix>.<region>.p<k>.<node>` with `Nats-Msg-Id` =
-node:boot:seq, and acknowledged to the agent, in order, only after JetStream's publish ack (a
-duplicate by msg id is acknowledged as one). A publish that times out (no stream leader during an
+node:boot:seq and `Xps-Received` = when it was received (this gateway's clock, ns: the workers
+judge freshness by it, collector/clock.py), and acknowledged to the agent, in order, only after
+JetStream's publish ack (a duplicate by msg id is acknowledged as one). A publish that times out (no stream leader during an
 election) is sent again with the same id until `publish_give_up_s`; then the stream ends with
 UNAVAILABLE and the agent resends from its spool. A batch at or below the mark is acknowledged as a
 duplicate without publishing.
@@ -36,7 +37,7 @@ from ..batch_rows import refs_of
 from ..limits import MalformedRequest, Violation, read_hello
 from ..wire import batch_payload
 from .marks import Marks
-from .subjects import KIND, MSG_ID, msg_id, node_subject, partition
+from .subjects import KIND, MSG_ID, RECEIVED, msg_id, node_subject, partition
 
 log = logging.getLogger("xpusense.collector.cluster")
 
@@ -204,8 +205,8 @@ class ClusterIngestServicer(pb_grpc.IngestServicer):
         subject = gw.subject(node_id, hello.inventory)
         try:
             mark = await gw.marks.get(node_id, boot_id)
-            await gw.publish(subject, hello.SerializeToString(),
-                             {KIND: "hello", "Xps-Session": session, "Xps-Peer": peer[:200]})
+            await gw.publish(subject, hello.SerializeToString(), {KIND: "hello", "Xps-Session": session,
+                                                                  "Xps-Peer": peer[:200], RECEIVED: str(time.time_ns())})
         except (PublishFailed, nats.errors.Error) as e:
             log.warning("node %s: cannot reach JetStream for the Hello: %s", node_id, e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the cluster is not answering: {e}")
@@ -296,7 +297,8 @@ class ClusterIngestServicer(pb_grpc.IngestServicer):
                     if room.locked():
                         gw.inflight_waits += 1
                     await room.acquire()
-                    again = (state["subject"], payload, {MSG_ID: msg_id(node_id, b.boot_id, b.seq)}, time.monotonic())
+                    again = (state["subject"], payload, {MSG_ID: msg_id(node_id, b.boot_id, b.seq),
+                                                         RECEIVED: str(time.time_ns())}, time.monotonic())
                     pending.put_nowait((b, await gw.publish_nowait(*again[:3]), again))
                 elif kind == "inventory":
                     if (why := self._inventory_refused(node_id, msg.inventory)) is not None:

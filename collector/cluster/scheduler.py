@@ -30,7 +30,7 @@ from ..gc_policy import freeze_long_lived
 from ..scheduler.core import Scheduler
 from ..scheduler.service import SCHEDULER_SERVICE, SchedulerServicer
 from .engine import list_bucket
-from .summary import MirrorNode, decode
+from .summary import MirrorNode, decode, received_of
 
 log = logging.getLogger("xpusense.collector.cluster.scheduler")
 YIELD_S = 0.0005   # the watch's changes are applied for this long before the loop serves others (Place, Query)
@@ -42,14 +42,15 @@ WATCH_HEALTHY_S = 60.0         # a watch that followed this long starts the back
 
 
 class _Changes:
-    """What FleetView.on_change reads of a stored batch: the events new since the last summary."""
-    __slots__ = ("events",)
+    """What FleetView.on_change reads of a stored batch: the events new since the last summary, and
+    when each happened on the collector's clock (the worker's, summary.received_of)."""
+    __slots__ = ("events", "received_ns")
 
-    def __init__(self, events: list):
-        self.events = events
+    def __init__(self, events: list, received_ns: list[int]):
+        self.events, self.received_ns = events, received_ns
 
 
-_NO_CHANGES = _Changes([])
+_NO_CHANGES = _Changes([], [])
 
 
 class _Opened:
@@ -99,7 +100,8 @@ class FleetIndex:
             self._events[nid] = {e.id: e for e in n.events}
             self._notify(n, None)
             if n.events:   # the core notes events as they come: the ones the node already has, oldest first
-                self._notify(n, _Changes(list(reversed(n.events))))
+                rows = d.get("e") or ()
+                self._notify(n, _Changes(list(reversed(n.events)), [received_of(r) for r in reversed(rows)]))
             return
         if n.revision and revision and revision <= n.revision:
             return   # older than what we have (a re-list)
@@ -119,20 +121,21 @@ class FleetIndex:
             else:
                 self._new_inventory(n, inv)
             return
-        events, new = [], []
+        events, new, received = [], [], []
         for e in rows:
             ev = known.get(e[0])
             if ev is None:
                 ev = pb.Event(id=e[0], type=e[1], severity=e[2], device=e[3], message=e[4], attributes=e[5],
                               time_unix_nano=e[6])
                 new.append(ev)
+                received.append(received_of(e))
             events.append(ev)
         n.events = events
         self._events[nid] = {e.id: e for e in events}
         if inv != self._inventory[nid]:
             self._new_inventory(n, inv)
         else:
-            self._notify(n, _Changes(list(reversed(new))))
+            self._notify(n, _Changes(list(reversed(new)), list(reversed(received))))
 
     def _new_inventory(self, n: MirrorNode, inv: bytes) -> None:
         self._inventory[n.node_id] = inv

@@ -18,6 +18,7 @@ _ESCAPED = re.compile(r"=([0-9A-F]{2})")
 
 # Headers of the messages a gateway publishes (besides JetStream's Nats-Msg-Id).
 KIND = "Xps-Kind"                 # batch (default) | hello | inventory | bye
+RECEIVED = "Xps-Received"         # when the gateway received it (its clock, ns): collector/clock.py
 MSG_ID = "Nats-Msg-Id"
 
 

@@ -9,17 +9,22 @@ partition over loads just its nodes):
     i  inventory (pb.Inventory bytes: hostname, labels, accelerators and their interconnects)
     m  {boot: highest seq}     bs batches stored           bd duplicates dropped
     s  [[name, unit, kind, labels, value, time ns, rate/s or None], ...]   the kept series
+    r  [received ns, ...]      each series' latest point on the gateway's clock (clock.received_at)
     sk which series `s` holds, in that order (a checksum): a reader that has the same updates its
        series in place by position, without reading names and labels
-    e  [[id, type, severity, device, message, attributes, time ns], ...]  recent events, newest first
+    e  [[id, type, severity, device, message, attributes, time ns, received ns], ...]  recent events,
+       newest first; `received ns`: when it happened on the gateway's clock (clock.received_at)
     dg the open diagnoses (collector/diagnoses.py): their open events as rows like `e`, oldest first
     db the agent boot they belong to
-    dc {counter key: n}        diagnoses let go by the bound, closed by a new boot (this node's)
+    dc {counter key: n}        diagnoses let go by the bound, closed by a new boot, series let go
+                               idle (`state.series.expired`): this node's
     do {rule: n}               diagnoses opened on this node
     w  worker id               at written (ns)
 Kept series: the host's CPU, memory and network, and per accelerator utilisation, HBM used / limit /
 utilisation / bandwidth utilisation, power, temperature and health (no per-process or per-MIG-
-instance series): about 10 + 9 per accelerator, a few KB per node.
+instance series): about 10 + 9 per accelerator, a few KB per node. A kept series with no point for
+`[state] series_idle_s` is let go by the worker's idle sweep, and the node's series references in
+two generations (collector/idle.py), at most MAX_REFS in use a boot.
 
 The open diagnoses are kept by the worker as one collector keeps them (collector/diagnoses.py's
 Diagnoses runs on NodeLatest: `diagnoses`, `diagnoses_boot`, and the per-node counts) and bounded by
@@ -43,7 +48,9 @@ from xpusense.common import metric_names as m
 from xpusense.v1 import telemetry_pb2 as pb
 
 from ..batch_rows import BatchRows
+from ..clock import ClockOffset, received_at, shift_of
 from ..diagnoses import diagnosis_id
+from ..idle import RefGenerations
 from ..series import read_labels, series_key
 from ..wire import WireBatch
 from .marks import SeqWindow
@@ -54,6 +61,7 @@ KEPT = frozenset({m.CPU_UTILIZATION, m.MEMORY_UTILIZATION, m.NETWORK_IO, m.GPU_U
                   m.HEALTH, m.MEMORY_FREE})
 SKIPPED_LABELS = ("pid", "mig_instance")
 MAX_SERIES = 512          # kept series per node in a summary
+MAX_REFS = 65536          # series references of a boot in use (its current generation, collector/idle.py)
 EVENTS_KEPT = 16
 BOOTS_KEPT = 4
 _IGNORED = object()
@@ -72,6 +80,11 @@ def event_of(row) -> pb.Event:
                     time_unix_nano=row[6])
 
 
+def received_of(row) -> int:
+    """When an `e` row's event happened on the collector's clock (its stamp in a summary without)."""
+    return row[7] if len(row) > 7 else row[6]
+
+
 def diagnoses_of(rows) -> collections.OrderedDict[str, pb.Event]:
     """A summary's `dg` rows as the open diagnoses (diagnosis id -> open Event, oldest first)."""
     out: collections.OrderedDict[str, pb.Event] = collections.OrderedDict()
@@ -83,11 +96,14 @@ def diagnoses_of(rows) -> collections.OrderedDict[str, pb.Event]:
 
 class _Entry:
     """One kept series: the latest point and the one before (for counter rates)."""
-    __slots__ = ("name", "unit", "kind", "labels", "value", "time_ns", "prev_value", "prev_time_ns")
+    __slots__ = ("name", "unit", "kind", "labels", "value", "time_ns", "prev_value", "prev_time_ns", "recv_ns",
+                 "idle_t", "idle_at")
 
     def __init__(self, name: str, unit: str, kind: int, labels: dict):
         self.name, self.unit, self.kind, self.labels = name, unit, kind, labels
         self.value, self.time_ns, self.prev_value, self.prev_time_ns = math.nan, 0, math.nan, 0
+        self.recv_ns = 0
+        self.idle_t, self.idle_at = -1, 0   # its stamp when the idle sweep saw it move, and when (idle.py)
 
     def rate(self) -> float | None:
         if self.kind != pb.COUNTER or not self.prev_time_ns or self.time_ns <= self.prev_time_ns:
@@ -101,7 +117,7 @@ class NodeLatest:
     """What a worker keeps of one node: latest values of the kept series, inventory, recent events."""
     __slots__ = ("node_id", "part", "boot_id", "last_seen_ns", "sessions", "peer", "inventory", "windows",
                  "batches_stored", "batches_duplicate", "series", "refs", "events", "event_ids", "dirty", "_layout",
-                 "diagnoses", "diagnoses_boot", "diagnosis_counts", "diagnoses_opened")
+                 "diagnoses", "diagnoses_boot", "diagnosis_counts", "diagnoses_opened", "offset")
 
     def __init__(self, node_id: str, part: int):
         self.node_id, self.part = node_id, part
@@ -111,7 +127,7 @@ class NodeLatest:
         self.windows: collections.OrderedDict[str, SeqWindow] = collections.OrderedDict()
         self.batches_stored = self.batches_duplicate = 0
         self.series: dict[tuple, _Entry] = {}
-        self.refs: dict[str, dict[int, Any]] = {}
+        self.refs: dict[str, RefGenerations[dict]] = {}   # boot -> series_ref -> _Entry (or _IGNORED)
         self.events: collections.deque = collections.deque(maxlen=EVENTS_KEPT)
         self.event_ids: set[str] = set()
         self.dirty = True
@@ -121,6 +137,7 @@ class NodeLatest:
         self.diagnoses_boot = ""
         self.diagnosis_counts: dict[str, int] = {}
         self.diagnoses_opened: dict[str, int] = {}
+        self.offset = ClockOffset()   # its agent's clock against the gateways' (collector/clock.py)
 
     # -- from the stream --------------------------------------------------------------------------
     def hello(self, hello: pb.Hello, session: str, peer: str, t_ns: int) -> None:
@@ -150,8 +167,11 @@ class NodeLatest:
                 self.refs.pop(old, None)
         return w
 
-    def apply(self, b: pb.Batch | WireBatch, t_ns: int) -> bool:
-        """A batch from the stream: False when its (boot, seq) was taken before (dropped)."""
+    def apply(self, b: pb.Batch | WireBatch, t_ns: int, recv_ns: int = 0) -> bool:
+        """A batch from the stream, received by a gateway at `recv_ns` (0: at `t_ns`): False when its
+        (boot, seq) was taken before (dropped)."""
+        recv_ns = recv_ns or t_ns
+        shift = shift_of(b.sent_unix_nano, recv_ns)
         if t_ns > self.last_seen_ns:
             self.last_seen_ns = t_ns
         if not self._window(b.boot_id).take(b.seq):
@@ -160,34 +180,47 @@ class NodeLatest:
         self.batches_stored += 1
         if not self.boot_id:
             self.boot_id = b.boot_id
-        refs = self.refs.get(b.boot_id)
-        if refs is None:
-            refs = self.refs[b.boot_id] = {}
+        gens = self.refs.get(b.boot_id)
+        if gens is None:
+            gens = self.refs[b.boot_id] = RefGenerations({}, 0)   # turned by the worker's idle sweep
+        refs = gens.cur
         series = self.series
         samples = None   # protobuf's, read only for a series not known by its ref
         for i, (ref, t, v) in enumerate(BatchRows(b).rows()):
             e = refs.get(ref, None) if ref else None
             if e is None:
-                if samples is None:
-                    samples = b.samples
-                e = self._entry(samples[i], series)
-                if ref:
+                if ref and (e := gens.old.pop(ref, None)) is not None:   # in use again
                     refs[ref] = e
+                else:
+                    if samples is None:
+                        samples = b.samples
+                    e = self._entry(samples[i], series)
+                    if ref:
+                        if len(refs) >= MAX_REFS:   # the references in use bounded: the idle ones go
+                            gens.turn(gens.turn_at)
+                            refs = gens.cur
+                        refs[ref] = e
             if e is _IGNORED:
                 continue
-            if t >= e.time_ns:
-                e.prev_value, e.prev_time_ns = e.value, e.time_ns
-                e.value, e.time_ns = v, t
+            # The newest received is the latest, whatever its stamp (an agent clock stepped back).
+            e.prev_value, e.prev_time_ns = e.value, e.time_ns
+            e.value, e.time_ns, e.recv_ns = v, t, min(recv_ns, t + shift)
+        sent = b.sent_unix_nano
         for ev in b.events:
-            if ev.id and ev.id in self.event_ids:
-                continue
-            if len(self.events) == self.events.maxlen:
-                self.event_ids.discard(self.events[-1][0])
-            self.events.appendleft((ev.id, ev.type, ev.severity, ev.device, ev.message, dict(ev.attributes),
-                                    ev.time_unix_nano))
-            self.event_ids.add(ev.id)
+            self.note_event(ev, received_at(ev.time_unix_nano, sent, recv_ns))
         self.dirty = True
         return True
+
+    def note_event(self, ev: pb.Event, received_ns: int) -> None:
+        """An event into the recent ones (once by id), with when it happened on our clock."""
+        if ev.id and ev.id in self.event_ids:
+            return
+        if len(self.events) == self.events.maxlen:
+            self.event_ids.discard(self.events[-1][0])
+        self.events.appendleft((ev.id, ev.type, ev.severity, ev.device, ev.message, dict(ev.attributes),
+                                ev.time_unix_nano, received_ns))
+        self.event_ids.add(ev.id)
+        self.dirty = True
 
     def _entry(self, s: pb.Sample, series: dict) -> Any:
         name = s.name
@@ -218,7 +251,7 @@ class NodeLatest:
             "m": {boot: w.high for boot, w in self.windows.items()},
             "bs": self.batches_stored, "bd": self.batches_duplicate,
             "s": [[e.name, e.unit, e.kind, e.labels, e.value, e.time_ns, e.rate()] for e in self.series.values()],
-            "sk": self.layout(),
+            "sk": self.layout(), "r": [e.recv_ns or e.time_ns for e in self.series.values()],
             "e": list(self.events), "w": worker, "at": now_ns,
         }
         if self.diagnoses or self.diagnoses_boot:
@@ -237,9 +270,11 @@ class NodeLatest:
         for boot, high in (d.get("m") or {}).items():
             n.windows[boot] = SeqWindow(high)
         n.batches_stored, n.batches_duplicate = d.get("bs", 0), d.get("bd", 0)
-        for name, unit, kind, labels, value, t, _rate in d.get("s") or ():
+        received = d.get("r") or ()
+        for i, (name, unit, kind, labels, value, t, _rate) in enumerate(d.get("s") or ()):
             e = n.series[(name, tuple(sorted(labels.items())))] = _Entry(name, unit, kind, labels)
             e.value, e.time_ns = value, t
+            e.recv_ns = received[i] if i < len(received) else t
         for ev in reversed(d.get("e") or ()):
             n.events.appendleft(tuple(ev))
             n.event_ids.add(ev[0])
@@ -265,11 +300,12 @@ def decode(data: bytes) -> dict | None:
 # -- the readers' side ------------------------------------------------------------------------------
 class MirrorSeries:
     """A kept series as FleetState's Series shows it to readers (no history: that is the stream)."""
-    __slots__ = ("name", "unit", "kind", "labels", "value", "time_ns", "_rate", "histogram")
+    __slots__ = ("name", "unit", "kind", "labels", "value", "time_ns", "_rate", "histogram", "recv_ns")
 
-    def __init__(self, name: str, unit: str, kind: int, labels: dict, value: float, time_ns: int, rate):
+    def __init__(self, name: str, unit: str, kind: int, labels: dict, value: float, time_ns: int, rate,
+                 recv_ns: int = 0):
         self.name, self.unit, self.kind, self.labels = name, unit, kind, labels
-        self.value, self.time_ns = value, time_ns
+        self.value, self.time_ns, self.recv_ns = value, time_ns, recv_ns or time_ns
         self._rate = math.nan if rate is None else rate
         self.histogram = None
 
@@ -320,22 +356,26 @@ class MirrorNode:
         """The summary's series into this node: in place when the layout is the one it has (the
         objects keep their identity), else matched by name and labels. Returns the new ones."""
         rows = d.get("s") or ()
+        received = d.get("r") or [row[5] for row in rows]   # a summary without: the stamps
+        if len(received) != len(rows):
+            received = [row[5] for row in rows]
         if d.get("sk") == self.layout and len(rows) == len(self.series_list):
-            for ser, row in zip(self.series_list, rows):
-                if row[5] >= ser.time_ns:
-                    ser.value, ser.time_ns = row[4], row[5]
+            for ser, row, r in zip(self.series_list, rows, received):
+                if r >= ser.recv_ns:   # the newest received is the latest
+                    ser.value, ser.time_ns, ser.recv_ns = row[4], row[5], r
                     ser._rate = math.nan if row[6] is None else row[6]
             return []
         new: list[MirrorSeries] = []
         old, series = self.series, {}
-        for name, unit, kind, labels, value, t, rate in rows:
+        for (name, unit, kind, labels, value, t, rate), r in zip(rows, received):
             key = (name, tuple(sorted(labels.items())))
             have = old.get(key)
             if have is None:
-                have = MirrorSeries(name, unit, kind, labels, value, t, rate)
+                have = MirrorSeries(name, unit, kind, labels, value, t, rate, r)
                 new.append(have)
-            elif t >= have.time_ns:
-                have.value, have.time_ns, have._rate = value, t, math.nan if rate is None else rate
+            elif r >= have.recv_ns:
+                have.value, have.time_ns, have.recv_ns = value, t, r
+                have._rate = math.nan if rate is None else rate
             series[key] = have
         self.series, self.series_list = series, list(series.values())
         self.layout = d.get("sk", -1)

@@ -12,6 +12,15 @@ Open diagnoses: each node's, as one collector keeps them (collector/diagnoses.py
 NodeLatest), bounded by `[state] max_open_diagnoses_per_node`, go into its summary; the bound hit
 and diagnoses closed by a new boot are counted there too (summary.py: `dc`).
 
+Idle series (collector/idle.py): a round every eighth of `[state] series_idle_s` (at most a minute)
+looks at up to IDLE_NODES nodes; a kept series with no point for series_idle_s is let go (counted
+`state.series.expired`, in the node's `dc` too) and series references idle that long forgotten.
+
+Clocks (collector/clock.py): a batch's points and events count as of when a gateway received it
+(its `Xps-Received` header; JetStream's time where absent); the node's clock offset is estimated
+from its Hello's and batches' times against that, and a node off by more than `[state]
+max_clock_offset_s` gets the `clock_offset` diagnosis in its summary.
+
 Exactly once into the summary: a new owner loads the partition's summaries from the bucket (the
 previous owner's state, marks included), resets the durable consumer to its ack floor (everything
 not yet covered by a written summary comes again) and drops by SeqWindow what was taken. Messages
@@ -28,12 +37,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import math
 import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import nats.errors
@@ -43,14 +54,17 @@ from nats.js import api
 
 from xpusense.v1 import telemetry_pb2 as pb
 
+from .. import clock as agent_clock
+from .. import idle
 from ..diagnoses import Diagnoses
 from ..wire import read_batch
 from .engine import list_bucket
-from .subjects import KIND, node_of_subject, partition, partition_filter, stream_of, token
+from .subjects import KIND, RECEIVED, node_of_subject, partition, partition_filter, stream_of, token
 from .summary import NodeLatest, decode, fleet_key
 
 log = logging.getLogger("xpusense.collector.cluster.worker")
 
+IDLE_NODES = 1024   # nodes an idle sweep's round looks at (each holds at most summary.MAX_SERIES series)
 _TRANSIENT = (nats.errors.TimeoutError, nats.js.errors.APIError, nats.errors.NoRespondersError,
               nats.js.errors.NoStreamResponseError, nats.errors.ConnectionReconnectingError, TimeoutError)
 
@@ -77,7 +91,8 @@ class _Partition:
 
 
 class Worker:
-    def __init__(self, js, buckets, ncfg: Any, worker_id: str = "", max_open_diagnoses_per_node: int = 64):
+    def __init__(self, js, buckets, ncfg: Any, worker_id: str = "", max_open_diagnoses_per_node: int = 64,
+                 max_clock_offset_s: float = 5.0):
         self.js, self.buckets, self.ncfg = js, buckets, ncfg
         self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.nodes: dict[str, NodeLatest] = {}
@@ -90,6 +105,9 @@ class Worker:
         self.counters: collections.Counter[str] = collections.Counter()   # this worker's (each node's: its summary)
         self.diagnoses = Diagnoses(self.counters)
         self.diagnoses.configure(max_open_diagnoses_per_node)
+        self.max_clock_offset_ns = int(max_clock_offset_s * 1e9)
+        self.idle_ns = 3600 * 10**9           # [state] series_idle_s (collector/idle.py)
+        self._idle_walk: Iterator[NodeLatest] | None = None   # the idle sweep's pass under way
 
     # -- leases -----------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -109,7 +127,8 @@ class Worker:
 
         try:
             await asyncio.gather(every(self.ncfg.lease_s / 3, self._round, "leases"),
-                                 every(self.ncfg.summary_s, self.write_summaries, "summaries"))
+                                 every(self.ncfg.summary_s, self.write_summaries, "summaries"),
+                                 every(idle.every_ns(self.idle_ns) / 1e9, self.expire_idle, "idle series"))
         finally:
             await self.release_all()
 
@@ -261,21 +280,33 @@ class Worker:
         t = _stream_time_ns(msg.reply)
         headers = msg.headers or {}
         kind = headers.get(KIND)
+        raw = headers.get(RECEIVED, "")
+        recv = int(raw) if raw.isdigit() else t
         if kind is None:
             batch = read_batch(msg.data)
-            if not node.apply(batch, t):
+            if not node.apply(batch, t, recv):
                 self.dropped += 1
             elif batch.events or batch.boot_id != node.diagnoses_boot:
                 self.diagnoses.batch(node, batch)
             self.handled += 1
+            node.offset.observe(batch.sent_unix_nano, recv)
+            self._clock_checked(node, recv)
         elif kind == "hello":
             hello = pb.Hello.FromString(msg.data)
             node.hello(hello, headers.get("Xps-Session", ""), headers.get("Xps-Peer", ""), t)
             self.diagnoses.hello(node, hello.boot_id)   # a new agent boot: the last one's diagnoses end
+            node.offset.observe(hello.time_unix_nano, recv)
+            self._clock_checked(node, recv)
         elif kind == "inventory":
             node.set_inventory(msg.data)
         elif kind == "bye":
             node.bye(headers.get("Xps-Session", ""))
+
+    def _clock_checked(self, node: NodeLatest, now_ns: int) -> None:
+        """The node's clock_offset diagnosis opened, updated or closed (collector/clock.py)."""
+        e = agent_clock.check(self.diagnoses, node, node.offset.ns, self.max_clock_offset_ns, now_ns)
+        if e is not None:
+            node.note_event(e, now_ns)
 
     # -- summaries ----------------------------------------------------------------------------------
     async def write_summaries(self) -> None:
@@ -320,6 +351,24 @@ class Worker:
             if p.last is last:
                 p.last = None
 
+    async def expire_idle(self) -> None:
+        """A round of the idle sweep: up to IDLE_NODES nodes, from where the last round stopped; their
+        kept series with no point for [state] series_idle_s let go, their idle references forgotten
+        (collector/idle.py; counted in the node's summary too, `dc`)."""
+        walk = self._idle_walk
+        if walk is None:
+            walk = self._idle_walk = iter(list(self.nodes.values()))
+        now, looked = time.monotonic_ns(), 0
+        for node in itertools.islice(walk, IDLE_NODES):
+            looked += 1
+            series, refs = idle.expire_latest(node, now, self.idle_ns)
+            if series:
+                self.counters["state.series.expired"] += series
+            if refs:
+                self.counters["state.series_refs.expired"] += refs
+        if looked < IDLE_NODES:
+            self._idle_walk = None
+
     def memory_nodes(self) -> int:
         return len(self.nodes)
 
@@ -330,7 +379,9 @@ async def run_worker(cfg: Any, stop: asyncio.Event) -> None:
     nc = await connect(ncfg, "xpusense-worker")
     js = nc.jetstream(timeout=ncfg.publish_timeout_s)
     buckets = await ensure(js, ncfg)
-    w = Worker(js, buckets, ncfg, max_open_diagnoses_per_node=cfg.state.max_open_diagnoses_per_node)
+    w = Worker(js, buckets, ncfg, max_open_diagnoses_per_node=cfg.state.max_open_diagnoses_per_node,
+               max_clock_offset_s=cfg.state.max_clock_offset_s)
+    w.idle_ns = int(cfg.state.series_idle_s * 1e9)
     log.info("worker %s: following %d partitions of the NATS cluster at %s", w.id, ncfg.partitions, ",".join(ncfg.urls))
     try:
         await w.run(stop)

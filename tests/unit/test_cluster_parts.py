@@ -91,13 +91,15 @@ def test_summary_round_trip_and_takeover():
     assert n.apply(_batch(1, 0.5, 1_000_000_000, ["e1"]), 20)
     assert n.apply(_batch(2, 0.7, 2_000_000_000, ["e1", "e2"]), 30)
     assert not n.apply(_batch(2, 0.7, 2_000_000_000), 31)               # the same (boot, seq): dropped
-    assert n.apply(_batch(3, 0.1, 1_500_000_000), 32)                   # older point: value stays
+    assert {s[0]: s[6] for s in decode(n.encode("w1", 35))["s"]}["system.network.io"] == pytest.approx(1000.0)
+    # an older stamp (the agent's clock stepped back) received last: the latest, by when it arrived
+    assert n.apply(_batch(3, 0.1, 1_500_000_000), 32, recv_ns=33)
     d = decode(n.encode("w1", 40))
     assert d["n"] == "n1" and d["c"] == 1 and d["m"] == {"b1": 3} and d["bs"] == 3 and d["bd"] == 1
     kept = {s[0]: s for s in d["s"]}
     assert set(kept) == {"hw.gpu.utilization", "system.network.io"}
-    assert kept["hw.gpu.utilization"][4] == 0.7
-    assert kept["system.network.io"][6] == pytest.approx(1000.0)        # rate/s of the counter
+    assert kept["hw.gpu.utilization"][4] == 0.1 and d["r"] == [33, 33]
+    assert kept["system.network.io"][6] is None                         # its stamp went back: no rate
     assert [e[0] for e in d["e"]] == ["e2", "e1"]                        # newest first, each once
     m = MirrorNode(d)
     assert m.inventory.labels["region"] == "eu" and m.streams == 1 and m.stored_up_to == {"b1": 3}
