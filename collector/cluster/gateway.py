@@ -7,10 +7,10 @@ on the node's subject (inventory, for the workers) -> Welcome(stored_up_to = mar
 what this stream has seen is published to `<prefix>.<region>.p<k>.<node>` with `Nats-Msg-Id` =
 node:boot:seq and `Xps-Received` = when it was received (this gateway's clock, ns: the workers
 judge freshness by it, collector/clock.py), and acknowledged to the agent, in order, only after
-JetStream's publish ack (a duplicate by msg id is acknowledged as one). A publish that times out (no stream leader during an
-election) is sent again with the same id until `publish_give_up_s`; then the stream ends with
-UNAVAILABLE and the agent resends from its spool. A batch at or below the mark is acknowledged as a
-duplicate without publishing.
+JetStream's publish ack (a duplicate by msg id is acknowledged as one). A publish that times out
+(no stream leader during an election) is sent again with the same id until `publish_give_up_s`;
+then the stream ends with UNAVAILABLE and the agent resends from its spool. A batch at or below the
+mark is acknowledged as a duplicate without publishing.
 """
 
 from __future__ import annotations
