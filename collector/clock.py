@@ -67,12 +67,13 @@ class ClockOffset:
     """The estimate of one node's clock offset (agent - collector, ns): the highest sample of the
     current window and the one before."""
 
-    __slots__ = ("cur", "prev", "since")
+    __slots__ = ("cur", "prev", "since", "reported")
 
     def __init__(self) -> None:
         self.cur: int | None = None
         self.prev: int | None = None
         self.since = 0          # when (collector clock) the current window began
+        self.reported: int | None = None   # the offset the open diagnosis names (check), where known
 
     def observe(self, agent_ns: int, recv_ns: int) -> None:
         """A message the agent stamped `agent_ns` (0: not stamped, ignored), received at `recv_ns`."""
@@ -100,21 +101,25 @@ def describe(offset_ns: int) -> str:
     return f"the node's clock is {abs(s):.1f} s{days} {side} the collector's"
 
 
-def check(book: Diagnoses, n, offset_ns: int | None, bound_ns: int, now_ns: int) -> pb.Event | None:
+def check(book: Diagnoses, n, bound_ns: int, now_ns: int) -> pb.Event | None:
     """Open, update or close node `n`'s clock_offset diagnosis (held by `book`, as the agent's are)
-    for the estimate `offset_ns` (None: none yet); the event made, or None when nothing changed."""
+    for its estimate `n.offset`; the event made, or None when nothing changed."""
+    est = n.offset
+    offset = est.ns or 0
+    skewed = offset > bound_ns or -offset > bound_ns
     held = n.diagnoses.get(DIAGNOSIS_ID)
-    offset = offset_ns or 0
-    skewed = abs(offset) > bound_ns
-    if not skewed and held is None:
-        return None
-    if skewed and held is not None:
-        try:
-            was = float(held.attributes.get(OFFSET, ""))
-        except ValueError:
-            was = 0.0
-        if abs(was * 1e9 - offset) <= bound_ns:
+    if held is None:
+        if not skewed:
             return None
+    elif skewed:
+        if est.reported is None:   # opened before this process knew the node (a snapshot, a takeover)
+            try:
+                est.reported = int(float(held.attributes.get(OFFSET, "")) * 1e9)
+            except ValueError:
+                est.reported = 0
+        if abs(est.reported - offset) <= bound_ns:
+            return None
+    est.reported = offset if skewed else None
     offset_s = offset / 1e9
     opened = held.attributes.get(OPENED, str(now_ns)) if held is not None else str(now_ns)
     cause = describe(offset) if skewed else "the node's clock is back within the bound"

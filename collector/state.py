@@ -287,7 +287,7 @@ class FleetState:
 
     def _clock_checked(self, n: NodeState, now_ns: int) -> None:
         """The node's clock_offset diagnosis opened, updated or closed (collector/clock.py)."""
-        e = agent_clock.check(self.diagnoses, n, n.offset.ns, self.max_clock_offset_ns, now_ns)
+        e = agent_clock.check(self.diagnoses, n, self.max_clock_offset_ns, now_ns)
         if e is not None:
             n.events.appendleft(e)
 

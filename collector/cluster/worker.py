@@ -304,7 +304,7 @@ class Worker:
 
     def _clock_checked(self, node: NodeLatest, now_ns: int) -> None:
         """The node's clock_offset diagnosis opened, updated or closed (collector/clock.py)."""
-        e = agent_clock.check(self.diagnoses, node, node.offset.ns, self.max_clock_offset_ns, now_ns)
+        e = agent_clock.check(self.diagnoses, node, self.max_clock_offset_ns, now_ns)
         if e is not None:
             node.note_event(e, now_ns)
 

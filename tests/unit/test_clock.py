@@ -55,6 +55,9 @@ def test_a_skewed_node_gets_a_diagnosis_updated_and_closed_as_its_clock_moves():
 
     batch(-DAY + 3 * S)                        # within the bound of the open one: unchanged
     assert n.diagnoses[clock.DIAGNOSIS_ID] is d
+    n.offset.reported = None                   # as after a restart: what it names is read off the event
+    batch(-DAY + 3 * S)
+    assert n.diagnoses[clock.DIAGNOSIS_ID] is d and n.offset.reported == -DAY
     now[0] += 2 * clock.WINDOW_NS              # both windows gone: the next sample is the estimate
     batch(DAY)                                 # a day ahead now: the same diagnosis, updated
     d2 = n.diagnoses[clock.DIAGNOSIS_ID]
