@@ -1,0 +1,113 @@
+"""A real agent retires the series references of series gone idle, so its table of references does
+not only grow, and a series that comes back is stored as itself. The series that come and go are
+network interfaces (veth pairs) made and deleted in a namespace of the test's own, which the
+agent's host source reads; a real collector stores what the agent sends, its own figures included
+(`xpusense.agent.stream.series`: references held; `.series_retired`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+
+import grpc
+import pytest
+from helpers import BIN, HOST_SOURCES_ONLY, free_port, wait_until
+
+from xpusense.v1 import telemetry_pb2 as pb
+from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.privileged
+
+PAIRS = 4
+UP = "xpusense.network.interface.up"
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def netns():
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("needs root and iproute2's `ip` (network namespaces)")
+    tag = uuid.uuid4().hex[:6]
+    ns = f"xps-refs-{tag}"
+    ip("netns", "add", ns)
+    try:
+        ip("-n", ns, "link", "set", "lo", "up")
+        yield ns, tag
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def add_pair(ns: str, a: str, b: str, b_up: bool = True) -> None:
+    ip("-n", ns, "link", "add", a, "type", "veth", "peer", "name", b)
+    ip("-n", ns, "link", "set", a, "up")
+    if b_up:
+        ip("-n", ns, "link", "set", b, "up")
+
+
+def test_agent_retires_references_of_idle_series_and_stores_a_returning_one(netns, procs, tmp_path):
+    ns, tag = netns
+    names = [(f"xa{i}{tag}", f"xb{i}{tag}") for i in range(PAIRS)]   # within IFNAMSIZ
+    for a, b in names:
+        add_pair(ns, a, b)
+    addr = f"127.0.0.1:{free_port()}"
+    procs([str(BIN / "xpusense-collector"), "serve", "--listen", addr], "collector")
+    cfg = tmp_path / "agent.toml"
+    # Every tier within the idle bound, so a live series is never retired; 2 s of no sample is.
+    cfg.write_text(f"""[tiers]
+realtime_s = 0.2
+nearline_s = 0.5
+offline_s = 1.0
+[stream]
+flush_s = 0.05
+series_idle_s = 2.0
+[sources.host]
+netns = "{ns}"
+""" + HOST_SOURCES_ONLY)
+    procs([str(BIN / "xpusense-agent"), "run", "--config", str(cfg), "--collector", addr, "--node-id", "refs"],
+          "agent")
+    query = pb_grpc.QueryStub(grpc.insecure_channel(addr))
+
+    def series() -> list:
+        nodes = query.ListNodes(pb.ListNodesRequest(node_id="refs"), timeout=5).nodes
+        return list(nodes[0].series) if nodes else []
+
+    def value(name: str, **labels):
+        got = [s for s in series() if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+        return got[0] if got else None
+
+    wait_until(lambda: all(value(UP, device=n) for pair in names for n in pair) and value("xpusense.agent.stream.series"),
+               60, what="every interface's series and the agent's figures stored")
+    per_interface = sum(1 for s in series() if s.labels.get("device") == names[0][0])
+    assert per_interface >= 2   # its counters and `up`
+    wait_until(lambda: (s := value("xpusense.agent.stream.series")) and s.time_unix_nano > time.time_ns() - 10**9, 30,
+               what="a fresh reading of the agent's references")
+    held = value("xpusense.agent.stream.series").value
+    gone = 2 * (PAIRS - 1) * per_interface
+
+    for a, _ in names[1:]:   # deleting one end deletes its peer: 6 interfaces and their series gone
+        ip("-n", ns, "link", "del", a)
+    wait_until(lambda: value("xpusense.agent.stream.series").value <= held - gone
+               and value("xpusense.agent.stream.series_retired").value >= gone, 60,
+               what=lambda: f"the agent's references down from {held} by {gone}: now "
+                            f"{value('xpusense.agent.stream.series').value}, retired "
+                            f"{value('xpusense.agent.stream.series_retired').value}")
+
+    # A series that comes back (new references) is stored as itself: pair 1 again, its peer down
+    # (so `up` reads 0 where it was 1), then the peer up.
+    a, b = names[1]
+    assert value(UP, device=a).value == 1.0
+    back_at = time.time_ns()
+    add_pair(ns, a, b, b_up=False)
+    wait_until(lambda: (s := value(UP, device=a)) and s.time_unix_nano > back_at and s.value == 0.0, 30,
+               what=f"{a} back, stored down")
+    ip("-n", ns, "link", "set", b, "up")
+    wait_until(lambda: (s := value(UP, device=a)) and s.value == 1.0 and (p := value(UP, device=b)) and p.value == 1.0,
+               30, what=f"{a} and {b} stored up")
+    assert sum(1 for s in series() if s.name == UP and s.labels.get("device") == a) == 1
+    assert value(UP, device=names[0][0]).value == 1.0   # the pair never gone, still stored
