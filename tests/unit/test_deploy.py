@@ -1,5 +1,6 @@
 """Deployment artefacts: the Kubernetes manifests against the Kubernetes schemas
-(kubernetes-validate, strict: unknown fields fail), the configs inside them through the real
+(kubernetes-validate, strict: unknown fields fail), their NetworkPolicies against the pods they
+are for, no plaintext on a routable address, the configs inside them through the real
 config loaders, the Dockerfile parsed (dockerfile-parse; no container engine runs here, so the
 image is not built), and the systemd units through `systemd-analyze verify`."""
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import ROOT, validate_manifests
+from manifest_checks import insecure_listens, policy_problems
 
 from xpusense.agent.config import load_agent
 from xpusense.collector.config import load_collector
@@ -33,7 +35,7 @@ def documents():
 def test_manifests_validate_against_the_kubernetes_schemas():
     kinds = validate_manifests(documents(), "deploy")
     assert sorted(kinds) == sorted(["Namespace", "ConfigMap", "DaemonSet", "ConfigMap", "PersistentVolumeClaim",
-                                    "Deployment", "Service"])
+                                    "Deployment", "Service", "NetworkPolicy", "NetworkPolicy", "NetworkPolicy"])
 
 
 def test_a_broken_manifest_is_caught():
@@ -42,6 +44,40 @@ def test_a_broken_manifest_is_caught():
     ds["spec"]["template"]["spec"]["hostPid"] = True    # misspelt field
     with pytest.raises(kv.ValidationError):
         kv.validate(ds, kv.latest_version(), strict=True)
+
+
+def test_network_policies_cover_every_pod_and_port_and_deny_the_rest():
+    docs = [doc for _, doc in documents()]
+    assert policy_problems(docs) == []
+    # /metrics only from the monitoring namespace, by the label the API server sets on each namespace.
+    metrics = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "xpusense-collector-metrics")
+    assert metrics["spec"]["ingress"] == [{"from": [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}], "ports": [{"port": 9470, "protocol": "TCP"}]}]
+
+
+def test_the_policy_checks_catch_what_they_are_for():
+    docs = [doc for _, doc in documents()]
+    ingest = next(d for d in docs if d["metadata"]["name"] == "xpusense-collector-ingest" and d["kind"] == "NetworkPolicy")
+    ingest["spec"]["ingress"][0]["ports"][0]["port"] = 7471
+    ingest["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] = "collector"
+    problems = policy_problems(docs)
+    assert "policy xpusense-collector-ingest: its podSelector selects no pod of the namespace" in problems
+    assert "xpusense-collector: port grpc (7470) is let in by no policy" in problems
+    without_deny = [d for d in docs if d["metadata"]["name"] != "default-deny-ingress"]
+    assert "no default-deny ingress policy in namespace xpusense" in policy_problems(without_deny)
+    no_policies = [d for d in docs if d["kind"] != "NetworkPolicy"]
+    assert "xpusense-collector: selected by no NetworkPolicy" in policy_problems(no_policies)
+
+
+def test_nothing_listens_in_plaintext_or_unauthenticated_on_a_routable_address():
+    for path in DEPLOY.rglob("*.yaml"):
+        assert "allow_insecure" not in path.read_text(), f"deploy/{path.relative_to(DEPLOY)}: allow_insecure"
+    cms = {doc["metadata"]["name"]: doc["data"] for _, doc in documents() if doc["kind"] == "ConfigMap"}
+    assert insecure_listens(cms["xpusense-collector"]["collector.toml"]) == []
+    assert insecure_listens('listen = "0.0.0.0:7470"\nallow_insecure = true\n') == [
+        "allow_insecure = true on 0.0.0.0:7470", "0.0.0.0:7470: no TLS with client certificates or tokens"]
+    agent = tomllib.loads(cms["xpusense-agent"]["agent.toml"])["collector"]
+    assert not agent.get("insecure") and agent["tls_ca"] and agent["tls_cert"] and agent["tls_key"]
 
 
 def test_daemonset_is_least_privilege_with_the_mounts_bcc_and_vendor_tools_need():

@@ -1,6 +1,7 @@
 """deploy/cluster/: NATS as a 3-server StatefulSet with volumes, gateways (3 replicas behind a
 Service), workers and scheduler replicas; validated as deploy/ is (the Kubernetes schemas, strict;
-the config through the collector's real loader), and the NATS config by the real nats-server (-t)."""
+the config through the collector's real loader; the NetworkPolicies against the pods), and the NATS
+config by the real nats-server (-t)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 
 import yaml
 from helpers import ROOT, validate_manifests
+from manifest_checks import insecure_listens, policy_problems, selects
 
 from xpusense.collector.cluster.localnats import nats_server_binary
 from xpusense.collector.config import load_collector
@@ -32,7 +34,32 @@ def test_cluster_manifests_validate_against_the_kubernetes_schemas():
     kinds = validate_manifests(documents(), "deploy/cluster")
     assert sorted(kinds) == sorted(["ConfigMap", "Service", "Service", "StatefulSet", "PodDisruptionBudget",
                                     "ConfigMap", "Deployment", "Service", "Service", "PodDisruptionBudget",
-                                    "Deployment", "Deployment", "Service"])
+                                    "Deployment", "Deployment", "Service", "NetworkPolicy", "NetworkPolicy",
+                                    "NetworkPolicy", "NetworkPolicy"])
+
+
+def test_network_policies_cover_every_pod_and_port_and_deny_the_rest():
+    docs = [doc for _, doc in documents()]
+    assert policy_problems(docs) == []
+    labels = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+              for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+    nats = by_kind("NetworkPolicy")["nats"]["spec"]["ingress"]
+    by_port = {r["ports"][0]["port"]: r["from"] for r in nats}
+    # NATS clients: xpusense's roles only, never another pod of the namespace or another namespace.
+    client = by_port[4222][0]["podSelector"]
+    assert {n for n, lab in labels.items() if selects(client, lab)} == {"xpusense-gateway", "xpusense-worker",
+                                                                         "xpusense-scheduler"}
+    assert selects(client, {"app.kubernetes.io/name": "xpusense-exporter"})
+    assert {n for n, lab in labels.items() if selects(by_port[6222][0]["podSelector"], lab)} == {"nats"}
+    assert by_port[8222] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    sched = {r["ports"][0]["port"]: r["from"] for r in by_kind("NetworkPolicy")["xpusense-scheduler"]["spec"]["ingress"]}
+    assert sched[9470] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert sched[7470] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}}}]
+
+
+def test_the_gateways_and_schedulers_listen_with_mtls_only():
+    cfg = by_kind("ConfigMap")["xpusense-cluster"]["data"]["collector.toml"]
+    assert insecure_listens(cfg) == []
 
 
 def test_nats_is_a_3_replica_statefulset_with_volumes_and_routes_to_each():
