@@ -121,15 +121,21 @@ def _load_or_make_ca(d: Path, days: int):
     return cert, key, True
 
 
-def _leaf(ca_cert, ca_key, cn: str, sans: list, server: bool, days: int):
+def _leaf(ca_cert, ca_key, cn: str, sans: list, server: bool, days: int, client_too: bool = False,
+          unit: str = ""):
+    """A certificate signed by the CA: a server's (`server`; `client_too`: also a client's, as a
+    NATS server is on its routes) or a client's."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
     key = _new_key()
     now = dt.datetime.now(dt.UTC)
-    eku = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+    ekus = [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
+    if server and client_too:
+        ekus.append(ExtendedKeyUsageOID.CLIENT_AUTH)
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "xpusense"),
+                                     *([x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, unit)] if unit else []),
                                      x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
             .issuer_name(ca_cert.subject).public_key(key.public_key())
             .serial_number(x509.random_serial_number())
@@ -138,7 +144,7 @@ def _leaf(ca_cert, ca_key, cn: str, sans: list, server: bool, days: int):
             .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
                                          data_encipherment=False, key_agreement=True, key_cert_sign=False,
                                          crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([eku]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(ekus), critical=False)
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
@@ -174,6 +180,35 @@ def make_certs(out: str, nodes: list[str], collector_hosts: list[str] | None = N
         write_private(d / f"{n}.key", _key_pem(key))
         write_public(d / f"{n}.pem", _cert_pem(cert))
         paths["nodes"][n] = {"cert": str(d / f"{n}.pem"), "key": str(d / f"{n}.key")}
+    return paths
+
+
+def make_nats_certs(out: str, hosts: list[str] | None = None, days: int = 365) -> dict:
+    """Cluster mode's NATS (collector/cluster/nats_auth.py): the CA (unless DIR has one), the servers'
+    certificate (for clients and routes: SANs `hosts`) and one client certificate per role, whose
+    subject is the user the servers map it to. Returns the paths."""
+    from cryptography import x509
+
+    from .cluster.nats_auth import ROLES, SERVER_CN, UNIT, role_cn
+    if days <= 0:
+        raise CertError("--days must be greater than 0")
+    hosts = list(dict.fromkeys(h.strip() for h in (hosts or DEFAULT_COLLECTOR_HOSTS) if h.strip()))
+    if not hosts:
+        raise CertError("--nats-host: give at least one name or address of the NATS servers")
+    d = _out_dir(out)
+    ca_cert, ca_key, made_ca = _load_or_make_ca(d, days)
+    server, skey = _leaf(ca_cert, ca_key, SERVER_CN, [_host_san(h) for h in hosts], True, days, client_too=True,
+                         unit=UNIT)
+    write_private(d / "server.key", _key_pem(skey))
+    write_public(d / "server.pem", _cert_pem(server))
+    paths: dict = {"ca": str(d / "ca.pem"), "ca_key": str(d / "ca.key"), "ca_created": made_ca,
+                   "server": {"cert": str(d / "server.pem"), "key": str(d / "server.key"), "hosts": hosts}, "roles": {}}
+    for role in ROLES:
+        cert, key = _leaf(ca_cert, ca_key, role_cn(role), [x509.UniformResourceIdentifier(f"xpusense://nats/{role}")],
+                          False, days, unit=UNIT)
+        write_private(d / f"{role}.key", _key_pem(key))
+        write_public(d / f"{role}.pem", _cert_pem(cert))
+        paths["roles"][role] = {"cert": str(d / f"{role}.pem"), "key": str(d / f"{role}.key")}
     return paths
 
 

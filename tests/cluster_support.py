@@ -34,13 +34,12 @@ def nats_cluster(tmp_path):
 
 
 def cluster_config(tmp_path: Path, cluster: LocalCluster, extra: str = "", name: str = "collector.toml") -> Path:
-    """A collector config for cluster mode with test-sized timings."""
-    urls = ", ".join(f'"{u}"' for u in cluster.urls)
+    """A collector config for cluster mode with test-sized timings; every process it is given to
+    connects with its own role's certificate (`{role}` in the path)."""
     path = tmp_path / name
     path.write_text(f"""stale_s = 10.0
 [nats]
-urls = [{urls}]
-partitions = 6
+{cluster.nats_toml()}partitions = 6
 streams = 3
 replicas = 3
 summary_s = 0.5
@@ -81,10 +80,17 @@ def run(coro, timeout_s: float = 60.0):
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
-async def _read_ids(urls: list[str], streams: int, prefix: str = PREFIX) -> collections.Counter:
-    """Every batch message id in the cluster's streams (control messages have none), with counts."""
+async def connect_as(cluster: LocalCluster, role: str, **kw):
+    """A plain nats-py connection to the cluster with a role's identity (nats_auth.ROLES)."""
+    return await nats.connect(**cluster.connect_options(role), connect_timeout=2, max_reconnect_attempts=-1,
+                              reconnect_time_wait=0.25, **kw)
+
+
+async def _read_ids(cluster: LocalCluster, streams: int, prefix: str = PREFIX) -> collections.Counter:
+    """Every batch message id in the cluster's streams (control messages have none), with counts;
+    read with the exporter's identity (a reader of the streams)."""
     from nats.js import api
-    nc = await nats.connect(servers=urls, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.25)
+    nc = await connect_as(cluster, "exporter")
     ids: collections.Counter = collections.Counter()
     try:
         js = nc.jetstream(timeout=10)
@@ -115,7 +121,7 @@ async def _read_ids(urls: list[str], streams: int, prefix: str = PREFIX) -> coll
 
 
 def stream_ids(cluster: LocalCluster, streams: int = 3) -> collections.Counter:
-    return run(_read_ids(cluster.urls, streams))
+    return run(_read_ids(cluster, streams))
 
 
 def check_exactly_once(ids: collections.Counter, acked: dict[tuple[str, str], int] | None = None,

@@ -21,7 +21,7 @@ import sys
 from xpusense.common.config import ConfigError, load
 from xpusense.common.journal import configure_logging
 
-from .config import NATS_SCHEMA, check_nats, split_urls
+from .config import NATS_SCHEMA, check_nats, role_files, split_urls
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -39,6 +39,7 @@ def load_config(path: str | None, flags: dict, env: dict | None = None):
 
 
 COMMANDS = ("worker", "scheduler", "exporter")
+ROLE_OF = {"serve": "gateway", "worker": "worker", "scheduler": "scheduler", "exporter": "exporter"}   # nats_auth
 
 
 def add_parsers(sub) -> None:
@@ -90,6 +91,7 @@ def run_cluster(args) -> int:
         if cfg.data_dir and args.cmd == "serve":
             raise ConfigError("data_dir / --data-dir is the single collector's store: in cluster mode the "
                               "JetStream streams are the store; leave it out")
+        role_files(cfg.nats, ROLE_OF[args.cmd], args.config or "configuration")   # its NATS identity's files
         from ..auth import Security
         security = Security.from_config(cfg, args.config or "configuration")
         if args.cmd in ("serve", "scheduler"):

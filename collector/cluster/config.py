@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 from xpusense.common.config import ConfigError, Key, between, non_negative, one_of, positive
@@ -52,9 +53,16 @@ NATS_SCHEMA = {
     "snapshot_s": Key((int, float), 1.0, positive, help="a gateway answers nodes/top from a fleet snapshot this fresh"),
     "gateway_place": Key(bool, False, help="a gateway also answers Place from its own watched index (at scale, leave "
                                           "Place to `xpusense-collector scheduler` replicas)"),
-    "creds_file": Key(str, "", help="NATS credentials file (JWT + nkey) for the cluster, if it asks for one"),
+    "creds_file": Key(str, "", help="NATS credentials file (JWT + nkey) for the cluster, if it asks for one "
+                                    "(`{role}` in the path: this process's role)"),
     "tls_ca": Key(str, "", help="CA of the NATS servers' certificates (tls:// URLs)"),
+    "tls_cert": Key(str, "", help="this process's NATS client certificate, its identity (`xpusense-collector certs "
+                                  "--nats DIR` makes one per role; `{role}` in the path: gateway, worker, scheduler "
+                                  "or exporter, so one config serves every role)"),
+    "tls_key": Key(str, "", help="the private key of tls_cert (`{role}` as there)"),
 }
+
+ROLE_PLACEHOLDER = "{role}"
 
 
 def check_nats(cfg, where: str) -> None:
@@ -65,6 +73,33 @@ def check_nats(cfg, where: str) -> None:
     if n.lease_s < 2 * n.summary_s:
         raise ConfigError(f"{where}: 'nats.lease_s' ({n.lease_s:g}) must be at least twice 'nats.summary_s' "
                           f"({n.summary_s:g}): a worker renews its leases when it writes summaries")
+    if bool(n.tls_cert) != bool(n.tls_key):
+        have, miss = ("tls_cert", "tls_key") if n.tls_cert else ("tls_key", "tls_cert")
+        raise ConfigError(f"{where}: 'nats.{have}' is set but 'nats.{miss}' is not: a client certificate needs "
+                          f"its private key (both, or neither)")
+    for key in ("tls_ca", "tls_cert", "tls_key", "creds_file"):
+        path = getattr(n, key)
+        if path and ROLE_PLACEHOLDER not in path:
+            _check_file(where, key, path)
+
+
+def role_files(ncfg, role: str, where: str = "configuration") -> dict[str, str]:
+    """tls_ca, tls_cert, tls_key and creds_file with `{role}` made `role`, each checked to be a
+    readable file (ConfigError names the key); unset keys are ''."""
+    out = {}
+    for key in ("tls_ca", "tls_cert", "tls_key", "creds_file"):
+        path = getattr(ncfg, key).replace(ROLE_PLACEHOLDER, role)
+        if path:
+            _check_file(where, key, path)
+        out[key] = path
+    return out
+
+
+def _check_file(where: str, key: str, path: str) -> None:
+    if not os.path.isfile(path):
+        raise ConfigError(f"{where}: 'nats.{key}' = {path!r}: no such file")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{where}: 'nats.{key}' = {path!r}: not readable by this user")
 
 
 def split_urls(text: str) -> list[str]:

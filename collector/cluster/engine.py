@@ -1,8 +1,8 @@
 """The connection to the NATS JetStream cluster and what cluster mode keeps in it: S streams of
 batches (the history, retention_s), and the KV buckets of marks, fleet summaries and partition
-leases. `ensure()` creates what is missing and updates what differs (every gateway, worker and
-scheduler calls it at start: whichever comes first makes them; the same config gives the same
-streams).
+leases. `ensure()` finds them; a gateway's (`create=True`, the only identity allowed to:
+nats_auth.py) also creates what is missing and updates what differs (the same config gives the
+same streams); workers, scheduler replicas and exporters wait for them.
 """
 
 from __future__ import annotations
@@ -21,20 +21,33 @@ from .subjects import stream_name, stream_subjects
 log = logging.getLogger("xpusense.collector.cluster")
 
 
-async def connect(ncfg: Any, name: str, on_state=None, timeout_s: float = 10.0):
+async def connect(ncfg: Any, name: str, on_state=None, timeout_s: float = 10.0, role: str = ""):
     """A client connection to the cluster that keeps reconnecting (to any of `urls`) for ever;
-    `on_state(connected: bool)` is called when it goes and comes back."""
+    `on_state(connected: bool)` is called when it goes and comes back. `role` (nats_auth.ROLES):
+    whose certificate (`{role}` in [nats] tls_cert/tls_key/creds_file) and inbox it uses."""
+    from .config import role_files
+    from .nats_auth import inbox_prefix
+    files = role_files(ncfg, role or "{role}")   # ConfigError: a named key's file is missing
     opts: dict[str, Any] = dict(servers=list(ncfg.urls), name=name, connect_timeout=2, reconnect_time_wait=0.25,
                                 max_reconnect_attempts=-1, allow_reconnect=True, ping_interval=5, max_outstanding_pings=2,
                                 pending_size=64 * 2**20,
                                 # A drain (disconnect(), at stop) of a server that goes meanwhile: nats-py
                                 # would wait its flush's 10 s; this bounds the whole drain.
                                 drain_timeout=ncfg.publish_timeout_s)
-    if ncfg.creds_file:
-        opts["user_credentials"] = ncfg.creds_file
-    if ncfg.tls_ca:
+    if role:
+        opts["inbox_prefix"] = inbox_prefix(role)   # the only replies its identity may receive
+    if files["creds_file"]:
+        opts["user_credentials"] = files["creds_file"]
+    if files["tls_ca"] or files["tls_cert"]:
         import ssl
-        opts["tls"] = ssl.create_default_context(cafile=ncfg.tls_ca)
+        ctx = ssl.create_default_context(cafile=files["tls_ca"] or None)
+        if files["tls_cert"]:
+            try:
+                ctx.load_cert_chain(files["tls_cert"], files["tls_key"])
+            except (ssl.SSLError, ValueError) as e:
+                raise ClusterUnavailable(f"[nats] tls_cert {files['tls_cert']} / tls_key {files['tls_key']}: "
+                                         f"not a certificate and its key: {e}") from None
+        opts["tls"] = ctx
 
     async def error_cb(e: Exception) -> None:
         log.debug("nats: %s", e)
@@ -59,8 +72,12 @@ async def connect(ncfg: Any, name: str, on_state=None, timeout_s: float = 10.0):
     try:   # the client retries the servers itself; bounded here so a wrong address fails at start
         nc = await asyncio.wait_for(nats.connect(**opts), timeout_s)
     except Exception as e:
+        hint = "is it running? set [nats] urls / --nats"
+        if "authorization" in str(e).lower() or "certificate" in str(e).lower():
+            hint = (f"the servers refused this client's identity{f' (role {role})' if role else ''}: set [nats] "
+                    f"tls_cert / tls_key to its role's certificate (`xpusense-collector certs --nats DIR`)")
         raise ClusterUnavailable(f"cannot reach the NATS cluster at {','.join(ncfg.urls)}: "
-                                 f"{type(e).__name__} {e}; is it running? set [nats] urls / --nats") from None
+                                 f"{type(e).__name__} {e}; {hint}") from None
     client.append(nc)
     return nc
 
@@ -96,17 +113,19 @@ class Buckets:
     leases: Any
 
 
-async def ensure(js, ncfg: Any, timeout_s: float = 60.0) -> Buckets:
-    """Streams and buckets as `ncfg` says (retried while the cluster elects leaders)."""
+async def ensure(js, ncfg: Any, timeout_s: float = 60.0, create: bool = True) -> Buckets:
+    """Streams and buckets as `ncfg` says (retried while the cluster elects leaders). Not `create`:
+    only look them up, waiting up to `timeout_s` for a gateway to make them."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         try:
-            return await _ensure(js, ncfg)
+            return await _ensure(js, ncfg, create)
         except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError, nats.js.errors.APIError,
                 nats.errors.NoRespondersError) as e:
             if asyncio.get_running_loop().time() > deadline:
-                raise ClusterUnavailable(f"cannot set up streams and buckets in the NATS cluster: {e}") from None
-            log.info("nats: setting up streams and buckets: %s; trying again", e)
+                what = "set up" if create else "find (a gateway, `xpusense-collector serve --nats`, creates them)"
+                raise ClusterUnavailable(f"cannot {what} the streams and buckets in the NATS cluster: {e}") from None
+            log.info("nats: %s streams and buckets: %s; trying again", "setting up" if create else "waiting for", e)
             await asyncio.sleep(0.5)
 
 
@@ -123,13 +142,17 @@ def stream_config(ncfg: Any, index: int) -> api.StreamConfig:
     )
 
 
-async def _ensure(js, ncfg: Any) -> Buckets:
+async def _ensure(js, ncfg: Any, create: bool) -> Buckets:
     for i in range(ncfg.streams):
         want = stream_config(ncfg, i)
         try:
             have = await js.stream_info(want.name)
         except nats.js.errors.NotFoundError:
+            if not create:
+                raise
             await js.add_stream(want)
+            continue
+        if not create:
             continue
         c = have.config
         if (sorted(c.subjects or []) != sorted(want.subjects or []) or c.max_age != want.max_age
@@ -145,6 +168,8 @@ async def _ensure(js, ncfg: Any) -> Buckets:
         try:
             kv = await js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
+            if not create:
+                raise
             kv = await js.create_key_value(bucket=bucket, history=1, ttl=float(ttl), replicas=ncfg.replicas,
                                            storage=storage, direct=True, limit_marker_ttl=marker)
         kvs.append(kv)

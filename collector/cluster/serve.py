@@ -49,7 +49,7 @@ async def start_gateway(cfg: Any, security=None, limits=None, credentials=None, 
         for svc in ("", INGEST_SERVICE):
             loop.create_task(hs.set(svc, SERVING if ok else NOT_SERVING))
 
-    nc = await connect(ncfg, "xpusense-gateway", on_state=follow)
+    nc = await connect(ncfg, "xpusense-gateway", on_state=follow, role="gateway")
     js = nc.jetstream(timeout=ncfg.publish_timeout_s)
     buckets = await ensure(js, ncfg)
     gw = Gateway(nc, js, buckets, ncfg)

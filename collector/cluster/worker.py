@@ -376,9 +376,9 @@ class Worker:
 async def run_worker(cfg: Any, stop: asyncio.Event) -> None:
     from .engine import connect, disconnect, ensure
     ncfg = cfg.nats
-    nc = await connect(ncfg, "xpusense-worker")
+    nc = await connect(ncfg, "xpusense-worker", role="worker")
     js = nc.jetstream(timeout=ncfg.publish_timeout_s)
-    buckets = await ensure(js, ncfg)
+    buckets = await ensure(js, ncfg, create=False)   # a gateway creates them
     w = Worker(js, buckets, ncfg, max_open_diagnoses_per_node=cfg.state.max_open_diagnoses_per_node,
                max_clock_offset_s=cfg.state.max_clock_offset_s)
     w.idle_ns = int(cfg.state.series_idle_s * 1e9)
