@@ -44,6 +44,10 @@ def test_a_broken_manifest_is_caught():
     ds["spec"]["template"]["spec"]["hostPid"] = True    # misspelt field
     with pytest.raises(kv.ValidationError):
         kv.validate(ds, kv.latest_version(), strict=True)
+    policy = next(doc for _, doc in documents() if doc["kind"] == "NetworkPolicy" and doc["spec"].get("ingress"))
+    policy["spec"]["ingress"][0]["from"][0]["ipBlock"] = {"cidr": "10.0.0.0/8", "exept": ["10.1.0.0/16"]}
+    with pytest.raises(kv.ValidationError):
+        kv.validate(policy, kv.latest_version(), strict=True)
 
 
 def test_network_policies_cover_every_pod_and_port_and_deny_the_rest():

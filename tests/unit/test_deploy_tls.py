@@ -145,3 +145,11 @@ def test_the_agent_reaches_the_collector_with_its_node_pair_from_the_daemonset_m
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         srv.stop()
+
+
+def test_the_probe_names_an_unusable_flag(capsys):
+    from xpusense.collector.probe import main
+    assert main(["--tls-cert", "/nonexistent/probe.pem"]) == 2
+    assert "'--tls-key' must be set together with '--tls-cert'" in capsys.readouterr().err
+    assert main(["--tls-ca", "/nonexistent/ca.pem"]) == 2
+    assert "--tls-ca" in capsys.readouterr().err
