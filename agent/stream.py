@@ -5,9 +5,10 @@ round's sources finish within milliseconds of each other: one batch a round); ea
 sequence number of this boot once it is kept: written to the spool (agent/spool/) or, without one
 or while the spool cannot write, held in a bounded in-memory queue (`queue_batches`) until the
 collector acknowledges it. On a reconnect every unacknowledged batch is sent again, in order; the
-collector drops one it has already stored, so nothing counts twice. When the queue is full the
-oldest batch is dropped and counted (samples and batches): loss is never silent. A spooled batch
-that cannot be read back, does not decode, or is not this node's is set aside and counted, never
+collector drops one it has already stored, so nothing counts twice; a collector claiming to hold more
+than was sent (agent/claims.py) takes nothing as acknowledged: the connection ends. When the queue is
+full the oldest batch is dropped and counted (samples and batches): loss is never silent. A spooled
+batch that cannot be read back, does not decode, or is not this node's is set aside and counted, never
 sent; so is one the collector refuses as never passing its limits (INVALID_ARGUMENT). Reconnects
 back off exponentially with jitter; the backoff starts again from its initial delay only after a
 connection that stayed up `backoff_reset_s`, and stop() interrupts the wait.
@@ -41,6 +42,7 @@ from xpusense.common.supervise import TASKS
 from xpusense.common.tls import channel_options
 from xpusense.v1 import telemetry_pb2 as pb
 
+from .claims import Claims, ImpossibleClaim
 from .encoded import batch_message, encode_message
 from .grpc_waits import quiet_grpc_waits, wait_connecting
 from .series_refs import KINDS, SeriesRefs
@@ -158,6 +160,7 @@ class StreamClient:
         self._maybe_delivered: dict[tuple[str, int], int] = {}
         self.spool = spool
         self._seq = 0
+        self.claims = Claims()   # a collector claiming more than was sent (agent/claims.py)
         # This boot's series references and templates; those of series gone idle retired (agent/series_refs.py).
         self.refs = SeriesRefs(4 * max_samples_per_batch, series_idle_s)
         self._inventory_dirty = False
@@ -304,6 +307,7 @@ class StreamClient:
             for key, loc in spooled:
                 self._pending[key] = loc
                 self._unsent.append(key)
+            self.claims.spooled((k for k, _ in spooled), getattr(self.spool, "acked", None) or {})
             self._cond.notify_all()
 
     def series_refs(self) -> int:
@@ -465,7 +469,14 @@ class StreamClient:
             n = len(val.samples) if isinstance(val, pb.Batch) else val.samples
             self._count_drop(1, n, f"batch {key} refused by the collector ({why}): set aside, not sent again")
 
-    def _handle(self, msg: pb.CollectorMessage) -> None:
+    def _handle(self, msg: pb.CollectorMessage, here: str = "") -> None:
+        """Take an ack or a Welcome; ImpossibleClaim (the connection ends) for one claiming more than was sent."""
+        what, boot, claimed = (("ack", msg.ack.boot_id, msg.ack.seq) if msg.HasField("ack")
+                               else ("Welcome", msg.welcome.boot_id, msg.welcome.stored_up_to))
+        if why := self.claims.impossible_claim(here, what, boot, claimed, (self.boot_id, self.last_seq())):
+            if self._call is not None:
+                self._call.cancel()       # nothing more is taken from it on this connection
+            raise ImpossibleClaim(why)    # handled as the collector's failure: the next one is tried
         with self._cond:
             if msg.HasField("ack"):
                 key = (msg.ack.boot_id, msg.ack.seq)
@@ -524,7 +535,7 @@ class StreamClient:
                             self.reconnects += 1
                             up_at = time.monotonic()
                             log.info("connected to collector %s (%d batches to send)", here, self.pending())
-                        self._handle(msg)
+                        self._handle(msg, here)
                     err = "collector closed the stream"
                     unanswered = False
                 except grpc.RpcError as e:
@@ -580,6 +591,7 @@ class StreamClient:
                 "reconnects": self.reconnects, "dropped_batches": self.dropped_batches,
                 "dropped_samples": self.dropped_samples, "last_error": self.last_error,
                 "memory_batches": len(self._mem), "set_aside": self.set_aside,
+                "impossible_acks": self.claims.impossible,
                 "series_refs": self.series_refs(), "series_retired": self.refs.retired,
                 "spool_bytes": self.spool.bytes_used() if self.spool is not None else 0,
                 "spool": self.spool.status() if self.spool is not None else None}
