@@ -25,11 +25,11 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
-import ssl
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace

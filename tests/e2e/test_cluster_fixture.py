@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from cluster_support import nats_cluster, run  # noqa: F401
+from cluster_support import connect_as, nats_cluster, run  # noqa: F401
 
 from xpusense.collector.cluster.localnats import LocalCluster, nats_server_binary
+
+SUBJECT = "xpusense.test.p0.n1"   # partition 0: the first stream
 
 
 def test_binary_comes_from_the_installed_wheel():
@@ -22,11 +24,15 @@ def test_binary_comes_from_the_installed_wheel():
 
 
 def test_r3_stream_survives_its_leader(nats_cluster):  # noqa: F811
+    """With the gateway's identity (the one that creates the streams and publishes batches)."""
     import asyncio
 
     import nats
     import nats.js.errors
-    from nats.js import api
+
+    from xpusense.collector.cluster.engine import ensure
+    from xpusense.collector.cluster.subjects import stream_name
+    stream = stream_name(nats_cluster.ncfg.prefix, 0)
 
     async def publish(js, n, start):
         loop = asyncio.get_running_loop()
@@ -38,7 +44,7 @@ def test_r3_stream_survives_its_leader(nats_cluster):  # noqa: F811
             while True:
                 tries += 1
                 try:
-                    ack = await js.publish("t.x", str(i).encode(), headers={"Nats-Msg-Id": f"m{i}"}, timeout=10)
+                    ack = await js.publish(SUBJECT, str(i).encode(), headers={"Nats-Msg-Id": f"m{i}"}, timeout=10)
                     break
                 except (nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError,
                         nats.errors.TimeoutError):
@@ -47,26 +53,26 @@ def test_r3_stream_survives_its_leader(nats_cluster):  # noqa: F811
                     await asyncio.sleep(0.2)
             assert tries > 1 or not ack.duplicate
     async def setup():
-        nc = await nats.connect(servers=nats_cluster.urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        nc = await connect_as(nats_cluster, "gateway")
         js = nc.jetstream(timeout=10)
-        await js.add_stream(api.StreamConfig(name="T", subjects=["t.>"], num_replicas=3))
+        await ensure(js, nats_cluster.ncfg)
         await publish(js, 50, 0)
-        info = await js.stream_info("T")
+        info = await js.stream_info(stream)
         await nc.close()
         return info
     info = run(setup())
     assert info.state.messages == 50
     assert info.cluster.leader and len(info.cluster.replicas) == 2
     leader = info.cluster.leader
-    assert nats_cluster.stream_leader("T") == leader
+    assert nats_cluster.stream_leader(stream) == leader
     nats_cluster.kill(leader)
 
     async def after():
-        nc = await nats.connect(servers=nats_cluster.urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        nc = await connect_as(nats_cluster, "gateway")
         js = nc.jetstream(timeout=10)
         await publish(js, 1, 50)   # a new leader is elected within seconds
-        dup = await js.publish("t.x", b"again", headers={"Nats-Msg-Id": "m3"}, timeout=10)
-        info = await js.stream_info("T")
+        dup = await js.publish(SUBJECT, b"again", headers={"Nats-Msg-Id": "m3"}, timeout=10)
+        info = await js.stream_info(stream)
         await nc.close()
         return info, dup
     info, dup = run(after())

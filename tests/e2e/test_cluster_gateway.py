@@ -12,6 +12,7 @@ import time
 from cluster_support import (  # noqa: F401
     check_exactly_once,
     cluster_config,
+    connect_as,
     nats_cluster,
     run,
     start_gateway,
@@ -34,12 +35,10 @@ def _highs(cluster, node):
 
 
 def _mark(cluster, node, boot):
-    import nats
-
     from xpusense.collector.cluster.subjects import mark_key
 
     async def get():
-        nc = await nats.connect(servers=cluster.urls)
+        nc = await connect_as(cluster, "gateway")
         try:
             kv = await nc.jetstream(timeout=10).key_value("marks")
             return int((await kv.get(mark_key(node, boot))).value)
@@ -138,7 +137,7 @@ def test_connection_tells_a_lost_server_from_a_close(nats_cluster, tmp_path, cap
             await asyncio.sleep(0.05)
 
     async def scenario() -> None:
-        nc = await connect(cfg.nats, "test-connection", on_state=states.append)
+        nc = await connect(cfg.nats, "test-connection", on_state=states.append, role="gateway")
         try:
             port = nc.connected_url.port
             name = next(s.name for s in nats_cluster.servers if s.port == port)
@@ -170,9 +169,9 @@ def test_disconnect_closes_a_connection_the_cluster_has_gone_from(nats_cluster, 
     cfg = load_config(str(cluster_config(tmp_path, nats_cluster)), {}, env={})
 
     async def scenario() -> tuple[bool, bool, str]:
-        healthy = await connect(cfg.nats, "test-healthy")
+        healthy = await connect(cfg.nats, "test-healthy", role="gateway")
         await disconnect(healthy)
-        lost = await connect(cfg.nats, "test-lost")
+        lost = await connect(cfg.nats, "test-lost", role="gateway")
         try:
             loop = asyncio.get_running_loop()
             for s in nats_cluster.servers:
@@ -211,9 +210,10 @@ def test_pipelined_publish_acks_duplicates_times_out_and_gives_up(nats_cluster, 
     cfg = load_config(str(cluster_config(tmp_path, nats_cluster)), {}, env={})
     n = cfg.nats
     n.publish_timeout_s, n.publish_give_up_s = 0.5, 1.5
+    silent, nostream = f"$KV.{n.fleet_bucket}.x", f"{n.prefix}.r1.nopartition.x"
 
     async def scenario():
-        nc = await connect(n, "test-gateway")
+        nc = await connect(n, "test-gateway", role="gateway")
         try:
             gw = Gateway(nc, nc.jetstream(timeout=10), await ensure(nc.jetstream(timeout=10), n), n)
             await gw.start()
@@ -233,10 +233,9 @@ def test_pipelined_publish_acks_duplicates_times_out_and_gives_up(nats_cluster, 
                     return "acknowledged"
                 except PublishFailed as e:
                     return str(e)
-            silent = await nc.subscribe("silent.x")   # a responder that never answers
-            silent_outcome = await outcome("silent.x", "s:1")
-            await silent.unsubscribe()
-            nostream_outcome = await outcome("nostream.x", "n:1")
+            # No answer at all: a subject the servers drop (not this identity's to publish to).
+            silent_outcome = await outcome(silent, "s:1")
+            nostream_outcome = await outcome(nostream, "n:1")   # no stream holds it: "no responders"
             await gw.close()
             return outcomes, gw.timeouts, gw.retries, silent_outcome, nostream_outcome, gw.acks_waiting
         finally:
@@ -245,8 +244,8 @@ def test_pipelined_publish_acks_duplicates_times_out_and_gives_up(nats_cluster, 
     outcomes, timeouts, retries, silent_outcome, nostream_outcome, waiting = run(scenario())
     assert outcomes == [False, True]                       # stored, then a duplicate by msg id
     assert timeouts == 1 and retries >= 2                   # the sweeper failed the first try; sent again
-    assert "no JetStream ack for silent.x" in silent_outcome, silent_outcome
-    assert "no JetStream ack for nostream.x" in nostream_outcome, nostream_outcome
+    assert f"no JetStream ack for {silent}" in silent_outcome, silent_outcome
+    assert f"no JetStream ack for {nostream}" in nostream_outcome, nostream_outcome
     assert waiting == 0
 
 
@@ -268,7 +267,7 @@ def test_marks_first_writes_spread_over_flush_s_then_every_flush_s(nats_cluster,
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        nc = await connect(n, "test-marks")
+        nc = await connect(n, "test-marks", role="gateway")
         try:
             buckets = await ensure(nc.jetstream(timeout=10), n)
             marks = Marks(buckets.marks, flush_s=flush_s, rng=random.Random(5))

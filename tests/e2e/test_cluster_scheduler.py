@@ -117,9 +117,10 @@ def test_fleet_index_lists_and_watches_again_when_its_watch_fails_or_ends(nats_c
     import asyncio
 
     import nats
-    from cluster_support import run
+    from cluster_support import connect_as, run
 
     from xpusense.collector.cluster import scheduler as cluster_scheduler
+    from xpusense.collector.cluster.engine import ensure
     from xpusense.collector.cluster.scheduler import FleetIndex
     from xpusense.collector.cluster.summary import NodeLatest
     from xpusense.v1 import telemetry_pb2 as pb
@@ -137,9 +138,13 @@ def test_fleet_index_lists_and_watches_again_when_its_watch_fails_or_ends(nats_c
         raise AssertionError(f"timed out waiting for {what}")
 
     async def scenario():
-        nc = await nats.connect(servers=nats_cluster.urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        # Each side with its own identity: a gateway's creates the buckets, a worker's writes
+        # summaries, the scheduler replica's index reads them.
+        gw, nw, nc = [await connect_as(nats_cluster, role) for role in ("gateway", "worker", "scheduler")]
+        await ensure(gw.jetstream(timeout=10), nats_cluster.ncfg)
+        await gw.close()
+        kv = await nw.jetstream(timeout=10).key_value("fleet")
         js = nc.jetstream(timeout=10)
-        kv = await js.create_key_value(bucket="fleet-flaky", history=1, replicas=3)
         for _ in range(600):   # a new R3 bucket answers once its stream has elected a leader
             try:
                 await kv.put("n1", summary("n1"))
@@ -147,10 +152,10 @@ def test_fleet_index_lists_and_watches_again_when_its_watch_fails_or_ends(nats_c
             except nats.js.errors.NoStreamResponseError:
                 await asyncio.sleep(0.05)
         else:
-            raise AssertionError("the new fleet-flaky bucket's stream never elected a leader")
+            raise AssertionError("the new fleet bucket's stream never elected a leader")
         cluster_scheduler.WATCH_BACKOFF_S = (0.05, 0.2)
-        idx, bucket = FleetIndex(), _FlakyBucket(kv)
-        task = asyncio.get_running_loop().create_task(idx.follow(js, bucket, "fleet-flaky"))
+        idx, bucket = FleetIndex(), _FlakyBucket(await js.key_value("fleet"))
+        task = asyncio.get_running_loop().create_task(idx.follow(js, bucket, "fleet"))
         try:
             await until(lambda: bucket.live is not None, "a second watch after the first could not start")
             assert "n1" in idx.nodes and idx.watch_restarts == 1
@@ -166,6 +171,7 @@ def test_fleet_index_lists_and_watches_again_when_its_watch_fails_or_ends(nats_c
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await nc.close()
+            await nw.close()
 
     saved = cluster_scheduler.WATCH_BACKOFF_S
     try:
