@@ -64,9 +64,16 @@ def _parser() -> argparse.ArgumentParser:
         else:
             q.add_argument("--interval-s", type=float, default=1.0)
     _client_security_flags(add_place_parser(sub, os.environ.get("XPUSENSE_COLLECTOR", DEFAULT_ADDRESS)))
-    c = sub.add_parser("certs", help="make a CA, the collector's certificate and one client certificate per node")
-    c.add_argument("--out", required=True, metavar="DIR", help="where to write them (a CA already there is reused)")
-    c.add_argument("--nodes", required=True, help="node ids, comma-separated (each bound to its certificate)")
+    c = sub.add_parser("certs", help="make a CA, the collector's certificate and one client certificate per node; "
+                                     "with --nats, cluster mode's NATS certificates")
+    c.add_argument("--out", metavar="DIR", help="where to write them (a CA already there is reused)")
+    c.add_argument("--nodes", help="node ids, comma-separated (each bound to its certificate)")
+    c.add_argument("--nats", metavar="DIR", dest="nats_dir",
+                   help="cluster mode: a CA for NATS (reused when DIR has one), the NATS servers' certificate and "
+                        "one client certificate per role (gateway, worker, scheduler, exporter)")
+    c.add_argument("--nats-host", action="append", default=[], metavar="HOST",
+                   help="name or IP clients and routes use for the NATS servers (repeat; default localhost, "
+                        "127.0.0.1, ::1)")
     c.add_argument("--collector-host", action="append", default=[], metavar="HOST",
                    help="name or IP agents use for the collector (repeat; default localhost, 127.0.0.1, ::1)")
     c.add_argument("--days", type=int, default=365, help="validity of the certificates (the CA: 10 years)")
@@ -263,6 +270,14 @@ def _top(args) -> int:
 
 def _certs(args) -> int:
     """`certs` and `tokens`: credentials for a fleet (collector/certs.py), and the config keys to use."""
+    if args.cmd == "certs" and (bool(args.out) != bool(args.nodes) or not (args.out or args.nats_dir)):
+        print("xpusense-collector: certs: give --out DIR and --nodes N1,N2 (agents and collector), --nats DIR "
+              "(cluster mode's NATS), or both", file=sys.stderr)
+        return EXIT_USAGE
+    if args.cmd == "certs" and args.nats_dir:
+        code = _nats_certs(args)
+        if code != EXIT_OK or not args.out:
+            return code
     nodes = args.nodes.split(",")
     try:
         if args.cmd == "tokens":
@@ -285,6 +300,25 @@ def _certs(args) -> int:
     for n, p in made["nodes"].items():
         print(f"node {n}: [collector] tls_ca = \"{made['ca']}\", tls_cert = \"{p['cert']}\", "
               f"tls_key = \"{p['key']}\"")
+    return EXIT_OK
+
+
+def _nats_certs(args) -> int:
+    from .certs import make_nats_certs
+    try:
+        made = make_nats_certs(args.nats_dir, args.nats_host, args.days)
+    except CertError as e:
+        print(f"xpusense-collector: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        print(f"xpusense-collector: cannot write to {args.nats_dir}: {e.strerror}", file=sys.stderr)
+        return EXIT_FAIL
+    s = made["server"]
+    print(f"NATS CA: {made['ca']} ({'new' if made['ca_created'] else 'reused'}; keep {made['ca_key']} offline)")
+    print(f"nats-server ({', '.join(s['hosts'])}): tls and cluster.tls cert_file \"{s['cert']}\", key_file "
+          f"\"{s['key']}\", ca_file \"{made['ca']}\" (deploy/cluster/nats.yaml)")
+    for role, p in made["roles"].items():
+        print(f"{role}: [nats] tls_ca = \"{made['ca']}\", tls_cert = \"{p['cert']}\", tls_key = \"{p['key']}\"")
     return EXIT_OK
 
 

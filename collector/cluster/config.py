@@ -77,15 +77,12 @@ def check_nats(cfg, where: str) -> None:
         have, miss = ("tls_cert", "tls_key") if n.tls_cert else ("tls_key", "tls_cert")
         raise ConfigError(f"{where}: 'nats.{have}' is set but 'nats.{miss}' is not: a client certificate needs "
                           f"its private key (both, or neither)")
-    for key in ("tls_ca", "tls_cert", "tls_key", "creds_file"):
-        path = getattr(n, key)
-        if path and ROLE_PLACEHOLDER not in path:
-            _check_file(where, key, path)
 
 
 def role_files(ncfg, role: str, where: str = "configuration") -> dict[str, str]:
     """tls_ca, tls_cert, tls_key and creds_file with `{role}` made `role`, each checked to be a
-    readable file (ConfigError names the key); unset keys are ''."""
+    readable file (ConfigError names the key); unset keys are ''. A cluster-mode process checks
+    them at start, before it connects."""
     out = {}
     for key in ("tls_ca", "tls_cert", "tls_key", "creds_file"):
         path = getattr(ncfg, key).replace(ROLE_PLACEHOLDER, role)

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
+from pathlib import Path
 
 import yaml
 from helpers import ROOT, validate_manifests
 from manifest_checks import insecure_listens, policy_problems, selects
 
+from xpusense.collector.certs import make_nats_certs
 from xpusense.collector.cluster.localnats import nats_server_binary
+from xpusense.collector.cluster.nats_auth import authorization_conf, route_tls_conf, tls_conf
 from xpusense.collector.config import load_collector
 
 DEPLOY = ROOT / "deploy" / "cluster"
@@ -74,9 +78,20 @@ def test_nats_is_a_3_replica_statefulset_with_volumes_and_routes_to_each():
     assert by_kind("Service")["nats-cluster"]["spec"]["clusterIP"] == "None"
 
 
+def _secret_files(tmp_path) -> str:
+    """The Secret nats-tls as the pods see it: tls.crt, tls.key, ca.crt (made by `certs --nats`)."""
+    made = make_nats_certs(str(tmp_path / "pki"), ["nats.xpusense.svc"])
+    d = tmp_path / "tls"
+    d.mkdir()
+    for name, src in (("tls.crt", made["server"]["cert"]), ("tls.key", made["server"]["key"]), ("ca.crt", made["ca"])):
+        shutil.copy(src, d / name)
+    return str(d)
+
+
 def test_nats_config_is_accepted_by_the_real_nats_server(tmp_path):
     conf = by_kind("ConfigMap")["nats"]["data"]["nats.conf"]
     conf = conf.replace("/data/jetstream", str(tmp_path / "js")).replace("/var/run/nats", str(tmp_path))
+    conf = conf.replace("/etc/nats/tls", _secret_files(tmp_path))
     path = tmp_path / "nats.conf"
     path.write_text(conf)
     r = subprocess.run([nats_server_binary(), "-t", "-c", str(path)], capture_output=True, text=True, timeout=60,
@@ -93,7 +108,7 @@ def test_roles_run_the_console_script_with_the_shared_config(tmp_path):
     path = tmp_path / "collector.toml"
     path.write_text(cfg_text)
     cfg = load_collector(str(path), env={})
-    assert cfg.nats.urls == ["nats://nats.xpusense.svc:4222"] and cfg.nats.replicas == 3
+    assert cfg.nats.urls == ["tls://nats.xpusense.svc:4222"] and cfg.nats.replicas == 3
     deps = by_kind("Deployment")
     roles = {name: d["spec"]["template"]["spec"]["containers"][0]["command"] for name, d in deps.items()}
     assert roles["xpusense-gateway"][1] == "serve" and roles["xpusense-worker"][1] == "worker"
@@ -109,3 +124,34 @@ def test_roles_run_the_console_script_with_the_shared_config(tmp_path):
     assert cfg.export.prometheus.enabled
     metrics = {p["name"]: p["port"] for p in by_kind("Service")["xpusense-scheduler"]["spec"]["ports"]}
     assert metrics["metrics"] == int(cfg.export.prometheus.listen.rsplit(":", 1)[1])
+
+
+def _volume(deployment: dict, mount_dir: str) -> dict:
+    spec = deployment["spec"]["template"]["spec"]
+    mount = next(m for m in spec["containers"][0]["volumeMounts"] if m["mountPath"] == mount_dir)
+    return next(v for v in spec["volumes"] if v["name"] == mount["name"])
+
+
+def test_nats_requires_tls_and_carries_the_rendered_role_permissions(tmp_path):
+    """The servers' authorization is nats_auth.py's, rendered for the [nats] table the roles run
+    with (a drift either way fails here); TLS with verify_and_map on clients and routes, the
+    certificates from the Secret nats-tls; each role's pods get its own NATS client certificate."""
+    conf = by_kind("ConfigMap")["nats"]["data"]["nats.conf"]
+    path = tmp_path / "collector.toml"
+    path.write_text(by_kind("ConfigMap")["xpusense-cluster"]["data"]["collector.toml"])
+    cfg = load_collector(str(path), env={})
+    pem = ("/etc/nats/tls/tls.crt", "/etc/nats/tls/tls.key", "/etc/nats/tls/ca.crt")
+    rendered = authorization_conf(cfg.nats)
+    assert "\n" + rendered in conf, "deploy/cluster/nats.yaml's authorization differs from nats_auth.py's for " \
+        "xpusense.yaml's [nats]: paste `python -m xpusense.collector.cluster.nats_auth --config collector.toml`"
+    assert conf.count("authorization {") == 2 and "no_auth_user" not in conf
+    assert "\n" + tls_conf(*pem) in conf and "\n" + route_tls_conf(*pem, indent="  ") in conf
+    sts = by_kind("StatefulSet")["nats"]
+    assert _volume(sts, "/etc/nats/tls")["secret"]["secretName"] == "nats-tls"
+    n = cfg.nats
+    assert all(u.startswith("tls://") for u in n.urls)
+    directory = str(Path(n.tls_cert).parent)
+    assert {n.tls_ca, n.tls_cert, n.tls_key} == {f"{directory}/ca.crt", f"{directory}/tls.crt", f"{directory}/tls.key"}
+    for role in ("gateway", "worker", "scheduler"):
+        assert _volume(by_kind("Deployment")[f"xpusense-{role}"], directory)["secret"]["secretName"] == \
+            f"xpusense-nats-{role}"
