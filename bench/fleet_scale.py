@@ -403,7 +403,7 @@ def place_only(args: argparse.Namespace) -> int:
     """Step 5 alone: Place in process and over gRPC from a replica following the fleet bucket."""
     from xpusense.collector.cluster.localnats import LocalCluster
     tmp = tempfile.mkdtemp(prefix="xpusense-fleet-")
-    with LocalCluster(3, os.path.join(tmp, "nats")) as cluster:
+    with LocalCluster(3, os.path.join(tmp, "nats"), open_to_all=True) as cluster:   # one process, many roles
         inproc, over = place_step(args, cluster, tmp)
     print(f"Place at {inproc['listed']:,} nodes, {inproc['followed_s']:,.0f} summary updates/s followed: in process "
           f"p50 {inproc['p50_ms']:.3f} ms, p99 {inproc['p99_ms']:.3f} ms (goal <= 1; CPU p50 {inproc['cpu_p50_ms']:.3f}, "
@@ -488,7 +488,7 @@ def ack_only(args: argparse.Namespace) -> int:
     gw_cpu, gen_cpus = cpus[0], cpus[1:] or cpus
     tmp = tempfile.mkdtemp(prefix="xpusense-fleet-")
     spy = None
-    with LocalCluster(3, os.path.join(tmp, "nats")) as cluster:
+    with LocalCluster(3, os.path.join(tmp, "nats"), open_to_all=True) as cluster:   # one process, many roles
         servers = tuple(s.proc.pid for s in cluster.servers if s.proc is not None)
         gw, address, log_path = gateway_proc(tmp, cluster.urls, gw_cpu)
         try:
@@ -594,7 +594,7 @@ def whole_run(args) -> int:
     gw_cpu, gen_cpus = cpus[0], cpus[1:] or cpus
     tmp = tempfile.mkdtemp(prefix="xpusense-fleet-")
     out: dict = {"cpus": len(cpus), "samples_per_batch": DEVICES * len(SERIES)}
-    with LocalCluster(3, os.path.join(tmp, "nats")) as cluster:
+    with LocalCluster(3, os.path.join(tmp, "nats"), open_to_all=True) as cluster:   # one process, many roles
         urls = cluster.urls
         gw, address, log_path = gateway_proc(tmp, urls, gw_cpu)
         try:

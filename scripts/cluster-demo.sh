@@ -15,19 +15,22 @@ pids=()
 trap 'kill "${pids[@]}" 2>/dev/null; wait "${pids[@]}" 2>/dev/null; echo "logs: $logs"' EXIT
 .venv/bin/python -m xpusense.collector.cluster.localnats --dir "$logs/nats" >"$logs/nats.urls" 2>"$logs/nats.log" &
 pids+=($!)
-for _ in $(seq 300); do   # the cluster prints its URLs once it has formed and elected
-    [ -s "$logs/nats.urls" ] && break
+for _ in $(seq 300); do   # the cluster prints its URLs and its client config once it has formed and elected
+    [ "$(wc -l <"$logs/nats.urls")" -ge 2 ] && break
     kill -0 "${pids[0]}" 2>/dev/null || { cat "$logs/nats.log" >&2; exit 1; }
     sleep 0.1
 done
-export XPUSENSE_NATS=$(head -1 "$logs/nats.urls")
+nats_urls=$(sed -n 1p "$logs/nats.urls")
+# [nats] urls and TLS: each process connects with its own role's certificate (made by the cluster
+# with `xpusense-collector certs --nats`'s code); the servers refuse anyone else.
+nats_cfg=$(sed -n 2p "$logs/nats.urls")
 for gw in ${gateways//,/ }; do
-    .venv/bin/xpusense-collector serve --listen "$gw" >"$logs/gateway-${gw##*:}.log" 2>&1 &
+    .venv/bin/xpusense-collector serve --config "$nats_cfg" --listen "$gw" >"$logs/gateway-${gw##*:}.log" 2>&1 &
     pids+=($!)
 done
-.venv/bin/xpusense-collector worker >"$logs/worker.log" 2>&1 &
+.venv/bin/xpusense-collector worker --config "$nats_cfg" >"$logs/worker.log" 2>&1 &
 pids+=($!)
-.venv/bin/xpusense-collector scheduler --listen "$scheduler" >"$logs/scheduler.log" 2>&1 &
+.venv/bin/xpusense-collector scheduler --config "$nats_cfg" --listen "$scheduler" >"$logs/scheduler.log" 2>&1 &
 pids+=($!)
 first=${gateways%%,*}
 for _ in $(seq 300); do
@@ -36,5 +39,5 @@ for _ in $(seq 300); do
 done
 .venv/bin/xpusense-agent run --collector "$gateways" "$@" >"$logs/agent.log" 2>&1 &
 pids+=($!)
-echo "NATS $XPUSENSE_NATS; gateways $gateways; scheduler $scheduler (place --collector $scheduler); logs $logs"
+echo "NATS $nats_urls (TLS, config $nats_cfg); gateways $gateways; scheduler $scheduler (place --collector $scheduler); logs $logs"
 .venv/bin/xpusense-collector top --collector "$first"

@@ -3,6 +3,7 @@
     subjects   ids -> subject tokens and KV keys, partitions, streams, message ids
     config     the [nats] table
     engine     the connection, and the streams and buckets cluster mode keeps
+    nats_auth  one NATS identity per role, its permissions, the servers' authorization and TLS
     marks      per-(node, boot) marks in the `marks` bucket; SeqWindow, exactly once downstream
     gateway    the agent protocol, batches published with ack-after-publish-ack
     summary    the per-node summary in the `fleet` bucket (worker side and reader side)

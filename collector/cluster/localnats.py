@@ -99,9 +99,12 @@ class LocalCluster:
     `sync_interval`: JetStream's fsync policy ("always" fsyncs every write before the ack)."""
 
     def __init__(self, size: int = 3, root: str | os.PathLike | None = None, sync_interval: str = "",
-                 name: str = "xpusense", max_file_store: str = "4GB", ncfg: Any = None):
+                 name: str = "xpusense", max_file_store: str = "4GB", ncfg: Any = None, open_to_all: bool = False):
         """`ncfg`: the [nats] table whose streams and buckets the role permissions name (default:
-        the built-in one; any partitions up to its 12 with its 3 streams fit it too)."""
+        the built-in one; any partitions up to its 12 with its 3 streams fit it too). `open_to_all`:
+        plaintext and anonymous, no permissions (only for a benchmark whose one process plays
+        several roles; never the tests' or the demo's cluster)."""
+        self.open_to_all = open_to_all
         self._tmp = None if root is not None else tempfile.TemporaryDirectory(prefix="xpusense-nats-")
         self.root = Path(root if root is not None else self._tmp.name)   # type: ignore[union-attr]
         self.binary = nats_server_binary()
@@ -115,7 +118,7 @@ class LocalCluster:
 
     @property
     def urls(self) -> list[str]:
-        return [s.url for s in self.servers]
+        return [s.url.replace("tls://", "nats://") if self.open_to_all else s.url for s in self.servers]
 
     @property
     def url_list(self) -> str:
@@ -158,6 +161,8 @@ class LocalCluster:
         routes = ", ".join(f"nats-route://127.0.0.1:{o.route_port}" for o in self.servers)
         sync = f"\n    sync_interval: {self.sync_interval}" if self.sync_interval else ""
         pem = (str(self.certs / "server.pem"), str(self.certs / "server.key"), str(self.certs / "ca.pem"))
+        secure = "" if self.open_to_all else f"{tls_conf(*pem)}{authorization_conf(self.ncfg)}"
+        routes_tls = "" if self.open_to_all else route_tls_conf(*pem)
         text = f"""server_name: {s.name}
 listen: 127.0.0.1:{s.port}
 http: 127.0.0.1:{s.http_port}
@@ -167,11 +172,11 @@ jetstream {{
     max_memory_store: 256MB
     max_file_store: {self.max_file_store}{sync}
 }}
-{tls_conf(*pem)}{authorization_conf(self.ncfg)}cluster {{
+{secure}cluster {{
     name: {self.name}
     listen: 127.0.0.1:{s.route_port}
     routes: [{routes}]
-{route_tls_conf(*pem)}}}
+{routes_tls}}}
 """
         path = self.root / f"{s.name}.conf"
         path.write_text(text)
@@ -272,7 +277,9 @@ def _default_nats() -> SimpleNamespace:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m xpusense.collector.cluster.localnats",
-                                description="a NATS JetStream cluster on loopback, until Ctrl-C")
+                                description="a NATS JetStream cluster on loopback, until Ctrl-C; prints its URLs, "
+                                            "then a collector config file with its [nats] keys (TLS, one "
+                                            "certificate per role)")
     p.add_argument("--size", type=int, default=3)
     p.add_argument("--dir", help="store and config files here (default: a temp dir, removed at exit)")
     p.add_argument("--sync-interval", default="", help="JetStream fsync policy, e.g. always")
@@ -283,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     except (NatsServerMissing, RuntimeError, TimeoutError) as e:
         print(f"localnats: {e}", file=sys.stderr)
         return 1
+    client_cfg = cluster.root / "nats-client.toml"   # what a gateway, worker or scheduler needs to reach it
+    client_cfg.write_text("[nats]\n" + cluster.nats_toml())
     print(cluster.url_list, flush=True)
+    print(client_cfg, flush=True)
     try:
         signal.sigwait({signal.SIGINT, signal.SIGTERM})
     finally:
