@@ -139,13 +139,13 @@ def route_tls_conf(cert: str, key: str, ca: str, indent: str = "    ") -> str:
 def main(argv: list[str] | None = None) -> int:
     from xpusense.common.config import ConfigError
 
-    from .cli import load_config
+    from ..config import load_collector
     p = argparse.ArgumentParser(prog="python -m xpusense.collector.cluster.nats_auth",
                                 description="print nats-server's authorization block for a collector config's [nats]")
     p.add_argument("--config", help="the collector's TOML config (default: the built-in [nats] defaults)")
     a = p.parse_args(argv)
     try:
-        cfg = load_config(a.config, {}, env={})
+        cfg = load_collector(a.config, env={})
     except ConfigError as e:
         print(f"nats_auth: {e}", file=sys.stderr)
         return 2

@@ -83,3 +83,14 @@ def test_each_role_is_allowed_only_its_part(tmp_path):
     assert "$JS.API.CONSUMER.MSG.NEXT.XPUSENSE_0.w-p0" not in perms["worker"]["publish"]["deny"]
     text = authorization_conf(n)
     assert "no_auth_user" not in text and text.count("{user: ") == len(ROLES)
+
+
+def test_the_print_command_renders_a_configs_table(tmp_path, capsys):
+    from xpusense.collector.cluster.nats_auth import main
+    cfg = _cfg(tmp_path, "partitions = 30\nstreams = 5\n")
+    assert main(["--config", str(tmp_path / "c.toml")]) == 0
+    out = capsys.readouterr().out
+    assert out == authorization_conf(cfg.nats) and "XPUSENSE_4.w-p29" in out
+    (tmp_path / "bad.toml").write_text("[nats]\npartitions = 0\n")
+    assert main(["--config", str(tmp_path / "bad.toml")]) == 2
+    assert "nats.partitions" in capsys.readouterr().err
