@@ -5,7 +5,8 @@ the gateways' reference tables and the workers would only grow.
 - The fleet state (state.py): a series with no point received for series_idle_s is let go, with its
   history (`sweep`, run from ingest; counted `state.series.expired`). A pass over every series
   starts every `every_ns` (an eighth of the bound, at most a minute) and looks at STEP series a
-  step, one step per stored batch, so no batch pays for more. "Received" is told on the
+  step (about a millisecond), a step at most every STEP_GAP_NS as batches are stored, so no batch
+  pays for more and a pass takes at most a tenth of the loop. "Received" is told on the
   collector's own clock whatever the agent's: a series' points received so far (its History's
   and its Frame's, with those let go) only grow, one a point, so a pass notes that count and
   when it last moved, and a series whose count has not moved for series_idle_s goes.
@@ -25,6 +26,7 @@ from typing import Any, Generic, TypeVar
 from . import columns
 
 STEP = 2048   # series looked at per step of a pass (what one stored batch may add to ingest)
+STEP_GAP_NS = 10**7   # ...and at most one step every 10 ms
 _SECOND = 10**9
 
 C = TypeVar("C", set, dict)
@@ -69,28 +71,27 @@ def points_received(ser: Any) -> int:
 
 
 def due(state: Any, now_ns: int) -> bool:
-    """Whether ingest should run a step of the sweep now (a pass under way, or one due)."""
-    return state.idle_walk is not None or now_ns >= state.idle_due_ns
+    """Whether ingest should run a step of the sweep now (of the pass under way, or a new pass)."""
+    return now_ns >= state.idle_due_ns
 
 
 def sweep(state: Any, now_ns: int) -> int:
-    """One step: up to STEP series of the pass under way looked at (a new pass begun if one is
-    due); those idle for series_idle_s let go. Returns how many went."""
-    walk = state.idle_walk
-    if walk is None:
-        if now_ns < state.idle_due_ns:
-            return 0
-        walk = state.idle_walk = _walk(state)
-        state.idle_due_ns = now_ns + every_ns(state.series_idle_ns)
+    """One step: up to STEP series of the pass under way looked at (a new pass begun if none is);
+    those idle for series_idle_s let go. Sets when the next step is due. Returns how many went."""
+    if state.idle_walk is None:
+        state.idle_walk = (_walk(state), now_ns + every_ns(state.series_idle_ns))   # and when the next begins
+    walk, next_pass = state.idle_walk
     budget, gone = STEP, 0
     while budget > 0:
         step = next(walk, None)
         if step is None:
             state.idle_walk = None
-            break
+            state.idle_due_ns = next_pass
+            return gone
         n, keys = step
         budget -= len(keys) + 1
         gone += _look(state, n, keys, now_ns)
+    state.idle_due_ns = now_ns + STEP_GAP_NS
     return gone
 
 

@@ -119,8 +119,8 @@ class FleetState:
         self.columns = True   # series that come together held in columns (collector/columns.py)
         # [state] series_idle_s: a series with no point received this long is let go (collector/idle.py).
         self.series_idle_ns = 3600 * 10**9
-        self.idle_due_ns = 0                # when the next pass over every series starts
-        self.idle_walk = None               # the pass under way (idle.sweep), else None
+        self.idle_due_ns = 0                # when the sweep's next step is due
+        self.idle_walk = None               # the pass under way and when the next begins (idle.sweep), or None
         self.max_clock_offset_ns = 5 * 10**9   # [state] max_clock_offset_s: past it, a diagnosis (clock.py)
 
     def configure(self, max_memory: int = 0, min_history_points: int = 60, max_open_diagnoses_per_node: int = 64,

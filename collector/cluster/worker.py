@@ -12,9 +12,9 @@ Open diagnoses: each node's, as one collector keeps them (collector/diagnoses.py
 NodeLatest), bounded by `[state] max_open_diagnoses_per_node`, go into its summary; the bound hit
 and diagnoses closed by a new boot are counted there too (summary.py: `dc`).
 
-Idle series (collector/idle.py): a round every eighth of `[state] series_idle_s` (at most a minute)
-looks at up to IDLE_NODES nodes; a kept series with no point for series_idle_s is let go (counted
-`state.series.expired`, in the node's `dc` too) and series references idle that long forgotten.
+Idle series (collector/idle.py): a pass over the nodes every eighth of `[state] series_idle_s` (at
+most a minute), a bounded step at a time; a kept series with no point for series_idle_s is let go
+(counted `state.series.expired`, in the node's `dc` too) and series references idle that long forgotten.
 
 Clocks (collector/clock.py): a batch's points and events count as of when a gateway received it
 (its `Xps-Received` header; JetStream's time where absent); the node's clock offset is estimated
@@ -37,14 +37,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import itertools
 import logging
 import math
 import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import nats.errors
@@ -64,7 +62,6 @@ from .summary import NodeLatest, decode, fleet_key
 
 log = logging.getLogger("xpusense.collector.cluster.worker")
 
-IDLE_NODES = 1024   # nodes an idle sweep's round looks at (each holds at most summary.MAX_SERIES series)
 _TRANSIENT = (nats.errors.TimeoutError, nats.js.errors.APIError, nats.errors.NoRespondersError,
               nats.js.errors.NoStreamResponseError, nats.errors.ConnectionReconnectingError, TimeoutError)
 
@@ -107,7 +104,6 @@ class Worker:
         self.diagnoses.configure(max_open_diagnoses_per_node)
         self.max_clock_offset_ns = int(max_clock_offset_s * 1e9)
         self.idle_ns = 3600 * 10**9           # [state] series_idle_s (collector/idle.py)
-        self._idle_walk: Iterator[NodeLatest] | None = None   # the idle sweep's pass under way
 
     # -- leases -----------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -352,22 +348,20 @@ class Worker:
                 p.last = None
 
     async def expire_idle(self) -> None:
-        """A round of the idle sweep: up to IDLE_NODES nodes, from where the last round stopped; their
-        kept series with no point for [state] series_idle_s let go, their idle references forgotten
-        (collector/idle.py; counted in the node's summary too, `dc`)."""
-        walk = self._idle_walk
-        if walk is None:
-            walk = self._idle_walk = iter(list(self.nodes.values()))
+        """A pass of the idle sweep over this worker's nodes: their kept series with no point for
+        [state] series_idle_s let go, their idle references forgotten (collector/idle.py; counted in
+        the node's summary too, `dc`); idle.STEP series a step, the loop let go between steps."""
         now, looked = time.monotonic_ns(), 0
-        for node in itertools.islice(walk, IDLE_NODES):
-            looked += 1
+        for node in list(self.nodes.values()):
             series, refs = idle.expire_latest(node, now, self.idle_ns)
             if series:
                 self.counters["state.series.expired"] += series
             if refs:
                 self.counters["state.series_refs.expired"] += refs
-        if looked < IDLE_NODES:
-            self._idle_walk = None
+            looked += len(node.series) + series + 1
+            if looked >= idle.STEP:
+                await asyncio.sleep(idle.STEP_GAP_NS / 1e9)
+                now, looked = time.monotonic_ns(), 0
 
     def memory_nodes(self) -> int:
         return len(self.nodes)

@@ -38,18 +38,25 @@ def test_a_step_looks_at_a_bounded_number_of_series_and_only_idle_ones_go():
     now[0] += idle.every_ns(st.series_idle_ns)   # the next pass is due: the next batch stored starts it
     seq = 3
     assert st.ingest(rows("steady", seq, 5, live))
-    # The first step of the pass looks at no more than STEP series (the rest wait for later batches).
-    looked = sum(hasattr(s, "idle_n") for n in st.nodes.values() for s in n.series.values())
-    assert 0 < looked <= idle.STEP
+    # The first step of the pass looks at no more than STEP series (the rest wait for later batches),
+    # and the next step waits STEP_GAP_NS.
+    def looked() -> int:
+        return sum(hasattr(s, "idle_n") for n in st.nodes.values() for s in n.series.values())
+    assert 0 < looked() <= idle.STEP
+    seq += 1
+    assert st.ingest(rows("steady", seq, 5, live)) and looked() <= idle.STEP
     while st.idle_walk is not None:
+        now[0] += idle.STEP_GAP_NS
         seq += 1
         assert st.ingest(rows("steady", seq, seq, live))
+    assert looked() == len(gone_names) + len(live)
     assert st.series_count("churn") == len(gone_names)   # seen once: not idle yet
     for _ in range(12):   # 12 s on the state's clock, the live series sent to every second
         now[0] += S
         seq += 1
         assert st.ingest(rows("steady", seq, seq, live))
     while st.idle_walk is not None or st.series_count("churn"):
+        now[0] += idle.STEP_GAP_NS
         seq += 1
         assert st.ingest(rows("steady", seq, seq, live))
         assert seq < 1000
