@@ -15,6 +15,8 @@ import os
 import stat
 import tempfile
 
+from xpusense.common.fsync import fsync_dir
+
 DIR_MODE = 0o1777      # the mode the agent gives a request directory it creates
 FILE_MODE = 0o644      # requests are readable by every job
 
@@ -70,14 +72,6 @@ def prepare_request_dir(path: str, uid: int | None = None) -> str | None:
     return None
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomically(directory: str, name: str, data: dict) -> str:
     """Write `data` as JSON to `directory/name`: a new temporary file (O_CREAT|O_EXCL|O_NOFOLLOW,
     mkstemp), its mode set on the descriptor, fsync'd, renamed into place, the directory fsync'd.
@@ -98,7 +92,7 @@ def write_atomically(directory: str, name: str, data: dict) -> str:
             raise OSError(f"{tmp} was replaced by another file after the agent created it: request not written")
         path = os.path.join(directory, name)
         os.replace(tmp, path)
-        _fsync_dir(directory)
+        fsync_dir(directory)
         return path
     except BaseException:
         try:

@@ -38,6 +38,8 @@ from typing import NamedTuple
 
 import msgpack
 
+from xpusense.common.fsync import fsync_dir
+
 from .frames import HEADER, HEADER_BYTES, MAX_RECORD_BYTES, RECORD_MAGIC
 
 MAGIC = b"XPSSNP\x00"
@@ -78,14 +80,6 @@ def entries(directory: str) -> list[Entry]:
             base = (int(m.group(3)), int(m.group(4))) if m.group(3) else None
             out.append(Entry((int(m.group(1)), int(m.group(2))), os.path.join(directory, name), base))
     return sorted(out, key=lambda e: (e.pos, e.base is not None), reverse=True)
-
-
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SnapshotFile:

@@ -24,6 +24,8 @@ import os
 import time
 from collections.abc import Callable
 
+from xpusense.common.fsync import fsync_dir
+
 from .frames import SEGMENT_MAGIC, StoreError, frame, segment_name, segments
 from .replay import Replay
 from .snapshot import Snapshots
@@ -85,11 +87,7 @@ class _Segments:
             _pwrite_all(fd, data, 0)
             if self.fsync:
                 os.fsync(fd)
-                dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+                fsync_dir(self.dir)
         except OSError:
             os.close(fd)
             try:
