@@ -279,20 +279,17 @@ def _certs(args) -> int:
         if code != EXIT_OK or not args.out:
             return code
     nodes = args.nodes.split(",")
-    try:
-        if args.cmd == "tokens":
-            made = make_tokens(args.out, nodes)
-            print(f"collector: tokens_file = \"{made['tokens_file']}\"")
-            for n, path in made["nodes"].items():
-                print(f"node {n}: [collector] token_file = \"{path}\"  (copy it to the node, mode 0600)")
-            return EXIT_OK
-        made = make_certs(args.out, nodes, args.collector_host, args.days)
-    except CertError as e:
-        print(f"xpusense-collector: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as e:
-        print(f"xpusense-collector: cannot write to {args.out}: {e.strerror}", file=sys.stderr)
-        return EXIT_FAIL
+    if args.cmd == "tokens":
+        made = _made(args.out, make_tokens, args.out, nodes)
+        if isinstance(made, int):
+            return made
+        print(f"collector: tokens_file = \"{made['tokens_file']}\"")
+        for n, path in made["nodes"].items():
+            print(f"node {n}: [collector] token_file = \"{path}\"  (copy it to the node, mode 0600)")
+        return EXIT_OK
+    made = _made(args.out, make_certs, args.out, nodes, args.collector_host, args.days)
+    if isinstance(made, int):
+        return made
     c = made["collector"]
     print(f"CA: {made['ca']} ({'new' if made['ca_created'] else 'reused'}; keep {made['ca_key']} offline)")
     print(f"collector ({', '.join(c['hosts'])}): [tls] ca = \"{made['ca']}\", cert = \"{c['cert']}\", "
@@ -303,16 +300,23 @@ def _certs(args) -> int:
     return EXIT_OK
 
 
-def _nats_certs(args) -> int:
-    from .certs import make_nats_certs
+def _made(out: str, make, *a) -> dict | int:
+    """What a credentials maker made, or the exit code after saying why it could not."""
     try:
-        made = make_nats_certs(args.nats_dir, args.nats_host, args.days)
+        return make(*a)
     except CertError as e:
         print(f"xpusense-collector: {e}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:
-        print(f"xpusense-collector: cannot write to {args.nats_dir}: {e.strerror}", file=sys.stderr)
+        print(f"xpusense-collector: cannot write to {out}: {e.strerror}", file=sys.stderr)
         return EXIT_FAIL
+
+
+def _nats_certs(args) -> int:
+    from .certs import make_nats_certs
+    made = _made(args.nats_dir, make_nats_certs, args.nats_dir, args.nats_host, args.days)
+    if isinstance(made, int):
+        return made
     s = made["server"]
     print(f"NATS CA: {made['ca']} ({'new' if made['ca_created'] else 'reused'}; keep {made['ca_key']} offline)")
     print(f"nats-server ({', '.join(s['hosts'])}): tls and cluster.tls cert_file \"{s['cert']}\", key_file "
