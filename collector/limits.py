@@ -21,7 +21,8 @@ Codes: INVALID_ARGUMENT for a batch that would never pass (too many samples, a l
 the agent or raise the limit), RESOURCE_EXHAUSTED for the rate and the series of a node (the agent
 backs off and resends), FAILED_PRECONDITION for a sequence number too far ahead (see below).
 
-With the fleet state at hand (`check(node_id, batch, state)`), two more bounds:
+With what is stored at hand (`check(node_id, batch, state)`, `state` a `Stored`: the collector's
+FleetState, a gateway's marks and stream, a worker's node), two more bounds:
 - Series per node (`max_series_per_node`), counted by name and labels whatever the `series_ref`
   (0 included): a batch that would add more is refused, after the node's series with no point for
   `history_s` are let go (`FleetState.evict_expired`).
@@ -31,6 +32,7 @@ With the fleet state at hand (`check(node_id, batch, state)`), two more bounds:
   dropped, its next batch is within reach (or is once enough time has passed: it is refused and
   resent with backoff); a forged seq of 2**64-1 is refused instead of making every later batch of
   the boot look like a resend. A boot with nothing stored yet has no bound (nothing to count from).
+  `seq_ceiling` is that bound, the one implementation: the gateway and the worker call it too.
 
 Every refusal is counted by the key of its limit (`hits`, shown by the Query API's counters).
 
@@ -50,7 +52,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -98,6 +100,35 @@ def short_boot(boot_id: str) -> str:
     """A boot id as logs and refusals show it: its first 8 characters. A whole boot id is what a
     process needs to speak for that boot, so it is not written where other users may read it."""
     return boot_id[:8] + ("..." if len(boot_id) > 8 else "")
+
+
+class Stored(Protocol):
+    """What the bounds on sequence numbers and series per node read of what is stored of a node."""
+
+    def seq_mark(self, node_id: str, boot_id: str) -> tuple[int, float] | None:
+        """The highest seq stored of the boot and the seconds since it rose; None: nothing stored."""
+
+    def series_count(self, node_id: str) -> int:
+        """The node's series (by name and labels) this bound counts."""
+
+    def new_series(self, node_id: str, samples) -> set[tuple]:
+        """The series among `samples` that are not counted yet."""
+
+    def evict_expired(self, node_id: str, newest_ns: int = 0) -> int:
+        """Let go of the node's series with no point for a while (how many went)."""
+
+    def admit(self, node_id: str, samples) -> None:
+        """`samples` of series not known by reference passed: count them from here on (if this
+        keeper counts series as they pass rather than as they are stored)."""
+
+
+def seq_ceiling(mark: int, since_s: float, max_jump: int, per_s: float) -> int | None:
+    """The highest sequence number a batch of a boot may carry now: `max_jump` above the boot's
+    mark (its highest seq stored), plus `per_s` for every second since the mark rose (an agent
+    makes batches no faster). None when nothing of the boot is stored (no mark to count from)."""
+    if not mark:
+        return None
+    return mark + max_jump + int(max(0.0, since_s) * per_s)
 
 
 DEFAULTS = {
@@ -169,11 +200,13 @@ class Limits:
         return cls(**{k: getattr(limits_cfg, k) for k in DEFAULTS}, **kw)
 
     # -- the check
-    def check(self, node_id: str, batch: pb.Batch, state=None, refs: Sequence[int] | None = None) -> Violation | None:
-        """None, or why the batch is refused. With `state` (the FleetState) also the bounds on
-        sequence numbers and on series per node. `refs`: the samples' series_ref, in order, when
-        the caller has read them already (batch_rows.BatchRows)."""
-        v = self._check(node_id, batch, state, refs)
+    def check(self, node_id: str, batch: pb.Batch, state: Stored | None = None, refs: Sequence[int] | None = None,
+              rate: bool = True) -> Violation | None:
+        """None, or why the batch is refused. With `state` (what is stored, a `Stored`) also the
+        bounds on sequence numbers and on series per node. `refs`: the samples' series_ref, in
+        order, when the caller has read them already (batch_rows.BatchRows). `rate`: False where
+        batches are read back rather than received (a worker: a backlog comes all at once)."""
+        v = self._check(node_id, batch, state, refs, rate)
         if v is not None:
             self.count(v)
             self.log.warning("node %r: %s", node_id[:128], v.message)
@@ -203,27 +236,30 @@ class Limits:
         return Violation(grpc.StatusCode.INVALID_ARGUMENT,
                          f"batch rejected: {what}, more than the collector's limits.{key} = {limit}", key)
 
-    def _check(self, node_id: str, batch: pb.Batch, state, refs: Sequence[int] | None = None) -> Violation | None:
+    def _check(self, node_id: str, batch: pb.Batch, state, refs: Sequence[int] | None = None,
+               rate: bool = True) -> Violation | None:
         n = len(refs) if refs is not None else len(batch.samples)
         if n > self.max_samples_per_batch:
             return self._bad(f"{n} samples", "max_samples_per_batch", self.max_samples_per_batch)
         if len(batch.events) > self.max_events_per_batch:
             return self._bad(f"{len(batch.events)} events", "max_events_per_batch", self.max_events_per_batch)
-        if (v := self._rate(node_id, batch.boot_id)) is not None:
+        if rate and (v := self._rate(node_id, batch.boot_id)) is not None:
             return v
-        if state is not None and (v := self._check_seq(node_id, batch, state)) is not None:
+        if state is not None and (v := self.check_seq(node_id, batch.boot_id, batch.seq, state)) is not None:
             return v
         for e in batch.events:
             if (v := self._check_event(e)) is not None:
                 return v
         return self._check_samples(node_id, batch, state, refs)
 
-    def _check_seq(self, node_id: str, batch: pb.Batch, state) -> Violation | None:
-        ceiling = state.seq_ceiling(node_id, batch.boot_id, self.max_seq_jump, self.batches_per_s)
-        if ceiling is None or batch.seq <= ceiling:
+    def check_seq(self, node_id: str, boot_id: str, seq: int, state: Stored) -> Violation | None:
+        """The bound on sequence numbers alone (not counted here: `check` counts what it refuses)."""
+        mark = state.seq_mark(node_id, boot_id)
+        ceiling = None if mark is None else seq_ceiling(mark[0], mark[1], self.max_seq_jump, self.batches_per_s)
+        if ceiling is None or seq <= ceiling:
             return None
         return Violation(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"batch rejected: seq {batch.seq} of boot {short_boot(batch.boot_id)!r} is beyond {ceiling}, "
+                         f"batch rejected: seq {seq} of boot {short_boot(boot_id)!r} is beyond {ceiling}, "
                          f"the most the collector's limits.max_seq_jump = {self.max_seq_jump} and "
                          f"limits.batches_per_s = {self.batches_per_s:g} allow after what it stored of that boot; "
                          f"resend later (the bound grows with time)", "max_seq_jump")
@@ -267,8 +303,10 @@ class Limits:
             if ref:
                 new.append(ref)
             unknown.append(s)
-        if state is not None and unknown and (v := self._room(node_id, unknown, state)) is not None:
-            return v
+        if state is not None and unknown:
+            if (v := self._room(node_id, unknown, state)) is not None:
+                return v
+            state.admit(node_id, unknown)
         if new:
             self._remember(node_id, key, gens, new)
         return None

@@ -42,6 +42,7 @@ from . import columns, idle
 from .batch_rows import BatchRows
 from .diagnoses import Diagnoses
 from .history import POINT_BYTES, points_of
+from .limits import seq_ceiling
 from .series import Series, read_labels, series_key
 
 log = logging.getLogger("xpusense.collector")
@@ -291,10 +292,9 @@ class FleetState:
         if e is not None:
             n.events.appendleft(e)
 
-    def seq_ceiling(self, node_id: str, boot_id: str, max_jump: int, per_s: float) -> int | None:
-        """The highest sequence number a batch of this boot may carry now: `max_jump` above the
-        boot's mark, plus `per_s` for every second since the mark rose (an agent makes batches no
-        faster). None when nothing of the boot is stored (no mark to count from)."""
+    def seq_mark(self, node_id: str, boot_id: str) -> tuple[int, float] | None:
+        """The boot's mark (highest seq stored) and the seconds since it rose (limits.Stored);
+        None when nothing of the boot is stored."""
         n = self.nodes.get(node_id)
         mark = n.stored_up_to.get(boot_id) if n is not None else None
         at = self.restored_at_ns
@@ -302,9 +302,15 @@ class FleetState:
             mark = self.known_marks.get((node_id, boot_id), 0)
         elif n is not None:
             at = n.mark_at.get(boot_id, at)
-        if not mark:
-            return None
-        return mark + max_jump + int(max(0, self.clock() - at) / 1e9 * per_s)
+        return (mark, (self.clock() - at) / 1e9) if mark else None
+
+    def seq_ceiling(self, node_id: str, boot_id: str, max_jump: int, per_s: float) -> int | None:
+        """The highest sequence number a batch of this boot may carry now (limits.seq_ceiling)."""
+        mark = self.seq_mark(node_id, boot_id)
+        return None if mark is None else seq_ceiling(mark[0], mark[1], max_jump, per_s)
+
+    def admit(self, node_id: str, samples) -> None:
+        """limits.Stored: the state counts a node's series as it stores them, not here."""
 
     # -- series per node -----------------------------------------------------------------------------
     def series_count(self, node_id: str) -> int:

@@ -11,6 +11,14 @@ JetStream's publish ack (a duplicate by msg id is acknowledged as one). A publis
 (no stream leader during an election) is sent again with the same id until `publish_give_up_s`;
 then the stream ends with UNAVAILABLE and the agent resends from its spool. A batch at or below the
 mark is acknowledged as a duplicate without publishing.
+
+Every batch passes collector/limits.py's checks, as at one collector, before it is published:
+`StreamStored` gives them what a gateway knows of what is stored. The bound on sequence numbers
+counts from the boot's mark (marks.py `seq_mark`), read before the boot's first batch is checked,
+so a forged seq of 2**64-1 is refused (FAILED_PRECONDITION) and never raises the mark. A gateway
+holds no node's series: `max_series_per_node` bounds the series one stream introduces (by name and
+labels, those not known by reference) within `[state] series_idle_s`; a node's series over
+several streams or gateways are bounded by each stream's share only.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from ..batch_rows import refs_of
 from ..limits import MalformedRequest, Violation, read_hello
+from ..series import read_labels, series_key
 from ..wire import batch_payload
 from .marks import Marks
 from .subjects import KIND, MSG_ID, RECEIVED, msg_id, node_subject, partition
@@ -187,6 +196,43 @@ class Gateway:
             await asyncio.sleep(0.1)
 
 
+class StreamStored:
+    """limits.Stored for one agent stream at a gateway: the boots' marks (marks.py) and the series
+    (name, labels) this stream introduced, each let go `idle_s` after it came (at most once every
+    EVICT_EVERY_S a look)."""
+
+    EVICT_EVERY_S = 10.0
+
+    def __init__(self, marks: Marks, idle_s: float, clock=time.monotonic):
+        self.marks, self.idle_s, self.clock = marks, idle_s, clock
+        self.series: dict[tuple, float] = {}   # (name, labels) -> when it came (clock)
+        self.tried = clock()
+
+    def seq_mark(self, node_id: str, boot_id: str) -> tuple[int, float] | None:
+        return self.marks.seq_mark(node_id, boot_id)
+
+    def series_count(self, node_id: str) -> int:
+        return len(self.series)
+
+    def new_series(self, node_id: str, samples) -> set[tuple]:
+        return {k for s in samples if (k := series_key(s.name, read_labels(s.labels))) not in self.series}
+
+    def evict_expired(self, node_id: str, newest_ns: int = 0) -> int:
+        now = self.clock()
+        if now - self.tried < self.EVICT_EVERY_S:
+            return 0
+        self.tried = now
+        old = [k for k, t in self.series.items() if now - t > self.idle_s]
+        for k in old:
+            del self.series[k]
+        return len(old)
+
+    def admit(self, node_id: str, samples) -> None:
+        now = self.clock()
+        for s in samples:
+            self.series.setdefault(series_key(s.name, read_labels(s.labels)), now)
+
+
 class ClusterIngestServicer(pb_grpc.IngestServicer):
     def __init__(self, gw: Gateway, security=None, limits=None):
         self.gw, self.security, self.limits = gw, security, limits
@@ -274,6 +320,7 @@ class ClusterIngestServicer(pb_grpc.IngestServicer):
                     pending: asyncio.Queue, room: asyncio.Semaphore) -> None:
         gw = self.gw
         seen: dict[str, int] = {boot_id: mark}   # per boot on this stream: the highest seq taken
+        stored = StreamStored(gw.marks, getattr(self.limits, "series_idle_s", 3600.0))
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("msg")
@@ -284,12 +331,13 @@ class ClusterIngestServicer(pb_grpc.IngestServicer):
                         pending.put_nowait(Violation(grpc.StatusCode.PERMISSION_DENIED,
                                                 f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}"))
                         return
-                    if self.limits is not None and (why := self.limits.check(node_id, b, refs=refs_of(b, payload))):
-                        pending.put_nowait(Violation(why.code, why.message))
-                        return
                     high = seen.get(b.boot_id)
                     if high is None:   # an earlier boot's batches, resent from the spool
                         high = seen[b.boot_id] = await gw.marks.get(node_id, b.boot_id)
+                    if self.limits is not None and (why := self.limits.check(node_id, b, stored,
+                                                                             refs=refs_of(b, payload))):
+                        pending.put_nowait(Violation(why.code, why.message))
+                        return
                     if b.seq <= high:
                         pending.put_nowait((b, None, None))
                         continue

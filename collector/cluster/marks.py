@@ -10,6 +10,12 @@ resends a little, JetStream's duplicate window (`Nats-Msg-Id` = node:boot:seq) d
 that window a reader drops it by `SeqWindow` below. A mark is never ahead of the stream: it is raised
 only after the publish ack.
 
+For limits.py's bound on sequence numbers (`seq_mark`): when a boot's mark rose, on this gateway's
+clock: when it raised it, or when it first read it (the bucket keeps no time; counting from the
+first read is a bound no looser than the one the raise would give). That time is remembered past
+the stream's end for the last MAX_ROSE_AT boots, so an agent refused for a seq too far ahead is
+let in by this gateway once enough time has passed, whatever its reconnects.
+
 `SeqWindow` is the downstream side of exactly once: per (node, boot) the highest sequence number
 seen and which of the `span` below it were seen, so batches that arrive out of order (a publish
 retried after a leader change lands after its successors) are still taken once each.
@@ -18,8 +24,10 @@ retried after a leader change lands after its successors) are still taken once e
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import random
+import time
 
 import nats.js.errors
 
@@ -28,22 +36,28 @@ from .subjects import mark_key
 log = logging.getLogger("xpusense.collector.cluster")
 
 
-class _Mark:
-    __slots__ = ("seq", "written", "revision", "task", "spread", "due")
+MAX_ROSE_AT = 100_000   # boots whose mark's time is remembered after their stream ended
 
-    def __init__(self, seq: int, revision: int):
+
+class _Mark:
+    __slots__ = ("seq", "written", "revision", "task", "spread", "due", "rose_at")
+
+    def __init__(self, seq: int, revision: int, rose_at: float = 0.0):
         self.seq, self.written, self.revision = seq, seq, revision
+        self.rose_at = rose_at   # when (time.monotonic) seq rose or was first read here
         self.task: asyncio.Task | None = None
         self.spread = True   # its first write waits a random share of flush_s (then flush_s each)
         self.due = 0.0       # when (loop time) its next write was set for
 
 
 class Marks:
-    def __init__(self, kv, flush_s: float = 5.0, rng: random.Random | None = None):
+    def __init__(self, kv, flush_s: float = 5.0, rng: random.Random | None = None, clock=time.monotonic):
         self.kv = kv
         self.flush_s = flush_s
         self.rng = rng or random.Random()
+        self.clock = clock
         self.marks: dict[tuple[str, str], _Mark] = {}
+        self.rose_at: collections.OrderedDict[tuple[str, str], tuple[int, float]] = collections.OrderedDict()
         self.writes = 0
 
     async def get(self, node_id: str, boot_id: str) -> int:
@@ -51,10 +65,24 @@ class Marks:
         seq, rev = await self._read(node_id, boot_id)
         m = self.marks.get((node_id, boot_id))
         if m is None:
-            m = self.marks[(node_id, boot_id)] = _Mark(seq, rev)
+            m = self.marks[(node_id, boot_id)] = _Mark(seq, rev, self._first_seen(node_id, boot_id, seq))
         elif seq > m.seq or rev > m.revision:
+            if seq > m.seq:
+                m.rose_at = self._first_seen(node_id, boot_id, seq)
             m.seq, m.written, m.revision = max(m.seq, seq), max(m.written, seq), rev
         return m.seq
+
+    def _first_seen(self, node_id: str, boot_id: str, seq: int) -> float:
+        """When this gateway first knew the boot's mark at `seq` (now, unless remembered)."""
+        known = self.rose_at.get((node_id, boot_id))
+        return known[1] if known is not None and known[0] == seq else self.clock()
+
+    def seq_mark(self, node_id: str, boot_id: str) -> tuple[int, float] | None:
+        """The boot's mark and the seconds since it rose (limits.Stored); None: nothing stored
+        (or not read here yet: the gateway reads a boot's mark before its first batch is checked)."""
+        m = self.marks.get((node_id, boot_id))
+        seq, at = (m.seq, m.rose_at) if m is not None else self.rose_at.get((node_id, boot_id), (0, 0.0))
+        return (seq, self.clock() - at) if seq else None
 
     async def _read(self, node_id: str, boot_id: str) -> tuple[int, int]:
         try:
@@ -74,7 +102,7 @@ class Marks:
         if m is None:
             m = self.marks[(node_id, boot_id)] = _Mark(0, 0)
         if seq > m.seq:
-            m.seq = seq
+            m.seq, m.rose_at = seq, self.clock()
             if m.task is None:
                 delay = self.flush_s
                 if m.spread:
@@ -122,6 +150,10 @@ class Marks:
         finally:
             if self.marks.get((node_id, boot_id)) is m and m.task is None:
                 del self.marks[(node_id, boot_id)]
+                self.rose_at[(node_id, boot_id)] = (m.seq, m.rose_at)
+                self.rose_at.move_to_end((node_id, boot_id))
+                while len(self.rose_at) > MAX_ROSE_AT:
+                    self.rose_at.popitem(last=False)
 
     async def _write(self, node_id: str, boot_id: str, m: _Mark) -> None:
         key = mark_key(node_id, boot_id)
