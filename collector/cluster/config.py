@@ -40,6 +40,10 @@ NATS_SCHEMA = {
     "publish_timeout_s": Key((int, float), 5.0, positive, help="wait this long for one publish ack, then send again"),
     "publish_give_up_s": Key((int, float), 30.0, positive,
                              help="after this long without an ack (no stream leader) end the agent's stream: it resends"),
+    "max_received_skew_s": Key((int, float), 30.0, positive,
+                               help="a worker skips (and counts) a message whose gateway receive time (Xps-Received) "
+                                    "is this far ahead of when JetStream stored it, or publish_give_up_s + this "
+                                    "behind"),
     "marks_bucket": Key(str, "marks", _bucket, help="KV: highest seq stored per node and boot (Hello/Welcome)"),
     "marks_flush_s": Key((int, float), 5.0, positive,
                          help="a gateway writes a boot's raised mark this long after it rose (a lagging mark only "

@@ -178,20 +178,21 @@ class Marks:
 
 
 class SeqWindow:
-    """Which sequence numbers of one (node, boot) were taken: `take(seq)` is True the first time."""
+    """Which sequence numbers of one (node, boot) were taken: `take(seq)` is True the first time.
+    `at`: when `high` rose (the stream's time, ns; for limits.py's bound on sequence numbers)."""
 
-    __slots__ = ("high", "seen", "span")
+    __slots__ = ("high", "seen", "span", "at")
 
-    def __init__(self, high: int = 0, span: int = 1024):
+    def __init__(self, high: int = 0, span: int = 1024, at: int = 0):
         # bit i of seen: high - i was taken; a window restored at `high` took everything up to it
-        self.high, self.span = high, span
+        self.high, self.span, self.at = high, span, at
         self.seen = (1 << span) - 1 if high else 0
 
-    def take(self, seq: int) -> bool:
+    def take(self, seq: int, at: int = 0) -> bool:
         if seq > self.high:
             shift = seq - self.high
             self.seen = ((self.seen << shift) | 1) & ((1 << self.span) - 1) if shift < self.span else 1
-            self.high = seq
+            self.high, self.at = seq, at
             return True
         back = self.high - seq
         if back >= self.span or self.seen >> back & 1:

@@ -174,7 +174,7 @@ class NodeLatest:
         shift = shift_of(b.sent_unix_nano, recv_ns)
         if t_ns > self.last_seen_ns:
             self.last_seen_ns = t_ns
-        if not self._window(b.boot_id).take(b.seq):
+        if not self._window(b.boot_id).take(b.seq, t_ns):
             self.batches_duplicate += 1
             return False
         self.batches_stored += 1
@@ -268,7 +268,7 @@ class NodeLatest:
         n.sessions = dict(d.get("ss") or {})
         n.inventory = d.get("i") or b""
         for boot, high in (d.get("m") or {}).items():
-            n.windows[boot] = SeqWindow(high)
+            n.windows[boot] = SeqWindow(high, at=n.last_seen_ns)   # rose at the latest when last seen
         n.batches_stored, n.batches_duplicate = d.get("bs", 0), d.get("bd", 0)
         received = d.get("r") or ()
         for i, (name, unit, kind, labels, value, t, _rate) in enumerate(d.get("s") or ()):

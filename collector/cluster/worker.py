@@ -21,6 +21,17 @@ Clocks (collector/clock.py): a batch's points and events count as of when a gate
 from its Hello's and batches' times against that, and a node off by more than `[state]
 max_clock_offset_s` gets the `clock_offset` diagnosis in its summary.
 
+Checked input: a worker trusts no message it reads (a gateway identity stolen, a gateway with a
+bug). A batch whose node is not its subject's, whose `Nats-Msg-Id` is not node:boot:seq of its
+contents, whose boot id or seq is not one an agent sends, without `Xps-Received` or with one more
+than `[nats] max_received_skew_s` ahead of when JetStream stored it (or `publish_give_up_s` + that
+behind), or that collector/limits.py refuses (its sizes, and its seq beyond `seq_ceiling` from the
+boot's highest seq taken and when that rose, on JetStream's clock; the same code a collector runs);
+a Hello or an inventory naming another node or over the limits: skipped (acknowledged with the rest,
+never applied, so a forged seq never raises what the node has taken) and counted by reason,
+`worker.skipped.<reason>`, in the node's summary (`dc`: ListNodes' counters) and the worker's
+counters, and logged at most a few a second.
+
 Exactly once into the summary: a new owner loads the partition's summaries from the bucket (the
 previous owner's state, marks included), resets the durable consumer to its ack floor (everything
 not yet covered by a written summary comes again) and drops by SeqWindow what was taken. Messages
@@ -50,14 +61,18 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import api
 
+from xpusense.common.ids import bad_id
 from xpusense.v1 import telemetry_pb2 as pb
 
 from .. import clock as agent_clock
 from .. import idle
+from ..batch_rows import refs_of
 from ..diagnoses import Diagnoses
+from ..limits import Limits, RateLimitedLog
 from ..wire import read_batch
+from .config import NATS_SCHEMA
 from .engine import list_bucket
-from .subjects import KIND, RECEIVED, node_of_subject, partition, partition_filter, stream_of, token
+from .subjects import KIND, MSG_ID, RECEIVED, msg_id, node_of_subject, partition, partition_filter, stream_of, token
 from .summary import NodeLatest, decode, fleet_key
 
 log = logging.getLogger("xpusense.collector.cluster.worker")
@@ -75,6 +90,34 @@ def _stream_time_ns(reply: str) -> int:
         return time.time_ns()
 
 
+class _NodeStored:
+    """limits.Stored for a worker's node as of a message's stream time `t_ns`: each boot's highest
+    seq taken and when that rose (SeqWindow). A worker keeps only a summary's series, not the
+    node's: `max_series_per_node` is the gateways' to enforce (gateway.py StreamStored)."""
+
+    def __init__(self) -> None:
+        self.node: NodeLatest | None = None
+        self.t_ns = 0
+
+    def seq_mark(self, node_id: str, boot_id: str) -> tuple[int, float] | None:
+        w = self.node.windows.get(boot_id) if self.node is not None else None
+        if w is None or not w.high:
+            return None
+        return w.high, (self.t_ns - w.at) / 1e9
+
+    def series_count(self, node_id: str) -> int:
+        return 0
+
+    def new_series(self, node_id: str, samples) -> set[tuple]:
+        return set()
+
+    def evict_expired(self, node_id: str, newest_ns: int = 0) -> int:
+        return 0
+
+    def admit(self, node_id: str, samples) -> None:
+        pass
+
+
 class _Partition:
     def __init__(self, k: int, revision: int):
         self.k, self.revision = k, revision
@@ -89,7 +132,7 @@ class _Partition:
 
 class Worker:
     def __init__(self, js, buckets, ncfg: Any, worker_id: str = "", max_open_diagnoses_per_node: int = 64,
-                 max_clock_offset_s: float = 5.0):
+                 max_clock_offset_s: float = 5.0, limits: Limits | None = None):
         self.js, self.buckets, self.ncfg = js, buckets, ncfg
         self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.nodes: dict[str, NodeLatest] = {}
@@ -104,6 +147,13 @@ class Worker:
         self.diagnoses.configure(max_open_diagnoses_per_node)
         self.max_clock_offset_ns = int(max_clock_offset_s * 1e9)
         self.idle_ns = 3600 * 10**9           # [state] series_idle_s (collector/idle.py)
+        self.limits = limits or Limits()      # what a message read must keep to (module docstring)
+        # Xps-Received at most this far ahead of JetStream's time, or behind it by this + publish_give_up_s.
+        skew_s, give_up_s = (getattr(ncfg, k, NATS_SCHEMA[k].default) for k in ("max_received_skew_s", "publish_give_up_s"))
+        self.received_ns = (int(skew_s * 1e9), int((skew_s + give_up_s) * 1e9))
+        self.skipped = 0                      # messages read and not applied (counters: why)
+        self._stored = _NodeStored()
+        self._log = RateLimitedLog(log)
 
     # -- leases -----------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -270,16 +320,34 @@ class Worker:
     def _handle(self, k: int, msg: Msg) -> None:
         self.messages += 1
         node_id = node_of_subject(msg.subject)
-        node = self.nodes.get(node_id)
-        if node is None:
-            node = self.nodes[node_id] = NodeLatest(node_id, k)
         t = _stream_time_ns(msg.reply)
         headers = msg.headers or {}
         kind = headers.get(KIND)
         raw = headers.get(RECEIVED, "")
         recv = int(raw) if raw.isdigit() else t
+        batch: Any = None
+        hello: pb.Hello | None = None
         if kind is None:
             batch = read_batch(msg.data)
+            why = self._batch_refused(node_id, batch, headers, raw, t, msg.data)
+        elif kind == "hello":
+            hello = pb.Hello.FromString(msg.data)
+            why = self._hello_refused(node_id, hello, raw, t)
+        elif kind == "inventory" and len(msg.data) > self.limits.max_inventory_bytes:
+            why = "limits.max_inventory_bytes", f"an inventory of {len(msg.data)} bytes"
+        elif kind not in ("inventory", "bye"):
+            why = "kind", f"a message of kind {str(kind)[:64]!r}"
+        else:
+            why = None
+        if why is not None:
+            self._skip(node_id, why)
+            return
+        node = self.nodes.get(node_id)
+        if node is None:
+            if kind == "bye":   # of a node this worker does not have: nothing to end
+                return
+            node = self.nodes[node_id] = NodeLatest(node_id, k)
+        if batch is not None:
             if not node.apply(batch, t, recv):
                 self.dropped += 1
             elif batch.events or batch.boot_id != node.diagnoses_boot:
@@ -287,8 +355,7 @@ class Worker:
             self.handled += 1
             node.offset.observe(batch.sent_unix_nano, recv)
             self._clock_checked(node, recv)
-        elif kind == "hello":
-            hello = pb.Hello.FromString(msg.data)
+        elif hello is not None:
             node.hello(hello, headers.get("Xps-Session", ""), headers.get("Xps-Peer", ""), t)
             self.diagnoses.hello(node, hello.boot_id)   # a new agent boot: the last one's diagnoses end
             node.offset.observe(hello.time_unix_nano, recv)
@@ -297,6 +364,55 @@ class Worker:
             node.set_inventory(msg.data)
         elif kind == "bye":
             node.bye(headers.get("Xps-Session", ""))
+
+    def _received_refused(self, raw: str, t_ns: int) -> tuple[str, str] | None:
+        """A gateway's receive time (Xps-Received) missing, or not near when JetStream stored it."""
+        if not raw.isdigit():
+            return "received", f"no {RECEIVED} time ({raw[:32]!r})"
+        lag = t_ns - int(raw)
+        if lag < -self.received_ns[0] or lag > self.received_ns[1]:
+            return "received", f"{RECEIVED} {lag / -1e9:+.1f} s from when JetStream stored it"
+        return None
+
+    def _batch_refused(self, node_id: str, batch: Any, headers: dict, raw: str, t_ns: int,
+                       data: bytes) -> tuple[str, str] | None:
+        """Why a batch read is not applied, or None (the module docstring): (reason, what was wrong)."""
+        if batch.node_id != node_id:
+            return "node", f"a batch of node {batch.node_id[:128]!r} on the subject of {node_id[:128]!r}"
+        if (why := bad_id("boot_id", batch.boot_id)) or batch.seq < 1:
+            return "ids", why or f"seq {batch.seq}"
+        if headers.get(MSG_ID) != msg_id(node_id, batch.boot_id, batch.seq):
+            return "msg_id", f"{MSG_ID} {str(headers.get(MSG_ID))[:300]!r} is not the batch's node:boot:seq"
+        if (why_recv := self._received_refused(raw, t_ns)) is not None:
+            return why_recv
+        stored = self._stored
+        stored.node, stored.t_ns = self.nodes.get(node_id), t_ns
+        try:
+            v = self.limits.check(node_id, batch, stored, refs=refs_of(batch, data), rate=False)
+        finally:
+            stored.node = None
+        return None if v is None else (f"limits.{v.key or v.code.name}", v.message)
+
+    def _hello_refused(self, node_id: str, hello: pb.Hello, raw: str, t_ns: int) -> tuple[str, str] | None:
+        if hello.node_id != node_id:
+            return "node", f"a Hello of node {hello.node_id[:128]!r} on the subject of {node_id[:128]!r}"
+        if why := bad_id("boot_id", hello.boot_id):
+            return "ids", why
+        if (v := self.limits.check_inventory(hello.inventory)) is not None:
+            return f"limits.{v.key}", v.message
+        return self._received_refused(raw, t_ns)
+
+    def _skip(self, node_id: str, why: tuple[str, str]) -> None:
+        """A message read and not applied: counted by reason (the worker's, and the node's summary
+        when this worker has the node), logged at most a few a second."""
+        key = f"worker.skipped.{why[0]}"
+        self.skipped += 1
+        self.counters[key] += 1
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.diagnosis_counts[key] = node.diagnosis_counts.get(key, 0) + 1
+            node.dirty = True
+        self._log.warning("worker %s: node %r: skipped a message: %s", self.id, node_id[:128], why[1])
 
     def _clock_checked(self, node: NodeLatest, now_ns: int) -> None:
         """The node's clock_offset diagnosis opened, updated or closed (collector/clock.py)."""
@@ -374,7 +490,7 @@ async def run_worker(cfg: Any, stop: asyncio.Event) -> None:
     js = nc.jetstream(timeout=ncfg.publish_timeout_s)
     buckets = await ensure(js, ncfg, create=False)   # a gateway creates them
     w = Worker(js, buckets, ncfg, max_open_diagnoses_per_node=cfg.state.max_open_diagnoses_per_node,
-               max_clock_offset_s=cfg.state.max_clock_offset_s)
+               max_clock_offset_s=cfg.state.max_clock_offset_s, limits=Limits.from_config(cfg.limits))
     w.idle_ns = int(cfg.state.series_idle_s * 1e9)
     log.info("worker %s: following %d partitions of the NATS cluster at %s", w.id, ncfg.partitions, ",".join(ncfg.urls))
     try:

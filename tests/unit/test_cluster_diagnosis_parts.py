@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from xpusense.collector.cluster.query import list_nodes
 from xpusense.collector.cluster.scheduler import FleetIndex
-from xpusense.collector.cluster.subjects import KIND, node_subject
+from xpusense.collector.cluster.subjects import KIND, MSG_ID, RECEIVED, msg_id, node_subject
 from xpusense.collector.cluster.summary import NodeLatest, decode
 from xpusense.collector.cluster.worker import Worker
 from xpusense.collector.config import load_collector
@@ -26,7 +26,12 @@ CFG = load_collector(None, env={})
 
 
 def _msg(data: bytes, kind: str | None = None, boot: str = "b1"):
-    headers = {KIND: kind, "Xps-Session": f"s-{boot}"} if kind else {}
+    """A message as a gateway publishes it (its receive time; a batch's msg id)."""
+    if kind:
+        headers = {KIND: kind, "Xps-Session": f"s-{boot}", RECEIVED: str(time.time_ns())}
+    else:
+        b = pb.Batch.FromString(data)
+        headers = {MSG_ID: msg_id(b.node_id, b.boot_id, b.seq), RECEIVED: str(time.time_ns())}
     return SimpleNamespace(subject=node_subject("xpusense", "r1", 0, NODE), reply="", headers=headers, data=data)
 
 

@@ -18,7 +18,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from xpusense.collector.cluster.scheduler import FleetIndex
-from xpusense.collector.cluster.subjects import KIND, node_subject
+from xpusense.collector.cluster.subjects import KIND, MSG_ID, RECEIVED, msg_id, node_subject
 from xpusense.collector.cluster.worker import Worker
 from xpusense.collector.inventory_book import InventoryBook
 from xpusense.collector.prom_names import REASONS, Families, Tally, label_key, prom_labels, prom_name
@@ -166,8 +166,9 @@ def test_cluster_mode_renders_through_the_same_rules():
     inv.resources.add(type="GPU", vendor="nvidia", model="H100", id="gpu0")
     for data, kind in ((pb.Hello(node_id="odd", boot_id="b", inventory=inv).SerializeToString(), "hello"),
                        (odd_batch("odd", 1, time.time_ns()).SerializeToString(), None)):
+        headers = {KIND: kind, "Xps-Session": "s-b"} if kind else {MSG_ID: msg_id("odd", "b", 1)}
         w._handle(0, SimpleNamespace(subject=subject, reply="", data=data,
-                                     headers={KIND: kind, "Xps-Session": "s-b"} if kind else {}))
+                                     headers={**headers, RECEIVED: str(time.time_ns())}))
     index = FleetIndex()
     index.apply(w.nodes["odd"].encode("w1", 1), revision=1)
     book = InventoryBook().watch(index)
