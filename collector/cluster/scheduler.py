@@ -27,10 +27,11 @@ from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
 from xpusense.v1 import telemetry_pb2 as pb
 
 from ..gc_policy import freeze_long_lived
+from ..limits import RateLimitedLog
 from ..scheduler.core import Scheduler
 from ..scheduler.service import SCHEDULER_SERVICE, SchedulerServicer
 from .engine import list_bucket
-from .summary import MirrorNode, decode, received_of
+from .summary import CLOCK_AHEAD_NS, MirrorNode, decode, received_of, seen_at
 
 log = logging.getLogger("xpusense.collector.cluster.scheduler")
 YIELD_S = 0.0005   # the watch's changes are applied for this long before the loop serves others (Place, Query)
@@ -86,15 +87,22 @@ class FleetIndex:
         self.watch_restarts = 0   # times the list-then-watch started again (follow)
         self.idle = None   # async () -> None: waits (bounded) for the Place calls in flight; set by follow_fleet
         self.watch_clock = time.monotonic   # how long a list-then-watch round lasted (follow's backoff)
+        self.clock_ahead = 0                # summaries whose "last seen" was ahead of this reader's clock
+        self._log = RateLimitedLog(log)
 
     def apply(self, data: bytes, revision: int = 0) -> None:
         d = decode(data)
         if d is None:
             return
         nid, inv = d["n"], d.get("i") or b""
+        now = self.clock()
+        if (ahead := d.get("t", 0) - now) > CLOCK_AHEAD_NS:   # counted as seen now (summary.seen_at)
+            self.clock_ahead += 1
+            self._log.warning("fleet index: node %r's summary says last seen %.0f s ahead of this clock; "
+                              "counted as seen now", nid[:128], ahead / 1e9)
         n = self.nodes.get(nid)
         if n is None:
-            n = self.nodes[nid] = MirrorNode(d, revision)
+            n = self.nodes[nid] = MirrorNode(d, revision, now)
             self.updates += 1
             self._inventory[nid] = inv
             self._events[nid] = {e.id: e for e in n.events}
@@ -108,7 +116,7 @@ class FleetIndex:
         self.updates += 1
         n.revision, n.written_ns, n.worker = revision, d.get("at", 0), d.get("w", "")
         n.boot_id, n.streams, n.peer = d.get("b", ""), d.get("c", 0), d.get("p", "")
-        n.last_seen_ns = max(n.last_seen_ns, d.get("t", 0))
+        n.last_seen_ns = max(n.last_seen_ns, seen_at(d.get("t", 0), now))
         n.stored_up_to = dict(d.get("m") or {})
         n.batches_stored, n.batches_duplicate = d.get("bs", 0), d.get("bd", 0)
         n.set_series(d)

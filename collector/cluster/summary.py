@@ -33,12 +33,18 @@ the same `[state] max_open_diagnoses_per_node`; `dg`, `db`, `dc`, `do` are left 
 `NodeLatest` is the worker's side (built from batches, written as a summary); `MirrorNode` and
 `MirrorSeries` the readers' (decoded from a summary) with the attributes collector/scheduler and the
 views read on FleetState's NodeState and Series.
+
+Readers do not trust a summary's clock: its "last seen" (`t`) counts as at most the reader's own
+now (`seen_at`), so a summary stamped ahead (a worker's clock, or a forged one) is fresh only from
+when the reader read it and goes stale `stale_s` later unless written again; one more than
+CLOCK_AHEAD_NS ahead is counted by the reader (FleetIndex.clock_ahead) and logged.
 """
 
 from __future__ import annotations
 
 import collections
 import math
+import time
 import zlib
 from typing import Any
 
@@ -65,6 +71,14 @@ MAX_REFS = 65536          # series references of a boot in use (its current gene
 EVENTS_KEPT = 16
 BOOTS_KEPT = 4
 _IGNORED = object()
+
+
+CLOCK_AHEAD_NS = 2 * 10**9   # a summary's "last seen" this far ahead of the reader's clock is counted
+
+
+def seen_at(t_ns: int, now_ns: int) -> int:
+    """A summary's "last seen" as a reader counts it: never after the reader's now."""
+    return t_ns if t_ns <= now_ns else now_ns
 
 
 def fleet_key(part: int, node_token: str) -> str:
@@ -319,11 +333,11 @@ class MirrorNode:
                  "batches_stored", "batches_duplicate", "series", "series_list", "layout", "events", "revision",
                  "written_ns", "worker", "diagnoses", "diagnosis_counts", "diagnoses_opened", "_diagnosis_rows")
 
-    def __init__(self, d: dict, revision: int = 0):
+    def __init__(self, d: dict, revision: int = 0, now_ns: int | None = None):
         self.node_id: str = d["n"]
         self.boot_id: str = d.get("b", "")
         self.streams: int = d.get("c", 0)
-        self.last_seen_ns: int = d.get("t", 0)
+        self.last_seen_ns: int = seen_at(d.get("t", 0), time.time_ns() if now_ns is None else now_ns)
         self.peer: str = d.get("p", "")
         self.inventory = pb.Inventory.FromString(d.get("i") or b"")
         self.stored_up_to: dict[str, int] = dict(d.get("m") or {})
