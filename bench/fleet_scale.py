@@ -1,8 +1,14 @@
-"""Cluster mode at fleet scale (issue 16): what each part of the tier does per core and per node
+"""Cluster mode at fleet scale: what each part of the tier does per core and per node
 on this machine, and what 100,000 nodes at one batch a second would take.
 
 A real 3-server NATS JetStream cluster on loopback (collector/cluster/localnats.py, R3 streams,
-JetStream's default sync policy), then, one after the other:
+JetStream's default sync policy) run as cluster mode is deployed: TLS on the client port and the
+routes, and every connection identified by its role's certificate with that role's permissions only
+(collector/cluster/nats_auth.py): the gateway and scheduler replica processes as theirs, and in this
+process the worker, the fleet bucket's writer and the marks watcher as a worker, the Place index as a
+scheduler, the publish probe as a gateway. `--nats-open`: plaintext, anonymous, no permissions (what
+the bench measured before 2026-12-06), for the cost of TLS as a ratio on the same machine. Then,
+one after the other:
 
 1. gateway, saturation: one `serve --nats` gateway pinned to CPU 0, simulated agents
    (bench/load_agents.py, the C generator unless --generator python: 8 devices x 20 series = 160
@@ -33,8 +39,10 @@ JetStream's default sync policy), then, one after the other:
     .venv/bin/python bench/fleet_scale.py --ack-only      # step 2 alone (ack p99 at --fleet agents), ~1.5 min
     .venv/bin/python bench/fleet_scale.py --ack-only --seconds 10 --spy /path/to/py-spy   # + the gateway's stacks
     .venv/bin/python bench/fleet_scale.py --place-only --spy /path/to/py-spy   # + the replica's stacks
+    .venv/bin/python bench/fleet_scale.py --nats-open --record bench/results/fleet_scale.jsonl
 
-Prints a table, then one line of JSON.
+Prints a table, then one line of JSON: the figures, the NATS mode ("nats": "tls" or "open"), the date
+(UTC), the CPU model and the host's steal over the run; --record FILE appends that line to FILE.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import load_agents
@@ -66,18 +75,52 @@ TARGET_NODES = 100_000
 UPDATE_PASSES = 5   # the CPU per summary update followed: the median of these passes over the fleet
 
 
-def nats_cfg(urls: list[str], summary_s: float = 2.0) -> SimpleNamespace:
+def nats_keys(cluster) -> dict:
+    """The [nats] keys a client of this LocalCluster needs: its URLs and, unless it is open to all,
+    the TLS files with `{role}` in the certificate's path (each connection takes its role's)."""
+    keys: dict = {"urls": cluster.urls}
+    if not cluster.open_to_all:
+        keys.update(zip(("tls_ca", "tls_cert", "tls_key"), cluster.tls_files("{role}")))
+    return keys
+
+
+def nats_mode(cluster) -> str:
+    return "open" if cluster.open_to_all else "tls"
+
+
+def nats_cfg(cluster, summary_s: float = 2.0) -> SimpleNamespace:
     from xpusense.collector.cluster.cli import load_config
-    cfg = load_config(None, {"nats.urls": urls, "nats.summary_s": summary_s}, env={})
+    flags = {f"nats.{k}": v for k, v in nats_keys(cluster).items()}
+    cfg = load_config(None, {**flags, "nats.summary_s": summary_s}, env={})
     return cfg
 
 
-def collector_toml(tmp: str, urls: list[str], top: str = "") -> str:
+def collector_toml(tmp: str, cluster, top: str = "") -> str:
     path = os.path.join(tmp, "collector.toml")
     with open(path, "w") as f:
-        f.write(top + "[limits]\nbatches_per_s = 1000000\nburst_batches = 1000000\n[nats]\nurls = [%s]\n"
-                % ", ".join(f'"{u}"' for u in urls))
+        f.write(top + "[limits]\nbatches_per_s = 1000000\nburst_batches = 1000000\n[nats]\n"
+                + "".join(f"{k} = {json.dumps(v)}\n" for k, v in nats_keys(cluster).items()))
     return path
+
+
+def cpu_model() -> str:
+    """/proc/cpuinfo's first "model name" ('' where it has none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def emit(args: argparse.Namespace, cluster, summary: dict) -> None:
+    """The run's JSON line, the last of stdout, with the NATS mode, the date (UTC), the CPU model and
+    the host's steal since the start; appended to --record FILE too."""
+    line = json.dumps({**summary, "nats": nats_mode(cluster), "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                       "cpu_model": cpu_model(), "steal_pct": round(steal_pct(args.ticks, machine_ticks()), 2)})
+    print(line, flush=True)
+    if args.record:
+        with open(args.record, "a") as f:
+            f.write(line + "\n")
 
 
 def load(address: str, agents: int, rate: float, window: int, seconds: float, warmup_s: float,
@@ -109,15 +152,15 @@ def load(address: str, agents: int, rate: float, window: int, seconds: float, wa
 
 
 # -- 3. the worker --------------------------------------------------------------------------------------
-async def worker_rate(urls: list[str], timeout_s: float = 300.0) -> dict:
+async def worker_rate(cluster, timeout_s: float = 300.0) -> dict:
     from xpusense.collector.cluster.engine import connect, ensure
     from xpusense.collector.cluster.subjects import stream_name
     from xpusense.collector.cluster.worker import Worker
-    cfg = nats_cfg(urls, summary_s=2.0)
+    cfg = nats_cfg(cluster, summary_s=2.0)
     n = cfg.nats
-    nc = await connect(n, "bench-worker")
+    nc = await connect(n, "bench-worker", role="worker")
     js = nc.jetstream(timeout=10)
-    buckets = await ensure(js, n)
+    buckets = await ensure(js, n, create=False)   # the gateway made them
     total = 0
     for i in range(n.streams):
         total += (await js.stream_info(stream_name(n.prefix, i))).state.messages
@@ -242,23 +285,27 @@ async def refresher(kv, data: list[bytes], per_s: float, stop_ev: asyncio.Event)
     return sent
 
 
-async def place_from_bucket(urls: list[str], data: list[bytes], seconds: float, updates_s: float) -> dict:
+async def place_from_bucket(cluster, data: list[bytes], seconds: float, updates_s: float) -> dict:
     from xpusense.collector.cluster.engine import connect, ensure
     from xpusense.collector.cluster.scheduler import follow_fleet
     from xpusense.collector.gc_policy import freeze_long_lived
     cfg = config()
-    cfg.nats = nats_cfg(urls).nats
+    cfg.nats = nats_cfg(cluster).nats
     cfg.stale_s = 3600.0         # what is measured is the decision, not how long the bench took to set up
     n = cfg.nats
-    nc = await connect(n, "bench-place")
+    setup = await connect(n, "bench-setup", role="gateway")   # a gateway makes the streams and buckets
+    await ensure(setup.jetstream(timeout=30), n)
+    await setup.close()
+    wc = await connect(n, "bench-writer", role="worker")     # the summaries' writer, as workers are
+    buckets = await ensure(wc.jetstream(timeout=30), n, create=False)
+    nc = await connect(n, "bench-place", role="scheduler")   # the index, as a replica follows it
     js = nc.jetstream(timeout=30)
-    buckets = await ensure(js, n)
     t0 = time.monotonic()
     for i in range(0, len(data), 500):
         await asyncio.gather(*(buckets.fleet.put(k, v) for k, v in refreshed(data[i:i + 500])))
     put_s = time.monotonic() - t0
     t0 = time.monotonic()
-    sched = await follow_fleet(js, buckets.fleet, cfg, timeout_s=300)
+    sched = await follow_fleet(js, (await ensure(js, n, create=False)).fleet, cfg, timeout_s=300)
     list_s = time.monotonic() - t0
     # The replica's garbage-collection policy (run_scheduler): without it this process's full
     # collections walked the 10,000 nodes' index, 39 of up to 0.66 s in a 15 s window.
@@ -299,6 +346,7 @@ async def place_from_bucket(urls: list[str], data: list[bytes], seconds: float, 
     listed = len(sched.index.nodes)
     await sched.close()
     await nc.close()
+    await wc.close()
     return {"put_s": put_s, "list_s": list_s, "listed": listed, "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99),
             "cpu_p50_ms": pct(cpu, 0.5), "cpu_p99_ms": pct(cpu, 0.99), "n": len(lat), "followed_s": followed,
             "caught_up": caught_up, "caught_up_nodes": caught_up_nodes, "settled": getattr(view, "settled", 0),
@@ -309,14 +357,14 @@ async def place_from_bucket(urls: list[str], data: list[bytes], seconds: float, 
             "steal_pct": steal_pct(ticks0, ticks1)}
 
 
-def place_over_grpc(tmp: str, urls: list[str], data: list[bytes], seconds: float, updates_s: float,
+def place_over_grpc(tmp: str, cluster, data: list[bytes], seconds: float, updates_s: float,
                     spy: str = "", replica_cpus: set[int] | None = None, client_kind: str = "c") -> dict:
     """A `scheduler` replica process answering a client over gRPC while the bucket changes at
     updates_s; also the replica's CPU in the window (a share of a core). `spy`: py-spy's binary, to
     record the replica's stacks over the window (raw, for flame graphs; tmp/scheduler.spy.txt).
     `replica_cpus`: the replica pinned to these (the client and the writer run where this process may)."""
     addr = f"127.0.0.1:{free_port()}"
-    cfg_path = collector_toml(tmp, urls, "stale_s = 3600.0\n")
+    cfg_path = collector_toml(tmp, cluster, "stale_s = 3600.0\n")
     log_path = os.path.join(tmp, "scheduler.log")
     with open(log_path, "w") as log:
         p = subprocess.Popen([sys.executable, "-m", "xpusense.collector.cluster", "scheduler", "--config", cfg_path,
@@ -344,7 +392,7 @@ def place_over_grpc(tmp: str, urls: list[str], data: list[bytes], seconds: float
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         c = PlaceCalls(client_kind, addr, seconds, 0.002)
         c0, w0, d0 = cpu_s(p.pid), time.monotonic(), (run_delay_ms(p.pid), run_delay_ms(c.pid))
-        asyncio.run(_refresh_for(urls, data, updates_s, seconds))
+        asyncio.run(_refresh_for(cluster, data, updates_s, seconds))
         c1, w1, d1 = cpu_s(p.pid), time.monotonic(), (run_delay_ms(p.pid), run_delay_ms(c.pid))
         lat = c.latencies(120.0)
         rss = _rss_kb(p.pid)
@@ -361,11 +409,11 @@ def place_over_grpc(tmp: str, urls: list[str], data: list[bytes], seconds: float
             "replica_waited_ms": (d1[0] - d0[0]) / max(1, len(lat)), "client_waited_ms": (d1[1] - d0[1]) / max(1, len(lat))}
 
 
-async def _refresh_for(urls: list[str], data: list[bytes], updates_s: float, seconds: float) -> None:
+async def _refresh_for(cluster, data: list[bytes], updates_s: float, seconds: float) -> None:
     from xpusense.collector.cluster.engine import connect, ensure
-    n = nats_cfg(urls).nats
-    nc = await connect(n, "bench-refresh")
-    buckets = await ensure(nc.jetstream(timeout=30), n)
+    n = nats_cfg(cluster).nats
+    nc = await connect(n, "bench-refresh", role="worker")   # the summaries' writer, as workers are
+    buckets = await ensure(nc.jetstream(timeout=30), n, create=False)
     stop_ev = asyncio.Event()
     task = asyncio.create_task(refresher(buckets.fleet, data, updates_s, stop_ev))
     await asyncio.sleep(seconds)
@@ -388,9 +436,9 @@ def place_step(args: argparse.Namespace, cluster, tmp: str) -> tuple[dict, dict]
     big, _ = summaries(args.place_nodes, seed=11)
     try:
         os.sched_setaffinity(0, mine)
-        inproc = asyncio.run(place_from_bucket(cluster.urls, big, args.seconds, args.updates_s))
+        inproc = asyncio.run(place_from_bucket(cluster, big, args.seconds, args.updates_s))
         os.sched_setaffinity(0, others)
-        over = place_over_grpc(tmp, cluster.urls, big, args.seconds, args.updates_s, args.spy, mine, args.client)
+        over = place_over_grpc(tmp, cluster, big, args.seconds, args.updates_s, args.spy, mine, args.client)
     finally:
         os.sched_setaffinity(0, set(cpus))
         for srv in cluster.servers:
@@ -403,7 +451,7 @@ def place_only(args: argparse.Namespace) -> int:
     """Step 5 alone: Place in process and over gRPC from a replica following the fleet bucket."""
     from xpusense.collector.cluster.localnats import LocalCluster
     tmp = tempfile.mkdtemp(prefix="xpusense-fleet-")
-    with LocalCluster(3, os.path.join(tmp, "nats"), open_to_all=True) as cluster:   # one process, many roles
+    with LocalCluster(3, os.path.join(tmp, "nats"), open_to_all=args.nats_open) as cluster:
         inproc, over = place_step(args, cluster, tmp)
     print(f"Place at {inproc['listed']:,} nodes, {inproc['followed_s']:,.0f} summary updates/s followed: in process "
           f"p50 {inproc['p50_ms']:.3f} ms, p99 {inproc['p99_ms']:.3f} ms (goal <= 1; CPU p50 {inproc['cpu_p50_ms']:.3f}, "
@@ -416,15 +464,15 @@ def place_only(args: argparse.Namespace) -> int:
           f"replica's threads {over['replica_waited_ms']:.3f} ms, the client's {over['client_waited_ms']:.3f} ms); "
           f"load average {os.getloadavg()[0]:.2f}"
           + (f"; py-spy profile of the replica: {os.path.join(tmp, 'scheduler.spy.txt')}" if args.spy else ""))
-    print(json.dumps({"bench": "fleet_scale", "place_only": True, "place_nodes": inproc["listed"],
-                      "place_inproc": {k: round(v, 3) if isinstance(v, float) else v for k, v in inproc.items()},
-                      "place_grpc": {k: round(v, 3) if isinstance(v, float) else v for k, v in over.items()}}))
+    emit(args, cluster, {"bench": "fleet_scale", "place_only": True, "place_nodes": inproc["listed"],
+                         "place_inproc": {k: round(v, 3) if isinstance(v, float) else v for k, v in inproc.items()},
+                         "place_grpc": {k: round(v, 3) if isinstance(v, float) else v for k, v in over.items()}})
     return 0
 
 
-def gateway_proc(tmp: str, urls: list[str], cpu: int) -> tuple[subprocess.Popen, str, str]:
+def gateway_proc(tmp: str, cluster, cpu: int) -> tuple[subprocess.Popen, str, str]:
     """A `serve --nats` gateway process pinned to `cpu`, serving: (process, address, log path)."""
-    cfg_path = collector_toml(tmp, urls)
+    cfg_path = collector_toml(tmp, cluster)
     address = f"127.0.0.1:{free_port()}"
     log_path = os.path.join(tmp, "gateway.log")
     with open(log_path, "w") as log:
@@ -440,22 +488,29 @@ def gateway_proc(tmp: str, urls: list[str], cpu: int) -> tuple[subprocess.Popen,
     return gw, address, log_path
 
 
-def publish_probe(urls: list[str], every_s: float, stop_ev, out: list[float], marks: list[float] | None = None) -> None:
+def publish_probe(cluster, every_s: float, stop_ev, out: list[float], marks: list[float] | None = None) -> None:
     """JetStream's own publish-ack latency meanwhile (the servers' share of the ack): one R3
     publish every `every_s`, to each stream in turn, from this process (idle but for this), timed
-    here; a node id no agent has. Runs in a thread until stop_ev is set. `marks`: the arrival time
-    (monotonic) of every write to the marks bucket meanwhile, as a KV watcher would see it."""
+    here, as a gateway; a node id no agent has. Runs in a thread until stop_ev is set. `marks`: the
+    arrival time (monotonic) of every write to the marks bucket meanwhile, as a worker's KV watch
+    (an ordered consumer of the bucket's stream, new writes only) sees it."""
+    from nats.js import api
+
     from xpusense.collector.cluster.engine import connect
     from xpusense.collector.cluster.subjects import node_subject
-    n = nats_cfg(urls).nats
+    n = nats_cfg(cluster).nats
 
     async def run() -> None:
-        nc = await connect(n, "bench-probe")
+        nc = await connect(n, "bench-probe", role="gateway")
         js = nc.jetstream(timeout=10)
+        watcher = None
         if marks is not None:
             async def seen(_msg) -> None:
                 marks.append(time.monotonic())
-            await nc.subscribe(f"$KV.{n.marks_bucket}.>", cb=seen)
+            watcher = await connect(n, "bench-marks", role="worker")
+            await watcher.jetstream(timeout=10).subscribe(
+                f"$KV.{n.marks_bucket}.>", stream=f"KV_{n.marks_bucket}", cb=seen, ordered_consumer=True,
+                deliver_policy=api.DeliverPolicy.NEW)
         i = 0
         while not stop_ev.is_set():
             i += 1
@@ -465,6 +520,8 @@ def publish_probe(urls: list[str], every_s: float, stop_ev, out: list[float], ma
             out.append(1e3 * (time.perf_counter() - t0))
             await asyncio.sleep(every_s)
         await nc.close()
+        if watcher is not None:
+            await watcher.close()
     asyncio.run(run())
 
 
@@ -488,9 +545,9 @@ def ack_only(args: argparse.Namespace) -> int:
     gw_cpu, gen_cpus = cpus[0], cpus[1:] or cpus
     tmp = tempfile.mkdtemp(prefix="xpusense-fleet-")
     spy = None
-    with LocalCluster(3, os.path.join(tmp, "nats"), open_to_all=True) as cluster:   # one process, many roles
+    with LocalCluster(3, os.path.join(tmp, "nats"), open_to_all=args.nats_open) as cluster:
         servers = tuple(s.proc.pid for s in cluster.servers if s.proc is not None)
-        gw, address, log_path = gateway_proc(tmp, cluster.urls, gw_cpu)
+        gw, address, log_path = gateway_proc(tmp, cluster, gw_cpu)
         try:
             if args.spy:
                 out_path = os.path.join(tmp, "gateway.spy.txt")
@@ -501,7 +558,7 @@ def ack_only(args: argparse.Namespace) -> int:
             probed: list[float] = []
             marks: list[float] = []
             probe_stop = threading.Event()
-            probe = threading.Thread(target=publish_probe, args=(cluster.urls, 0.05, probe_stop, probed, marks),
+            probe = threading.Thread(target=publish_probe, args=(cluster, 0.05, probe_stop, probed, marks),
                                      daemon=True)
             la0 = os.getloadavg()[0]
             try:
@@ -537,12 +594,13 @@ def ack_only(args: argparse.Namespace) -> int:
           f"{max(per_bin, default=0)} (mean {sum(per_bin) / max(1, len(per_bin)):.0f})")
     if spy is not None:
         print(f"py-spy profile of the gateway: {out_path}")
-    print(json.dumps({"bench": "fleet_scale", "ack_only": True, "fleet": args.fleet,
-                      "marks_writes_s": round(len(marks) / args.seconds, 1), "marks_peak_per_0_5s": max(per_bin, default=0),
-                      **{k: round(v, 3) for k, v in fleet.items() if isinstance(v, float)},
-                      "load_average": [round(la0, 2), round(la1, 2)], "errors": len(fleet["errors"]),
-                      "probe_p50_ms": round(percentile(probed, 0.5), 2), "probe_p99_ms": round(percentile(probed, 0.99), 2),
-                      "probe_n": len(probed)}))
+    emit(args, cluster, {"bench": "fleet_scale", "ack_only": True, "fleet": args.fleet,
+                         "marks_writes_s": round(len(marks) / args.seconds, 1),
+                         "marks_peak_per_0_5s": max(per_bin, default=0),
+                         **{k: round(v, 3) for k, v in fleet.items() if isinstance(v, float)},
+                         "load_average": [round(la0, 2), round(la1, 2)], "errors": len(fleet["errors"]),
+                         "probe_p50_ms": round(percentile(probed, 0.5), 2),
+                         "probe_p99_ms": round(percentile(probed, 0.99), 2), "probe_n": len(probed)})
     return 0
 
 
@@ -574,9 +632,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spy", metavar="PY_SPY", default="",
                    help="with --ack-only: the py-spy binary to profile the gateway with (raw stacks); "
                         "with --place-only: the scheduler replica over gRPC")
+    p.add_argument("--nats-open", action="store_true",
+                   help="run the NATS cluster plaintext, anonymous and without permissions (default: as deployed, "
+                        "TLS with one certificate and its permissions per role), for the cost of TLS as a ratio")
+    p.add_argument("--record", metavar="FILE", default="",
+                   help="also append the JSON line to FILE (e.g. bench/results/fleet_scale.jsonl)")
     args = p.parse_args(argv)
     raise_nofile()
-    ticks = machine_ticks()
+    ticks = args.ticks = machine_ticks()
     try:
         if args.place_only:
             return place_only(args)
@@ -594,9 +657,8 @@ def whole_run(args) -> int:
     gw_cpu, gen_cpus = cpus[0], cpus[1:] or cpus
     tmp = tempfile.mkdtemp(prefix="xpusense-fleet-")
     out: dict = {"cpus": len(cpus), "samples_per_batch": DEVICES * len(SERIES)}
-    with LocalCluster(3, os.path.join(tmp, "nats"), open_to_all=True) as cluster:   # one process, many roles
-        urls = cluster.urls
-        gw, address, log_path = gateway_proc(tmp, urls, gw_cpu)
+    with LocalCluster(3, os.path.join(tmp, "nats"), open_to_all=args.nats_open) as cluster:
+        gw, address, log_path = gateway_proc(tmp, cluster, gw_cpu)
         try:
             print(f"1. gateway saturation: {args.agents} agents, {args.seconds:g} s ...", flush=True)
             sat = load(address, args.agents, 0.0, 8, args.seconds, 3.0, gen_cpus, gw.pid, min(args.agents, 4),
@@ -609,7 +671,7 @@ def whole_run(args) -> int:
         finally:
             stop(gw)
         print("3. worker: the backlog of steps 1 and 2 ...", flush=True)
-        wrk = asyncio.run(worker_rate(urls))
+        wrk = asyncio.run(worker_rate(cluster))
         print(f"4. memory per node: {args.mem_nodes} nodes ...", flush=True)
         data, worker_bytes = summaries(args.mem_nodes)
         sched_bytes, update_s = scheduler_memory(data)
@@ -618,7 +680,7 @@ def whole_run(args) -> int:
     proj = {
         "gateway_cores": TARGET_NODES / gw_per_core,
         "worker_cores": TARGET_NODES / wrk["per_core"],
-        "scheduler_cores_per_replica": TARGET_NODES / nats_cfg(urls).nats.summary_s * update_s,
+        "scheduler_cores_per_replica": TARGET_NODES / nats_cfg(cluster).nats.summary_s * update_s,
         "worker_memory_gb": TARGET_NODES * worker_bytes / 1e9,
         "scheduler_memory_gb_per_replica": TARGET_NODES * sched_bytes / 1e9,
         "stream_mb_s_per_replica": TARGET_NODES * len(LoadAgent(0, "nvidia").next_batch()) / 1e6,
@@ -658,7 +720,8 @@ def whole_run(args) -> int:
         ("100k nodes: scheduler memory per replica, GB", f"{proj['scheduler_memory_gb_per_replica']:.1f}", "", None),
         ("100k nodes x 1/s: MB/s into the streams (x3 copies)", f"{proj['stream_mb_s_per_replica']:.0f}", "", None),
     ]
-    print(f"\nfleet scale on {len(cpus)} CPUs: 3 nats-servers R3 on loopback, gateway on CPU {gw_cpu}, "
+    mode = "plaintext, no permissions" if args.nats_open else "TLS, a certificate per role"
+    print(f"\nfleet scale on {len(cpus)} CPUs: 3 nats-servers R3 on loopback ({mode}), gateway on CPU {gw_cpu}, "
           f"{DEVICES * len(SERIES)} samples a batch")
     print(f"  {'figure':<52} {'value':>14}  {'goal':>10}  ok")
     for name, val, goal, ok in rows:
@@ -672,7 +735,7 @@ def whole_run(args) -> int:
                ack_p99_ms=round(fleet["p99_ms"], 1), fleet_acked_s=round(fleet["batches_s"]),
                place_inproc_p99_ms=round(inproc["p99_ms"], 3), place_grpc_p99_ms=round(over["p99_ms"], 3),
                place_nodes=inproc["listed"], projection={k: round(v, 2) for k, v in proj.items()}, errors=len(errors))
-    print(json.dumps(out))
+    emit(args, cluster, out)
     return 0
 
 

@@ -48,3 +48,16 @@ def test_grpc_floor_server_is_a_collector_the_ingest_bench_can_measure():
     assert got["errors"] == 0 and got["cross_check_ok"], got
     assert got["acked"] >= 20 * 10, got
 
+
+
+def test_fleet_scale_bench_runs_each_role_with_its_own_certificate(tmp_path):
+    """bench/fleet_scale.py at a small size on the cluster as deployed (TLS, a certificate and its
+    permissions per role): every step gets through with its role's identity, and the JSON line it
+    records says the mode, the date and the CPU it ran on."""
+    record = tmp_path / "fleet_scale.jsonl"
+    got = _summary("fleet_scale.py", "--seconds", "1", "--agents", "2", "--fleet", "20", "--mem-nodes", "20",
+                   "--place-nodes", "200", "--updates-s", "50", "--record", str(record))
+    assert got["nats"] == "tls" and got["errors"] == 0, got
+    assert got["gateway_acked_s"] > 0 and got["worker_handled"] > 0 and got["place_nodes"] >= 200, got
+    assert got["date"].endswith("+00:00") and isinstance(got["cpu_model"], str), got
+    assert [json.loads(line) for line in record.read_text().splitlines()] == [got]
