@@ -138,8 +138,10 @@ def form(state: Any, n: Any, boot: str, by_time: dict[int, list], times: set[int
         if not refs[0] or len(set(refs)) != len(refs):   # ref 0: none given; a ref twice: two points of a series
             continue
         members = [known.get(r) for r in refs]
+        # A frame's rows are newer than every point its members hold (an agent clock stepped back
+        # leaves newer points in their histories: no frame until the rows pass them).
         if not all(s is not None and s.frame is None and s.kind != pb.HISTOGRAM and s._time_ns == t
-                   for s in members):
+                   and s.history.newest <= t for s in members):
             continue
         f = Frame((boot, *refs), members, t)
         f.recv_ns = members[0]._recv_ns
@@ -181,6 +183,7 @@ def dissolve(state: Any, n: Any, f: Frame) -> None:
                 s._recv_ns = f.recv_ns
             h.t.extend(f.t)
             h.v.extend(f.v[col::k])
+            h.newest = max(h.newest, f.t[-1])
         h.dropped += f.dropped
         h.due_t = -1   # pruned at its next point
         s.frame = None

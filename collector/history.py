@@ -10,7 +10,8 @@ an older point, as before).
 
 `dropped` counts every point let go from the front (prune, shrink): `dropped + len(t)` is how many
 points the series ever held, so a snapshot can write only the points appended since the last one
-(collector/store/image.py). Points leave only through these two methods.
+(collector/store/image.py). Points leave only through these two methods; the window is measured
+from the newest time the series has held (`newest`), never from a later-arriving older point.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ POINT_BYTES = 17   # 16, and the arrays' spare room (CPython grows them by 1/16)
 
 
 class History:
-    __slots__ = ("t", "v", "due_t", "due_n", "dropped")
+    __slots__ = ("t", "v", "due_t", "due_n", "dropped", "newest")
 
     def __init__(self) -> None:
         self.t = array("q")
@@ -29,6 +30,10 @@ class History:
         self.due_t = -1    # prune() once a point newer than this comes (set by the first prune)
         self.due_n = 0     # ...or once there are more points than this
         self.dropped = 0   # points let go from the front so far
+        # The newest time among its points (stamps arrive out of order when an agent clock steps
+        # back): the window is measured from it, so it only ever moves forward and what a prune lets
+        # go does not depend on when the prune runs.
+        self.newest = 0
 
     def prune(self, cutoff: int, cap: int, window_ns: int, slack_ns: int) -> int:
         """Let go of the points before `cutoff` at the front and all but the newest `cap`; returns

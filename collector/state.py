@@ -460,9 +460,11 @@ class FleetState:
             ts = h.t
             ts.append(t)
             h.v.append(v)
+            if t > h.newest:
+                h.newest = t
             grown += 1
             if t > h.due_t or len(ts) > h.due_n:
-                grown -= h.prune(ser._time_ns - hist_ns, cap, hist_ns, slack_ns)
+                grown -= h.prune(h.newest - hist_ns, cap, hist_ns, slack_ns)
         self.history_slots += grown
 
     # -- read side ---------------------------------------------------------------------------------

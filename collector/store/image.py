@@ -270,6 +270,7 @@ def _restore_full(state: FleetState, n: NodeState, series: list, runs: list, sta
         h.v.frombytes(_take(blob, at, k << 3, n.node_id))
         at += k << 3
         h.due_t, h.due_n = due_t, due_n
+        h.newest = max(max(h.t, default=0), time_ns, prev_time_ns)
         slots += k
         n.series[series_key(name, labels)] = ser
     state.series_total += len(n.series)
@@ -392,6 +393,7 @@ def restore_node_v1(state: FleetState, data: list) -> None:
         if len(h.t) != len(h.v):
             raise ValueError(f"node {nid!r} series {name!r}: {len(h.t)} times but {len(h.v)} values")
         h.due_t, h.due_n = due_t, due_n
+        h.newest = max(max(h.t, default=0), time_ns, prev_time_ns)
         slots += len(h.t)
         n.series[series_key(name, labels)] = ser
     state.series_total += len(n.series)
