@@ -731,6 +731,8 @@ def whole_run(args) -> int:
         print(f"  {len(errors)} agent errors, e.g. {errors[0]}")
     out.update(bench="fleet_scale", gateway_per_core=round(gw_per_core), gateway_acked_s=round(sat["batches_s"]),
                gateway_cpu=round(sat["cpu"], 3), worker_per_core=round(wrk["per_core"]), worker_handled=wrk["handled"],
+               # read short of what the streams held: the worker waited until its timeout, its CPU with it
+               worker_read=[wrk["messages"], wrk["in_stream"]], worker_wall_s=round(wrk["wall_s"], 1),
                worker_bytes_per_node=worker_bytes, scheduler_bytes_per_node=sched_bytes,
                ack_p99_ms=round(fleet["p99_ms"], 1), fleet_acked_s=round(fleet["batches_s"]),
                place_inproc_p99_ms=round(inproc["p99_ms"], 3), place_grpc_p99_ms=round(over["p99_ms"], 3),

@@ -58,6 +58,6 @@ def test_fleet_scale_bench_runs_each_role_with_its_own_certificate(tmp_path):
     got = _summary("fleet_scale.py", "--seconds", "1", "--agents", "2", "--fleet", "20", "--mem-nodes", "20",
                    "--place-nodes", "200", "--updates-s", "50", "--record", str(record))
     assert got["nats"] == "tls" and got["errors"] == 0, got
-    assert got["gateway_acked_s"] > 0 and got["worker_handled"] > 0 and got["place_nodes"] >= 200, got
+    assert got["gateway_acked_s"] > 0 and got["worker_handled"] > 0 and got["worker_read"][0] > 0 and got["place_nodes"] >= 200, got
     assert got["date"].endswith("+00:00") and isinstance(got["cpu_model"], str), got
     assert [json.loads(line) for line in record.read_text().splitlines()] == [got]
