@@ -40,7 +40,9 @@ them are written, and only by the lease's holder: a partition's writes run one a
 handover's last write waits for the one in flight, so that its acknowledgement never runs ahead of
 a summary still on its way, which the next owner would load without), and the lease is renewed
 between the writes and the acknowledgement (a worker whose lease was taken over acknowledges
-nothing: the new owner reads those messages again).
+nothing: the new owner reads those messages again). Deliveries are numbered by the consumer: a gap
+(messages the server sent and the connection lost) is never acknowledged past; what was handled is
+written and acknowledged, and the consumer reset to its ack floor, so the lost ones come again.
 """
 
 from __future__ import annotations
@@ -90,6 +92,16 @@ def _stream_time_ns(reply: str) -> int:
         return time.time_ns()
 
 
+def _delivery(reply: str) -> int:
+    """Which delivery of its consumer the message is (1, 2, ... since the consumer was last reset),
+    from its ack subject; 0 when unknown."""
+    tokens = reply.split(".")
+    try:
+        return int(tokens[6] if len(tokens) == 9 else tokens[Msg.Ack.ConsumerSeq])
+    except (IndexError, ValueError):
+        return 0
+
+
 class _NodeStored:
     """limits.Stored for a worker's node as of a message's stream time `t_ns`: each boot's highest
     seq taken and when that rose (SeqWindow). A worker keeps only a summary's series, not the
@@ -128,6 +140,7 @@ class _Partition:
         self.writing = asyncio.Lock()         # one summary write at a time (Worker._write)
         self.renewing = asyncio.Lock()        # one lease renewal at a time (a round's, a write's)
         self.lost = False                     # its lease was taken over: write and acknowledge nothing more
+        self.next_delivery = 0                # the consumer sequence the next message must carry (0: any)
 
 
 class Worker:
@@ -292,11 +305,38 @@ class Worker:
                 await asyncio.sleep(0.2)
                 continue
             for msg in msgs:
+                d = _delivery(msg.reply)
+                if p.next_delivery and d and d != p.next_delivery:
+                    sub = await self._delivered_again(p, sub, stream, durable, d)
+                    break
+                p.next_delivery = d + 1 if d else 0
                 try:
                     self._handle(p.k, msg)
                 except Exception:   # a message that does not parse must not stop the partition
                     log.exception("worker %s: partition %d: cannot handle a message on %s", self.id, p.k, msg.subject)
                 p.last = msg
+
+    async def _delivered_again(self, p: _Partition, sub, stream: str, durable: str, got: int):
+        """Messages delivered to this worker were lost on the way (a connection the server cut, e.g.
+        as a slow consumer): acknowledging a later one would acknowledge them too (AckPolicy ALL),
+        so what was handled is written and acknowledged, and the consumer is reset to its ack floor
+        on a new subscription (what the old one still receives is left behind): the lost ones come
+        again, in order. Counted `worker.deliveries_lost`."""
+        self.counters["worker.deliveries_lost"] += got - p.next_delivery
+        log.warning("worker %s: partition %d: deliveries %d-%d never arrived; reading again from the "
+                    "last acknowledged", self.id, p.k, p.next_delivery, got - 1)
+        await self._write(p.k, p)
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        while not p.stopping:
+            try:
+                await self.js.reset_consumer(stream, durable)
+                p.next_delivery = 1
+                return await self.js.pull_subscribe_bind(durable=durable, stream=stream)
+            except Exception as e:   # transient (an election, a reconnect): tried again
+                log.info("worker %s: partition %d: cannot reset its consumer yet: %s", self.id, p.k, e)
+                await asyncio.sleep(0.5)
+        return sub
 
     async def _open(self, p: _Partition, stream: str, durable: str):
         n = self.ncfg
@@ -306,6 +346,7 @@ class Worker:
             max_waiting=16, num_replicas=n.replicas))
         # Whatever the previous owner had been given and not acknowledged comes again, in order.
         await self.js.reset_consumer(stream, durable)
+        p.next_delivery = 1
         await self._load(p.k)
         self.takeovers += 1
         return await self.js.pull_subscribe_bind(durable=durable, stream=stream)

@@ -475,3 +475,68 @@ def test_a_rounds_and_a_writes_renewals_together_keep_the_lease():
     assert renewed == [True, True] and not p.lost
     assert leases.entries["p.0"] == (b"w1", p.revision)
     assert [a[:2] for a in log] == [("ack", "hello of x")]
+
+
+def test_deliveries_lost_on_the_way_are_read_again_never_acknowledged_past():
+    """A worker whose connection lost messages the server had delivered (deliveries 3 and 4 of 6,
+    as when the server cuts a slow consumer) handles and acknowledges only up to the gap, then
+    resets its consumer on a new subscription: the lost ones come again, in order, and the stale
+    rest of the old delivery is never handled. Acknowledging delivery 5 would have acknowledged 3
+    and 4 with it (AckPolicy ALL), losing them for good."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from xpusense.collector.cluster.worker import Worker, _Partition
+
+    class Msg:
+        def __init__(self, stream_seq: int, delivery: int) -> None:
+            self.seq = stream_seq
+            self.reply = f"$JS.ACK.XPS_0.w-p0.1.{stream_seq}.{delivery}.1700000000000000000.0"
+
+    class Sub:
+        def __init__(self, fetches: list[list[Msg]]) -> None:
+            self.fetches, self.unsubscribed = fetches, False
+
+        async def fetch(self, batch: int, timeout: float) -> list[Msg]:
+            if not self.fetches:
+                p.stopping = True
+                return []
+            return self.fetches.pop(0)
+
+        async def unsubscribe(self) -> None:
+            self.unsubscribed = True
+
+    first = Sub([[Msg(1, 1), Msg(2, 2), Msg(5, 5), Msg(6, 6)], [Msg(7, 7)]])   # 3, 4 lost on the way
+    again = Sub([[Msg(3, 1), Msg(4, 2), Msg(5, 3), Msg(6, 4)]])
+    subs = [first, again]
+    resets: list[str] = []
+
+    async def reset_consumer(stream: str, durable: str) -> None:
+        resets.append(durable)
+
+    async def add_consumer(stream: str, config) -> None:
+        pass
+
+    async def pull_subscribe_bind(durable: str, stream: str) -> Sub:
+        return subs.pop(0)
+
+    js = SimpleNamespace(reset_consumer=reset_consumer, add_consumer=add_consumer, pull_subscribe_bind=pull_subscribe_bind)
+    w = Worker(js, SimpleNamespace(), SimpleNamespace(prefix="xps", streams=1, replicas=1, summary_s=1.0), "w1")
+    p = _Partition(0, 1)
+    handled: list[int] = []
+    acked: list[int] = []
+
+    async def load(k: int) -> None:
+        pass
+
+    async def write(k: int, part) -> None:   # what the real one acknowledges: the newest handled
+        if part.last is not None:
+            acked.append(part.last.seq)
+
+    w._load, w._write = load, write
+    w._handle = lambda k, msg: handled.append(msg.seq)
+    asyncio.run(asyncio.wait_for(w._consume(p), 30))
+    assert handled == [1, 2, 3, 4, 5, 6]
+    assert acked == [2], "acknowledged past the lost deliveries"
+    assert resets == ["w-p0", "w-p0"] and first.unsubscribed   # at open, then at the gap
+    assert w.counters["worker.deliveries_lost"] == 2
