@@ -202,8 +202,7 @@ class FleetState:
         n.stored_up_to.move_to_end(hello.boot_id)
         self._forget_boots(n, hello.boot_id)
         self.diagnoses.hello(n, hello.boot_id)   # a new agent boot: the last one's diagnoses end
-        n.offset.observe(hello.time_unix_nano, n.last_seen_ns)
-        self._clock_checked(n, n.last_seen_ns)
+        self._clock_observed(n, hello.time_unix_nano, n.last_seen_ns)
         for w in self.watchers:
             w(n, None)
         return pb.Welcome(boot_id=hello.boot_id, stored_up_to=n.stored_up_to[hello.boot_id])
@@ -270,8 +269,7 @@ class FleetState:
         n.last_seen_ns = self.clock() if now_ns is None else now_ns
         if now_ns is None:   # live: received now; the agent's clock against ours
             n.recv_ns = n.last_seen_ns
-            n.offset.observe(batch.sent_unix_nano, n.recv_ns)
-            self._clock_checked(n, n.recv_ns)
+            self._clock_observed(n, batch.sent_unix_nano, n.recv_ns)
         else:   # the store's replay: received when sent, as far as is known
             n.recv_ns = min(now_ns, self.clock())
         mark = n.stored_up_to.get(batch.boot_id)
@@ -286,8 +284,10 @@ class FleetState:
         n.mark_at[batch.boot_id] = self.clock() if now_ns is None else min(now_ns, self.clock())
         return mark
 
-    def _clock_checked(self, n: NodeState, now_ns: int) -> None:
-        """The node's clock_offset diagnosis opened, updated or closed (collector/clock.py)."""
+    def _clock_observed(self, n: NodeState, agent_ns: int, now_ns: int) -> None:
+        """A message the agent stamped `agent_ns` received now: the node's clock offset estimate,
+        and its clock_offset diagnosis opened, updated or closed (collector/clock.py)."""
+        n.offset.observe(agent_ns, now_ns)
         e = agent_clock.check(self.diagnoses, n, self.max_clock_offset_ns, now_ns)
         if e is not None:
             n.events.appendleft(e)

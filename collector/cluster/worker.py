@@ -394,13 +394,11 @@ class Worker:
             elif batch.events or batch.boot_id != node.diagnoses_boot:
                 self.diagnoses.batch(node, batch)
             self.handled += 1
-            node.offset.observe(batch.sent_unix_nano, recv)
-            self._clock_checked(node, recv)
+            self._clock_observed(node, batch.sent_unix_nano, recv)
         elif hello is not None:
             node.hello(hello, headers.get("Xps-Session", ""), headers.get("Xps-Peer", ""), t)
             self.diagnoses.hello(node, hello.boot_id)   # a new agent boot: the last one's diagnoses end
-            node.offset.observe(hello.time_unix_nano, recv)
-            self._clock_checked(node, recv)
+            self._clock_observed(node, hello.time_unix_nano, recv)
         elif kind == "inventory":
             node.set_inventory(msg.data)
         elif kind == "bye":
@@ -455,8 +453,10 @@ class Worker:
             node.dirty = True
         self._log.warning("worker %s: node %r: skipped a message: %s", self.id, node_id[:128], why[1])
 
-    def _clock_checked(self, node: NodeLatest, now_ns: int) -> None:
-        """The node's clock_offset diagnosis opened, updated or closed (collector/clock.py)."""
+    def _clock_observed(self, node: NodeLatest, agent_ns: int, now_ns: int) -> None:
+        """A message the agent stamped `agent_ns` received at `now_ns`: the node's clock offset
+        estimate, and its clock_offset diagnosis opened, updated or closed (collector/clock.py)."""
+        node.offset.observe(agent_ns, now_ns)
         e = agent_clock.check(self.diagnoses, node, self.max_clock_offset_ns, now_ns)
         if e is not None:
             node.note_event(e, now_ns)
