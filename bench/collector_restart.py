@@ -202,7 +202,7 @@ def direct(args, data: str) -> dict:
     from array import array
 
     from xpusense.collector import columns
-    from xpusense.collector.history import History
+    from xpusense.collector.series_history import History
     from xpusense.collector.state import FleetState
     from xpusense.collector.store import Store
     from xpusense.collector.store.snapshotter import DIFF_RATIO, Snapshotter

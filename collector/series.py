@@ -1,6 +1,6 @@
 """One series of a node in the collector's fleet state (state.py): what it is (name, unit, kind,
 labels), its latest and previous point (and the latest's time on the collector's clock, when it was
-received: collector/clock.py), its histogram, and where its history is: its own History (history.py) or a
+received: collector/clock.py), its histogram, and where its history is: its own History (series_history.py) or a
 column of a Frame (columns.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from xpusense.v1 import telemetry_pb2 as pb
 
-from .history import History
+from .series_history import History
 
 if TYPE_CHECKING:
     from .columns import Frame

@@ -13,7 +13,7 @@ held even against batches admitted together; series with no point for `history_s
 series with no point received for `[state] series_idle_s` (collector/idle.py: a bounded step of a
 sweep as a batch is stored), how far a boot's sequence number may jump (`seq_ceiling`), and the bytes of one ListNodes page.
 
-Memory: history is kept 16 bytes a point in a series' own History (collector/history.py), about 8
+Memory: history is kept 16 bytes a point in a series' own History (collector/series_history.py), about 8
 in columns where a node's series come together (collector/columns.py: one time a row). With
 `max_memory` set ([state] max_memory), the state estimates what it holds (history points x
 POINT_BYTES, those in columns x FRAME_POINT_BYTES and a row's time as much, plus SERIES_BYTES a
@@ -41,9 +41,9 @@ from . import clock as agent_clock
 from . import columns, idle
 from .batch_rows import BatchRows
 from .diagnoses import Diagnoses
-from .history import POINT_BYTES, points_of
 from .limits import seq_ceiling
 from .series import Series, read_labels, series_key
+from .series_history import POINT_BYTES, points_of
 
 log = logging.getLogger("xpusense.collector")
 HISTOGRAM = pb.HISTOGRAM

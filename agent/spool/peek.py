@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 
-from . import marks, records
+from . import ack_file, records
 
 
 def unacked(directory: str) -> list[tuple[str, int]]:
     """(boot, seq) of the whole records in the spool that are above their boot's acknowledged mark."""
     try:
-        acked, _ = marks.load(directory)
+        acked, _ = ack_file.load(directory)
     except (OSError, ValueError):
         acked = {}
     out: list[tuple[str, int]] = []

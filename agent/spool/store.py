@@ -42,7 +42,7 @@ from typing import TextIO
 
 from xpusense.common.supervise import TASKS
 
-from . import marks, records
+from . import ack_file, records
 from .aside import Aside
 
 log = logging.getLogger("xpusense.agent.spool")
@@ -184,7 +184,7 @@ class Spool:
 
     def _load_acked(self) -> None:
         try:
-            self.acked, self.set_aside_keys = marks.load(self.dir)
+            self.acked, self.set_aside_keys = ack_file.load(self.dir)
         except (OSError, ValueError) as e:
             log.warning("spool %s: acked.json unreadable (%s): every batch in the spool is sent again "
                         "(the collector drops the ones it has)", self.dir, e)
@@ -443,7 +443,7 @@ class Spool:
         # Batches set aside are remembered while the segment that holds them is there.
         self.set_aside_keys = {k: sid for k, sid in self.set_aside_keys.items() if sid in self.segments}
         try:
-            marks.save(self.dir, {b: s for b, s in self.acked.items() if b in live} or self.acked, self.set_aside_keys)
+            ack_file.save(self.dir, {b: s for b, s in self.acked.items() if b in live} or self.acked, self.set_aside_keys)
         except OSError as e:
             self._acks_dirty = True
             if self._acks_error != str(e):

@@ -27,7 +27,7 @@ from nats.js import api
 from xpusense.v1 import telemetry_pb2 as pb
 
 from ..inventory_book import InventoryBook
-from .marks import SeqWindow
+from .seq_marks import SeqWindow
 from .subjects import KIND, node_of_subject, partition, stream_name, token
 from .summary import decode, fleet_key
 

@@ -2,7 +2,7 @@
 collector/server.py, with JetStream as the store. Stateless: any number behind one Service, an
 agent may move between them at any time.
 
-Per agent stream: Hello -> the boot's mark from the `marks` bucket (marks.py) -> a `hello` message
+Per agent stream: Hello -> the boot's mark from the `marks` bucket (seq_marks.py) -> a `hello` message
 on the node's subject (inventory, for the workers) -> Welcome(stored_up_to = mark). Each batch above
 what this stream has seen is published to `<prefix>.<region>.p<k>.<node>` with `Nats-Msg-Id` =
 node:boot:seq and `Xps-Received` = when it was received (this gateway's clock, ns: the workers
@@ -14,7 +14,7 @@ mark is acknowledged as a duplicate without publishing.
 
 Every batch passes collector/limits.py's checks, as at one collector, before it is published:
 `StreamStored` gives them what a gateway knows of what is stored. The bound on sequence numbers
-counts from the boot's mark (marks.py `seq_mark`), read before the boot's first batch is checked,
+counts from the boot's mark (seq_marks.py `seq_mark`), read before the boot's first batch is checked,
 so a forged seq of 2**64-1 is refused (FAILED_PRECONDITION) and never raises the mark. A gateway
 holds no node's series: `max_series_per_node` bounds the series one stream introduces (by name and
 labels, those not known by reference) within `[state] series_idle_s`; a node's series over
@@ -45,7 +45,7 @@ from ..batch_rows import refs_of
 from ..limits import MalformedRequest, Violation, read_hello
 from ..series import read_labels, series_key
 from ..wire import batch_payload
-from .marks import Marks
+from .seq_marks import Marks
 from .subjects import KIND, MSG_ID, RECEIVED, msg_id, node_subject, partition
 
 log = logging.getLogger("xpusense.collector.cluster")
@@ -197,7 +197,7 @@ class Gateway:
 
 
 class StreamStored:
-    """limits.Stored for one agent stream at a gateway: the boots' marks (marks.py) and the series
+    """limits.Stored for one agent stream at a gateway: the boots' marks (seq_marks.py) and the series
     (name, labels) this stream introduced, each let go `idle_s` after it came (at most once every
     EVICT_EVERY_S a look)."""
 

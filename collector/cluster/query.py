@@ -1,5 +1,5 @@
 """The Query API in cluster mode: ListNodes from the `fleet` bucket (the whole fleet, whichever
-gateway or scheduler is asked), GetHistory read back from the stream (history.py).
+gateway or scheduler is asked), GetHistory read back from the stream (stream_history.py).
 
 A gateway answers from a snapshot of the bucket taken when asked (at most `snapshot_s` old, one
 read shared by the calls that come together; one node alone is one KV get), so ingest pays nothing
@@ -24,7 +24,7 @@ from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from .engine import list_bucket
-from .history import read_history
+from .stream_history import read_history
 from .subjects import partition, token
 from .summary import MirrorNode, decode, fleet_key
 

@@ -59,7 +59,7 @@ from ..diagnoses import diagnosis_id
 from ..idle import RefGenerations
 from ..series import read_labels, series_key
 from ..wire import WireBatch
-from .marks import SeqWindow
+from .seq_marks import SeqWindow
 
 FORMAT = 1
 KEPT = frozenset({m.CPU_UTILIZATION, m.MEMORY_UTILIZATION, m.NETWORK_IO, m.GPU_UTILIZATION, m.GPU_MEMORY_USAGE,

@@ -38,8 +38,8 @@ from array import array
 from xpusense.v1 import telemetry_pb2 as pb
 
 from .. import columns
-from ..history import History
 from ..series import Series, series_key
+from ..series_history import History
 from ..state import FleetState, NodeState
 
 

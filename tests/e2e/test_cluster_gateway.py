@@ -258,7 +258,7 @@ def test_marks_first_writes_spread_over_flush_s_then_every_flush_s(nats_cluster,
 
     from xpusense.collector.cluster.cli import load_config
     from xpusense.collector.cluster.engine import connect, ensure
-    from xpusense.collector.cluster.marks import Marks
+    from xpusense.collector.cluster.seq_marks import Marks
     from xpusense.collector.cluster.subjects import mark_key
 
     cfg = load_config(str(cluster_config(tmp_path, nats_cluster)), {}, env={})

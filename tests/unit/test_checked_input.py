@@ -13,8 +13,8 @@ import grpc
 import msgpack
 
 from xpusense.collector.cluster.gateway import StreamStored
-from xpusense.collector.cluster.marks import Marks
 from xpusense.collector.cluster.scheduler import FleetIndex
+from xpusense.collector.cluster.seq_marks import Marks
 from xpusense.collector.cluster.subjects import KIND, MSG_ID, RECEIVED, msg_id, node_subject
 from xpusense.collector.cluster.worker import Worker
 from xpusense.collector.limits import Limits, seq_ceiling

@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from xpusense.collector.cluster.config import split_urls
-from xpusense.collector.cluster.marks import SeqWindow
 from xpusense.collector.cluster.query import list_nodes
 from xpusense.collector.cluster.scheduler import FleetIndex
+from xpusense.collector.cluster.seq_marks import SeqWindow
 from xpusense.collector.cluster.subjects import (
     node_subject,
     partition,
@@ -263,7 +263,7 @@ def test_a_stopping_gateway_writes_its_marks_within_a_bound():
     each used to take 5 tries of a publish timeout."""
     import asyncio
 
-    from xpusense.collector.cluster.marks import Marks
+    from xpusense.collector.cluster.seq_marks import Marks
     from xpusense.collector.cluster.subjects import mark_key
 
     written: dict[str, bytes] = {}

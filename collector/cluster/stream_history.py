@@ -18,7 +18,7 @@ from nats.js import api
 
 from xpusense.v1 import telemetry_pb2 as pb
 
-from .marks import SeqWindow
+from .seq_marks import SeqWindow
 from .subjects import KIND, node_filter, partition, stream_of
 
 
