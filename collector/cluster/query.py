@@ -23,6 +23,7 @@ import nats.js.errors
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
+from ..query import trusted
 from .engine import list_bucket
 from .stream_history import read_history
 from .subjects import partition, token
@@ -136,25 +137,13 @@ class ClusterQueryServicer(pb_grpc.QueryServicer):
             return await (self.source.one(node_id) if node_id else self.source.all())
         return self.source.nodes
 
-    def _trusted(self, peer: str) -> bool:
-        sec = self.security
-        if sec is not None and (getattr(sec, "mtls", False) or getattr(sec, "tokens", None) is not None):
-            return True
-        from .. import server
-        owner = getattr(server, "loopback_peer_uid", None)
-        if owner is None:    # a collector without the boot id rule: as it does
-            return True
-        import os
-        uid = owner(peer)
-        return uid is not None and uid in (0, os.geteuid())
-
     async def ListNodes(self, request, context):
         try:
             nodes = await self._nodes(request.node_id)
         except (TimeoutError, nats.errors.Error) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the fleet bucket is not answering: {e}")
         try:
-            return list_nodes(nodes, request, self.max_bytes, self._trusted(context.peer()))
+            return list_nodes(nodes, request, self.max_bytes, trusted(self.security, context.peer()))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

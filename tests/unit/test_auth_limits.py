@@ -549,7 +549,7 @@ PROC_TCP6 = """\
 
 
 def test_the_owner_of_a_loopback_peer_is_read_from_proc_net(tmp_path):
-    from xpusense.collector.server import loopback_peer_uid
+    from xpusense.collector.query import loopback_peer_uid
     (tmp_path / "tcp").write_text(PROC_TCP)
     (tmp_path / "tcp6").write_text(PROC_TCP6)
     uid = lambda peer: loopback_peer_uid(peer, str(tmp_path))  # noqa: E731
@@ -565,7 +565,7 @@ def test_the_owner_of_a_real_loopback_connection(tmp_path):
     import os
     import socket
 
-    from xpusense.collector.server import loopback_peer_uid
+    from xpusense.collector.query import loopback_peer_uid
     with socket.create_server(("127.0.0.1", 0)) as srv:
         c = socket.create_connection(srv.getsockname())
         try:
