@@ -1,18 +1,10 @@
 """Agent overhead: CPU (% of one core) and peak RSS of a real `xpusense-agent run`, from /proc.
 
-Starts a real collector (`xpusense-collector serve`) and a real agent (`xpusense-agent run`, default
-tiers, or nearline at 1 s with --tiers-fast) as subprocesses on loopback, lets the agent warm up,
-then measures it for --seconds:
+A real collector and agent (default tiers, or nearline at 1 s with --tiers-fast) on loopback; after
+the warm-up, utime+stime of the agent over --seconds, its VmHWM, and the batches the collector stored
+for it. Prints a small table and, last, a one-line JSON summary.
 
-- CPU: utime+stime of the agent process (all its threads) from /proc/PID/stat, over the wall time
-  of the measurement window (warm-up excluded), as % of one core.
-- Peak RSS: VmHWM from /proc/PID/status at the end (the kernel's high-water mark since start).
-- Batches the collector stored for this node (`xpusense-collector nodes --format json`).
-
-Prints a small table and, last, a one-line JSON summary. Every subprocess is stopped on exit.
-
-    .venv/bin/python bench/agent_overhead.py --seconds 60
-"""
+    .venv/bin/python bench/agent_overhead.py --seconds 60"""
 
 from __future__ import annotations
 

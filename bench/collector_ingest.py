@@ -1,42 +1,11 @@
-"""Collector ingest: stored batches/s and sample-to-stored latency of a real collector on one core.
-
-Starts a real collector (`xpusense-collector serve`) pinned to CPU 0, and --agents simulated agents
-(bench/load_agents.py: by default one C process on libnghttp2, --generator python for grpc aio
-workers) pinned to the other CPUs when there are any. Every simulated agent opens its own
-connection, with the agent's channel options (common/tls.py channel_options: keepalive, no BDP
-probing; --bdp-probe, with --generator python, for gRPC's default, as this bench ran before
-2026-12-01), and the real bidirectional Ingest stream (xpusense.v1 protos), says Hello, then sends
-Batches (node id, boot id, seq) of 8 devices x 20 series, labels device/vendor, all samples stamped
-with the time the batch is built:
-
-- --rate R > 0: R batches/s per agent on a fixed schedule (random phase per agent, as a fleet
-  would), at most --window batches in flight per agent;
-- --rate 0: saturation: as fast as acks allow, --window batches in flight per agent.
-
-Measured over --seconds after --warmup-s:
-- stored batches/s: acks (not duplicates) received in the window; cross-checked at the end against
-  the collector's own `batches_stored` (Query.ListNodes) summed over the simulated nodes;
-- latency, sample time -> stored: the sample's time_unix_nano (set when the batch is built) to the
-  arrival of its Ack at the simulated agent. The collector acks after storing, so this is an upper
-  bound on sample-to-stored (it adds the ack's trip back and the client's own scheduling);
-- collector CPU (utime+stime from /proc/PID/stat) as % of one core, and the load generator's, so a
-  saturated generator is not mistaken for a saturated collector.
+"""Collector ingest: stored batches/s and sample-to-stored latency of a real collector on one core,
+under simulated agents (bench/load_agents.py) each on its own connection and Ingest stream.
 
     .venv/bin/python bench/collector_ingest.py --agents 8 --rate 0 --seconds 30      # saturation
     .venv/bin/python bench/collector_ingest.py --agents 2000 --rate 1 --seconds 30   # fleet at 1 s
 
---memory-nodes N: no collector process, no gRPC: the collector's fleet state (limits and scheduler
-index in, as `serve` has them) is fed in-process N nodes x --history-s of 1 s batches with synthetic
-timestamps (15 minutes of history without running 15 minutes); prints the RSS and tracemalloc growth
-per node, the state's own estimate ([state] max_memory counts with it) and the CPU per batch.
-
---profile FILE runs the collector under cProfile and writes its stats to FILE (slows it down).
-
---durable: the collector keeps a durable store (every batch fsync'ed before its ack, group commit),
-in a temporary directory or in --data-dir DIR (to measure a given disk; kept afterwards). Then also:
-the store's bytes on disk per stored batch, and a restart: a second collector replays the store
-(the batches it replays, the replay's own time from its log, and how long until it listens).
-"""
+What it measures and how: bench/README.md. --memory-nodes N (memory_mode): the fleet state's memory
+per node in process; --durable: with a durable store, its bytes per batch and a restart's replay."""
 
 from __future__ import annotations
 
@@ -263,7 +232,7 @@ async def run_agent(ag: SimAgent, address: str, rate: float, window: int, phase_
     from xpusense.common.tls import channel_options
     pb = ag.pb
     # The agent's own channel options (common/tls.py: keepalive, no BDP probing on its stream), unless
-    # --bdp-probe (gRPC's default, as this bench had before 2026-12-01: a ping and its ack per probe).
+    # --bdp-probe (gRPC's default: a ping and its ack per probe).
     options = channel_options(connect_timeout_s=5.0)
     if BDP_PROBE:
         options = [o for o in options if o[0] != "grpc.http2.bdp_probe"]
@@ -441,7 +410,9 @@ def rss_bytes() -> int:
 
 def memory_mode(nodes: int, history_s: float, trace: bool) -> int:
     """N nodes x history_s of 1 s batches into an in-process FleetState (limits and scheduler index
-    in): memory per node with a full history, and the CPU each batch costs on the way."""
+    in, as `serve` has them; synthetic timestamps, so 15 minutes of history take less): RSS and
+    tracemalloc growth per node with a full history, the state's own estimate ([state] max_memory
+    counts with it), and the CPU each batch costs on the way."""
     import gc
     import tracemalloc
 
@@ -517,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-s", type=float, default=5.0, help="sending before the window (default 5)")
     p.add_argument("--generator", choices=load_agents.KINDS, default="c",
                    help="the simulated agents: c (bench/loadgen/ingest_agents.c, one process; default) or python "
-                        "(grpc aio, several processes, ~10x the CPU a batch: as the bench ran before 2026-12-03)")
+                        "(grpc aio, several processes, ~10x the CPU a batch)")
     p.add_argument("--procs", type=int, default=0,
                    help="with --generator python: its processes (default min(agents, 8, 2 x the generator's CPUs))")
     p.add_argument("--collector-cpu", type=int, default=0, help="the one CPU the collector runs on (default 0)")
@@ -529,8 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-series-ref", action="store_true",
                    help="send samples without series_ref (the collector then keys every sample by its labels)")
     p.add_argument("--bdp-probe", action="store_true",
-                   help="simulated agents probe bandwidth (gRPC's default; real agents do not since 2026-12-01): "
-                        "to compare with figures taken before")
+                   help="simulated agents probe bandwidth (gRPC's default; real agents do not), "
+                        "to compare with figures taken that way")
     p.add_argument("--profile", metavar="FILE", help="run the collector under cProfile, stats to FILE")
     p.add_argument("--collector-cmd", metavar="CMD",
                    help="another collector build to measure (default: xpusense-collector); "

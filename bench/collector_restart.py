@@ -1,37 +1,12 @@
 #!/usr/bin/env python3
-"""Restart of a durable collector holding `--minutes` of `--nodes` nodes at 1 batch/s (issue 15
-item 4: back to serving in <= 10 s at 15 minutes of 1,000 nodes), without and with snapshots.
+"""Restart of a durable collector holding `--minutes` of `--nodes` nodes at 1 batch/s (goal: back to
+serving in <= 10 s at 15 minutes of 1,000 nodes), without and with snapshots.
 
-Whole log (the default):
-1. A store is written directly (the store's own frame format, collector/store/frames.py): per node
-   a Hello inventory, then one batch a second for `--minutes` (8 devices x 20 series, as
-   collector_ingest.py sends), sample times ending now. Segments of `--segment-s` of data each.
-2. `xpusense-collector serve` with snapshots on starts on it: no snapshot yet, so it replays the
-   whole log ("without snapshot": from exec to the gRPC port ready, and the replay's own count and
-   seconds from its log). It is stopped with SIGTERM: it writes its snapshot on the way out (size
-   and time from its log).
-3. `--tail-s` more seconds of batches are appended (a crash just before the next periodic snapshot
-   leaves at most snapshot_every_s of them), and the collector starts again: it loads the snapshot
-   and replays only that tail ("with snapshot").
-"Ready" is from exec to the collector answering Health.Check SERVING, polled every 20 ms with a
-fresh connection (before 2026-11-30 21:00 a gRPC channel waited for it and its reconnect backoff
-added up to seconds to the figure).
+    .venv/bin/python bench/collector_restart.py --nodes 1000 --minutes 15            # whole_log
+    .venv/bin/python bench/collector_restart.py --direct --nodes 1000 --minutes 15   # direct
 
---direct (no whole log: minutes instead of a quarter of an hour at 1,000 nodes): the fleet state is
-built in this process (one real batch a node, then `--minutes` of 1 s history put straight into the
-node's frame: its 160 series held in columns, collector/columns.py, as a collector that has run that
-long holds them) and the collector's own Snapshotter writes a full snapshot of it. Then batches are ingested
-in-process (FleetState.ingest, as the server applies them) with a snapshot every
-`--snapshot-every-s` seconds of data, full or diff as the Snapshotter decides, for at least
-`--run-s` seconds, past a second full one (`--no-full-cycle`: not), and until the next snapshot
-would be full: a crash there leaves the largest diff.
-Every snapshot's kind, size and write time is printed; the bytes written per second of data is the
-write rate. (The positions snapshots cover are made up, one segment a snapshot: no log is written
-for those batches, as none is read back.) Then `--tail-s` seconds of batches go to the log only and
-a real collector starts: ready time, snapshot load (full + diff) and tail replay from its log; it
-is stopped with SIGTERM (its first snapshot, full, written on the way out).
-Prints a table, then one line of JSON.
-"""
+"Ready" is from exec to the collector answering Health.Check SERVING (wait_serving). Prints a table,
+then one line of JSON."""
 
 from __future__ import annotations
 
@@ -171,6 +146,13 @@ def snap_line(text: str, why: str) -> dict:
 
 
 def whole_log(args, tmp: str, data: str, cfg: str) -> dict:
+    """The default run. A store is written directly in its own frame format: per node a Hello
+    inventory, then one batch a second for `--minutes` (8 devices x 20 series, as collector_ingest.py
+    sends), sample times ending now, segments of `--segment-s` of data each. `xpusense-collector
+    serve` with snapshots on starts on it: no snapshot yet, so it replays the whole log ("without
+    snapshot": ready time, and the replay's own count and seconds from its log); SIGTERM writes its
+    snapshot on the way out. Then `--tail-s` more seconds of batches are appended (what a crash just
+    before the next periodic snapshot leaves) and the caller starts it again: snapshot + tail."""
     seconds = int(args.minutes * 60)
     agents = [SimAgent(i, "nvidia") for i in range(args.nodes)]
     log = LogWriter(data)
@@ -197,7 +179,17 @@ def whole_log(args, tmp: str, data: str, cfg: str) -> dict:
 
 
 def direct(args, data: str) -> dict:
-    """The fleet state built in-process, snapshots taken by the real Snapshotter as data time passes."""
+    """The fleet state built in-process, snapshots taken by the real Snapshotter as data time passes
+    (no whole log: minutes instead of a quarter of an hour at 1,000 nodes). One real batch a node,
+    then `--minutes` of 1 s history put straight into the node's frame (its 160 series in columns,
+    as a collector that has run that long holds them), and a full snapshot of it. Then batches are
+    ingested (FleetState.ingest) with a snapshot every `--snapshot-every-s` seconds of data, full or
+    diff as the Snapshotter decides, for at least `--run-s`, past a second full one (unless
+    `--no-full-cycle`), until the next would be full: a crash there leaves the largest diff. Each
+    snapshot's kind, size and write time is printed; bytes written per second of data is the write
+    rate. The positions the snapshots cover are made up, one segment a snapshot (no log is written
+    for those batches, none is read back). Then `--tail-s` seconds of batches go to the log only and
+    the caller starts a real collector: ready time, snapshot load and tail replay from its log."""
     import asyncio
     from array import array
 

@@ -1,26 +1,9 @@
 """Cost of the eBPF probes in ns/event from bpf_stats, side by side with bcc's and bpftrace's own tools.
 
-In one run, under one fixed workload (pipe ping-pong for context switches, 4 KiB writes each followed
-by fsync on a file of the root disk, UDP over a veth pair between two network namespaces of this
-bench's own), it runs at the same time:
+bench/footprint.py supersedes it for the README figures: there the agent and each peer run alone;
+here the peers attach after the agent, so run second on shared tracepoints (cheaper per event).
 
-- an agent-like process: every probe of agent/sources/ebpf/ driven by the real tier loop
-  (agent/tiers.py) with a discarding sink; tc_traffic attached to the bench's veth only;
-- bcc's `runqlat-bpfcc` (same three sched tracepoints as our runqlat; bcc attaches raw tracepoints);
-- a bpftrace histogram on the same block tracepoint pair our blkio uses here.
-
-bpf_stats is on for the whole run (BPF_ENABLE_STATS held by this process). Each tool's programs are
-found through /proc/<pid>/fdinfo of its bpf-prog fds (no bpftool); ns/event = delta run_time_ns /
-delta run_cnt over the workload window. It also reports the agent's CPU (utime+stime of the process,
-user-space side; the programs' own time is charged to the tasks that hit the tracepoints and is shown
-separately) and its start-up time to all probes attached. Runtime is bounded (about 40 s by default).
-
-    sudo .venv/bin/python bench/ebpf_cost.py [--seconds 20] [--json]
-
-bench/footprint.py supersedes this for the README figures: there the whole agent and each peer run
-alone under the same workload (here the peers attach after the agent, so run second on the shared
-tracepoints, which is cheaper per event).
-"""
+    sudo .venv/bin/python bench/ebpf_cost.py [--seconds 20] [--json]"""
 
 from __future__ import annotations
 
@@ -232,6 +215,15 @@ def delta(before: dict, after: dict, ids) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------ the bench
 
 def main() -> int:
+    """Under one fixed workload (pipe ping-pong for context switches, 4 KiB writes each fsync'ed on a
+    file of the root disk, UDP over a veth pair between two namespaces of the bench's own), at the
+    same time: an agent-like process (every probe of agent/sources/ebpf/ driven by the real tier
+    loop, a discarding sink, tc_traffic on the bench's veth only); bcc's runqlat-bpfcc (the same
+    three sched tracepoints, as raw tracepoints); a bpftrace histogram on blkio's block tracepoints.
+    bpf_stats is on for the whole run; each tool's programs are found through /proc/PID/fdinfo of its
+    bpf-prog fds; ns/event = delta run_time_ns / delta run_cnt over the window. Also the agent's CPU
+    (user space; its programs' time is charged to the tasks that hit the tracepoints) and its
+    start-up to all probes attached. About 40 s by default."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=20.0, help="workload duration (default 20)")
     ap.add_argument("--round-trips", type=float, default=21000.0,

@@ -1,49 +1,12 @@
-"""Cluster mode at fleet scale: what each part of the tier does per core and per node
-on this machine, and what 100,000 nodes at one batch a second would take.
+"""Cluster mode at fleet scale: what each part of the tier does per core and per node on this
+machine, and what 100,000 nodes at one batch a second would take (bench/README.md, docs/scale.md).
 
-A real 3-server NATS JetStream cluster on loopback (collector/cluster/localnats.py, R3 streams,
-JetStream's default sync policy) run as cluster mode is deployed: TLS on the client port and the
-routes, and every connection identified by its role's certificate with that role's permissions only
-(collector/cluster/nats_auth.py): the gateway and scheduler replica processes as theirs, and in this
-process the worker, the fleet bucket's writer and the marks watcher as a worker, the Place index as a
-scheduler, the publish probe as a gateway. `--nats-open`: plaintext, anonymous, no permissions (what
-the bench measured before 2026-12-06), for the cost of TLS as a ratio on the same machine. Then,
-one after the other:
-
-1. gateway, saturation: one `serve --nats` gateway pinned to CPU 0, simulated agents
-   (bench/load_agents.py, the C generator unless --generator python: 8 devices x 20 series = 160
-   samples a batch, --window in flight) on the other CPUs as fast as acks allow; batches/s
-   acknowledged (each after its R3 publish ack) divided by the gateway's CPU (utime+stime, /proc) =
-   batches/s per core;
-2. gateway, a fleet at 1 s: --fleet agents x 1 batch/s through the same gateway; ack p99 (sample
-   time -> Ack at the agent, an upper bound on -> stored in JetStream);
-3. worker: a worker in this process (collector/cluster/worker.py) takes every partition and reads
-   the backlog the first two steps left in the streams; batches handled / this process's CPU;
-4. memory per node (tracemalloc, Python allocations): --mem-nodes nodes' worker state
-   (NodeLatest after batches of 160 samples and an 8-device inventory) and, from their summaries,
-   the scheduler replica's (FleetIndex + the scheduler core's index);
-5. Place at --place-nodes nodes: their summaries put in the `fleet` bucket, a FleetIndex lists
-   and watches it (collector/cluster/scheduler.py) and the core answers in process (p50/p99 over
-   the request shapes of bench/place_latency.py); then a `scheduler` replica process answers a
-   client over gRPC (the decisions, in process and in the replica, run on a CPU of their own, as a
-   replica is deployed, and the NATS servers (every thread), the bucket's writer and the client on
-   the others; --shared-cpus: all on every CPU, as before 2026-12-02; the client
-   bench/loadgen/place_calls.c unless --client python); where the slowest 1% of the
-   in-process decisions went (their own CPU time; the window's wait behind other tasks, steal);
-6. the projection for 100,000 nodes at 1 batch/s: cores of gateways and workers from the rates
-   above, the scheduler replicas' cost of following the bucket (measured per summary update) and
-   the memory of worker and scheduler state from the per-node figures.
-
-    .venv/bin/python bench/fleet_scale.py                 # ~4 min on a 2-core VM
+    .venv/bin/python bench/fleet_scale.py                 # whole_run: six steps, ~4 min on 2 cores
     .venv/bin/python bench/fleet_scale.py --place-only    # step 5 alone, ~1.5 min
-    .venv/bin/python bench/fleet_scale.py --ack-only      # step 2 alone (ack p99 at --fleet agents), ~1.5 min
-    .venv/bin/python bench/fleet_scale.py --ack-only --seconds 10 --spy /path/to/py-spy   # + the gateway's stacks
-    .venv/bin/python bench/fleet_scale.py --place-only --spy /path/to/py-spy   # + the replica's stacks
+    .venv/bin/python bench/fleet_scale.py --ack-only      # step 2 alone, ~1.5 min (--spy PY_SPY: stacks)
     .venv/bin/python bench/fleet_scale.py --nats-open --record bench/results/fleet_scale.jsonl
 
-Prints a table, then one line of JSON: the figures, the NATS mode ("nats": "tls" or "open"), the date
-(UTC), the CPU model and the host's steal over the run; --record FILE appends that line to FILE.
-"""
+Prints a table, then one JSON line (figures, NATS mode, date, CPU model, steal); --record appends it."""
 
 from __future__ import annotations
 
@@ -620,15 +583,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updates-s", type=float, default=1000.0,
                    help="summary updates/s the index follows while Place is measured (default 1000)")
     p.add_argument("--generator", choices=load_agents.KINDS, default="c",
-                   help="the simulated agents: c (default) or python (grpc aio, as before 2026-12-03)")
+                   help="the simulated agents: c (default) or python (grpc aio)")
     p.add_argument("--client", choices=CLIENTS, default="c",
-                   help="step 5's gRPC client: c (bench/loadgen/place_calls.c, default) or python (grpc's stub, as "
-                        "before 2026-12-03)")
+                   help="step 5's gRPC client: c (bench/loadgen/place_calls.c, default) or python (grpc's stub: "
+                        "its own ~1 ms of CPU a call is in the figure)")
     p.add_argument("--place-only", action="store_true", help="only step 5, Place from the fleet bucket")
     p.add_argument("--ack-only", action="store_true",
                    help="only step 2, ack latency of --fleet agents x 1 batch/s through one gateway")
     p.add_argument("--shared-cpus", action="store_true",
-                   help="step 5: the decisions share every CPU with NATS (before 2026-12-02: not pinned)")
+                   help="step 5: the decisions share every CPU with NATS (not pinned)")
     p.add_argument("--spy", metavar="PY_SPY", default="",
                    help="with --ack-only: the py-spy binary to profile the gateway with (raw stacks); "
                         "with --place-only: the scheduler replica over gRPC")
@@ -652,6 +615,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def whole_run(args) -> int:
+    """A real 3-server NATS JetStream cluster on loopback (R3, default sync policy) run as deployed:
+    TLS, each connection on its role's certificate and permissions (nats_auth.py), or plaintext and
+    anonymous with --nats-open, to measure TLS's cost as a ratio. Then, one after the other:
+
+    1. gateway saturation: a `serve --nats` gateway pinned to CPU 0, simulated agents (load_agents.py,
+       8 devices x 20 series a batch) on the other CPUs as fast as acks allow; acked batches/s
+       divided by the gateway's CPU (utime+stime) = batches/s per core;
+    2. a fleet at 1 s: --fleet agents x 1 batch/s through it; ack p99 (sample time -> Ack);
+    3. worker: a worker in this process takes every partition and reads the backlog of 1 and 2;
+    4. memory per node (tracemalloc): --mem-nodes nodes' worker state and, from their summaries,
+       a scheduler replica's index;
+    5. Place at --place-nodes nodes from the `fleet` bucket, in process and over gRPC (place_step);
+    6. the projection for 100,000 nodes at 1 batch/s from the rates and sizes above.
+    """
     from xpusense.collector.cluster.localnats import LocalCluster
     cpus = sorted(os.sched_getaffinity(0))
     gw_cpu, gen_cpus = cpus[0], cpus[1:] or cpus

@@ -1,30 +1,10 @@
 """The whole agent's footprint beside Debian's node_exporter, and its probes' cost beside bcc's and bpftrace's.
 
-In one run, as root:
+Needs root, prometheus-node-exporter, bpfcc-tools and bpftrace (a missing peer is reported in its
+row, not fatal), gcc and iproute2; what it runs and measures: main() and bench/README.md. Other
+load on the machine shows in "machine busy": run it more than once and read the spread.
 
-1. Starts a collector on loopback, Debian's `prometheus-node-exporter` (default collectors, scraped
-   by this bench every 1 s) and the whole agent (`xpusense-agent run`): the host source at its
-   default tiers, NVML over the fake libnvidia-ml with 8 GPUs (h100x8) at 1 s, every eBPF probe that
-   runs here (tc_traffic on a veth of the bench's own network namespaces, accel_ioctl also on a
-   device node of the bench's own, cuda_uprobe on the fake libcuda). Start-up: exec of the agent to
-   the moment it holds the probes' programs (the loader process attached them before handing over).
-2. Quiet window (--seconds, default 60, after --warmup-s): CPU (utime+stime) and RSS (VmRSS every
-   second: median = steady, max; VmHWM = peak since exec) of both, and the ratios.
-3. Load windows (--load-seconds each, default 20), under one fixed workload (pipe ping-pong for about
-   50k context switches/s, fsync'ed writes, UDP over the veth, ioctls on the device node, calls into
-   the fake libcuda): first the agent alone, then (the agent stopped) the peer tools alone: bcc's
-   runqlat-bpfcc and argdist-bpfcc, one bpftrace script per other probe, on the same events. Each
-   side alone, because on a shared tracepoint the program attached first runs first and pays the
-   cache misses. bpf_stats gives each program's run_cnt and run_time_ns (via /proc/PID/fdinfo); the
-   agent's programs are told apart by the maps they use (read with the bpf syscall). Prints ns/event
-   and % of a core per probe against its peer, and the agent's CPU plus its programs' kernel time.
-
-Needs: root, Debian's prometheus-node-exporter (scripts/setup.sh installs it), bpfcc-tools and bpftrace
-for the peer rows (a missing one is reported, not fatal), gcc (fakes), iproute2. Other load on the
-machine shows in "machine busy": run it more than once and read the spread.
-
-    sudo .venv/bin/python bench/footprint.py [--seconds 60] [--load-seconds 20] [--json]
-"""
+    sudo .venv/bin/python bench/footprint.py [--seconds 60] [--load-seconds 20] [--json]"""
 
 from __future__ import annotations
 
@@ -487,6 +467,23 @@ def compare(agent_w: dict, peers_w: dict) -> list[dict]:
 
 
 def main() -> int:
+    """In one run, as root:
+
+    1. A collector on loopback, Debian's node_exporter (default collectors, scraped every 1 s) and the
+       whole agent: host source at its default tiers, NVML over the fake libnvidia-ml with 8 GPUs
+       (h100x8) at 1 s, every eBPF probe that runs here (tc_traffic on a veth of the bench's own
+       namespaces, accel_ioctl also on a device node of its own, cuda_uprobe on the fake libcuda).
+       Start-up: the agent's exec to it holding the probes' programs (the loader attached them).
+    2. Quiet window (--seconds after --warmup-s): CPU (utime+stime) and RSS (VmRSS every second:
+       median = steady, max; VmHWM = peak since exec) of both, and the ratios.
+    3. Load windows (--load-seconds each) under one fixed workload (pipe ping-pong for about 50k
+       context switches/s, fsync'ed writes, UDP over the veth, ioctls on the device node, calls into
+       the fake libcuda): the agent alone, then (agent stopped) the peers alone: runqlat-bpfcc,
+       argdist-bpfcc, one bpftrace script per other probe. Each side alone, because on a shared
+       tracepoint the program attached first runs first and pays the cache misses. bpf_stats gives
+       each program's run_cnt and run_time_ns (/proc/PID/fdinfo); the agent's programs are told
+       apart by the maps they use. Per probe: ns/event and % of a core against its peer.
+    """
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=60.0, help="quiet side-by-side window (default 60)")
     ap.add_argument("--warmup-s", type=float, default=10.0, help="after start, before the window (default 10)")

@@ -1,21 +1,11 @@
 """The floor under the single collector's ingest: a gRPC server that speaks the agent's Ingest stream
-and does nothing else, so that `bench/collector_ingest.py` measures what grpc's asyncio server and
-the event loop cost a batch on this machine before any of the collector's own work.
+and does nothing else (Floor), so that `bench/collector_ingest.py` measures what grpc's asyncio
+server and the event loop cost a batch on this machine before any of the collector's own work.
 
-It runs on the same engine and server options as `xpusense-collector serve` (grpc's polling
-listener, chosen before grpc is imported; the same keepalive settings), takes a message's bytes
-as they came (no protobuf deserializer), answers the Hello with a Welcome, reads each batch with
-the collector's own C reader (collector/_wire_rows.c: ids, seq and the samples' columns, every
-field checked as the collector checks it) and acknowledges it with an Ack built and serialized as
-the collector builds one, in the stream's one task. Nothing is kept but a count of acknowledged
-batches per node, which Query.ListNodes answers as `batches_stored`, so the bench's cross-check
-holds. No limits, no fleet state, no scheduler index, no store.
-
-    .venv/bin/python bench/collector_ingest.py --agents 1500 --rate 1 --seconds 20 --warmup-s 30 \\
+    .venv/bin/python bench/collector_ingest.py --agents 1500 --rate 1 --seconds 20 --warmup-s 30 \
         --collector-cmd ".venv/bin/python bench/grpc_floor.py"
 
-The collector's command line is taken as given (`serve --listen ADDR ...`); only --listen is read.
-"""
+The collector's command line is taken as given (`serve --listen ADDR ...`); only --listen is read."""
 
 from __future__ import annotations
 
@@ -38,6 +28,14 @@ def _bytes(raw: bytes) -> bytes:
 
 
 class Floor:
+    """On the same engine and server options as `xpusense-collector serve` (grpc's polling listener,
+    chosen before grpc is imported; the same keepalive), a message's bytes taken as they came (no
+    protobuf deserializer): the Hello answered with a Welcome, each batch read by the collector's own
+    C reader (collector/_wire_rows.c, every field checked as the collector checks it) and acknowledged
+    with an Ack built as the collector builds one, in the stream's one task. Nothing is kept but a
+    count of acknowledged batches per node, which Query.ListNodes answers as `batches_stored`, so the
+    bench's cross-check holds. No limits, fleet state, scheduler index or store."""
+
     def __init__(self) -> None:
         self.acked: dict[str, int] = {}
 

@@ -3,14 +3,7 @@
 
     .venv/bin/python bench/hbm_trigger.py [--cycles 8] [--window-s 2] [--realtime-s 1]
 
-A real collector, a real agent on the fake libnvidia-ml (one H100 whose DRAM bandwidth steps
-40% -> 92% -> 40% every --period-s), and the example training loop (examples/train_with_checkpoint.py,
-which uses xpusense.client.checkpoint) registered as the GPU's process. Cooldown 0, so every ramp
-fires. For each request: crossed = the time of the first 1 s sample at or above the threshold (the
-request file's crossed_time), callback = when the helper recorded the request as done. Latency is
-callback - crossed; minus the window it is what the watch, the signal/file delivery and the
-training loop's next safe point add.
-"""
+How it is set up and what latency counts: main()."""
 
 from __future__ import annotations
 
@@ -31,6 +24,13 @@ from _proc import free_port  # noqa: E402
 
 
 def main() -> int:
+    """A real collector, a real agent on the fake libnvidia-ml (one H100 whose DRAM bandwidth steps
+    40% -> 92% -> 40% every --period-s), and the example training loop (examples/
+    train_with_checkpoint.py, on xpusense.client.checkpoint) registered as the GPU's process;
+    cooldown 0, so every ramp fires. Per request: crossed = the first 1 s sample at or above the
+    threshold (the request file's crossed_time), callback = when the helper recorded it done.
+    Latency is callback - crossed; minus the window it is what the watch, the signal/file delivery
+    and the training loop's next safe point add."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cycles", type=int, default=8)
     p.add_argument("--period-s", type=float, default=8.0)

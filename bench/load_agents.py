@@ -1,24 +1,5 @@
-"""The simulated agents of bench/collector_ingest.py and bench/fleet_scale.py, as one load generator
-with one interface, in either of two implementations:
-
-- "c" (the default): bench/loadgen/ingest_agents.c, one process on libnghttp2 and epoll, built here
-  on first use (gcc, Debian's libnghttp2-dev). Each agent still has its own connection, HTTP/2
-  session and Ingest stream, sends the same bytes (the Python agent's template, filled in the same
-  way: held equal by tests/e2e/test_bench_load_agents.py) on the same schedule, and pings as the
-  agent's channel does. It costs a fraction of the Python generator's CPU a batch, so that on a
-  2-CPU machine the latency figure is the server's, not the generator's.
-- "python": collector_ingest's asyncio workers on grpc aio, spread over several processes (as the
-  bench ran before 2026-12-03; ~470 us of CPU a batch on this VM): to compare with older figures.
-
-    gen = start(kind, indices, address, rate, window, cpus, procs)
-    gen.wait_ready(timeout_s)  -> (connect fails, connect retries, retry codes)
-    gen.go(go, t0, t1)            CLOCK_MONOTONIC seconds: sending starts at go, the window is [t0, t1)
-                                  (or window() below: go, then sample() as the window opens and closes)
-    gen.results(timeout_s)     -> [the per-process figures: acked, window_acked, duplicates, sent,
-                                   latencies_ms (in the window), by_second, fails]
-    gen.pids                      the processes whose CPU is the generator's
-    gen.close()
-"""
+"""The simulated agents of bench/collector_ingest.py and bench/fleet_scale.py: one load generator
+with one interface (start() below), in C (the default, CAgents) or in Python (PyAgents)."""
 
 from __future__ import annotations
 
@@ -87,7 +68,12 @@ def write_plan(path: str, agents: list, address: str, rate: float, window: int, 
 
 
 class CAgents:
-    """The C generator: one process for every agent, pinned to `cpus`."""
+    """The C generator: bench/loadgen/ingest_agents.c, one process on libnghttp2 and epoll for every
+    agent, pinned to `cpus`, built on first use (gcc, Debian's libnghttp2-dev). Each agent still has
+    its own connection, HTTP/2 session and Ingest stream, sends the same bytes (the Python agent's
+    template, filled in the same way: held equal by tests/e2e/test_bench_load_agents.py) on the same
+    schedule, and pings as the agent's channel does. It costs a fraction of the Python generator's
+    CPU a batch, so that on a 2-CPU machine the latency figure is the server's, not the generator's."""
 
     def __init__(self, indices: list[int], address: str, rate: float, window: int, cpus: list[int]):
         from collector_ingest import SimAgent
@@ -145,7 +131,8 @@ class CAgents:
 
 
 class PyAgents:
-    """collector_ingest.worker processes (grpc aio), the agents spread over `procs` of them."""
+    """collector_ingest.worker processes (grpc aio), the agents spread over `procs` of them: ~470 us
+    of CPU a batch on a 2-core VM, to compare with figures taken with it."""
 
     def __init__(self, indices: list[int], address: str, rate: float, window: int, cpus: list[int], procs: int):
         from collector_ingest import worker
@@ -198,6 +185,16 @@ class PyAgents:
 
 def start(kind: str, indices: list[int], address: str, rate: float, window: int, cpus: list[int],
           procs: int) -> CAgents | PyAgents:
+    """The generator of `kind` ("c" or "python"), started:
+
+        gen.wait_ready(timeout_s)  -> (connect fails, connect retries, retry codes)
+        gen.go(go, t0, t1)            CLOCK_MONOTONIC seconds: sending starts at go, the window is [t0, t1)
+                                      (or window() below: go, then sample() as the window opens and closes)
+        gen.results(timeout_s)     -> [the per-process figures: acked, window_acked, duplicates, sent,
+                                       latencies_ms (in the window), by_second, fails]
+        gen.pids                      the processes whose CPU is the generator's
+        gen.close()
+    """
     if kind == "c":
         return CAgents(indices, address, rate, window, cpus)
     if kind == "python":

@@ -1,14 +1,10 @@
 #!/usr/bin/env python3
 """What one 1 s round of the NVML source costs the agent with 8 GPUs (fake libnvidia-ml).
 
-    .venv/bin/python bench/nvml_round.py [--rounds 60] [--scenario h100x8]
+CPU and wall time per realtime round, and NVML calls per round. The fake answers in microseconds,
+so this is the Python and pynvml cost the agent adds, not a real driver's own latency.
 
-Builds the fake library (tests/fakes/nvml), runs the NVML source in a child process with the fake
-on LD_LIBRARY_PATH, and times its realtime rounds: CPU time (time.process_time, the agent's own
-cost, all threads) and wall time per round, and NVML calls per round from the fake's call counter.
-The fake answers in microseconds; a real driver's calls take longer (NVML's own latency), which
-this figure does not include: it is the Python and pynvml cost the agent adds.
-"""
+    .venv/bin/python bench/nvml_round.py [--rounds 60] [--scenario h100x8]"""
 
 from __future__ import annotations
 
@@ -46,6 +42,9 @@ print(json.dumps({"samples_per_round": n, "cpu_ms_mean": statistics.mean(cpu) * 
 
 
 def main() -> int:
+    """Builds the fake library (tests/fakes/nvml) and runs the NVML source in a child process with it
+    on LD_LIBRARY_PATH: CPU time per round is time.process_time (all threads), NVML calls per round
+    come from the fake's call counter."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--gap-s", type=float, default=0.2, help="time between rounds (GPM needs > 0.1 s)")

@@ -1,36 +1,11 @@
 """Scheduler decision latency: p50/p99 of Place at 1,000 and 10,000 nodes of 8 accelerators while
-every node streams at 1 s.
-
-One process, one asyncio loop, as in the collector: a FleetState with the scheduler core attached
-(collector.scheduler.core.Scheduler, following the state through its watcher) and the real gRPC server
-(collector.server.start_server: Ingest, Query, Scheduler) on 127.0.0.1. The fleet is fed through
-the ingest path in-process: every node says Hello with an inventory of 8 devices (a third
-A100-SXM4-80GB with NVLink, a third Ascend-910B 64GB, a third Ascend-910B4 32GB; labels region,
-zone, price, some encryption/attestation), then one Batch per second (FleetState.ingest: 8 devices
-x 5 realtime series, series_ref set, values changing; now and then an XID or a checkpoint request),
-spread evenly over the second on a 5 ms tick, so ingest interleaves with decisions as it does in
-the collector. The collector's gc.freeze() routine runs as in `serve`.
-
-Measured over --seconds after --warmup-s, per fleet size:
-- in-process: Scheduler.place(request) on the loop, timed around the call (answer proto included),
-  one decision every --interval-ms (x nodes / 2,000 above 2,000 nodes), requests rotating over four
-  shapes (GPU 40GB x2 with data region and replica zones; any 16GB x8 in one domain; NPU 32GB x4 with region residency; any
-  60GB x1 in two allowed regions); `inproc_cpu` is the same calls' CPU time on the loop thread
-  (time.thread_time), which leaves out what preempted the thread (other processes, gRPC threads);
-- over gRPC: a client process calling Scheduler/Place in a closed loop (one call at a time, a
-  pause of --interval-ms between), timed around the call: loopback and waiting for the loop, which
-  is also ingesting, are included. The client is bench/loadgen/place_calls.c (--client c, the
-  default) or grpc's Python stub (--client python, as before 2026-12-03: its own ~1 ms of CPU a
-  call is in its figure).
-With more than one CPU the client is pinned to the last one.
-Ingest achieved (batches/s against the target) is printed too, so an overloaded loop shows.
+every node streams at 1 s, in one process and one asyncio loop as in the collector (run_size).
 
     .venv/bin/python bench/place_latency.py                      # 1,000 and 10,000 nodes, ~100 s
     .venv/bin/python bench/place_latency.py --nodes 1000 --seconds 10
     .venv/bin/python bench/place_latency.py --nodes 10000 --identical 1000   # + 1,000 nodes alike
 
-Prints a table, then one line of JSON.
-"""
+Prints a table, then one line of JSON."""
 
 from __future__ import annotations
 
@@ -45,7 +20,7 @@ import subprocess
 import sys
 import time
 
-GOAL_P99_MS = 1.0    # at 1,000 nodes (issue 9)
+GOAL_P99_MS = 1.0    # at 1,000 nodes
 DEVICES = 8
 GiB = 2**30
 KINDS = [  # type, vendor, model, memory attribute, HBM bytes, interconnect, device id pattern
@@ -218,8 +193,8 @@ CLIENTS = ("c", "python")
 class PlaceCalls:
     """Closed-loop Place calls to `addr` from another process, pinned by pin_client(): `kind` "c",
     bench/loadgen/place_calls.c (one HTTP/2 connection, the requests' bytes as protobuf makes them;
-    the default since 2026-12-03), or "python", grpc_client() above (grpc's sync stub: ~1 ms of CPU
-    a call of its own, in the figure, as every figure before was taken)."""
+    the default), or "python", grpc_client() above (grpc's sync stub: ~1 ms of CPU a call of its
+    own, in the figure)."""
 
     def __init__(self, kind: str, addr: str, seconds: float, pause_s: float):
         self.kind = kind
@@ -263,6 +238,22 @@ class PlaceCalls:
 
 async def run_size(n: int, seconds: float, warmup_s: float, interval_ms: float, seed: int,
                    identical: int = 0, client_kind: str = "c") -> dict:
+    """One fleet size: a FleetState with the scheduler core attached (following the state through its
+    watcher) and the real gRPC server (Ingest, Query, Scheduler) on 127.0.0.1; the collector's
+    gc.freeze() routine as in `serve`. Every node says Hello with an inventory of 8 devices (a third
+    each A100-SXM4-80GB with NVLink, Ascend-910B 64GB, Ascend-910B4 32GB; labels region, zone, price,
+    some encryption/attestation), then one Batch a second through FleetState.ingest (8 devices x 5
+    realtime series, series_ref set, values changing; now and then an XID or a checkpoint request),
+    spread over the second on a 5 ms tick so that ingest interleaves with decisions.
+
+    Measured over `seconds` after `warmup_s`:
+    - in process: Scheduler.place(request) on the loop, timed around the call (answer proto
+      included), one decision every `interval_ms` (x n / 2,000 above 2,000 nodes), requests rotating
+      over the four shapes of requests(); `inproc_cpu` is the same calls' CPU time on the loop thread
+      (time.thread_time), which leaves out what preempted the thread;
+    - over gRPC: PlaceCalls in a closed loop, loopback and the wait for the ingesting loop included;
+    - ingest achieved (batches/s against the target), so that an overloaded loop shows.
+    """
     from xpusense.collector.gc_policy import freeze_long_lived
     from xpusense.collector.server import start_server
     from xpusense.collector.state import FleetState
@@ -370,8 +361,8 @@ def main() -> int:
     p.add_argument("--identical", type=int, default=0,
                    help="nodes alike in everything but their id, besides each size's varied nodes (default 0)")
     p.add_argument("--client", choices=CLIENTS, default="c",
-                   help="the gRPC client: c (bench/loadgen/place_calls.c, default) or python (grpc's stub, as before "
-                        "2026-12-03)")
+                   help="the gRPC client: c (bench/loadgen/place_calls.c, default) or python (grpc's stub: "
+                        "its own ~1 ms of CPU a call is in the figure)")
     args = p.parse_args()
     sizes = [int(x) for x in args.nodes.split(",") if x]
     results = []
