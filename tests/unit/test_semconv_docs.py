@@ -25,11 +25,21 @@ def prometheus(m: semconv.Metric) -> str:
     return f"`{name}`" + (" (compat: " + ", ".join(f"`{c}`" for c in compat) + ")" if compat else "")
 
 
+DEVICE_ATTRIBUTES = ("hw.type", "hw.model", "hw.vendor", "hw.driver_version", "hw.firmware_version",
+                     "hw.serial_number", "xpusense.accelerator.uuid")   # "the device's attributes" in the table
+
+
+def device_attributes(hw: tuple[str, ...]) -> str:
+    missing = [a for a in DEVICE_ATTRIBUTES if a not in hw]
+    if set(hw) <= set(DEVICE_ATTRIBUTES) and len(missing) <= 1:
+        return "the device's attributes" + (f" but `{missing[0]}`" if missing else "")
+    return ", ".join(f"`{a}`" for a in hw)
+
+
 def attributes(m: semconv.Metric) -> str:
     parts = []
     if m.device == semconv.ACCELERATOR:
-        parts.append("device [, mig_instance] -> `hw.id` [`gpu0/gi1`, `hw.parent`]"
-                     + (" + " + ", ".join(f"`{a}`" for a in m.hw) if m.hw else ""))
+        parts.append("device [, mig_instance] -> `hw.id`" + (" + " + device_attributes(m.hw) if m.hw else ""))
     elif m.device == semconv.SENSOR:
         parts.append("device, sensor -> `hw.id` (`gpu0/temperature/hbm`), `hw.parent`, `hw.sensor_location`")
     for wire, lab in m.labels.items():
@@ -56,7 +66,7 @@ def render() -> str:
     for m in semconv.METRICS:
         otlp = f"`{m.name}`" if m.name != m.wire else "same"
         if m.legacy:
-            otlp += " (`legacy_names`: the wire name and labels)"
+            otlp += " (`legacy_names`: as on the wire)"
         rows.append(f"| {m.wire} | {prometheus(m)} | {otlp} | {m.otlp_instrument} | {m.unit} | {attributes(m)} |")
     return "\n".join([BEGIN, *rows, END])
 
