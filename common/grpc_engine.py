@@ -1,19 +1,6 @@
 """Which of grpc's I/O engines a process runs on: grpc reads GRPC_EXPERIMENTS once, when it is
-imported, so each command sets it first thing, before anything imports grpc.
-
-grpc 1.85 runs clients and servers on its EventEngine by default, where every read and write of a
-connection is a closure handed to a work-stealing thread pool. Its polling engine (the experiments
-below turned off) reads and writes sockets in the threads that already poll the completion queue.
-Measured on a 2-core VM:
-- agent (one stream, a message and its ack a second): the pool's idle workers wake with a back-off
-  that starts again at 15 ms after every closure, 24-28 wake-ups a second for nothing; the polling
-  client wakes 5-6 times (bench/footprint.py, agent/grpc_waits.py);
-- collector (2,000 agents, a batch a second each): 685 -> 515 us of CPU a batch, 1,459 -> 1,926
-  batches/s stored on one core, context switches a batch 7.6 -> 1.5 (bench/collector_ingest.py).
-
-A GRPC_EXPERIMENTS the operator gave (systemd's Environment=, a shell, a pod spec) is theirs and left
-as it is, as is everything once grpc is imported (too late to take effect).
-"""
+imported, so each command sets it first thing, before anything imports grpc. A GRPC_EXPERIMENTS the
+operator gave (systemd's Environment=, a shell, a pod spec) is theirs and left as it is."""
 
 from __future__ import annotations
 
@@ -21,6 +8,11 @@ import os
 import sys
 from collections.abc import MutableMapping
 
+# grpc's EventEngine (its default) hands every read and write to a work-stealing thread pool whose
+# idle workers wake on a back-off for nothing; its polling engine (these experiments turned off)
+# reads and writes sockets in the threads that already poll the completion queue: fewer wake-ups
+# for the agent (agent/grpc_waits.py) and less CPU and fewer context switches a batch for the
+# collector (bench/collector_ingest.py, docs/figures.md).
 EXPERIMENTS_ENV = "GRPC_EXPERIMENTS"
 POLLING_CLIENT = "-event_engine_client"       # the agent's channels
 POLLING_LISTENER = "-event_engine_listener"   # the collector's servers: accepted connections poll too

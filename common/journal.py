@@ -1,15 +1,5 @@
 """Logging set-up for the CLIs: lines on stderr, or, under systemd with stderr going to journald,
-journal entries with fields an operator filters on (standard library only).
-
-systemd sets $JOURNAL_STREAM to the device and inode of the stream it connected stdout/stderr to
-(systemd.exec(5)); when stderr is that stream, records go to journald's native socket instead, as
-sd_journal_send(3) does, one datagram each, with:
-- PRIORITY (syslog level: `journalctl -p warning`), SYSLOG_IDENTIFIER (the program),
-- XPUSENSE_LOGGER (the logger's name), XPUSENSE_SOURCE (the agent's source a record is about:
-  `journalctl -u xpusense-agent XPUSENSE_SOURCE=nvml`), CODE_FILE/CODE_LINE/CODE_FUNC;
-journald adds _SYSTEMD_UNIT, _PID and the rest itself. A record the socket refuses (too large, no
-journald) is written to stderr, which still reaches the journal, so nothing is lost.
-"""
+journal entries with fields an operator filters on (JournalHandler; standard library only)."""
 
 from __future__ import annotations
 
@@ -64,7 +54,12 @@ def encode(fields: dict[str, str]) -> bytes:
 
 
 class JournalHandler(logging.Handler):
-    """One native journal entry per record; stderr when the socket refuses it."""
+    """One native journal entry per record, as sd_journal_send(3) sends them, when $JOURNAL_STREAM
+    (systemd.exec(5)) names the stream stderr is: PRIORITY (`journalctl -p warning`),
+    SYSLOG_IDENTIFIER, XPUSENSE_LOGGER, XPUSENSE_SOURCE (the agent's source a record is about:
+    `journalctl -u xpusense-agent XPUSENSE_SOURCE=nvml`), CODE_FILE/CODE_LINE/CODE_FUNC; journald
+    adds _SYSTEMD_UNIT, _PID and the rest. A record the socket refuses (too large, no journald) is
+    written to stderr, which still reaches the journal, so nothing is lost."""
 
     def __init__(self, identifier: str, path: str = JOURNAL_SOCKET):
         super().__init__()

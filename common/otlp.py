@@ -1,35 +1,7 @@
-"""OTLP metrics from xpusense samples: the conversion and the sender that the agent's direct export
-and the collector's exporter share, and their `[export.otlp]` config table; and OTLP log records
-from xpusense events (the collector's exporter, `logs = true`).
-
-Conversion (names, instruments and attributes from common/semconv.py, the one table of them):
-- one OTLP Resource per node, made with the SDK's `Resource.create()` (its detectors: `telemetry.sdk.*`,
-  `OTEL_RESOURCE_ATTRIBUTES` / `OTEL_SERVICE_NAME` under ours) and `schema_url` the targeted semantic
-  conventions: `service.name` xpusense, `service.version`, `service.instance.id` (a UUID v5 of the node
-  id, so the same node is the same instance whichever path its points take), `xpusense.node.id`,
-  `host.name`, `host.id` / `host.arch` / `os.type` (the agent's HOST inventory resource; in the
-  agent's direct mode the SDK's host detector fills what is missing), and from the inventory labels
-  the agent sends (`[labels]`): `cloud` -> `cloud.provider`, `region` -> `cloud.region`, `zone` ->
-  `cloud.availability_zone`, `k8s_node` -> `k8s.node.name`. Points of process.* metrics (the agent
-  itself) get a resource of their own: the node's plus `process.pid`, `process.executable.name`,
-  `process.creation.time`;
-- accelerator points get the inventory's hw.* attributes the model lists for the metric (semconv.py);
-- gauges become Gauges, counters cumulative monotonic Sums, UpDownCounters cumulative non-monotonic
-  Sums, histograms cumulative explicit-bucket Histograms (our cumulative `counts` become OTLP's
-  per-bucket counts).
-
-A cumulative point needs a start time. The wire says counters run "since an unspecified start", so
-the start is the first time this exporter saw the series, moved to the previous point's time when
-the value falls (a counter reset: an agent or device restart); an UpDownCounter's start stays the
-first time seen (its value may fall). After an exporter restart the start moves on; backends treat
-that as a new cumulative stream, not as a reset to zero.
-
-Events become log records (`log_records`): the node's resource, as for its metrics; time the event's;
-severity info -> INFO (9), warning -> WARN (13), critical -> ERROR (17); body the message; event_name
-and the attribute `event.name` `xpusense.<type>`; attributes the event's own (a diagnosis's
-`diagnosis.*` among them, docs/diagnosis.md) plus `xpusense.event.id` and, for an event about an
-accelerator, `hw.id`.
-"""
+"""OTLP from xpusense samples and events: the conversion to the SDK's MetricsData and log records,
+the sender, and the `[export.otlp]` config table, shared by the agent's direct export and the
+collector's exporter. Names, instruments and attributes come from common/semconv.py; resources,
+instruments, start times and events as docs/export.md "OTLP" describes them."""
 
 from __future__ import annotations
 
@@ -87,6 +59,8 @@ def service_instance_id(node_id: str) -> str:
 
 
 def resource_attributes(node_id: str, inv: pb.Inventory | None) -> dict[str, str]:
+    """A node's resource: service.*, its id (service.instance.id a UUID v5 of it, the same whichever
+    path its points take), host.* from the inventory's HOST resource, cloud.* / k8s.* from its labels."""
     attrs = {"service.name": SERVICE_NAME, "service.version": __version__,
              "service.instance.id": service_instance_id(node_id), "xpusense.node.id": node_id}
     if inv is not None:
@@ -159,7 +133,11 @@ def device_attributes(inv: pb.Inventory | None) -> dict[str, dict[str, str]]:
 
 
 class StartTimes:
-    """The start time of each cumulative series (see the module docstring)."""
+    """The start time of each cumulative series. The wire says counters run "since an unspecified
+    start", so the start is the first time this exporter saw the series, moved to the previous
+    point's time when the value falls (a counter reset: an agent or device restart); an
+    UpDownCounter's start stays the first time seen. After an exporter restart the start moves on:
+    backends treat that as a new cumulative stream, not as a reset to zero."""
 
     def __init__(self, max_series: int = 1_000_000):
         self.max_series = max_series

@@ -1,32 +1,10 @@
 """The names at the OTLP edge, as data: for every metric on the wire, the OpenTelemetry semantic
-conventions' name, instrument, unit and attributes it is exported with.
+conventions' name, instrument, unit and attributes it is exported with (Metric).
 
-The wire, the collector's views and the Prometheus endpoint keep the short names and labels the
-sources write (`state`, `direction`, `device`...); OTLP export (common/otlp.py) renames through this
-table and nothing else. docs/metrics.md "Names at each edge" is checked against it, and the tests
-check every exported metric against the conventions' own model files (tests/fixtures/semconv).
-
-Targeted conventions: v1.44.0 (model files of commit 384d661, the same for hardware, system and
-process as the v1.44.0 tag): `SCHEMA_URL` goes on every resource and scope.
-
-How a wire sample becomes OTLP points (common/otlp.py applies it):
-- `labels`: wire label -> `Label(attribute, values)`; a value mapped to None leaves the point out
-  (Linux's guest time, already counted in user); where two wire values become one (irq and softirq
-  are both `cpu.mode` interrupt) a `detail` attribute keeps them apart (`xpusense.cpu.interrupt`),
-  so every point stays one wire series and a sum by `cpu.mode` adds them. Labels not listed pass
-  through unchanged.
-- `device`: ACCELERATOR: the `device` label names an inventory resource, and the point gets its
-  `hw.id` and the inventory attributes listed in `hw` (the metric's attributes in the model, plus
-  `xpusense.accelerator.uuid`); a `mig_instance` makes the point its MIG instance's (`hw.id`
-  `gpu0/gi1`, `hw.parent` `gpu0`). SENSOR: the point is a sensor's own (`hw.id` `gpu0/temperature/hbm`,
-  `hw.parent` the device, `hw.sensor_location` the wire's `sensor`). `vendor` goes (`hw.vendor`).
-- `states`: a state set (hw.status): one point per state, 1 for the one the wire value names.
-- `resource`: labels that describe a process (process.* metrics) go to the resource, not the point.
-- `legacy`: the OTLP name changed in this release (hw.errors, hw.status, hw.gpu.io were their
-  `xpusense.accelerator.*` wire names; the load averages were `system.cpu.load_average.*`, which is
-  not semconv); `[export.otlp] legacy_names = true` exports them as in 0.1 (wire name, wire labels,
-  the new device attributes) for one more release.
-"""
+The wire, the collector's views and the Prometheus endpoint keep the sources' short names and
+labels; OTLP export (common/otlp.py) renames through this table and nothing else. docs/metrics.md
+"Names at each edge" and the conventions' model files (tests/fixtures/semconv) are checked against
+it. Targeted conventions: v1.44.0 (SEMCONV_COMMIT); SCHEMA_URL goes on every resource and scope."""
 
 from __future__ import annotations
 
@@ -75,6 +53,15 @@ class StateSet:
 
 @dataclasses.dataclass(frozen=True)
 class Metric:
+    """How one wire metric becomes OTLP points (common/otlp.py applies it). `labels`: wire label ->
+    Label; labels not listed pass unchanged. `device` ACCELERATOR: the `device` label names an
+    inventory resource, and the point gets its `hw.id` and the attributes in `hw`; a `mig_instance`
+    makes it its MIG instance's (`hw.id` gpu0/gi1, `hw.parent` gpu0). SENSOR: the point is a sensor's
+    own (`hw.id` gpu0/temperature/hbm, `hw.parent` the device, `hw.sensor_location` the wire's
+    `sensor`). `states`: one point per state, 1 for the one the wire value names. `legacy`: the OTLP
+    name is new in this release; `[export.otlp] legacy_names = true` exports the wire name and labels
+    (with the new device attributes) for one more release."""
+
     wire: str                                                # name on the wire, in the collector, for Prometheus
     unit: str
     kind: str                                                # on the wire: gauge / counter / histogram

@@ -1,16 +1,9 @@
 """Long-lived background work that is never silently dead: run it, and start it again when it fails.
 
 A background task of the collector (an asyncio coroutine: `Supervisor.task`) or of the agent (a
-thread's loop: `Supervisor.thread`) runs under a Supervisor. When it raises, the exception is
-logged with its traceback, counted by task name (`restarts`: the collector's `tasks.restarts`
-counter, the agent's `xpusense.agent.task.restarts`), and the work is started again after a
-backoff: RESTART_INITIAL_S doubling up to RESTART_MAX_S (with jitter), back to the start once a
-run lasted RESTART_HEALTHY_S. Work that returns has ended on purpose and is not started again.
-
-Work that cannot be started again safely is given `fatal=True`: the failure is logged and counted,
-then the process exits with EXIT_FATAL, so that its service manager (systemd `Restart=`, a pod's
-restart policy) starts it afresh rather than letting it run on without that work.
-"""
+thread's loop: `Supervisor.thread`) runs under a Supervisor: a failure is logged, counted by task
+name and restarted after a backoff; work that cannot be started again safely (`fatal=True`) makes
+the process exit with EXIT_FATAL, so that its service manager starts it afresh."""
 
 from __future__ import annotations
 
@@ -34,7 +27,15 @@ log = logging.getLogger("xpusense.supervise")
 
 
 class Supervisor:
-    """Runs background work, restarts it when it fails, and counts the failures by task name."""
+    """Runs background work, restarts it when it fails, and counts the failures by task name.
+
+    A failure is logged with its traceback and counted (`restarts`: the collector's `tasks.restarts`
+    counter, the agent's `xpusense.agent.task.restarts`); the work starts again after a backoff of
+    RESTART_INITIAL_S doubling up to RESTART_MAX_S (with jitter), back to the start once a run lasted
+    RESTART_HEALTHY_S. Work that returns has ended on purpose and is not started again. With
+    `fatal=True` the failure is logged and counted, then the process exits with EXIT_FATAL, so that
+    systemd's `Restart=` or a pod's restart policy starts it afresh rather than it running without
+    that work."""
 
     def __init__(self, initial_s: float = RESTART_INITIAL_S, max_s: float = RESTART_MAX_S,
                  healthy_s: float = RESTART_HEALTHY_S):

@@ -1,17 +1,5 @@
-"""How the agent (and the collector's query CLI) reach the collector: mTLS, TLS + token, or plaintext.
-
-`make_channel(address, collector_cfg)` checks the `[collector]` keys and returns a factory of gRPC
-channels for StreamClient's `channel` parameter:
-- `tls_ca` (and/or `tls_cert` + `tls_key`): TLS, the collector's certificate checked against
-  `tls_ca` (the system's roots when unset); with `tls_cert`/`tls_key` the agent presents its client
-  certificate (mTLS), which names the node it may report as.
-- `token_file`: the node's bearer token, sent as `authorization: Bearer ...` on every call (as
-  call credentials over TLS; as plain metadata over plaintext, which only loopback or
-  `insecure = true` allows).
-- neither: plaintext, allowed only to a loopback collector unless `insecure = true` (then a
-  warning says so when the first channel is made).
-Unusable settings raise ConfigError naming the key (the CLI exits 2 with it).
-"""
+"""How the agent (and the collector's query CLI) reach the collector: mTLS, TLS + token, or
+plaintext (make_channel). Unusable settings raise ConfigError naming the key (the CLI exits 2)."""
 
 from __future__ import annotations
 
@@ -152,7 +140,15 @@ class ChannelFactory:
 
 def make_channel(address: str, collector_cfg, options: list | None = None,
                  names: dict[str, str] | None = None) -> ChannelFactory:
-    """Check the [collector] security keys now; return a factory of channels to `address`.
+    """Check the [collector] security keys now; return a factory of channels to `address` (for
+    StreamClient's `channel` parameter):
+    - `tls_ca` (and/or `tls_cert` + `tls_key`): TLS, the collector's certificate checked against
+      `tls_ca` (the system's roots when unset); with `tls_cert`/`tls_key` the agent presents its
+      client certificate (mTLS), which names the node it may report as.
+    - `token_file`: the node's bearer token, `authorization: Bearer ...` on every call (call
+      credentials over TLS; plain metadata over plaintext, which only loopback or `insecure` allows).
+    - neither: plaintext, allowed only to a loopback collector unless `insecure = true` (then a
+      warning says so when the first channel is made).
 
     `names`: how errors call each setting (default the config keys; the query CLI passes its flags)."""
     c = collector_cfg
