@@ -2,7 +2,7 @@
 
 Only the argument parser, common/grpc_engine (grpc's client engine must be chosen before grpc is
 imported) and the eBPF loader's starter are imported before the command runs: `run` first starts
-the loader process (launch.start_early), so that it compiles the probes while the agent imports the
+the loader process (loader_process.start_early), so that it compiles the probes while the agent imports the
 rest (commands.py) and starts; the agent's eBPF sources take it over, and one nobody took is ended.
 """
 
@@ -14,7 +14,7 @@ import sys
 
 from xpusense.common.grpc_engine import POLLING_CLIENT, choose_engine
 
-from .sources.ebpf.launch import discard_early, start_early
+from .sources.ebpf.loader_process import discard_early, start_early
 
 
 def _parser() -> argparse.ArgumentParser:

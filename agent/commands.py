@@ -16,7 +16,7 @@ from xpusense.common.tls import make_channel
 from .config import ConfigError, load_agent
 from .daemon import Agent, build_sources, inventory
 from .request_dir import RequestDirError
-from .sources.ebpf.launch import discard_early
+from .sources.ebpf.loader_process import discard_early
 from .spool import SpoolError
 from .stream import resolve
 from .tiers import setup_sources

@@ -31,7 +31,7 @@ from ebpf_support import own_cgroup, probe_sources, require_ebpf
 from helpers import BIN, ROOT, wait_until
 
 from xpusense.agent.sources.base import HISTOGRAM, NEARLINE, REALTIME, Unavailable
-from xpusense.agent.sources.ebpf import family, launch
+from xpusense.agent.sources.ebpf import family, loader_process
 from xpusense.agent.sources.ebpf.loader import EbpfLoader
 from xpusense.agent.sources.ebpf.procfs import cgroup2_root
 from xpusense.agent.sources.ebpf.tc import TC_PARENTS, ours
@@ -745,15 +745,15 @@ def loader_info_of_running_probes(probes: list[str]) -> dict:
     finally:
         for src in sources:
             src.close()
-        launch.discard_early()
+        loader_process.discard_early()
 
 
 def test_a_loader_started_early_compiles_ahead_what_the_config_asks_and_leaves_the_hosts_kallsyms_alone(tmp_path):
-    """`xpusense-agent run` starts the loader before its own imports (launch.start_early), naming its
+    """`xpusense-agent run` starts the loader before its own imports (loader_process.start_early), naming its
     config: the loader compiles what the config asks for while the agent starts, and the agent's
     request finds it compiled. bcc saw a kallsyms of the loader's own mount namespace, never the host."""
     require_ebpf()
-    launch.start_early(early_loader_config(tmp_path, ["runqlat", "netio"]))
+    loader_process.start_early(early_loader_config(tmp_path, ["runqlat", "netio"]))
     info = loader_info_of_running_probes(["runqlat", "netio"])
     assert info["compiled_ahead"] is True, info
     assert info["kallsyms"] == "private (bpf symbols only)", info
@@ -788,7 +788,7 @@ def test_the_agent_run_from_its_cli_finds_its_probes_compiled_ahead(tmp_path):
 
 def test_a_loader_that_compiled_other_probes_ahead_compiles_what_the_agent_asks(tmp_path):
     require_ebpf()
-    launch.start_early(early_loader_config(tmp_path, ["runqlat"]))
+    loader_process.start_early(early_loader_config(tmp_path, ["runqlat"]))
     info = loader_info_of_running_probes(["runqlat", "netio"])
     assert info["compiled_ahead"] is False and "other probes or flags" in info["ahead"], info
 
@@ -797,10 +797,10 @@ def test_an_early_loader_is_not_started_for_a_config_without_probes_and_one_nobo
     require_ebpf()
     off = tmp_path / "off.toml"
     off.write_text("[sources.ebpf]\nenabled = false\n")
-    launch.start_early(str(off))
-    assert launch.take_early() is None
-    launch.start_early(early_loader_config(tmp_path, ["runqlat"]))
-    early = launch.take_early()
+    loader_process.start_early(str(off))
+    assert loader_process.take_early() is None
+    loader_process.start_early(early_loader_config(tmp_path, ["runqlat"]))
+    early = loader_process.take_early()
     assert early is not None
     early.close()           # EOF on its socket: it leaves without compiling anything it was not asked for
     assert early.proc.returncode == 0

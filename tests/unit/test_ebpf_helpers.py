@@ -16,7 +16,7 @@ import tempfile
 import pytest
 
 from xpusense.agent.sources.base import COUNTER, HISTOGRAM, Sample, Unavailable
-from xpusense.agent.sources.ebpf import bpfmap, btf, caps, family, handoff, launch, links, procfs
+from xpusense.agent.sources.ebpf import bpfmap, btf, caps, family, fd_channel, links, loader_process, procfs
 from xpusense.agent.sources.ebpf.loader import render_c
 from xpusense.agent.sources.ebpf.source import EbpfSource, hist_sample, sum_percpu
 from xpusense.agent.tiers import ChangeFilter
@@ -102,14 +102,14 @@ def test_pure_helpers():
 # ------------------------------------------------------------------------------------------ the loader process
 
 def test_handoff_carries_a_message_and_its_fds_in_order_past_one_message_worth():
-    a, b = handoff.pair()
+    a, b = fd_channel.pair()
     pipes = [os.pipe() for _ in range(3)]
     # 3 pipes' write ends, each repeated: more fds than one message may carry
-    fds = [w for _r, w in pipes] * ((handoff.FDS_PER_MESSAGE // 3) + 10)
+    fds = [w for _r, w in pipes] * ((fd_channel.FDS_PER_MESSAGE // 3) + 10)
     try:
-        handoff.send(a, {"hello": [1, 2]}, fds)
-        data, got = handoff.recv(b, 5.0)
-        assert data == {"hello": [1, 2]} and len(got) == len(fds) > handoff.FDS_PER_MESSAGE
+        fd_channel.send(a, {"hello": [1, 2]}, fds)
+        data, got = fd_channel.recv(b, 5.0)
+        assert data == {"hello": [1, 2]} and len(got) == len(fds) > fd_channel.FDS_PER_MESSAGE
         for i, fd in enumerate(got):        # the i-th fd received writes into the i-th pipe sent
             os.write(fd, bytes([i % 3]))
         for k, (r, _w) in enumerate(pipes):
@@ -126,12 +126,12 @@ def test_handoff_carries_a_message_and_its_fds_in_order_past_one_message_worth()
 
 
 def test_handoff_times_out_and_sees_a_closed_peer():
-    a, b = handoff.pair()
-    with pytest.raises(handoff.HandoffError, match="timed out"):
-        handoff.recv(b, 0.2)
+    a, b = fd_channel.pair()
+    with pytest.raises(fd_channel.ChannelError, match="timed out"):
+        fd_channel.recv(b, 0.2)
     a.close()
-    with pytest.raises(handoff.HandoffError, match="closed"):
-        handoff.recv(b, 1.0)
+    with pytest.raises(fd_channel.ChannelError, match="closed"):
+        fd_channel.recv(b, 1.0)
     b.close()
 
 
@@ -142,17 +142,17 @@ def loader_running(code):
 
 def test_a_loader_that_exits_or_is_killed_gives_the_reason_and_no_fds():
     with pytest.raises(Unavailable, match=r"exited with status 3 before handing over the probes; it said: .*no headers here"):
-        launch.run_loader(loader_running("import sys; print('no headers here', file=sys.stderr); sys.exit(3)"),
+        loader_process.run_loader(loader_running("import sys; print('no headers here', file=sys.stderr); sys.exit(3)"),
                             {"probes": []}, 30)
     with pytest.raises(Unavailable, match="killed by SIGKILL before handing over"):
-        launch.run_loader(loader_running("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"), {"probes": []}, 30)
+        loader_process.run_loader(loader_running("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"), {"probes": []}, 30)
 
 
 def test_a_loader_that_hangs_is_killed_at_the_deadline():
     pidfile = tempfile.mktemp()
     code = f"import os, time; open({pidfile!r}, 'w').write(str(os.getpid())); time.sleep(600)"
     with pytest.raises(Unavailable, match=r"handed nothing over within 1 s and was killed"):
-        launch.run_loader(loader_running(code), {"probes": []}, 1.0)
+        loader_process.run_loader(loader_running(code), {"probes": []}, 1.0)
     pid = int(open(pidfile).read())
     os.unlink(pidfile)
     with pytest.raises(ProcessLookupError):   # reaped, not left running
@@ -335,13 +335,13 @@ def test_the_loaders_kallsyms_keeps_the_bpf_symbols_bcc_asks_about_and_only_thos
 def test_the_loaders_preload_lets_the_compile_go_on_whatever_fails(monkeypatch):
     import threading
 
-    from xpusense.agent.sources.ebpf import loadproc
+    from xpusense.agent.sources.ebpf import loader_main
 
     def refused():
         raise OSError(30, "Read-only file system")
-    monkeypatch.setattr(loadproc.kallsyms_mod, "bind_bpf_symbols", refused)
+    monkeypatch.setattr(loader_main.kallsyms_mod, "bind_bpf_symbols", refused)
     ready, compiling, kallsyms = threading.Event(), threading.Event(), {"note": ""}
-    t = threading.Thread(target=loadproc.preload, args=(kallsyms, ready, compiling), daemon=True)
+    t = threading.Thread(target=loader_main.preload, args=(kallsyms, ready, compiling), daemon=True)
     t.start()
     assert ready.wait(60) and "Read-only file system" in kallsyms["note"]
     # pyroute2's import (Python, holding the GIL) waits until clang runs, not to slow the guess down
@@ -358,9 +358,9 @@ def test_the_loader_maps_libbcc_before_bccs_import_asks_for_it():
 
     if ctypes.util.find_library("bcc") is None:
         pytest.skip("libbcc is not installed (scripts/setup.sh installs it)")
-    code = ("from xpusense.agent.sources.ebpf import loadproc\n"
+    code = ("from xpusense.agent.sources.ebpf import loader_main\n"
             "before = 'libbcc.so' in open('/proc/self/maps').read()\n"
-            "loadproc.map_libbcc()\n"
+            "loader_main.map_libbcc()\n"
             "print(before, 'libbcc.so' in open('/proc/self/maps').read())\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "True"], out.stderr

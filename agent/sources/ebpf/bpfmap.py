@@ -1,11 +1,9 @@
 """BPF maps read and written through the bpf(2) syscall alone: no bcc, no LLVM in the agent's memory.
 
-The loader process (loadproc.py) compiles the probes with bcc and hands the agent each map's fd with
-its layout: the map type, key and value sizes and bcc's JSON description of the key and value C
-types. `ctype_of` turns such a description into a ctypes type, as bcc's own `_decode_table_type` does,
-so the probes' sources read the same structs as before. A whole map is read with one
-BPF_MAP_LOOKUP_BATCH call (Linux 5.6+); where the kernel refuses it (EINVAL, ENOTSUPP), key by key
-with BPF_MAP_GET_NEXT_KEY and BPF_MAP_LOOKUP_ELEM, as bcc does.
+The loader process hands over each map's fd with its layout (type, key and value sizes, bcc's JSON
+description of the key and value C types); `ctype_of` turns a description into a ctypes type as bcc's
+`_decode_table_type` does. A whole map is read with one BPF_MAP_LOOKUP_BATCH call (Linux 5.6+), key
+by key where the kernel refuses it, as bcc does.
 """
 
 from __future__ import annotations

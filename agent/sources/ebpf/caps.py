@@ -1,6 +1,6 @@
 """This process's capabilities (CapEff in /proc/self/status) and whether it may load eBPF programs.
 
-Imports nothing but os: `xpusense-agent run` asks it before its own imports (launch.start_early).
+Imports nothing but os: `xpusense-agent run` asks it before its own imports (loader_process.start_early).
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""The one loader all eBPF sources of an agent share: feature tests, one loader process, bpf_stats.
-
-Planning a probe (`EbpfLoader.plan`) picks the first variant of its spec whose tracepoints exist
-under tracefs, sets the -D defines of that variant and of its optional tracepoints, and runs the
-source's own feature test (a library, interfaces); it compiles nothing and needs no root.
-
-On first use, the C of every probe that planned is compiled, loaded and attached by a short-lived
-loader process (loadproc.py) that imports bcc, compiles all probes once as one translation unit
-(`render_c`; each on its own if that fails, so one broken probe cannot take the others down), and
-hands the maps', programs' and attachments' fds to the agent over a unix socket (handoff.py,
-SCM_RIGHTS). Then it exits: clang and LLVM never enter the agent's memory. The agent reads the maps
-through the bpf syscall (bpfmap.py) and detaches a probe by closing its fds. A loader that fails, is
-killed or hangs (LOADER_TIMEOUT_S) makes every probe Unavailable with the reason; the agent goes on.
+"""The one loader all eBPF sources of an agent share (EbpfLoader): feature tests that plan each probe
+(variant, -D flags, attach points; no compiling, no root), one loader process for every planned
+probe (loader_process.py), what it hands over held per probe (probe_handle.py), and bpf_stats.
+A loader that fails, is killed or hangs makes every probe Unavailable with the reason.
 """
 
 from __future__ import annotations
@@ -34,8 +25,8 @@ from .bpf_stats import BpfStats
 from .bpfmap import BpfMap, possible_cpus
 from .btf import FUNC, TYPEDEF, Btf, BtfError
 from .caps import bpf_capable
-from .handover import ProbeHandle, close_fd
-from .launch import LoaderProcess, loader_argv, take_early
+from .loader_process import LoaderProcess, loader_argv, take_early
+from .probe_handle import ProbeHandle, close_fd
 from .procfs import headers_release, sched_info_off
 
 log = logging.getLogger("xpusense.agent.sources.ebpf")
@@ -58,7 +49,7 @@ class Plan:
     tracepoints: list[str]
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
-    # what the loader process attaches and writes (loadproc.Builder.attach_probe): tracepoints,
+    # what the loader process attaches and writes (loader_main.Builder.attach_probe): tracepoints,
     # raw_tracepoints {name: fn}, uprobes {library, symbols}, tc {...}, map_init {map: [[key, fields]]}
     attach: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -330,7 +321,7 @@ class EbpfLoader:
         return out
 
     def request(self, plans: list[Plan]) -> dict:
-        """What the loader process is asked to build (see loadproc.Builder)."""
+        """What the loader process is asked to build (see loader_main.Builder)."""
         return {"combined": bool(self.cfg.combined_compile), "combined_text": render_c(plans),
                 "probes": [{"name": p.probe.name, "text": render_c([p]), "cflags": p.cflags(), "attach": p.attach}
                            for p in plans]}
@@ -340,7 +331,7 @@ class EbpfLoader:
 
     def prestart(self) -> None:
         """Start the loader processes now, so that they import bcc while the probes are planned here; the
-        one `xpusense-agent run` started before its imports (launch.start_early) is taken first."""
+        one `xpusense-agent run` started before its imports (loader_process.start_early) is taken first."""
         with self._lock:
             if not self._procs and not self._loaded:
                 early = take_early()

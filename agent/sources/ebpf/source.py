@@ -1,15 +1,9 @@
-"""The Source every eBPF probe is: plan, what the loader process attached, maps -> samples.
+"""The Source every eBPF probe is: its plan, what the loader process attached, maps -> samples.
 
 Which maps become which metrics is data in `xpusense.probes.specs`; a map's key decoder turns its
 keys into labels (cgroup, process, family, netdev here; disk and iface in the probes that own them).
-Counters are read at the realtime tier, histograms (log2 buckets, cumulative counts) at the nearline
-tier. Every probe also reports its cost from bpf_stats: run_cnt and run_time_ns of its programs.
-Only its programs write a probe's maps: while their run_cnt stands still (and no map was written from
-user space, and no dead keys are due to be dropped), the maps hold what they held, so a round gives
-the samples of the last read again without reading them (at most REUSE_MAX_S; bpf_stats held on by
-BPF_ENABLE_STATS only, which nothing else can switch off).
-The programs are compiled, loaded and attached by the loader process (loadproc.py); a source holds
-its probe's fds (handover.ProbeHandle) and reads the maps with the bpf syscall (bpfmap.py).
+Counters are read at the realtime tier, histograms at the nearline tier; every probe also reports
+its own cost from bpf_stats (run_cnt and run_time_ns of its programs).
 """
 
 from __future__ import annotations
@@ -26,8 +20,8 @@ from xpusense.probes import specs
 
 from ..base import COUNTER, GAUGE, HISTOGRAM, NEARLINE, REALTIME, Sample, Source, SourceError, Unavailable
 from .bpfmap import BpfMap, ProgStats
-from .handover import ProbeHandle
 from .loader import EbpfLoader, Plan
+from .probe_handle import ProbeHandle
 from .procfs import CgroupNames, cgroup2_root
 
 log = logging.getLogger("xpusense.agent.sources.ebpf")
@@ -194,7 +188,10 @@ class EbpfSource(Source):
         return out
 
     def _maps(self, tier: str, stats: list[dict] | None) -> list[Sample]:
-        """read_maps(tier), or the samples of its last read again when nothing can have changed since."""
+        """read_maps(tier), or the samples of its last read again when nothing can have changed since:
+        only its programs write a probe's maps, so while their run_cnt stands still (counted only under
+        BPF_ENABLE_STATS, which nothing else can switch off), no map was written from user space and no
+        dead keys are due to be dropped, the maps hold what they held (for at most REUSE_MAX_S)."""
         runs = None
         if (stats is not None and len(stats) == len(self.handle.progs if self.handle else ())
                 and self.loader.stats.state.startswith("on (BPF_ENABLE_STATS")):

@@ -1,6 +1,5 @@
-"""What the eBPF loader process (loadproc.py) handed over, held per probe: `ProbeHandle` keeps one
-probe's program and attachment fds and its maps; closing the attachment fds (perf events, raw
-tracepoints) detaches it. Starting the process and receiving the hand-over: launch.py.
+"""What the eBPF loader process handed over for one probe (`ProbeHandle`): its program and attachment
+fds and its maps. Closing the attachment fds (perf events, raw tracepoints) detaches the probe.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""The loader process: compiles the probes' C with bcc, loads and attaches them, hands the fds to the agent.
-
-Started by the agent's EbpfLoader (loader.py) as `python -c LOADER_BOOT SYS_PATH FD`, it reads one request
-from the socket FD (handoff.py): the C to compile (all probes as one translation unit, and each
-probe's own for the fallback), the -D flags, and per probe what to attach (tracepoints, raw
-tracepoints, uprobes, tc filters) and which map entries to write first. It answers with a manifest
-and the fds of every map, program and attachment (perf event or raw tracepoint), then ends with
-os._exit, so bcc's clean-up (which would detach the probes) never runs. Clang and LLVM (libbcc maps
-about 70 MB of them) live and die with this process; the agent keeps only the fds.
-
-One broken probe cannot take the others down: if the combined compile fails, each probe is compiled
-on its own; a probe whose load or attach fails gets its reason in the manifest and what it had
-attached is detached again (tc filters removed; perf events close with this process).
+"""The eBPF loader process: compiles the probes' C with bcc, loads and attaches the programs, hands
+their fds to the agent (fd_channel.py), and exits with os._exit so bcc's clean-up, which would detach
+them, never runs; clang and LLVM live and die with it. Started with the agent's config named, it
+compiles the request the agent will most likely send before it comes (Ahead).
 """
 
 from __future__ import annotations
@@ -29,7 +20,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import handoff
+from . import fd_channel
 from . import kallsyms as kallsyms_mod
 
 REQUEST_WAIT_S = 120.0     # started early by the agent: how long to wait for what to load
@@ -366,10 +357,9 @@ LIBBCC = b"libbcc.so.0"      # the name bcc's libbcc.py opens
 
 
 def map_libbcc() -> None:
-    """dlopen libbcc (and the libclang-cpp and libLLVM it needs, ~170 MB) through a foreign call, which
-    lets go of the GIL; bcc's own ctypes.CDLL then finds it loaded. CPython's CDLL holds the GIL through
-    dlopen: ~50 ms warm, ~0.3 s on a cold page cache (reading LLVM from disk), with the guess's thread
-    (the planning) stopped meanwhile. A failure is left to `import bcc` to say."""
+    """dlopen libbcc (and the libclang-cpp and libLLVM it needs) through a foreign call, which lets go of
+    the GIL, so the guess's planning runs meanwhile (CPython's CDLL holds the GIL through dlopen); bcc's
+    own ctypes.CDLL then finds it loaded. A failure is left to `import bcc` to say."""
     libc = ctypes.CDLL(None)
     libc.dlopen.restype, libc.dlopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_int]
     libc.dlopen(LIBBCC, os.RTLD_NOW)    # never closed: the loader ends with os._exit
@@ -377,10 +367,9 @@ def map_libbcc() -> None:
 
 def preload(kallsyms: dict[str, str], compile_ready: threading.Event, compiling: threading.Event) -> None:
     """What every request needs, done while the agent is still planning: bcc's view of kallsyms made
-    small (kallsyms.py, its outcome in kallsyms["note"]; ~60 ms warm, most of it the kernel writing out
-    kallsyms) while libbcc is mapped (map_libbcc, in a thread), then bcc imported and compile_ready set;
-    then, once clang runs (`compiling`: it leaves the GIL free), pyroute2 (tc_traffic's filters: ~150 ms
-    of Python that would otherwise hold up the guess and the planning before it)."""
+    small (kallsyms.py, its outcome in kallsyms["note"]) while libbcc is mapped (map_libbcc, in a
+    thread), then bcc imported and compile_ready set; then, once clang runs (`compiling`: it leaves the
+    GIL free), pyroute2 for tc_traffic's filters (its import would otherwise hold up the guess)."""
     mapping = threading.Thread(target=map_libbcc, name="map-libbcc", daemon=True)
     mapping.start()     # reads from disk while kallsyms is read (kernel work)
     try:
@@ -446,21 +435,38 @@ class Ahead:
         return self.builder
 
 
-def main(fd: int, guess: Callable[[], dict | None] | None = None) -> None:
+def guess_request(config_path: str) -> dict | None:
+    """The request an agent with `config_path` ("": the built-in defaults) will send on this host: the
+    agent's own planning (family.expected_request) run on that file's [sources.ebpf] table."""
+    import tomllib
+
+    from xpusense.common.config import load
+
+    from .family import SCHEMA, expected_request
+    keys: dict = {}
+    if config_path:
+        with open(config_path, "rb") as f:
+            keys = tomllib.load(f).get("sources", {}).get("ebpf", {})
+    table = load({"sources": {"ebpf": SCHEMA}}, None, env={}, flags={"sources.ebpf": keys} if keys else None)
+    return expected_request(table.sources.ebpf)
+
+
+def main(fd: int, config_path: str | None = None) -> None:
     """Serve one request on socket `fd`, then leave without bcc's clean-up (os._exit). Started before
     the agent has planned the probes: it imports bcc meanwhile, and gives up if no request comes. With
-    `guess` (what the agent will most likely ask for), that is compiled meanwhile too."""
+    `config_path` (the agent's config; "": the built-in defaults), the request that config makes is
+    compiled meanwhile too (Ahead)."""
     sock = socket.socket(fileno=fd)
     code = 0
     t0 = time.perf_counter()
     kallsyms = {"note": kallsyms_mod.private_mounts()}     # before any thread starts
     compile_ready, compiling = threading.Event(), threading.Event()
     threading.Thread(target=preload, args=(kallsyms, compile_ready, compiling), daemon=True).start()
-    ahead = Ahead(guess, compile_ready, compiling) if guess is not None else None
+    ahead = None if config_path is None else Ahead(lambda: guess_request(config_path), compile_ready, compiling)
     try:
         try:
-            req, _ = handoff.recv(sock, REQUEST_WAIT_S)
-        except handoff.HandoffError:       # the agent closed (nothing to load) or never asked
+            req, _ = fd_channel.recv(sock, REQUEST_WAIT_S)
+        except fd_channel.ChannelError:       # the agent closed (nothing to load) or never asked
             os._exit(0)
         t_req = time.perf_counter()
         compile_ready.wait()
@@ -481,7 +487,7 @@ def main(fd: int, guess: Callable[[], dict | None] | None = None) -> None:
         b.manifest["request_after_s"] = round(t_req - t0, 3)
         b.manifest["done_after_s"] = round(time.perf_counter() - t0, 3)
         b.manifest["vm_hwm_kb"] = vm_hwm_kb()
-        handoff.send(sock, b.manifest, b.fds)
+        fd_channel.send(sock, b.manifest, b.fds)
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -1,12 +1,7 @@
-"""Starting the eBPF loader process (loadproc.py) and waiting for what it hands over.
-
-`xpusense-agent run` imports this first, before its own imports: start_early starts the loader process
-then, so that it compiles the probes (from the agent's config file) while the agent starts. So it
-imports little: no logging, tempfile, base's dataclasses or map code (the CLI's imports before the
-start: ~18 ms, ~26 ms when this lived in handover.py). `run_loader`/`LoaderProcess` start the
-process, send the request and wait (with a deadline) for the manifest and its fds; when the process
-exits, is killed or does not answer, they raise Unavailable with a reason a person can act on, and
-the process is gone (killed on timeout). What is handed over is held per probe in handover.py.
+"""Starting the eBPF loader process (loader_main.py) and receiving what it hands over, with a deadline;
+a loader that exits, is killed or does not answer becomes Unavailable with a reason to act on.
+`xpusense-agent run` imports this before its own imports and starts the loader then (start_early),
+so this module imports little: no logging, tempfile, base's dataclasses or map code.
 """
 
 from __future__ import annotations
@@ -19,18 +14,18 @@ import sys
 from collections.abc import Callable
 from typing import IO
 
-from . import handoff
+from . import fd_channel
 from .caps import bpf_capable
 
 # How the loader process starts: the agent's own interpreter, every import path the agent has that a
 # fresh interpreter lacks (a site directory added at run time, with its .pth files: an editable
-# install's finder), then the loader on the inherited socket: ahead.serve, which is loadproc.main plus,
-# when the agent's config file is named, the request the agent will send compiled before it comes.
+# install's finder), then the loader on the inherited socket: loader_main.main, which, when the agent's
+# config file is named, compiles the request the agent will send before it comes.
 LOADER_BOOT = ("import json, site, sys\n"
                "for p in json.loads(sys.argv[1]):\n"
                "    if p not in sys.path: site.addsitedir(p)\n"
-               "from xpusense.agent.sources.ebpf.ahead import serve\n"
-               "serve(int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)\n")
+               "from xpusense.agent.sources.ebpf.loader_main import main\n"
+               "main(int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)\n")
 
 
 def loader_argv(fd: int, config_path: str | None = None) -> list[str]:
@@ -47,7 +42,7 @@ class LoaderProcess:
     (then it is killed); `close` makes an unused one go away (EOF on its socket)."""
 
     def __init__(self, argv: Callable[[int], list[str]]):
-        self._sock, theirs = handoff.pair()
+        self._sock, theirs = fd_channel.pair()
         self._err = open(os.memfd_create("xpusense-loader-stderr", os.MFD_CLOEXEC), "w+b")  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(argv(theirs.fileno()), pass_fds=[theirs.fileno()],
@@ -61,7 +56,7 @@ class LoaderProcess:
     def send(self, request: dict) -> None:
         """The request; a failure to send shows in receive() (the process is gone)."""
         try:
-            handoff.send(self._sock, request)
+            fd_channel.send(self._sock, request)
         except OSError:
             pass
 
@@ -69,8 +64,8 @@ class LoaderProcess:
         """The manifest and its fds; `deadline_said_s`: the deadline to name when it runs out."""
         proc = self.proc
         try:
-            return handoff.recv(self._sock, timeout_s)
-        except (handoff.HandoffError, OSError) as e:
+            return fd_channel.recv(self._sock, timeout_s)
+        except (fd_channel.ChannelError, OSError) as e:
             timed_out = "timed out" in str(e)
             if timed_out:
                 proc.kill()
@@ -100,8 +95,7 @@ class LoaderProcess:
 
 
 def unavailable(reason: str) -> Exception:
-    """base.Unavailable, imported only when one is raised: base's imports (dataclasses) would cost the
-    early start ~8 ms."""
+    """base.Unavailable, imported only when one is raised (base's imports would slow the early start)."""
     from ..base import Unavailable
     return Unavailable(reason)
 

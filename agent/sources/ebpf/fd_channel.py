@@ -1,11 +1,7 @@
-"""How the loader process and the agent talk: JSON messages with file descriptors attached (SCM_RIGHTS).
-
-Over one AF_UNIX SOCK_SEQPACKET socket pair (message boundaries kept): the agent sends the request
-(what to compile and attach), the loader answers with a manifest (what it built, or why not) and the
-fds of the maps, programs and attachments (perf events, raw tracepoints) the manifest names by index.
-A message carries at most FDS_PER_MESSAGE fds; more follow in messages of their own. An fd in flight
-belongs to the socket: if either side dies before it is received, the kernel closes it, so nothing
-the loader attached outlives both processes.
+"""JSON messages with file descriptors attached (SCM_RIGHTS) over an AF_UNIX SOCK_SEQPACKET pair:
+the channel between the agent and its eBPF loader process. A message carries at most
+FDS_PER_MESSAGE fds, more follow in messages of their own; an fd in flight belongs to the socket, so
+the kernel closes it if either side dies before receiving it.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ FDS_PER_MESSAGE = 200           # under the kernel's SCM_MAX_FD (253)
 MAX_MESSAGE_BYTES = 1 << 20
 
 
-class HandoffError(Exception):
+class ChannelError(Exception):
     """The other side closed, timed out or sent something that is not a message of ours."""
 
 
@@ -35,7 +31,7 @@ def send(sock: socket.socket, obj: Any, fds: list[int] | tuple[int, ...] = ()) -
     fds = list(fds)
     body = json.dumps({"nfds": len(fds), "data": obj}).encode()
     if len(body) > MAX_MESSAGE_BYTES:
-        raise HandoffError(f"message of {len(body)} bytes is over {MAX_MESSAGE_BYTES}")
+        raise ChannelError(f"message of {len(body)} bytes is over {MAX_MESSAGE_BYTES}")
     first, rest = fds[:FDS_PER_MESSAGE], fds[FDS_PER_MESSAGE:]
     _sendmsg(sock, body, first)
     while rest:
@@ -49,7 +45,7 @@ def _sendmsg(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
 
 
 def recv(sock: socket.socket, timeout_s: float | None) -> tuple[Any, list[int]]:
-    """The next object and its fds (close-on-exec, owned by the caller). Raises HandoffError on EOF,
+    """The next object and its fds (close-on-exec, owned by the caller). Raises ChannelError on EOF,
     on timeout (None: wait for ever) or on a malformed message; fds received so far are closed then."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     fds: list[int] = []
@@ -60,14 +56,14 @@ def recv(sock: socket.socket, timeout_s: float | None) -> tuple[Any, list[int]]:
             head = json.loads(payload)
             nfds, data = int(head["nfds"]), head["data"]
         except (ValueError, KeyError, TypeError) as e:
-            raise HandoffError(f"not a message of ours ({len(payload)} bytes: {payload[:60]!r})") from e
+            raise ChannelError(f"not a message of ours ({len(payload)} bytes: {payload[:60]!r})") from e
         while len(fds) < nfds:
             more, got = _recvmsg(sock, deadline)
             fds += got
             if more != b"+" or not got:
-                raise HandoffError(f"expected {nfds} fds, the stream broke after {len(fds)}")
+                raise ChannelError(f"expected {nfds} fds, the stream broke after {len(fds)}")
         if len(fds) != nfds:
-            raise HandoffError(f"expected {nfds} fds, got {len(fds)}")
+            raise ChannelError(f"expected {nfds} fds, got {len(fds)}")
         return data, fds
     except BaseException:
         for fd in fds:
@@ -79,7 +75,7 @@ def _recvmsg(sock: socket.socket, deadline: float | None) -> tuple[bytes, list[i
     if deadline is not None:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise HandoffError("timed out")
+            raise ChannelError("timed out")
         sock.settimeout(left)
     else:
         sock.settimeout(None)
@@ -87,9 +83,9 @@ def _recvmsg(sock: socket.socket, deadline: float | None) -> tuple[bytes, list[i
     try:
         payload, anc, flags, _ = sock.recvmsg(MAX_MESSAGE_BYTES, space, socket.MSG_CMSG_CLOEXEC)
     except TimeoutError:
-        raise HandoffError("timed out") from None
+        raise ChannelError("timed out") from None
     except OSError as e:
-        raise HandoffError(f"receiving failed: {e}") from e
+        raise ChannelError(f"receiving failed: {e}") from e
     fds: list[int] = []
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -99,7 +95,7 @@ def _recvmsg(sock: socket.socket, deadline: float | None) -> tuple[bytes, list[i
     if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
         for fd in fds:
             os.close(fd)
-        raise HandoffError("a message or its fds were cut short")
+        raise ChannelError("a message or its fds were cut short")
     if not payload and not fds:
-        raise HandoffError("the other side closed the connection")
+        raise ChannelError("the other side closed the connection")
     return payload, fds
