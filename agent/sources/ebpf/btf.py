@@ -1,11 +1,9 @@
 """The running kernel's own type information (BTF, /sys/kernel/btf/vmlinux): struct member offsets,
-functions and tracepoint prototypes, read at load time instead of from header files.
+functions and tracepoint prototypes, read at planning time instead of from header files.
 
-bcc compiles against whatever headers are installed, which on hosts without their kernel's headers
-are generic ones whose struct layouts may differ from the running kernel. Probes that read a kernel
-struct therefore take the member's offset from BTF here and get it as a -D define; the feature tests
-ask BTF whether a function (a BPF helper's implementation, i.e. the helper exists) or a raw
-tracepoint's prototype is there. Format: Documentation/bpf/btf.rst (types section, strings section).
+Probes that read a kernel struct get its member offsets from here as -D defines (the installed
+headers may be generic ones of another layout); feature tests ask whether a BPF helper's function
+or a raw tracepoint's prototype exists. Format: Documentation/bpf/btf.rst.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """bcc's view of /proc/kallsyms in the loader process: only the kernel's bpf symbols.
 
-Each compile, bcc's clang frontend reads the whole of /proc/kallsyms into a hash table (about 120,000
-symbols here) to learn whether bpf_probe_read_kernel exists, and again for a program that calls
-bpf_probe_read_user*: about 0.2 s of a 0.45 s compile of all the probes on this VM. The loader process
-takes a mount namespace of its own (private_mounts, while it is still single-threaded) and binds over
-kallsyms a file with the kernel's own lines for the symbols bcc asks about, with their real addresses
-(bind_bpf_symbols). Nothing outside the loader sees it: the namespace's mounts are private and end
-with the process. Without CAP_SYS_ADMIN neither step can be taken, and bcc reads the real file.
+bcc's clang frontend reads the whole of /proc/kallsyms at each compile only to learn whether a few
+bpf helpers exist. The loader takes a private mount namespace (private_mounts, while it is still
+single-threaded) and binds over kallsyms a file with just those symbols' lines (bind_bpf_symbols);
+nothing outside the loader sees it. Without CAP_SYS_ADMIN bcc reads the real file.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""tcp_rtt: the kernel's per-remote-address RTT histograms, summed per remote region.
-
-The probe (probes/tcp_rtt.bpf.c) keeps one log2 histogram of smoothed RTT per remote address. The
-agent names each address's region through the CIDR table `[sources.ebpf.tcp_rtt] regions` (longest
-prefix wins; no match: "other") and reports one cumulative histogram per region,
-`xpusense.network.tcp.rtt{remote_region}`. It keeps what it last read of each address and adds only
-the difference to the region's totals, so an address whose entry is deleted keeps its share: at
-each nearline round, entries that did not change since the previous round are deleted from the map
-(a bounded plain hash), leaving room for new peers. A sample landing between that read and the
-delete is lost (one srtt reading of an idle peer).
+"""tcp_rtt: the kernel's per-remote-address RTT histograms (probes/tcp_rtt.bpf.c), summed per remote
+region of the CIDR table `[sources.ebpf.tcp_rtt] regions` into `xpusense.network.tcp.rtt{remote_region}`.
+Each address's change since the last read is added to its region, so deleting idle entries from the
+bounded map (at each nearline round) keeps their share; docs/ebpf.md says what can be lost.
 """
 
 from __future__ import annotations
