@@ -148,18 +148,9 @@ def expire_latest(node: Any, now_ns: int, idle_ns: int) -> tuple[int, int]:
             e.idle_t, e.idle_at = e.time_ns, now_ns
         elif now_ns - e.idle_at >= idle_ns:
             gone.append(key)
-    refs_gone = 0
-    for gens in node.refs.values():
-        if not gens.turn_at:
-            gens.turn_at = now_ns + idle_ns
-        elif now_ns >= gens.turn_at:
-            refs_gone += gens.turn(now_ns + idle_ns)
+    refs_gone = node.turn_refs(now_ns, idle_ns)
     if gone:
-        dead = {node.series.pop(k) for k in gone}
-        for gens in node.refs.values():
-            for refs in (gens.cur, gens.old):
-                for r in [r for r, e in refs.items() if e in dead]:
-                    del refs[r]
+        node.forget_refs_to({node.series.pop(k) for k in gone})
         node._layout = None
         node.dirty = True
         counts = node.diagnosis_counts

@@ -56,8 +56,8 @@ from xpusense.v1 import telemetry_pb2 as pb
 from ..batch_rows import BatchRows
 from ..clock import ClockOffset, received_at, shift_of
 from ..diagnoses import diagnosis_id
-from ..idle import RefGenerations
-from ..series import read_labels, series_key
+from ..node_series import IGNORED, MAX_REFS, NodeSeries
+from ..series import series_key
 from ..wire import WireBatch
 from .seq_marks import SeqWindow
 
@@ -67,10 +67,8 @@ KEPT = frozenset({m.CPU_UTILIZATION, m.MEMORY_UTILIZATION, m.NETWORK_IO, m.GPU_U
                   m.HEALTH, m.MEMORY_FREE})
 SKIPPED_LABELS = ("pid", "mig_instance")
 MAX_SERIES = 512          # kept series per node in a summary
-MAX_REFS = 65536          # series references of a boot in use (its current generation, collector/idle.py)
 EVENTS_KEPT = 16
 BOOTS_KEPT = 4
-_IGNORED = object()
 
 
 CLOCK_AHEAD_NS = 2 * 10**9   # a summary's "last seen" this far ahead of the reader's clock is counted
@@ -127,21 +125,21 @@ class _Entry:
         return (self.value - self.prev_value) / ((self.time_ns - self.prev_time_ns) / 1e9)
 
 
-class NodeLatest:
-    """What a worker keeps of one node: latest values of the kept series, inventory, recent events."""
+class NodeLatest(NodeSeries):
+    """What a worker keeps of one node: latest values of the kept series (a NodeSeries table of
+    _Entry), inventory, recent events."""
     __slots__ = ("node_id", "part", "boot_id", "last_seen_ns", "sessions", "peer", "inventory", "windows",
-                 "batches_stored", "batches_duplicate", "series", "refs", "events", "event_ids", "dirty", "_layout",
+                 "batches_stored", "batches_duplicate", "events", "event_ids", "dirty", "_layout",
                  "diagnoses", "diagnoses_boot", "diagnosis_counts", "diagnoses_opened", "offset")
 
     def __init__(self, node_id: str, part: int):
+        super().__init__()
         self.node_id, self.part = node_id, part
         self.boot_id, self.last_seen_ns, self.peer = "", 0, ""
         self.sessions: dict[str, int] = {}
         self.inventory = b""
         self.windows: collections.OrderedDict[str, SeqWindow] = collections.OrderedDict()
         self.batches_stored = self.batches_duplicate = 0
-        self.series: dict[tuple, _Entry] = {}
-        self.refs: dict[str, RefGenerations[dict]] = {}   # boot -> series_ref -> _Entry (or _IGNORED)
         self.events: collections.deque = collections.deque(maxlen=EVENTS_KEPT)
         self.event_ids: set[str] = set()
         self.dirty = True
@@ -194,27 +192,17 @@ class NodeLatest:
         self.batches_stored += 1
         if not self.boot_id:
             self.boot_id = b.boot_id
-        gens = self.refs.get(b.boot_id)
-        if gens is None:
-            gens = self.refs[b.boot_id] = RefGenerations({}, 0)   # turned by the worker's idle sweep
-        refs = gens.cur
-        series = self.series
+        gens = self.boot_refs(b.boot_id)   # turned by the worker's idle sweep too
+        known = gens.cur.get
         samples = None   # protobuf's, read only for a series not known by its ref
         for i, (ref, t, v) in enumerate(BatchRows(b).rows()):
-            e = refs.get(ref, None) if ref else None
+            e = known(ref) if ref else None
             if e is None:
-                if ref and (e := gens.old.pop(ref, None)) is not None:   # in use again
-                    refs[ref] = e
-                else:
-                    if samples is None:
-                        samples = b.samples
-                    e = self._entry(samples[i], series)
-                    if ref:
-                        if len(refs) >= MAX_REFS:   # the references in use bounded: the idle ones go
-                            gens.turn(gens.turn_at)
-                            refs = gens.cur
-                        refs[ref] = e
-            if e is _IGNORED:
+                if samples is None:
+                    samples = b.samples
+                e = self.entry_for(gens, ref, samples[i], NodeLatest._new_entry, MAX_REFS)
+                known = gens.cur.get
+            if e is IGNORED:
                 continue
             # The newest received is the latest, whatever its stamp (an agent clock stepped back).
             e.prev_value, e.prev_time_ns = e.value, e.time_ns
@@ -236,21 +224,13 @@ class NodeLatest:
         self.event_ids.add(ev.id)
         self.dirty = True
 
-    def _entry(self, s: pb.Sample, series: dict) -> Any:
-        name = s.name
-        if name not in KEPT:
-            return _IGNORED
-        labels = read_labels(s.labels)
-        if any(k in labels for k in SKIPPED_LABELS):
-            return _IGNORED
-        key = series_key(name, labels)
-        e = series.get(key)
-        if e is None:
-            if len(series) >= MAX_SERIES:
-                return _IGNORED
-            e = series[key] = _Entry(name, s.unit, s.kind, labels)
-            self._layout = None
-        return e
+    def _new_entry(self, s: pb.Sample, labels: dict) -> Any:
+        """A new series of this node (NodeSeries.entry_for's `make`): an _Entry, or IGNORED when
+        not one a summary keeps."""
+        if s.name not in KEPT or any(k in labels for k in SKIPPED_LABELS) or len(self.series) >= MAX_SERIES:
+            return IGNORED
+        self._layout = None
+        return _Entry(s.name, s.unit, s.kind, labels)
 
     def layout(self) -> int:
         if self._layout is None:
@@ -286,7 +266,7 @@ class NodeLatest:
         n.batches_stored, n.batches_duplicate = d.get("bs", 0), d.get("bd", 0)
         received = d.get("r") or ()
         for i, (name, unit, kind, labels, value, t, _rate) in enumerate(d.get("s") or ()):
-            e = n.series[(name, tuple(sorted(labels.items())))] = _Entry(name, unit, kind, labels)
+            e = n.series[series_key(name, labels)] = _Entry(name, unit, kind, labels)
             e.value, e.time_ns = value, t
             e.recv_ns = received[i] if i < len(received) else t
         for ev in reversed(d.get("e") or ()):
@@ -382,7 +362,7 @@ class MirrorNode:
         new: list[MirrorSeries] = []
         old, series = self.series, {}
         for (name, unit, kind, labels, value, t, rate), r in zip(rows, received):
-            key = (name, tuple(sorted(labels.items())))
+            key = series_key(name, labels)
             have = old.get(key)
             if have is None:
                 have = MirrorSeries(name, unit, kind, labels, value, t, rate, r)
