@@ -270,10 +270,15 @@ def remark(fig: dict[str, Any], line: dict[str, Any]) -> str:
     return "; ".join(parts).replace("|", "/")
 
 
+def newest(line: dict[str, Any]) -> tuple[str, int]:
+    """Sort key, newest first with reverse=True: the date, then the later line of a file."""
+    return str(line.get("date", "")), line["_n"]
+
+
 def table(fig: dict[str, Any], lines: list[dict[str, Any]]) -> list[str]:
     heads = ["date", "CPU", *(h for h, _ in fig["cols"]), "goal", "from", "note"]
     out = ["| " + " | ".join(heads) + " |", "|" + " --- |" * len(heads)]
-    for line in sorted(lines, key=lambda x: str(x.get("date", "")), reverse=True):
+    for line in sorted(lines, key=newest, reverse=True):
         cells = [str(line.get("date", "-"))[:10], str(line.get("cpu_model", "-")),
                  *(fmt(get(line, p)) for _, p in fig["cols"]), verdict(fig, line),
                  "record" if line.get("transcribed") else "bench", remark(fig, line)]
@@ -288,7 +293,7 @@ def load() -> list[dict[str, Any]]:
             if text.strip():
                 line = json.loads(text)
                 line.setdefault("bench", path.stem)
-                line["_at"] = f"{path.name}:{n}"
+                line["_at"], line["_n"] = f"{path.name}:{n}", len(lines)
                 lines.append(line)
     return lines
 
@@ -299,7 +304,7 @@ def render(lines: list[dict[str, Any]]) -> str:
         raise SystemExit(f"lines no figure in bench/figures.py takes (add a figure or a match): {', '.join(unplaced)}")
     out = [INTRO.rstrip("\n"), "", "| figure | goal | latest | met in latest |", "| --- | --- | --- | --- |"]
     for fig in FIGURES:
-        runs = sorted((x for x in lines if matches(fig, x)), key=lambda x: str(x.get("date", "")), reverse=True)
+        runs = sorted((x for x in lines if matches(fig, x)), key=newest, reverse=True)
         latest = str(runs[0].get("date", "-"))[:10] if runs else "-"
         anchor = fig["title"].lower().replace(",", "").replace(" ", "-")
         out.append(f"| [{fig['title']}](#{''.join(c for c in anchor if c.isalnum() or c in '-_')}) | {fig['goal']} | "
