@@ -262,7 +262,7 @@ def remark(fig: dict[str, Any], line: dict[str, Any]) -> str:
     args = line.get("args")
     if args is not None and args and not fig["command"].endswith(args):
         parts.append(f"`{args}`")
-    for key, label in (("nats", "NATS "), ("runs", "runs: "), ("commit", "at ")):
+    for key, label in (("nats", "NATS "), ("commit", "at ")):
         if line.get(key) is not None:
             parts.append(f"{label}{line[key]}")
     if line.get("note"):
