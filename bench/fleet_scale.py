@@ -175,7 +175,7 @@ def moved(data: list[bytes]) -> list[bytes]:
     out = []
     for raw in data:
         d = decode(raw)
-        d["s"] = [[*row[:4], row[4] * 0.5 if isinstance(row[4], float) else row[4], *row[5:]] for row in d["s"]]
+        d["series"] = [[*row[:4], row[4] * 0.5 if isinstance(row[4], float) else row[4], *row[5:]] for row in d["series"]]
         out.append(msgpack.packb(d, use_bin_type=True))
     return out
 
@@ -229,8 +229,8 @@ def refreshed(data: list[bytes]) -> list[tuple[str, bytes]]:
     out = []
     for raw in data:
         d = decode(raw)
-        d["t"] = d["at"] = now
-        out.append((fleet_key(partition(d["n"], 12), token(d["n"])), msgpack.packb(d, use_bin_type=True)))
+        d["last_seen_ns"] = d["written_ns"] = now
+        out.append((fleet_key(partition(d["node"], 12), token(d["node"])), msgpack.packb(d, use_bin_type=True)))
     return out
 
 

@@ -137,8 +137,8 @@ class StreamQueue:
         with contextlib.suppress(nats.js.errors.NotFoundError, nats.errors.Error):
             e = await self.buckets.fleet.get(key)
             d = decode(e.value) if e.value else None
-            if d is not None and d.get("i"):
-                self.book.note(node_id, d["i"])
+            if d is not None and d.get("inventory"):
+                self.book.note(node_id, d["inventory"])
 
     async def _commit(self, tok) -> None:
         if not tok:

@@ -31,7 +31,7 @@ from ..limits import RateLimitedLog
 from ..scheduler.core import Scheduler
 from ..scheduler.service import SCHEDULER_SERVICE, SchedulerServicer
 from .engine import list_bucket
-from .summary import CLOCK_AHEAD_NS, MirrorNode, decode, received_of, seen_at
+from .summary import CLOCK_AHEAD_NS, MirrorNode, decode, received_of
 
 log = logging.getLogger("xpusense.collector.cluster.scheduler")
 YIELD_S = 0.0005   # the watch's changes are applied for this long before the loop serves others (Place, Query)
@@ -94,9 +94,9 @@ class FleetIndex:
         d = decode(data)
         if d is None:
             return
-        nid, inv = d["n"], d.get("i") or b""
+        nid, inv = d["node"], d.get("inventory") or b""
         now = self.clock()
-        if (ahead := d.get("t", 0) - now) > CLOCK_AHEAD_NS:   # counted as seen now (summary.seen_at)
+        if (ahead := d.get("last_seen_ns", 0) - now) > CLOCK_AHEAD_NS:   # counted as seen now (summary.seen_at)
             self.clock_ahead += 1
             self._log.warning("fleet index: node %r's summary says last seen %.0f s ahead of this clock; "
                               "counted as seen now", nid[:128], ahead / 1e9)
@@ -108,20 +108,14 @@ class FleetIndex:
             self._events[nid] = {e.id: e for e in n.events}
             self._notify(n, None)
             if n.events:   # the core notes events as they come: the ones the node already has, oldest first
-                rows = d.get("e") or ()
+                rows = d.get("events") or ()
                 self._notify(n, _Changes(list(reversed(n.events)), [received_of(r) for r in reversed(rows)]))
             return
         if n.revision and revision and revision <= n.revision:
             return   # older than what we have (a re-list)
         self.updates += 1
-        n.revision, n.written_ns, n.worker = revision, d.get("at", 0), d.get("w", "")
-        n.boot_id, n.streams, n.peer = d.get("b", ""), d.get("c", 0), d.get("p", "")
-        n.last_seen_ns = max(n.last_seen_ns, seen_at(d.get("t", 0), now))
-        n.stored_up_to = dict(d.get("m") or {})
-        n.batches_stored, n.batches_duplicate = d.get("bs", 0), d.get("bd", 0)
-        n.set_series(d)
-        n.set_diagnoses(d)   # the core reads them at the refresh the change below asks for (fleet.py _diagnosed)
-        rows = d.get("e") or ()
+        n.update(d, revision, now)   # its diagnoses: the core reads them at the refresh the change below asks for
+        rows = d.get("events") or ()
         known = self._events[nid]
         if len(rows) == len(known) and all(e[0] in known for e in rows):   # no new event: the usual case
             if inv == self._inventory[nid]:

@@ -1,44 +1,9 @@
-"""The per-node summary a worker writes to the `fleet` bucket, like a node lease: what the readers
-of the fleet (nodes, top, the Query API, Prometheus, the scheduler) need, and nothing else.
-
-A summary is one msgpack map, keyed `p<k>.<node>` (k the node's partition, so a worker taking a
-partition over loads just its nodes):
-    v  1                       format
-    n  node id                 b  current boot id          t  last seen (stream time, ns)
-    c  open agent streams      p  peer of the last one     ss {session: ns} open streams
-    i  inventory (pb.Inventory bytes: hostname, labels, accelerators and their interconnects)
-    m  {boot: highest seq}     bs batches stored           bd duplicates dropped
-    s  [[name, unit, kind, labels, value, time ns, rate/s or None], ...]   the kept series
-    r  [received ns, ...]      each series' latest point on the gateway's clock (clock.received_at)
-    sk which series `s` holds, in that order (a checksum): a reader that has the same updates its
-       series in place by position, without reading names and labels
-    e  [[id, type, severity, device, message, attributes, time ns, received ns], ...]  recent events,
-       newest first; `received ns`: when it happened on the gateway's clock (clock.received_at)
-    dg the open diagnoses (collector/diagnoses.py): their open events as rows like `e`, oldest first
-    db the agent boot they belong to
-    dc {counter key: n}        diagnoses let go by the bound, closed by a new boot, series let go
-                               idle (`state.series.expired`): this node's
-    do {rule: n}               diagnoses opened on this node
-    w  worker id               at written (ns)
-Kept series: the host's CPU, memory and network, and per accelerator utilisation, HBM used / limit /
-utilisation / bandwidth utilisation, power, temperature and health (no per-process or per-MIG-
-instance series): about 10 + 9 per accelerator, a few KB per node. A kept series with no point for
-`[state] series_idle_s` is let go by the worker's idle sweep, and the node's series references in
-two generations (collector/idle.py), at most MAX_REFS in use a boot.
-
-The open diagnoses are kept by the worker as one collector keeps them (collector/diagnoses.py's
-Diagnoses runs on NodeLatest: `diagnoses`, `diagnoses_boot`, and the per-node counts) and bounded by
-the same `[state] max_open_diagnoses_per_node`; `dg`, `db`, `dc`, `do` are left out while empty.
-
-`NodeLatest` is the worker's side (built from batches, written as a summary); `MirrorNode` and
-`MirrorSeries` the readers' (decoded from a summary) with the attributes collector/scheduler and the
-views read on FleetState's NodeState and Series.
-
-Readers do not trust a summary's clock: its "last seen" (`t`) counts as at most the reader's own
-now (`seen_at`), so a summary stamped ahead (a worker's clock, or a forged one) is fresh only from
-when the reader read it and goes stale `stale_s` later unless written again; one more than
-CLOCK_AHEAD_NS ahead is counted by the reader (FleetIndex.clock_ahead) and logged.
-"""
+"""The per-node summary a cluster worker writes to the `fleet` bucket (keyed `p<k>.<node>`, k the
+node's partition), like a node lease: what the fleet's readers (nodes, top, the Query API,
+Prometheus, the scheduler) need and nothing else. `NodeLatest` is the worker's side, built from
+batches; `MirrorNode` and `MirrorSeries` the readers', decoded from a summary, with the attributes
+they read on the fleet state's NodeState and Series. Readers count a summary's "last seen" as at
+most their own now (`seen_at`): a worker's clock ahead never keeps a node fresh."""
 
 from __future__ import annotations
 
@@ -61,7 +26,31 @@ from ..series import series_key
 from ..wire import WireBatch
 from .seq_marks import SeqWindow
 
-FORMAT = 1
+FORMAT = 2
+# A summary is one msgpack map (NodeLatest.encode); its keys:
+#   format          FORMAT                   node            node id
+#   boot            current boot id          last_seen_ns    last seen (stream time)
+#   streams         open agent streams       peer            peer of the last one
+#   sessions        {session: ns} of the open streams
+#   inventory       pb.Inventory bytes       stored_up_to    {boot: highest seq taken}
+#   batches_stored, batches_duplicate        counts
+#   series          [[name, unit, kind, labels, value, time ns, rate/s or None], ...]: the kept series
+#   received_ns     [ns, ...]: each series' latest point on the gateway's clock (clock.received_at)
+#   series_layout   checksum of which series `series` holds, in order: a reader that has the same
+#                   layout updates its series in place by position
+#   events          [[id, type, severity, device, message, attributes, time ns, received ns], ...],
+#                   newest first
+#   diagnoses       the open diagnoses as rows like `events`, oldest first; diagnoses_boot: their boot
+#   counters        {counter key: n} of this node; diagnoses_opened {rule: n} (these four: only when set)
+#   worker          worker id                written_ns      when written
+# Format 1 used two-letter keys (below); decode reads both.
+_FORMAT_1_KEYS = {"v": "format", "n": "node", "b": "boot", "t": "last_seen_ns", "c": "streams", "p": "peer",
+                  "ss": "sessions", "i": "inventory", "m": "stored_up_to", "bs": "batches_stored",
+                  "bd": "batches_duplicate", "s": "series", "r": "received_ns", "sk": "series_layout", "e": "events",
+                  "dg": "diagnoses", "db": "diagnoses_boot", "dc": "counters", "do": "diagnoses_opened",
+                  "w": "worker", "at": "written_ns"}
+# Kept series: the host's CPU, memory and network, and per accelerator utilisation, HBM, power,
+# temperature and health (no per-process or per-MIG-instance series): a few KB a node.
 KEPT = frozenset({m.CPU_UTILIZATION, m.MEMORY_UTILIZATION, m.NETWORK_IO, m.GPU_UTILIZATION, m.GPU_MEMORY_USAGE,
                   m.GPU_MEMORY_LIMIT, m.GPU_MEMORY_UTILIZATION, m.HBM_BANDWIDTH_UTILIZATION, m.POWER, m.TEMPERATURE,
                   m.HEALTH, m.MEMORY_FREE})
@@ -93,12 +82,12 @@ def event_of(row) -> pb.Event:
 
 
 def received_of(row) -> int:
-    """When an `e` row's event happened on the collector's clock (its stamp in a summary without)."""
+    """When an `events` row's event happened on the collector's clock (its stamp in a row without)."""
     return row[7] if len(row) > 7 else row[6]
 
 
 def diagnoses_of(rows) -> collections.OrderedDict[str, pb.Event]:
-    """A summary's `dg` rows as the open diagnoses (diagnosis id -> open Event, oldest first)."""
+    """A summary's `diagnoses` rows as the open diagnoses (diagnosis id -> open Event, oldest first)."""
     out: collections.OrderedDict[str, pb.Event] = collections.OrderedDict()
     for row in rows or ():
         e = event_of(row)
@@ -240,40 +229,41 @@ class NodeLatest(NodeSeries):
     # -- to and from the bucket -----------------------------------------------------------------------
     def encode(self, worker: str, now_ns: int) -> bytes:
         d = {
-            "v": FORMAT, "n": self.node_id, "b": self.boot_id, "t": self.last_seen_ns, "c": len(self.sessions),
-            "p": self.peer, "ss": self.sessions, "i": self.inventory,
-            "m": {boot: w.high for boot, w in self.windows.items()},
-            "bs": self.batches_stored, "bd": self.batches_duplicate,
-            "s": [[e.name, e.unit, e.kind, e.labels, e.value, e.time_ns, e.rate()] for e in self.series.values()],
-            "sk": self.layout(), "r": [e.recv_ns or e.time_ns for e in self.series.values()],
-            "e": list(self.events), "w": worker, "at": now_ns,
+            "format": FORMAT, "node": self.node_id, "boot": self.boot_id, "last_seen_ns": self.last_seen_ns,
+            "streams": len(self.sessions), "peer": self.peer, "sessions": self.sessions, "inventory": self.inventory,
+            "stored_up_to": {boot: w.high for boot, w in self.windows.items()},
+            "batches_stored": self.batches_stored, "batches_duplicate": self.batches_duplicate,
+            "series": [[e.name, e.unit, e.kind, e.labels, e.value, e.time_ns, e.rate()] for e in self.series.values()],
+            "series_layout": self.layout(), "received_ns": [e.recv_ns or e.time_ns for e in self.series.values()],
+            "events": list(self.events), "worker": worker, "written_ns": now_ns,
         }
         if self.diagnoses or self.diagnoses_boot:
-            d.update(dg=[event_row(e) for e in self.diagnoses.values()], db=self.diagnoses_boot)
+            d.update(diagnoses=[event_row(e) for e in self.diagnoses.values()], diagnoses_boot=self.diagnoses_boot)
         if self.diagnosis_counts or self.diagnoses_opened:
-            d.update(dc=self.diagnosis_counts, do=self.diagnoses_opened)
+            d.update(counters=self.diagnosis_counts, diagnoses_opened=self.diagnoses_opened)
         return msgpack.packb(d, use_bin_type=True)
 
     @classmethod
     def restore(cls, d: dict, part: int) -> NodeLatest:
         """A node as the previous owner of its partition last wrote it (a takeover)."""
-        n = cls(d["n"], part)
-        n.boot_id, n.last_seen_ns, n.peer = d.get("b", ""), d.get("t", 0), d.get("p", "")
-        n.sessions = dict(d.get("ss") or {})
-        n.inventory = d.get("i") or b""
-        for boot, high in (d.get("m") or {}).items():
+        n = cls(d["node"], part)
+        n.boot_id, n.last_seen_ns, n.peer = d.get("boot", ""), d.get("last_seen_ns", 0), d.get("peer", "")
+        n.sessions = dict(d.get("sessions") or {})
+        n.inventory = d.get("inventory") or b""
+        for boot, high in (d.get("stored_up_to") or {}).items():
             n.windows[boot] = SeqWindow(high, at=n.last_seen_ns)   # rose at the latest when last seen
-        n.batches_stored, n.batches_duplicate = d.get("bs", 0), d.get("bd", 0)
-        received = d.get("r") or ()
-        for i, (name, unit, kind, labels, value, t, _rate) in enumerate(d.get("s") or ()):
+        n.batches_stored, n.batches_duplicate = d.get("batches_stored", 0), d.get("batches_duplicate", 0)
+        received = d.get("received_ns") or ()
+        for i, (name, unit, kind, labels, value, t, _rate) in enumerate(d.get("series") or ()):
             e = n.series[series_key(name, labels)] = _Entry(name, unit, kind, labels)
             e.value, e.time_ns = value, t
             e.recv_ns = received[i] if i < len(received) else t
-        for ev in reversed(d.get("e") or ()):
+        for ev in reversed(d.get("events") or ()):
             n.events.appendleft(tuple(ev))
             n.event_ids.add(ev[0])
-        n.diagnoses, n.diagnoses_boot = diagnoses_of(d.get("dg")), d.get("db", "")
-        n.diagnosis_counts, n.diagnoses_opened = dict(d.get("dc") or {}), dict(d.get("do") or {})
+        n.diagnoses, n.diagnoses_boot = diagnoses_of(d.get("diagnoses")), d.get("diagnoses_boot", "")
+        n.diagnosis_counts = dict(d.get("counters") or {})
+        n.diagnoses_opened = dict(d.get("diagnoses_opened") or {})
         n.dirty = False
         return n
 
@@ -284,11 +274,18 @@ def layout_of(series: dict) -> int:
 
 
 def decode(data: bytes) -> dict | None:
+    """A summary as a map with format 2's keys (format 1's renamed), or None where it is not one."""
     try:
         d = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception:
         return None
-    return d if isinstance(d, dict) and d.get("v") == FORMAT and isinstance(d.get("n"), str) else None
+    if not isinstance(d, dict):
+        return None
+    if d.get("v") == 1:
+        d = {_FORMAT_1_KEYS.get(k, k): v for k, v in d.items()}
+    elif d.get("format") != FORMAT:
+        return None
+    return d if isinstance(d.get("node"), str) else None
 
 
 # -- the readers' side ------------------------------------------------------------------------------
@@ -314,46 +311,57 @@ class MirrorNode:
                  "written_ns", "worker", "diagnoses", "diagnosis_counts", "diagnoses_opened", "_diagnosis_rows")
 
     def __init__(self, d: dict, revision: int = 0, now_ns: int | None = None):
-        self.node_id: str = d["n"]
-        self.boot_id: str = d.get("b", "")
-        self.streams: int = d.get("c", 0)
-        self.last_seen_ns: int = seen_at(d.get("t", 0), time.time_ns() if now_ns is None else now_ns)
-        self.peer: str = d.get("p", "")
-        self.inventory = pb.Inventory.FromString(d.get("i") or b"")
-        self.stored_up_to: dict[str, int] = dict(d.get("m") or {})
-        self.batches_stored: int = d.get("bs", 0)
-        self.batches_duplicate: int = d.get("bd", 0)
+        self.node_id: str = d["node"]
+        self.boot_id: str = d.get("boot", "")
+        self.streams: int = d.get("streams", 0)
+        self.last_seen_ns: int = seen_at(d.get("last_seen_ns", 0), time.time_ns() if now_ns is None else now_ns)
+        self.peer: str = d.get("peer", "")
+        self.inventory = pb.Inventory.FromString(d.get("inventory") or b"")
+        self.stored_up_to: dict[str, int] = dict(d.get("stored_up_to") or {})
+        self.batches_stored: int = d.get("batches_stored", 0)
+        self.batches_duplicate: int = d.get("batches_duplicate", 0)
         self.series: dict[tuple, MirrorSeries] = {}
         self.series_list: list[MirrorSeries] = []
         self.layout = -1
         self.set_series(d)
-        self.events = [event_of(e) for e in d.get("e") or ()]
+        self.events = [event_of(e) for e in d.get("events") or ()]
         self.revision = revision
-        self.written_ns: int = d.get("at", 0)
-        self.worker: str = d.get("w", "")
+        self.written_ns: int = d.get("written_ns", 0)
+        self.worker: str = d.get("worker", "")
         self._diagnosis_rows: Any = None
         self.diagnoses: collections.OrderedDict[str, pb.Event] = collections.OrderedDict()
         self.diagnosis_counts: dict[str, int] = {}
         self.diagnoses_opened: dict[str, int] = {}
         self.set_diagnoses(d)
 
+    def update(self, d: dict, revision: int, now_ns: int) -> None:
+        """A newer summary of this node (its series in place where their layout is the same); its
+        inventory and events are the caller's to compare."""
+        self.revision, self.written_ns, self.worker = revision, d.get("written_ns", 0), d.get("worker", "")
+        self.boot_id, self.streams, self.peer = d.get("boot", ""), d.get("streams", 0), d.get("peer", "")
+        self.last_seen_ns = max(self.last_seen_ns, seen_at(d.get("last_seen_ns", 0), now_ns))
+        self.stored_up_to = dict(d.get("stored_up_to") or {})
+        self.batches_stored, self.batches_duplicate = d.get("batches_stored", 0), d.get("batches_duplicate", 0)
+        self.set_series(d)
+        self.set_diagnoses(d)
+
     def set_diagnoses(self, d: dict) -> None:
         """The summary's open diagnoses (what FleetState's NodeState.diagnoses holds: the Query API's
         NodeView.diagnoses, Prometheus and the scheduler read it) and the node's diagnosis counts."""
-        rows = d.get("dg") or []
+        rows = d.get("diagnoses") or []
         if rows != self._diagnosis_rows:   # decoded again only when they changed
             self._diagnosis_rows, self.diagnoses = rows, diagnoses_of(rows)
-        self.diagnosis_counts = d.get("dc") or {}
-        self.diagnoses_opened = d.get("do") or {}
+        self.diagnosis_counts = d.get("counters") or {}
+        self.diagnoses_opened = d.get("diagnoses_opened") or {}
 
     def set_series(self, d: dict) -> list[MirrorSeries]:
         """The summary's series into this node: in place when the layout is the one it has (the
         objects keep their identity), else matched by name and labels. Returns the new ones."""
-        rows = d.get("s") or ()
-        received = d.get("r") or [row[5] for row in rows]   # a summary without: the stamps
+        rows = d.get("series") or ()
+        received = d.get("received_ns") or [row[5] for row in rows]   # a summary without: the stamps
         if len(received) != len(rows):
             received = [row[5] for row in rows]
-        if d.get("sk") == self.layout and len(rows) == len(self.series_list):
+        if d.get("series_layout") == self.layout and len(rows) == len(self.series_list):
             for ser, row, r in zip(self.series_list, rows, received):
                 if r >= ser.recv_ns:   # the newest received is the latest
                     ser.value, ser.time_ns, ser.recv_ns = row[4], row[5], r
@@ -372,5 +380,5 @@ class MirrorNode:
                 have._rate = math.nan if rate is None else rate
             series[key] = have
         self.series, self.series_list = series, list(series.values())
-        self.layout = d.get("sk", -1)
+        self.layout = d.get("series_layout", -1)
         return new

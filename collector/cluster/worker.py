@@ -355,8 +355,8 @@ class Worker:
         """The partition's nodes as their summaries say (the previous owner's state)."""
         for _key, value, _rev in await list_bucket(self.js, self.ncfg.fleet_bucket, f"p{k}.*"):
             d = decode(value)
-            if d is not None and d["n"] not in self.nodes:
-                self.nodes[d["n"]] = NodeLatest.restore(d, k)
+            if d is not None and d["node"] not in self.nodes:
+                self.nodes[d["node"]] = NodeLatest.restore(d, k)
 
     def _handle(self, k: int, msg: Msg) -> None:
         self.messages += 1

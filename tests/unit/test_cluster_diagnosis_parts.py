@@ -94,8 +94,8 @@ def test_worker_keeps_open_diagnoses_into_the_summary_and_the_readers_follow():
     assert _penalties(index, core) == []
     w._handle(0, _msg(_batch(2, [_diag("d1", "open"), _diag("d0", "open", device="", rule="network_stack")])))
     d = decode(w.nodes[NODE].encode("w1", 2))
-    assert [row[5]["diagnosis.id"] for row in d["dg"]] == ["d1", "d0"] and d["db"] == "b1"
-    assert d["do"] == {"pcie_contention": 1, "network_stack": 1}
+    assert [row[5]["diagnosis.id"] for row in d["diagnoses"]] == ["d1", "d0"] and d["diagnoses_boot"] == "b1"
+    assert d["diagnoses_opened"] == {"pcie_contention": 1, "network_stack": 1}
     index.apply(w.nodes[NODE].encode("w1", 2), revision=2)
 
     (nv,) = list_nodes(index.nodes, pb.ListNodesRequest()).nodes

@@ -5,6 +5,7 @@ from summaries, and the scheduler's FleetIndex updating nodes in place."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 from hypothesis import given
@@ -91,16 +92,17 @@ def test_summary_round_trip_and_takeover():
     assert n.apply(_batch(1, 0.5, 1_000_000_000, ["e1"]), 20)
     assert n.apply(_batch(2, 0.7, 2_000_000_000, ["e1", "e2"]), 30)
     assert not n.apply(_batch(2, 0.7, 2_000_000_000), 31)               # the same (boot, seq): dropped
-    assert {s[0]: s[6] for s in decode(n.encode("w1", 35))["s"]}["system.network.io"] == pytest.approx(1000.0)
+    assert {s[0]: s[6] for s in decode(n.encode("w1", 35))["series"]}["system.network.io"] == pytest.approx(1000.0)
     # an older stamp (the agent's clock stepped back) received last: the latest, by when it arrived
     assert n.apply(_batch(3, 0.1, 1_500_000_000), 32, recv_ns=33)
     d = decode(n.encode("w1", 40))
-    assert d["n"] == "n1" and d["c"] == 1 and d["m"] == {"b1": 3} and d["bs"] == 3 and d["bd"] == 1
-    kept = {s[0]: s for s in d["s"]}
+    assert d["node"] == "n1" and d["streams"] == 1 and d["stored_up_to"] == {"b1": 3}
+    assert d["batches_stored"] == 3 and d["batches_duplicate"] == 1
+    kept = {s[0]: s for s in d["series"]}
     assert set(kept) == {"hw.gpu.utilization", "system.network.io"}
-    assert kept["hw.gpu.utilization"][4] == 0.1 and d["r"] == [33, 33]
+    assert kept["hw.gpu.utilization"][4] == 0.1 and d["received_ns"] == [33, 33]
     assert kept["system.network.io"][6] is None                         # its stamp went back: no rate
-    assert [e[0] for e in d["e"]] == ["e2", "e1"]                        # newest first, each once
+    assert [e[0] for e in d["events"]] == ["e2", "e1"]                        # newest first, each once
     m = MirrorNode(d)
     assert m.inventory.labels["region"] == "eu" and m.streams == 1 and m.stored_up_to == {"b1": 3}
     # a new owner restores it, and a redelivered batch is not taken twice
@@ -108,9 +110,30 @@ def test_summary_round_trip_and_takeover():
     assert not r.apply(_batch(2, 0.9, 3_000_000_000), 50)
     assert r.apply(_batch(4, 0.9, 3_000_000_000, ["e2", "e3"]), 50)
     d2 = decode(r.encode("w2", 60))
-    assert d2["i"] == d["i"] and [e[0] for e in d2["e"]] == ["e3", "e2", "e1"]
+    assert d2["inventory"] == d["inventory"] and [e[0] for e in d2["events"]] == ["e3", "e2", "e1"]
     r.bye("gw/1")
-    assert decode(r.encode("w2", 61))["c"] == 0
+    assert decode(r.encode("w2", 61))["streams"] == 0
+
+
+def test_a_summary_of_format_1_is_read_as_its_writer_wrote_it():
+    """tests/fixtures/fleet/summary_format1.msgpack: a summary with two-letter keys, as workers of
+    the format before write it: readers and a worker taking the node over read it, and what they
+    write again says the same in format 2."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "fixtures", "fleet", "summary_format1.msgpack"), "rb") as f:
+        d = decode(f.read())
+    assert d is not None and d["format"] == 1 and d["node"] == "node-a" and d["written_ns"] == 40
+    m = MirrorNode(d)
+    assert (m.boot_id, m.streams, m.peer, m.worker) == ("b1", 1, "ipv4:10.0.0.1:5000", "w1")
+    assert m.inventory.labels["region"] == "eu" and m.stored_up_to == {"b1": 2} and m.batches_stored == 2
+    assert {s.name: s.value for s in m.series_list} == {"hw.gpu.utilization": 0.7, "system.network.io": 2000.0}
+    assert [e.id for e in m.events] == ["e2", "e1"] and list(m.diagnoses) == ["d1"]
+    assert m.diagnosis_counts == {"worker.skipped.ids": 2} and m.diagnoses_opened == {"pcie_contention": 1}
+    again = decode(NodeLatest.restore(d, 0).encode("w1", 40))
+    assert again is not None and again["format"] == 2
+    def same(x: dict) -> dict:   # a restored series has no rate until its next point
+        return {**x, "format": 0, "series": [row[:6] for row in x["series"]]}
+    assert same(again) == same(d)
+    assert decode(b"\x81\xa1v\x03") is None   # a format this reader does not know
 
 
 def test_a_worker_reads_batches_lean_to_the_same_summary():
@@ -130,7 +153,7 @@ def test_a_worker_reads_batches_lean_to_the_same_summary():
         assert (read.__class__ is WireBatch) == (_wire_rows is not None and not b.events)
         assert slow.apply(b, 5) and lean.apply(read, 5)
     assert decode(lean.encode("w", 9)) == decode(slow.encode("w", 9))
-    kept = {tuple(sorted(x[3].items())): x[4] for x in decode(lean.encode("w", 9))["s"] if x[0] == "hw.gpu.utilization"}
+    kept = {tuple(sorted(x[3].items())): x[4] for x in decode(lean.encode("w", 9))["series"] if x[0] == "hw.gpu.utilization"}
     assert kept == {(("device", "0"),): 0.9, (("device", "1"),): 0.25}
 
 
@@ -421,7 +444,7 @@ def test_a_handover_waits_for_the_summaries_in_flight_before_acknowledging():
     assert not early, f"acknowledged or handed over while X's summary was on its way: {log}"
     assert [a[:2] for a in log] == [("ack", "hello of x"), ("ack", "hello of y")]
     assert all(pending == 0 for _, _, pending in log), log   # each ack after the puts before it
-    assert decode(fleet.stored["p0.node-x"])["i"] == pb.Inventory(hostname="x").SerializeToString()
+    assert decode(fleet.stored["p0.node-x"])["inventory"] == pb.Inventory(hostname="x").SerializeToString()
     assert "p0.node-y" in fleet.stored
     assert leases.deleted == [("p.0", leases.rev)] and "p.0" not in leases.entries
 
