@@ -1,5 +1,7 @@
-"""The Query API: ListNodes and GetHistory, and who may see boot ids (a loopback caller running
-as the collector's user or root, or any caller where the port authenticates its callers)."""
+"""The Query API (ListNodes, GetHistory) over a source of nodes and a reader of history, for the
+single collector (its FleetState) and the cluster (the `fleet` bucket and the stream), and who may
+see boot ids: a loopback caller running as the collector's user or root, or any caller where the
+port authenticates its callers."""
 
 from __future__ import annotations
 
@@ -7,43 +9,80 @@ import ipaddress
 import os
 import re
 import sys
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
 
 import grpc
 
+from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
+from .fleet_view import FleetNode
 from .limits import DEFAULTS as LIMITS
-from .state import FleetState
+from .node_pages import list_nodes
+
+if TYPE_CHECKING:
+    from .state import FleetState
+
+NodeSource = Callable[[str], Awaitable[Mapping[str, FleetNode]]]   # node id ("": every node) -> nodes
+HistoryReader = Callable[[str, str, dict[str, str]], Awaitable["pb.HistoryReply | None"]]
+# (nodes, request, max bytes, boot ids shown) -> a ListNodes page (node_pages.list_nodes and counters)
+Pager = Callable[[Mapping[str, FleetNode], pb.ListNodesRequest, int, bool], pb.ListNodesReply]
+
+
+class Unavailable(Exception):
+    """A source of nodes or history that cannot answer now: the call ends UNAVAILABLE."""
 
 
 class QueryServicer(pb_grpc.QueryServicer):
-    def __init__(self, state: FleetState, security=None, limits=None, counters=None, proc_net: str = "/proc/net"):
-        self.state = state
-        self.security = security
-        self.limits = limits
-        self.counters = counters   # () -> {name: count}: the Ingest side's, shown with every reply
-        self.proc_net = proc_net
+    def __init__(self, nodes: NodeSource, history: HistoryReader, page: Pager = list_nodes, security=None,
+                 max_reply_bytes: int = int(LIMITS["max_reply_bytes"]), proc_net: str = "/proc/net"):
+        self.nodes, self.history, self.page, self.security = nodes, history, page, security
+        self.max_reply_bytes, self.proc_net = max_reply_bytes, proc_net
 
     async def ListNodes(self, request, context):
-        max_bytes = self.limits.max_reply_bytes if self.limits is not None else LIMITS["max_reply_bytes"]
         try:
-            reply = self.state.view(request.node_id, request.name_prefix, request.page_token, request.page_size,
-                                    max_bytes, boot_ids=self.trusted(context.peer()))
+            nodes = await self.nodes(request.node_id)
+        except Unavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        try:
+            return self.page(nodes, request, self.max_reply_bytes, self.trusted(context.peer()))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if self.counters is not None:
-            reply.counters.update(self.counters())
-        return reply
 
     def trusted(self, peer: str) -> bool:
         return trusted(self.security, peer, self.proc_net)
 
     async def GetHistory(self, request, context):
-        reply = self.state.history(request.node_id, request.name, dict(request.labels))
+        try:
+            reply = await self.history(request.node_id, request.name, dict(request.labels))
+        except Unavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if reply is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no series {request.name!r} {dict(request.labels)} on node {request.node_id!r}")
         return reply
+
+
+def state_query(state: FleetState, security=None, limits=None,
+                counters: Callable[[], Mapping[str, int]] | None = None) -> QueryServicer:
+    """The single collector's Query API, over its FleetState; every ListNodes reply shows `counters()`
+    (the Ingest side's) and a page cut by its size is counted in the state's."""
+    async def nodes(_node_id: str) -> Mapping[str, FleetNode]:
+        return state.nodes
+
+    async def history(node_id: str, name: str, labels: dict[str, str]) -> pb.HistoryReply | None:
+        return state.history(node_id, name, labels)
+
+    def page(nodes: Mapping[str, FleetNode], request: pb.ListNodesRequest, max_bytes: int,
+             boot_ids: bool) -> pb.ListNodesReply:
+        reply = list_nodes(nodes, request, max_bytes, boot_ids, state.clock(), state.counters)
+        if counters is not None:
+            reply.counters.update(counters())
+        return reply
+
+    return QueryServicer(nodes, history, page, security,
+                         int(limits.max_reply_bytes if limits is not None else LIMITS["max_reply_bytes"]))
 
 
 def trusted(security, peer: str, proc_net: str = "/proc/net") -> bool:

@@ -34,7 +34,7 @@ from . import gc_policy
 from .batch_rows import BatchRows
 from .limits import DEFAULTS as LIMITS
 from .limits import MalformedRequest, Violation, read_hello, short_boot
-from .query import QueryServicer
+from .query import state_query
 from .scheduler.service import SCHEDULER_SERVICE
 from .scheduler.service import add_to_server as add_scheduler
 from .state import FleetState
@@ -461,7 +461,7 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
                         config.state.max_open_diagnoses_per_node, config.state.max_clock_offset_s)
     add_ingest(ingest, server)   # a batch is stored in the bytes it came in (wire.py)
     pb_grpc.add_QueryServicer_to_server(
-        QueryServicer(state, security, limits, counters=functools.partial(counters, ingest)), server)
+        state_query(state, security, limits, counters=functools.partial(counters, ingest)), server)
     server.scheduler = add_scheduler(server, state, config)   # config None: the defaults
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

@@ -250,7 +250,7 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
 
     from ..server import QUERY_SERVICE
     from .engine import connect, disconnect, ensure
-    from .query import ClusterQueryServicer
+    from .query import cluster_query
     from .rpc import SERVING, bind, grpc_server
     ncfg = cfg.nats
     nc = await connect(ncfg, "xpusense-scheduler", role="scheduler")
@@ -261,7 +261,7 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
     server = grpc_server(security, None, cfg.max_message_bytes)
     sched = await add_scheduler(server, js, buckets.fleet, cfg)
     collections_held = TASKS.task("gc-policy", freeze_long_lived)
-    pb_grpc.add_QueryServicer_to_server(ClusterQueryServicer(sched.index, js, ncfg, cfg.stale_s, security), server)
+    pb_grpc.add_QueryServicer_to_server(cluster_query(sched.index, js, ncfg, security), server)
     prometheus = _prometheus(cfg, sched.index)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

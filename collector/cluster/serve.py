@@ -40,7 +40,7 @@ class _PlaceElsewhere(spb_grpc.SchedulerServicer):
 
 async def start_gateway(cfg: Any, security=None, limits=None, credentials=None, with_scheduler: bool | None = None):
     """Connect, make sure streams and buckets exist, serve on cfg.listen. Returns (server, gateway, closers)."""
-    from .query import ClusterQueryServicer, FleetSnapshot
+    from .query import FleetSnapshot, cluster_query
     ncfg = cfg.nats
     hs = health.aio.HealthServicer()
     loop = asyncio.get_running_loop()
@@ -59,7 +59,7 @@ async def start_gateway(cfg: Any, security=None, limits=None, credentials=None, 
     server = grpc_server(security, limits, cfg.max_message_bytes)
     add_ingest(ClusterIngestServicer(gw, security, limits), server)
     snapshot = FleetSnapshot(js, buckets.fleet, ncfg.fleet_bucket, ncfg.snapshot_s, ncfg.partitions)
-    pb_grpc.add_QueryServicer_to_server(ClusterQueryServicer(snapshot, js, ncfg, cfg.stale_s, security), server)
+    pb_grpc.add_QueryServicer_to_server(cluster_query(snapshot, js, ncfg, security), server)
     closers: list = []
     services = ["", INGEST_SERVICE, QUERY_SERVICE]
     if with_scheduler is None:
