@@ -1,35 +1,20 @@
-"""The spool's record format on disk: framing, checksums, and a scan that survives damaged bytes.
-
-One record is a 12-byte header and a payload:
-
-    magic   4 bytes  b"XSR1"
-    length  u32 LE   bytes of payload
-    crc     u32 LE   CRC-32 of the length field and the payload (zlib.crc32)
-    payload          msgpack [boot_id: str, seq: int, samples: int, batch: bytes (a serialised Batch)]
-
-A scan reads a segment record by record (never more than one record, or one search chunk, in
-memory). A record whose header, checksum or payload does not check out is damaged: the scan looks
-for the next record that checks out (the next magic whose record is whole and whose checksum
-matches) and reports the bytes in between as one damaged span, with an estimate of how many
-records it held (one, plus any further magics inside it). A span at the end of a segment whose
-header says more bytes than the file has is a record cut short (a crash or a full disk mid-write).
-
-Segments written before this format (msgpack records without framing) are recognised by their
-first byte and read by `legacy_records`, so an upgrade replays them.
+"""The spool's records: a batch with its boot, sequence number and sample count, in a checksummed
+frame (xpusense.common.framing) of the spool's own magic; a scan that survives damaged bytes, and
+the reader of segments written before framing (layout: docs/design.md, on-disk formats).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import struct
-import zlib
 from collections.abc import Iterator
 
 import msgpack
 
+from xpusense.common import framing
+
 MAGIC = b"XSR1"
-HEADER = struct.Struct("<4sII")
+HEADER = framing.HEADER
 # No batch comes near this (5,000 samples are about 0.5 MB); a length above it is damage.
 MAX_RECORD_BYTES = 64 * 2**20
 MAX_BOOT_ID = 128
@@ -56,13 +41,10 @@ class Damaged:
     length: int
     records: int         # how many records the span held, at least 1 (an estimate: magics seen)
     reason: str
-    cut_short: bool = False
 
 
 def encode(boot: str, seq: int, samples: int, batch: bytes) -> bytes:
-    payload = msgpack.packb([boot, seq, samples, batch], use_bin_type=True)
-    length = struct.pack("<I", len(payload))
-    return MAGIC + length + struct.pack("<I", zlib.crc32(payload, zlib.crc32(length))) + payload
+    return framing.encode(MAGIC, msgpack.packb([boot, seq, samples, batch], use_bin_type=True))
 
 
 def decode_payload(payload: bytes) -> tuple[str, int, int, bytes]:
@@ -84,18 +66,6 @@ def fields(rec: object) -> tuple[str, int, int, bytes]:
     return boot, seq, samples, batch
 
 
-def check(header: bytes, payload: bytes) -> tuple[str, int, int, bytes]:
-    """Decode one record from its header and payload bytes, or raise RecordError saying why not."""
-    magic, length, crc = HEADER.unpack(header)
-    if magic != MAGIC:
-        raise RecordError("no record starts here (bad magic)")
-    if length != len(payload):
-        raise RecordError(f"length {length} does not match the {len(payload)} bytes read")
-    if zlib.crc32(payload, zlib.crc32(header[4:8])) != crc:
-        raise RecordError("checksum mismatch")
-    return decode_payload(payload)
-
-
 def read_at(fd: int, offset: int, length: int) -> tuple[str, int, int, bytes]:
     """The record of `length` bytes at `offset` of an open segment, checked."""
     if length < HEADER.size or length > HEADER.size + MAX_RECORD_BYTES:
@@ -103,61 +73,29 @@ def read_at(fd: int, offset: int, length: int) -> tuple[str, int, int, bytes]:
     data = os.pread(fd, length, offset)
     if len(data) != length:
         raise RecordError(f"only {len(data)} of {length} bytes left in the segment")
-    return check(data[:HEADER.size], data[HEADER.size:])
-
-
-def _try(fd: int, offset: int, size: int) -> tuple[Good | None, str, bool]:
-    """The record at `offset` if it checks out; else (None, why, whether it is cut short by the end)."""
-    header = os.pread(fd, HEADER.size, offset)
-    if len(header) < HEADER.size:
-        return None, f"{len(header)} bytes left, less than a record header", True
-    magic, length, _ = HEADER.unpack(header)
-    if magic != MAGIC:
-        return None, "no record starts here (bad magic)", False
-    if length > MAX_RECORD_BYTES:
-        return None, f"length {length} over the {MAX_RECORD_BYTES}-byte limit", False
-    end = offset + HEADER.size + length
-    if end > size:
-        return None, f"record of {length} bytes cut short by the end of the segment", True
     try:
-        boot, seq, samples, batch = check(header, os.pread(fd, length, offset + HEADER.size))
-    except RecordError as e:
-        return None, str(e), False
-    return Good(boot, seq, samples, offset, end - offset, batch), "", False
-
-
-def _next_good(fd: int, start: int, size: int) -> tuple[int, int, Good | None]:
-    """From `start`: (offset of the next record that checks out or `size`, magics passed, that record)."""
-    magics, pos = 0, start
-    while pos < size:
-        chunk = os.pread(fd, min(_SEARCH_CHUNK, size - pos) + len(MAGIC) - 1, pos)
-        i = chunk.find(MAGIC)
-        while i != -1 and pos + i < size:
-            rec, _, _ = _try(fd, pos + i, size)
-            if rec is not None:
-                return pos + i, magics, rec
-            magics += 1
-            i = chunk.find(MAGIC, i + 1)
-        pos += _SEARCH_CHUNK
-    return size, magics, None
+        payload = framing.payload_at(data, 0, length, MAGIC, MAX_RECORD_BYTES)
+    except framing.FrameError as e:
+        raise RecordError(str(e)) from None
+    if HEADER.size + len(payload) != length:
+        raise RecordError(f"length {len(payload)} does not match the {length - HEADER.size} bytes read")
+    return decode_payload(payload)
 
 
 def scan(fd: int) -> Iterator[Good | Damaged]:
     """Every record of an open segment in order, damaged spans reported in between."""
-    size = os.fstat(fd).st_size
-    offset = 0
-    while offset < size:
-        rec, why, cut = _try(fd, offset, size)
-        if rec is not None:
-            yield rec
-            offset += rec.length
+    buf = framing.FileBytes(fd)
+    for span in framing.scan(buf, 0, os.fstat(fd).st_size, MAGIC, MAX_RECORD_BYTES):
+        length = span.end - span.start
+        if span.payload is None:
+            yield Damaged(span.start, length, 1 + framing.count(buf, span.start + 1, span.end, MAGIC), span.damage)
             continue
-        nxt, magics, found = _next_good(fd, offset + 1, size)
-        yield Damaged(offset, nxt - offset, 1 + magics, why, cut and found is None)
-        if found is not None:
-            yield found
-            nxt += found.length
-        offset = nxt
+        try:
+            boot, seq, samples, batch = decode_payload(span.payload)
+        except RecordError as e:
+            yield Damaged(span.start, length, 1, str(e))
+            continue
+        yield Good(boot, seq, samples, span.start, length, batch)
 
 
 def is_legacy(fd: int) -> bool:
@@ -178,7 +116,7 @@ def legacy_records(fd: int) -> Iterator[Good | Damaged]:
         except msgpack.OutOfData:
             if pos >= size:
                 if offset < size:
-                    yield Damaged(offset, size - offset, 1, "record cut short (format before framing)", True)
+                    yield Damaged(offset, size - offset, 1, "record cut short (format before framing)")
                 return
             unpacker.feed(os.pread(fd, _SEARCH_CHUNK, pos))
             pos += _SEARCH_CHUNK

@@ -1,31 +1,9 @@
 """The agent's on-disk spool: every batch is written here when it is cut, and forgotten when the
 collector has acknowledged it, so batches survive a collector outage and a `kill -9` of the agent.
 
-Layout: segments `NNNNNNNN.seg`, each a sequence of checksummed records (records.py), and
-`acked.json`: the highest acknowledged seq per agent boot and the batches set aside (written at
-most every ACKS_SAVE_S while batches are only acknowledged, at the next flush after one is set aside,
-and at close; a lagging one only means a few batches are sent again, and the collector drops them).
-A segment is deleted once all its batches are acknowledged. On start, the unacknowledged records of
-earlier boots are handed back, in order, to be sent with their own boot id and seq.
-
-Damage: at start, a record whose framing, checksum or content (`validate`) does not check out is
-skipped, counted (`damaged_records`), logged with its segment and byte offset, and copied to
-`damaged/` (aside.py); the records after it are found again. One that cannot be read back later
-is set aside the same way (`set_aside`). Neither is ever handed out again.
-
-A failing disk is a state, not a crash: `append` returns None when a record cannot be written
-(no space, I/O error), after cutting the segment back to its last whole record; the change of state
-is logged once, failed writes are counted, and the caller keeps the batch in memory. The next
-append that succeeds puts the spool back to `ok` (in a new segment if a tail could not be cut back).
-
-Durability (`fsync`): `batch` fsyncs each record before the batch is sent; `interval` (default)
-every `fsync_interval_s`, unless every batch of the open segment was acknowledged by then (the
-collector holds them: nothing on disk is needed; a healthy stream never fsyncs); `never` leaves it to
-the kernel. A written record survives a killed agent in every mode; a power loss can take the last
-interval's unacknowledged batches in `interval` mode.
-
-Budgets: over `max_bytes` on disk, or `max_batches` unacknowledged, the oldest segments are deleted
-and every batch and sample in them is counted as dropped and reported: loss is never silent.
+Segments `NNNNNNNN.seg` of checksummed records (records.py) and `acked.json` (ack_file.py); on
+start the unacknowledged records of earlier boots are handed back, in order. Damaged records are
+skipped, counted and kept aside (aside.py); a failing disk is a state, not a crash (Spool).
 """
 
 from __future__ import annotations
@@ -74,6 +52,17 @@ class SpoolError(Exception):
 
 
 class Spool:
+    """A segment is deleted once all its batches are acknowledged; acked.json is written at most
+    every ACKS_SAVE_S while batches are only acknowledged (a lagging one means a few batches sent
+    again, which the collector drops). A record whose framing, checksum or content (`validate`)
+    does not check out at start, or that cannot be read back later (`set_aside`), is never handed
+    out again. `append` returns None when a record cannot be written, after cutting the segment
+    back to its last whole record: the change of state is logged once, and the next append that
+    succeeds puts the spool back to `ok`. `fsync`: `batch` before each batch is sent; `interval`
+    every `fsync_interval_s` unless all of the open segment is acknowledged (a power loss can take
+    that interval's unacknowledged batches); `never`. Over
+    `max_bytes` or `max_batches` the oldest segments are deleted, every batch in them counted."""
+
     @staticmethod
     def for_node(base: str, node_id: str) -> str:
         """The spool directory of one node id under the configured base."""
