@@ -26,7 +26,7 @@ import time
 from _proc import cpu_s, free_port, stop, tool
 from collector_ingest import DEVICES, SERIES, SimAgent
 
-from xpusense.collector.store.frames import SEGMENT_MAGIC, frame, segment_name
+from xpusense.collector.store.segment_file import SEGMENT_MAGIC, frame, segment_name
 
 SNAP_LINE = re.compile(r"store snapshot \((\w+)\) \S+: (\d+) nodes, ([\d.]+) MB, (full|a diff), .*; "
                        r"([\d.]+) s \((\d+) ms of it")
@@ -197,7 +197,7 @@ def direct(args, data: str) -> dict:
     from xpusense.collector.series_history import History
     from xpusense.collector.state import FleetState
     from xpusense.collector.store import Store
-    from xpusense.collector.store.snapshotter import DIFF_RATIO, Snapshotter
+    from xpusense.collector.store.snapshot_taker import DIFF_RATIO, Snapshotter
 
     seconds = int(args.minutes * 60)
     agents = [SimAgent(i, "nvidia") for i in range(args.nodes)]

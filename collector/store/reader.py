@@ -1,9 +1,7 @@
 """Reading the collector's store after start: exporters' cursors (StoreReader) and audits.
 
-A StoreReader reads every batch stored after its cursor, in order, up to what is durable, and
-commits how far it got; segments it has not read are kept (writer.py retention), so a backend
-outage loses nothing. A read maps the segment and returns at most `max_batches` batches. Damaged
-ranges are skipped and counted (the replay at start has logged them and kept their bytes).
+A StoreReader reads the batches stored after its durable cursor, in order, up to what is durable;
+segments it has not read are kept (writer.py retention), so a backend outage loses nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from google.protobuf.message import DecodeError
 
 from xpusense.v1 import telemetry_pb2 as pb
 
-from .frames import InvalidRecord, Segment, Span, parse, segments
+from .segment_file import InvalidRecord, Segment, Span, parse, segments
 
 log = logging.getLogger("xpusense.collector.store")
 

@@ -1,12 +1,9 @@
 """Start of the collector's store: every segment read back into the fleet state; damage skipped.
 
-Every valid record is applied: batches (latest values, history, events), inventories and
-(node, boot) marks. A damaged range (bytes that are not a whole frame with a good checksum) or an
-invalid record (a good checksum around something this store does not write) is skipped, counted,
-logged with its file and byte position, and its bytes are copied into `data_dir/damaged/` for
-inspection (up to a byte budget; beyond it counted as not kept). Replay never refuses to start.
-After a snapshot (snapshot.py) only the log from the snapshot's position on is read (`start`):
-segments before it are not needed, and may be gone.
+Every valid record is applied. A damaged range or an invalid record is skipped, counted, logged
+with its file and byte position, and its bytes are copied into `data_dir/damaged/` (within a byte
+budget). Replay never refuses to start. After a snapshot (snapshot_load.py) only the log from the
+snapshot's position on is read.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ import time
 
 from xpusense.v1 import telemetry_pb2 as pb
 
-from .frames import Segment, Span, parse, record_count, segments
+from .segment_file import Segment, Span, parse, record_count, segments
 
 log = logging.getLogger("xpusense.collector.store")
 

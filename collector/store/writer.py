@@ -1,17 +1,9 @@
 """The collector's durable store, writing side: group commit, a failing disk as a state, retention.
 
-A record is framed (frames.py) and queued on the event loop; one I/O thread writes every queued
-record in one pwrite and fsyncs it (group commit: batches that arrive during an fsync share the
-next one), then the records' futures complete and the batches are acknowledged.
-
-A disk that cannot be written (full, read-only, failing) is a state, not a crash: the segment is
-cut back to what was durable, the records stay queued in memory, one log line says so, health
-goes NOT_SERVING (`on_change`), and the same records are written again every `retry_s` until it
-works; then acks resume in order and one line says so. What is held is bounded by
-`max_pending_bytes`: the server waits for room (`wait_room`) before it takes a batch, so a stream
-is held back (gRPC flow control reaches the agent, which keeps its batches) rather than ended; a
-record submitted past the bound anyway is refused at once (StoreError, counted). No segment is
-created per failure.
+A record is framed (segment_file.py) and queued on the event loop; one I/O thread writes every
+queued record in one pwrite and fsyncs it, then the records' futures complete and the batches
+are acknowledged. A disk that cannot be written holds the records in memory, within a bound, and
+writes them again every `retry_s` (Store).
 """
 
 from __future__ import annotations
@@ -26,9 +18,9 @@ from collections.abc import Callable
 
 from xpusense.common.fsync import fsync_dir
 
-from .frames import SEGMENT_MAGIC, StoreError, frame, segment_name, segments
 from .replay import Replay
-from .snapshot import Snapshots
+from .segment_file import SEGMENT_MAGIC, StoreError, frame, segment_name, segments
+from .snapshot_load import Snapshots
 
 log = logging.getLogger("xpusense.collector.store")
 
@@ -108,7 +100,14 @@ class _Segments:
 
 
 class Store:
-    """Written from the collector's event loop thread; I/O runs in one worker thread."""
+    """Written from the collector's event loop thread; I/O runs in one worker thread.
+
+    A disk that cannot be written (full, read-only, failing) is a state, not a crash: the segment
+    is cut back to what was durable, the records stay queued, one log line says so, health goes
+    NOT_SERVING (`on_change`), and the same records are written again every `retry_s` until it
+    works (no segment per failure). What is held is bounded by `max_pending_bytes`: the server
+    waits for room (`wait_room`) before it takes a batch, so a stream is held back rather than
+    ended; a record submitted past the bound anyway is refused (StoreError, counted)."""
 
     def __init__(self, directory: str, history_s: float = 900.0, segment_s: float = 60.0,
                  segment_bytes: int = 64 * 2**20, fsync: bool = True, max_pending_bytes: int = 64 * 2**20,
@@ -143,7 +142,7 @@ class Store:
         self.failing = ""                  # why the disk cannot be written now; "" while it can
         self.failing_since = 0.0
         self.replay: dict[str, float] = {}
-        # Snapshots (snapshot.py, snapshotter.py): the one to start from, and what retention keeps for them.
+        # Snapshots (snapshot_load.py, snapshot_taker.py): the one to start from, and what retention keeps for them.
         self.snapshots = Snapshots(directory, snapshot_keep)
         self.snapshotter = None            # a Snapshotter, when [store] snapshot_every_s is set
         self.snapshot_floor: tuple[int, int] | None = None   # the oldest kept snapshot's position
@@ -225,7 +224,7 @@ class Store:
             self._pending.append((b"", fut))
         return fut
 
-    # -- what a snapshot covers (snapshotter.py) ------------------------------------------------
+    # -- what a snapshot covers (snapshot_taker.py) ---------------------------------------------
     def track(self, durable: asyncio.Future, node_id: str, boot_id: str, seq: int) -> None:
         """A batch submitted (its record written at or after what is durable now), not applied yet."""
         self.inflight[durable] = (node_id, boot_id, seq, self.durable)

@@ -19,7 +19,7 @@ from helpers import BIN, HOST_SOURCES_ONLY, free_port, nodes_json, record_figure
 from xpusense.agent.sources.base import Sample
 from xpusense.agent.stream import StreamClient
 from xpusense.collector.store import segments, stored_batches
-from xpusense.collector.store.frames import Segment
+from xpusense.collector.store.segment_file import Segment
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 

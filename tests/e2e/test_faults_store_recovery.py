@@ -15,7 +15,7 @@ from test_faults_store import collector, health
 from xpusense.agent.sources.base import Sample
 from xpusense.agent.stream import StreamClient
 from xpusense.collector.store import segments
-from xpusense.collector.store.snapshot import listed
+from xpusense.collector.store.snapshot_load import listed
 from xpusense.v1 import telemetry_pb2 as pb
 
 DISK = "8m"

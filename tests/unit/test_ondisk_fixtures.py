@@ -14,8 +14,8 @@ import msgpack
 from xpusense.agent.spool import Spool, records
 from xpusense.collector.state import FleetState
 from xpusense.collector.store import Store
-from xpusense.collector.store.frames import Segment, frame, parse
-from xpusense.collector.store.snapfile import Reader
+from xpusense.collector.store.segment_file import Segment, frame, parse
+from xpusense.collector.store.snapshot_file import Reader
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "ondisk")
 T0 = 1_700_000_000 * 10**9

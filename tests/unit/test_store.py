@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from xpusense.collector.state import FleetState
 from xpusense.collector.store import Store, StoreError, StoreMetrics, StoreReader, segments, stored_batches
-from xpusense.collector.store.frames import RECORD_MAGIC, SEGMENT_MAGIC, Segment, frame, scan
+from xpusense.collector.store.segment_file import RECORD_MAGIC, SEGMENT_MAGIC, Segment, frame, scan
 from xpusense.v1 import telemetry_pb2 as pb
 
 

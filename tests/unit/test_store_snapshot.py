@@ -1,4 +1,4 @@
-"""Snapshots of the fleet state (collector/store/snapshot.py, snapshotter.py, image.py): a restart
+"""Snapshots of the fleet state (collector/store/snapshot_load.py, snapshot_taker.py, image.py): a restart
 loads the newest good one and replays only the log after it, and ends with the state a full replay
 of the log gives; a damaged or partial snapshot is counted and ignored, with nothing lost."""
 
@@ -11,8 +11,8 @@ import time
 
 from xpusense.collector.state import FleetState
 from xpusense.collector.store import Store, segments
-from xpusense.collector.store.snapshot import TMP_PREFIX, listed
-from xpusense.collector.store.snapshotter import Snapshotter
+from xpusense.collector.store.snapshot_load import TMP_PREFIX, listed
+from xpusense.collector.store.snapshot_taker import Snapshotter
 from xpusense.v1 import telemetry_pb2 as pb
 
 T0 = 1_700_000_000 * 10**9
@@ -208,7 +208,7 @@ def test_a_cut_snapshot_is_found_and_ignored(tmp_path):
 
 
 def test_a_snapshot_cut_at_a_frame_boundary_is_found(tmp_path):
-    from xpusense.collector.store.snapshot import records
+    from xpusense.collector.store.snapshot_load import records
     def cut(p):
         data = open(p, "rb").read()
         n = sum(1 for _ in records(p))                  # the frames before the end record

@@ -1,4 +1,4 @@
-"""Diffs and the version 3 snapshot format (collector/store/image.py, snapfile.py, snapshot.py): a
+"""Diffs and the version 3 snapshot format (collector/store/image.py, snapshot_file.py, snapshot_load.py): a
 restart from a full snapshot and a diff on it ends with the state a full replay of the log gives;
 a damaged or unfitting diff falls back to its full snapshot (and a longer replay), counted and
 logged; snapshots written by the versions before are still read; retention keeps what fallbacks need."""
@@ -15,9 +15,9 @@ from test_store_snapshot import T0, Live, batch, diagnosis, full_replay, picture
 
 from xpusense.collector.columns import held
 from xpusense.collector.state import FleetState
-from xpusense.collector.store.frames import frame
-from xpusense.collector.store.snapfile import entries
-from xpusense.collector.store.snapshot import records
+from xpusense.collector.store.segment_file import frame
+from xpusense.collector.store.snapshot_file import entries
+from xpusense.collector.store.snapshot_load import records
 from xpusense.v1 import telemetry_pb2 as pb
 
 
@@ -151,7 +151,7 @@ def test_a_diff_holds_only_what_changed(tmp_path):
 
 def test_a_full_snapshot_again_once_diffs_have_grown(tmp_path):
     """The policy: a diff while the last one was under 1/DIFF_RATIO of the full one, then a full one."""
-    from xpusense.collector.store.snapshotter import DIFF_RATIO
+    from xpusense.collector.store.snapshot_taker import DIFF_RATIO
     d = tmp_path / "d"
     live = Live(d)
 
@@ -349,13 +349,13 @@ def test_a_version_1_snapshot_is_still_loaded(tmp_path):
 def test_a_version_2_snapshot_is_still_loaded(tmp_path, monkeypatch):
     """Version 2 (before frames were written): a node's entry has no frames, its series hold all
     their points; loaded as such, the series on their own."""
-    from xpusense.collector.store import image, snapfile
+    from xpusense.collector.store import image, snapshot_file
     capture = image.capture
-    monkeypatch.setattr(snapfile, "VERSION", 2)
+    monkeypatch.setattr(snapshot_file, "VERSION", 2)
     monkeypatch.setattr(image, "capture", lambda *a: capture(*a)[:14])
     d = tmp_path / "d"
     p = five_then_a_snapshot_then_two(d, columns=False)   # no frames: what version 2 wrote
-    from xpusense.collector.store.snapfile import Reader
+    from xpusense.collector.store.snapshot_file import Reader
     with Reader(p) as r:
         assert r.version == 2 and all(len(e) == 14 for rec, _ in r.records() if rec[0] == "n" for e in rec[1])
     monkeypatch.undo()
@@ -369,7 +369,7 @@ def test_history_bytes_are_outside_the_msgpack_records(tmp_path):
     """A node record's history is the frame's blob (read with array.frombytes from the mapped file),
     a node's series that share their times have them written once, and (version 3) a frame's rows
     are written as it holds them: one run of times, the values row by row."""
-    from xpusense.collector.store.snapfile import Reader
+    from xpusense.collector.store.snapshot_file import Reader
     live, full_path, _, _ = scenario(tmp_path / "d")
     with Reader(full_path) as r:
         assert r.version == 3

@@ -13,7 +13,7 @@ import threading
 import pytest
 from helpers import wait_until
 
-from xpusense.collector.store.snapfile import TMP_PREFIX, SnapshotFile
+from xpusense.collector.store.snapshot_file import TMP_PREFIX, SnapshotFile
 from xpusense.common.supervise import EXIT_FATAL, Supervisor
 
 

@@ -1,20 +1,9 @@
 """Snapshots of the fleet state at start: which to load, loading them, damage, which to keep.
 
-A full snapshot covers the store up to its position (snapfile.py names it): every record before
-that position is in it (image.py says how a node's marks make that exact). A diff covers the store
-up to its own position and holds only what changed since the full snapshot it is written on (the
-history points appended since, the rest of every node as it is; image.py). A restart loads the
-newest full snapshot that reads back whole, then the newest of its diffs that does, and replays
-only the log after the one it ended with.
-
-Every frame's checksum is checked as it is read. A full snapshot found damaged part-way is
-forgotten (`reset`) and the next older one tried; a diff is checked whole before anything of it is
-applied, and one that still does not fit (or fails part-way) costs a reload of its full snapshot
-without it. Damaged files are counted (`snapshot_damaged`), logged, moved to `data_dir/damaged/`
-and not tried again; with no good snapshot the whole log is replayed (the log is kept until a good
-snapshot covers it: writer.py retention, `prune`). Temporary files left by a crash are removed at
-start (counted the same way). A diff written on another full snapshot than the one of its name
-(one rewritten at the same position) is not applied.
+A restart loads the newest full snapshot that reads back whole, then the newest of its diffs that
+does, and replays only the log after the one it ended with. A damaged file is counted, logged,
+moved to `data_dir/damaged/` and an older one tried; with none the whole log is replayed (the log
+is kept until a good snapshot covers it: `prune`).
 """
 
 from __future__ import annotations
@@ -28,7 +17,7 @@ from collections.abc import Iterator
 from google.protobuf.message import DecodeError
 
 from .image import restore, restore_fleet, restore_node_v1
-from .snapfile import TMP_PREFIX, Damaged, Entry, Pos, Reader, SnapshotFile, entries, snapshot_name
+from .snapshot_file import TMP_PREFIX, Damaged, Entry, Pos, Reader, SnapshotFile, entries, snapshot_name
 
 log = logging.getLogger("xpusense.collector.store")
 

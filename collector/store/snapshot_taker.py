@@ -1,21 +1,9 @@
 """Taking snapshots of the fleet state while the collector serves, without stalling ingest.
 
-Every `[store] snapshot_every_s` (and once more on a clean stop) the collector writes a snapshot
-(snapshot.py). Most are diffs: only what changed since the last full one (the history points
-appended since, and every node's small parts), a few percent of a full one, so they can be
-frequent (the log replayed after a crash is at most that period) without writing the whole
-history each time. A full one is written first after a start, and again once the last diff was
-1/DIFF_RATIO of the full one or more (diffs grow with the time since their full one; this keeps
-what is written per period near its least, whatever the fleet's size).
-
-The position a snapshot covers is fixed first: what is durable, or earlier, down to the lowest
-position of a batch accepted but not applied yet (Store.covered()). Then the nodes are captured on
-the event loop a chunk at a time (about `chunk_series` series: the history arrays are copied as
-bytes, milliseconds a chunk) and each chunk is packed, checksummed and written by a worker thread
-of the snapshotter's own while the loop goes on serving; the next chunk is captured once the last
-one is written, so a snapshot holds at most one chunk in memory besides the state. A failed write
-(full disk) removes the temporary file, is counted and logged, and is tried again at the next
-period: the log is kept meanwhile, so nothing is lost.
+Every `[store] snapshot_every_s` (and on a clean stop) a snapshot is written: mostly diffs of what
+changed since the last full one, a full one when the last diff reached 1/DIFF_RATIO of it. Nodes
+are captured on the event loop a chunk at a time and written by a worker thread meanwhile; a
+failed write is counted, logged and tried again next period (the log is kept meanwhile).
 """
 
 from __future__ import annotations
@@ -26,7 +14,7 @@ import logging
 import time
 
 from . import image
-from .snapfile import SnapshotFile
+from .snapshot_file import SnapshotFile
 from .writer import why_failed
 
 DIFF_RATIO = 8
@@ -72,6 +60,10 @@ class Snapshotter:
             return await self._take(why, full)
 
     async def _take(self, why: str, full: bool | None) -> str | None:
+        """The position covered is fixed first (Store.covered(): what is durable, down to the lowest
+        batch accepted but not applied). Then nodes are captured on the loop about `chunk_series`
+        series at a time, and each chunk is written by the pool before the next is captured: at
+        most one chunk is held besides the state."""
         loop = asyncio.get_running_loop()
         t0, cpu_loop = time.monotonic(), 0.0
         f = None

@@ -1,28 +1,9 @@
 """Snapshot files: their names, their checksummed frames, writing one atomically, reading one back.
 
-In `data_dir/snapshots/`:
-
-    snapshot-SSSSSSSS-OOOOOOOOOOOO.snap                            full: the store up to segment S, byte O
-    snapshot-SSSSSSSS-OOOOOOOOOOOO-on-SSSSSSSS-OOOOOOOOOOOO.snap   a diff: the same, on the full one named after -on-
-
-A file is SNAPSHOT_MAGIC (the version in its last byte), then frames in the store's own format
-(frames.py: RECORD_MAGIC, length, crc32 over the length bytes and the payload). In version 2 a
-payload (version 2 and on) is a u32 length, that many bytes of msgpack (the record), then a blob
-of raw bytes the record describes (image.py: history arrays; version 3 adds a node's frames, 2 is
-still read):
-
-    ["h", 2, seg, off, created_unix_ns, id, base_seg, base_off, base_id]   first (base_*: -1 in a full one)
-    ["f", fleet]                                                          known marks, counters (image.fleet)
-    ["n", [node, ...]] + blob                                             nodes, a chunk at a time (image.capture)
-    ["e", nodes, frames]                                                  last: how many nodes and frames came before it
-
-Version 1 (written before; still read) has no blobs: every payload is one msgpack record, the
-header ["h", 1, seg, off, created_unix_ns], nodes as image.restore_node_v1 reads them.
-
-A file is written to a temporary name in the same directory, fsync'ed, renamed into place and the
-directory fsync'ed, so it is there whole or not at all. Reading maps the file and checks every
-frame's checksum over the mapped bytes (no copy); a file that does not read back whole (a bad
-checksum, a cut file, no end record, counts that differ, a header of another version) is Damaged.
+A snapshot is the fleet state at a position of the store's log (fleet_image.py), in frames of the
+store's record magic (xpusense.common.framing); written to a temporary name, fsync'ed and renamed,
+so it is there whole or not at all; read back mapped, every checksum checked, else Damaged
+(layout and versions: docs/design.md, on-disk formats).
 """
 
 from __future__ import annotations
@@ -32,15 +13,15 @@ import os
 import re
 import struct
 import time
-import zlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import msgpack
 
+from xpusense.common import framing
 from xpusense.common.fsync import fsync_dir
 
-from .frames import HEADER, HEADER_BYTES, MAX_RECORD_BYTES, RECORD_MAGIC
+from .segment_file import MAX_RECORD_BYTES, RECORD_MAGIC
 
 MAGIC = b"XPSSNP\x00"
 VERSIONS = (1, 2, 3)
@@ -109,14 +90,11 @@ class SnapshotFile:
         size = U32.size + len(meta) + sum(len(p) for p in parts)
         if size > MAX_RECORD_BYTES:
             raise ValueError(f"a snapshot frame of {size} bytes (at most {MAX_RECORD_BYTES})")
-        mlen = U32.pack(len(meta))
-        crc = zlib.crc32(meta, zlib.crc32(mlen, zlib.crc32(U32.pack(size))))
-        for p in parts:
-            crc = zlib.crc32(p, crc)
-        self.f.write(HEADER.pack(RECORD_MAGIC, size, crc) + mlen + meta)
+        head = U32.pack(len(meta)) + meta
+        self.f.write(framing.header(RECORD_MAGIC, (head, *parts)) + head)
         self.f.writelines(parts)
         self.frames += 1
-        self.bytes += HEADER_BYTES + size
+        self.bytes += framing.HEADER.size + size
         if record[0] == "n":
             self.nodes += len(record[1])
 
@@ -159,7 +137,7 @@ class Reader:
         self.path = path
         with open(path, "rb") as f:
             self.size = os.fstat(f.fileno()).st_size
-            if self.size < len(MAGIC) + 1 + HEADER_BYTES:
+            if self.size < len(MAGIC) + 1 + framing.HEADER.size:
                 raise Damaged(f"{self.size} bytes, too short for a snapshot")
             self.mm = mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_READ)
         head = self.mm[:len(MAGIC) + 1]
@@ -199,25 +177,23 @@ class Reader:
         return self._frames
 
     def frames(self) -> Iterator[tuple[list, memoryview]]:
-        mm, size = self.mm, self.size
-        mv = memoryview(mm)
+        mv, size = memoryview(self.mm), self.size
         pos, frames, nodes = len(MAGIC) + 1, 0, 0
         while pos < size:
-            if pos + HEADER_BYTES > size or mm[pos:pos + 4] != RECORD_MAGIC:
-                raise Damaged(f"no frame at byte {pos}")
-            _, n, crc = HEADER.unpack_from(mm, pos)
-            start, end = pos + HEADER_BYTES, pos + HEADER_BYTES + n
-            if end > size or zlib.crc32(mv[start:end], zlib.crc32(mv[pos + 4:pos + 8])) != crc:
-                raise Damaged(f"the frame at byte {pos} is not whole or its checksum fails")
+            try:
+                payload = framing.payload_at(mv, pos, size, RECORD_MAGIC, MAX_RECORD_BYTES)
+            except framing.FrameError as e:
+                raise Damaged(f"the frame at byte {pos}: {e}") from None
+            end = pos + framing.HEADER.size + len(payload)
             try:
                 if self.version >= 2:
-                    mlen = U32.unpack_from(mm, start)[0]
-                    if U32.size + mlen > n:
+                    mlen = U32.unpack_from(payload)[0]
+                    if U32.size + mlen > len(payload):
                         raise ValueError("record longer than its frame")
-                    rec = msgpack.unpackb(mv[start + U32.size:start + U32.size + mlen], raw=False)
-                    blob = mv[start + U32.size + mlen:end]
+                    rec = msgpack.unpackb(payload[U32.size:U32.size + mlen], raw=False)
+                    blob = payload[U32.size + mlen:]
                 else:
-                    rec, blob = msgpack.unpackb(mv[start:end], raw=False), mv[end:end]
+                    rec, blob = msgpack.unpackb(payload, raw=False), payload[len(payload):]
             except (ValueError, struct.error, msgpack.UnpackException) as e:
                 raise Damaged(f"the frame at byte {pos} is not a snapshot record ({e})") from None
             if not isinstance(rec, list) or not rec:

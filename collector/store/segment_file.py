@@ -1,15 +1,8 @@
-"""The store's on-disk format: segment files of length-prefixed, checksummed records.
+"""The store's segment files: their names, their header, the records in them and their kinds.
 
-A segment `NNNNNNNN.log` starts with SEGMENT_MAGIC (8 bytes, the format version in its last byte),
-then frames:
-
-    RECORD_MAGIC (4 bytes) | length (u32 LE) | crc32 (u32 LE, over the length bytes and the payload) | payload
-
-The payload is one msgpack record (see RECORD_KINDS). A reader checks every frame's magic, length
-and checksum; bytes that are not a whole valid frame (flipped bits, a zeroed or cut tail, stray
-data) form a damaged range, and reading goes on at the next valid frame (found by its magic and
-checked by its checksum). So damage costs the records it touches, never the ones after it.
-Format 1 (before checksums) was bare msgpack records; such segments are still read (`legacy`).
+A segment holds checksummed frames (xpusense.common.framing) of the store's own magic, each one
+msgpack record; segments of the format before checksums are still read (layout: docs/design.md,
+on-disk formats).
 """
 
 from __future__ import annotations
@@ -17,26 +10,18 @@ from __future__ import annotations
 import mmap
 import os
 import re
-import struct
-import zlib
 from collections.abc import Iterator
-from typing import NamedTuple
 
 import msgpack
 
+from xpusense.common import framing
+from xpusense.common.framing import Span
+
 SEGMENT_MAGIC = b"XPSSEG\x00\x02"
 RECORD_MAGIC = b"\xc1XR\x02"   # 0xc1 is never used by msgpack, so a bare-msgpack segment cannot look like frames
-HEADER = struct.Struct("<4sII")   # magic, length, crc32
-HEADER_BYTES = HEADER.size
 MAX_RECORD_BYTES = 2**31          # a length above this is damage, not a record
 SEGMENT_NAME = re.compile(r"^(\d{8,})\.log$")
-
-# ["b", batch_bytes]                        a stored Batch, whole
-# ["i", node_id, boot_id, inventory_bytes]  a node's inventory (Hello, change, checkpoint)
-# ["m", node_id, boot_id, seq]              a (node, boot) mark (checkpoint)
-# ["s", segment_id, size]                   the previous segment ended there (first record of a segment):
-#                                           a segment cut or deleted later is found, not silently shorter
-RECORD_KINDS = ("b", "i", "m", "s")
+RECORD_KINDS = ("b", "i", "m", "s")   # batch, inventory, mark, seal of the segment before
 
 
 class StoreError(Exception):
@@ -48,9 +33,7 @@ class InvalidRecord(ValueError):
 
 
 def frame(record: list) -> bytes:
-    payload = msgpack.packb(record, use_bin_type=True)
-    n = struct.pack("<I", len(payload))
-    return HEADER.pack(RECORD_MAGIC, len(payload), zlib.crc32(payload, zlib.crc32(n))) + payload
+    return framing.encode(RECORD_MAGIC, msgpack.packb(record, use_bin_type=True))
 
 
 def segment_id(name: str) -> int | None:
@@ -72,53 +55,14 @@ def segments(directory: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-class Span(NamedTuple):
-    start: int
-    end: int
-    payload: bytes | None   # None: a damaged range [start, end)
-
-
-def frame_at(buf, pos: int, end: int) -> bytes | None:
-    """The payload of the valid frame at `pos`, or None when there is none."""
-    if pos + HEADER_BYTES > end or buf[pos:pos + 4] != RECORD_MAGIC:
-        return None
-    _, n, crc = HEADER.unpack(buf[pos:pos + HEADER_BYTES])
-    if n > MAX_RECORD_BYTES or pos + HEADER_BYTES + n > end:
-        return None
-    payload = bytes(buf[pos + HEADER_BYTES:pos + HEADER_BYTES + n])
-    if zlib.crc32(payload, zlib.crc32(buf[pos + 4:pos + 8])) != crc:
-        return None
-    return payload
-
-
 def scan(buf, start: int, end: int) -> Iterator[Span]:
-    """The valid frames and damaged ranges of buf[start:end], in order, covering all of it."""
-    pos = start
-    while pos < end:
-        payload = frame_at(buf, pos, end)
-        if payload is not None:
-            yield Span(pos, pos + HEADER_BYTES + len(payload), payload)
-            pos += HEADER_BYTES + len(payload)
-            continue
-        nxt = pos
-        while True:
-            nxt = buf.find(RECORD_MAGIC, nxt + 1, end)
-            if nxt < 0:
-                nxt = end
-                break
-            if frame_at(buf, nxt, end) is not None:
-                break
-        yield Span(pos, nxt, None)
-        pos = nxt
+    """The records and damaged ranges of buf[start:end], in order, covering all of it."""
+    return framing.scan(buf, start, end, RECORD_MAGIC, MAX_RECORD_BYTES)
 
 
 def record_count(buf, start: int, end: int) -> int:
     """How many records a damaged range held, at least: one, or the record magics still in it."""
-    n, pos = 0, start
-    while (pos := buf.find(RECORD_MAGIC, pos, end)) >= 0:
-        n += 1
-        pos += 1
-    return max(1, n)
+    return max(1, framing.count(buf, start, end, RECORD_MAGIC))
 
 
 class Segment:
