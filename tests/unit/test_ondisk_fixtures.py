@@ -14,8 +14,9 @@ import msgpack
 from xpusense.agent.spool import Spool, records
 from xpusense.collector.state import FleetState
 from xpusense.collector.store import Store
-from xpusense.collector.store.segment_file import Segment, frame, parse
+from xpusense.collector.store.segment_file import MAX_RECORD_BYTES, RECORD_MAGIC, Segment, frame, parse
 from xpusense.collector.store.snapshot_file import Reader
+from xpusense.common import framing
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "ondisk")
 T0 = 1_700_000_000 * 10**9
@@ -71,6 +72,10 @@ def test_every_store_record_and_snapshot_frame_is_written_the_same_today():
         with Reader(os.path.join(snaps, name)) as r:
             kinds = [rec[0] for rec, _blob in r.records()]
         assert r.version == 3 and kinds[0] == "f" and "n" in kinds
+        raw = open(os.path.join(snaps, name), "rb").read()
+        frames = list(framing.scan(raw, 8, len(raw), RECORD_MAGIC, MAX_RECORD_BYTES))
+        assert len(frames) == len(kinds) + 2 and all(f.payload is not None for f in frames)   # + header, end
+        assert b"".join(framing.encode(RECORD_MAGIC, f.payload) for f in frames) == raw[8:]
 
 
 def test_a_spool_with_damage_gives_back_the_same_batches(tmp_path):
