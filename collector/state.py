@@ -40,22 +40,24 @@ from .batch_rows import BatchRows
 from .diagnoses import Diagnoses
 from .limits import seq_ceiling
 from .node_pages import list_nodes
+from .node_series import MAX_REFS, NodeSeries
 from .series import Series, read_labels, series_key
 from .series_history import POINT_BYTES, points_of
 
 log = logging.getLogger("xpusense.collector")
 HISTOGRAM = pb.HISTOGRAM
 MAX_BOOTS_REMEMBERED = 8
-# Series references kept per boot where no max_series_per_node bounds a node's series (else twice it).
-MAX_REFS_PER_BOOT = 65536
 # What a series and a node hold besides their history's slots, measured with tracemalloc
 # (bench/collector_ingest.py --memory): the Series, its key, labels, map entries.
 SERIES_BYTES = 1100
 NODE_BYTES = 8000
 
 
-class NodeState:
+class NodeState(NodeSeries):
+    """A node's state; its series and their references are a NodeSeries table (node_series.py)."""
+
     def __init__(self, node_id: str, events_kept: int):
+        super().__init__()
         self.node_id = node_id
         self.boot_id = ""
         self.streams = 0
@@ -69,8 +71,6 @@ class NodeState:
         self.mark_at: dict[str, int] = {}              # boot -> when (state clock, ns) its mark last rose
         self.live: collections.Counter[str] = collections.Counter()   # boot -> streams open for it
         self.expired_tried_ns = 0                      # last look for series to let go (evict_expired)
-        self.series: dict[tuple, Series] = {}
-        self.refs: dict[str, dict[int, Series]] = {}   # boot -> the agent's series_ref -> series
         self.events: collections.deque = collections.deque(maxlen=events_kept)
         self.batches_stored = 0
         self.batches_duplicate = 0
@@ -347,41 +347,19 @@ class FleetState:
         if n.stored_up_to.get(batch.boot_id, 0) >= batch.seq:
             n.stored_up_to[batch.boot_id] = previous
 
-    def _remember_ref(self, refs: dict[int, Series], ref: int, ser: Series, room: int | None) -> None:
-        """refs[ref] = ser, within twice the node's room for series: references a client made up
-        cannot grow the map, a cache of what name and labels say (every sample still carries them),
-        which is emptied past that, counted, and refills."""
-        if len(refs) >= (2 * room if room else MAX_REFS_PER_BOOT):
-            refs.clear()
-            self.counters["state.series_refs_reset"] += 1
-        refs[ref] = ser
-
-    def _series_for(self, series: dict[tuple, Series], s: pb.Sample, room: int | None,
-                    label_sets: dict[tuple, tuple] | None = None) -> Series | None:
-        """The node's series of sample `s` by name and labels, made if new and there is room (None:
-        dropped, counted). `label_sets`: the label sets read so far from the same batch, whose
-        samples share them (a device's 20 series): a new series takes the dict and the tuple of
-        pairs already made, not copies of its own."""
-        labels = read_labels(s.labels)
-        pairs = tuple(sorted(labels.items()))
-        if label_sets is not None:
-            if (seen := label_sets.get(pairs)) is None:
-                label_sets[pairs] = (pairs, labels)
-            else:
-                pairs, labels = seen
-        key = (s.name, pairs)
-        ser = series.get(key)
-        if ser is None:
-            if room is not None and len(series) >= room:
-                # Batches admitted together (limits.py counts each against the series already
-                # there) may add more than the room left: the excess is dropped, and counted.
-                self.counters["limits.max_series_per_node.samples_dropped"] += 1
-                return None
-            if self.max_memory and not self._room_for_series():
-                return None
-            ser = series[key] = Series(s, labels)
-            self.series_total += 1
-        return ser
+    def _new_series(self, n: NodeState, s: pb.Sample, labels: dict[str, str]) -> Series | None:
+        """A new series of node `n` for sample `s` (NodeSeries.entry_for's `make`), if there is
+        room (None: dropped, counted)."""
+        room = self.max_series_per_node
+        if room is not None and len(n.series) >= room:
+            # Batches admitted together (limits.py counts each against the series already there)
+            # may add more than the room left: the excess is dropped, and counted.
+            self.counters["limits.max_series_per_node.samples_dropped"] += 1
+            return None
+        if self.max_memory and not self._room_for_series():
+            return None
+        self.series_total += 1
+        return Series(s, labels)
 
     def apply(self, batch: pb.Batch, read: BatchRows | None = None) -> None:
         """The batch's samples and events into the fleet state (after accept); `read` is
@@ -418,9 +396,10 @@ class FleetState:
     def _apply_rows(self, n: NodeState, batch: pb.Batch, batch_rows: list[tuple[int, int, float]],
                     times: set[int] | None) -> None:
         """The general path: the batch's samples one by one (those at `times` only, unless None)."""
-        series = n.series
-        refs = n.refs.setdefault(batch.boot_id, {})
-        room = self.max_series_per_node
+        gens = n.boot_refs(batch.boot_id)
+        refs = gens.cur
+        # References a boot holds: as many as its series may be, in each of two generations.
+        max_refs = self.max_series_per_node or MAX_REFS
         hist_ns, cap = self.history_ns, self.history_cap
         slack_ns = hist_ns >> 5
         recv, shift = n.recv_ns, n.recv_shift
@@ -436,11 +415,12 @@ class FleetState:
                 continue
             ser = known(ref) if ref else None
             if ser is None:
-                ser = self._series_for(series, samples[i], room, label_sets)
+                ser = n.entry_for(gens, ref, samples[i], self._new_series, max_refs, label_sets)
+                if gens.cur is not refs:   # the generations turned at their bound
+                    refs, known = gens.cur, gens.cur.get
+                    self.counters["state.series_refs_reset"] += 1
                 if ser is None:
                     continue
-                if ref:
-                    self._remember_ref(refs, ref, ser, room)
                 cap = self.history_cap   # a new series may have shortened the history (max_memory)
             if ser.frame is not None:   # its frame's rows back in each member's own History
                 columns.dissolve(self, n, ser.frame)

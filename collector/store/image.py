@@ -38,6 +38,7 @@ from array import array
 from xpusense.v1 import telemetry_pb2 as pb
 
 from .. import columns
+from ..node_series import BootRefs
 from ..series import Series, series_key
 from ..series_history import History
 from ..state import FleetState, NodeState
@@ -252,7 +253,7 @@ def _restore_refs(n: NodeState, refs: list) -> None:
     if refs:
         order = list(n.series.values())
         for boot, flat in refs:
-            n.refs[boot] = {flat[j]: order[flat[j + 1]] for j in range(0, len(flat), 2)}
+            n.boot_refs(boot).cur.update({flat[j]: order[flat[j + 1]] for j in range(0, len(flat), 2)})
 
 
 def _restore_full(state: FleetState, n: NodeState, series: list, runs: list, starts: list, blob: memoryview,
@@ -282,11 +283,11 @@ def _restore_frames(state: FleetState, n: NodeState, frames: list, runs: list, s
                     at: int) -> int:
     """A node's frames (after its series and refs): each member on its own so far, not a histogram,
     and the series its key's ref names where the refs still name one (a frame outlives a reset of
-    the node's refs: state._remember_ref, evict_expired)."""
+    the node's refs: node_series.NodeSeries, evict_expired)."""
     order = list(n.series.values())
     for key, positions, r, rows, due_t, due_n, last_t in frames:
         key, width = tuple(key), len(positions)
-        known = n.refs.get(key[0], {}) if key else {}
+        known = n.refs.get(key[0] if key else "") or BootRefs()
         members = [order[p] for p in positions]
         if (not width or len(key) != width + 1 or runs[r] != rows
                 or any(known.get(ref, s) is not s or s.frame is not None or s.kind == pb.HISTOGRAM
