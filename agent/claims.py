@@ -2,12 +2,9 @@
 
 A Welcome's `stored_up_to` and an Ack each say that a collector holds batches of one agent boot up
 to a sequence number; neither can be above the highest one this agent gave a batch of that boot
-(this boot's from the stream; an earlier boot's from the spool: its acknowledged mark and the
-batches it still holds). A collector that claims more was forged or lost its state: its claim
-takes nothing as acknowledged; it is logged and counted, and the stream (agent/stream.py) ends
-the connection as if the collector had failed (ImpossibleClaim), so that every unacknowledged batch
-goes again, to the next collector if there are several.
-"""
+(this boot's from the stream; an earlier boot's from the spool). A collector that claims more was
+forged or lost its state: its claim takes nothing as acknowledged; it is logged and counted, and
+the stream ends the connection (ImpossibleClaim), so that every unacknowledged batch goes again."""
 
 from __future__ import annotations
 

@@ -2,29 +2,9 @@
 threshold for a window, ask the training jobs on it to checkpoint (signal, request file, event).
 
 It sits between the tier loop and the stream: it sees every realtime sample of
-`xpusense.accelerator.hbm.bandwidth.utilization`, keeps one small state machine per accelerator,
-and on firing groups the accelerator's processes (from the NVML / npu-smi process lists) into jobs
-so that each job gets one request, then waits a cooldown per job.
-
-An accelerator is a device, or one MIG instance of an NVIDIA GPU (samples labelled `mig_instance`,
-followed as `gpu0/gi1`, whose processes the NVML source lists under that id): each instance has its
-own window, and a request goes to the jobs on that instance only.
-
-State per accelerator: ARMED -> (value >= threshold continuously for `window_s`) -> FIRED;
-FIRED -> (a value below `low_mark`) -> ARMED. A value below the threshold restarts the window. A
-missing sample is not a value below the threshold: it neither restarts nor confirms the window,
-unless the gap is longer than the window itself (then nothing is known about it, and the window
-starts again at the next sample). A value that is not a ratio (NaN, infinite, below 0 or above 1) is
-no value at all: it counts as a missing sample, never as one at or above the threshold (NaN compares
-false with everything, so `NaN < threshold` would otherwise read as "above").
-
-Every pid is checked before a request names it (`pid_refusal`): pids come from vendor libraries,
-and a misread NVML process list gives 0 (to kill(), the agent's own process group) or 4294967295
-(os.getpgid raises on it). A request goes only to live processes other than init and the agent.
-The signal goes only to a process that catches it and is still the one listed (proc_signal.py):
-a process without a handler (an inference server) gets the request file and event only. Every pid
-not signalled is logged with why and counted by reason (`status()["not_signalled"]`).
-"""
+`xpusense.accelerator.hbm.bandwidth.utilization`, keeps one small state machine per accelerator
+(Track), and on firing groups the accelerator's processes into jobs so that each job gets one
+request, then waits a cooldown per job."""
 
 from __future__ import annotations
 
@@ -61,6 +41,12 @@ class Rule:
 
 @dataclasses.dataclass
 class Track:
+    """One accelerator's state: ARMED -> (value >= threshold continuously for `window_s`) -> FIRED;
+    FIRED -> (a value below `low_mark`) -> ARMED. A value below the threshold restarts the window. A
+    missing sample neither restarts nor confirms the window, unless the gap is longer than the
+    window itself (then the window starts again at the next sample). A value that is not a ratio
+    (NaN, infinite, outside 0..1) counts as a missing sample, never as one at or above the
+    threshold (`NaN < threshold` is false)."""
     armed: bool = True
     above_since_ns: int | None = None
     last_ns: int | None = None
@@ -93,7 +79,9 @@ class Request:
 
 
 def accelerator(labels: dict[str, str]) -> str:
-    """`gpu0`, or `gpu0/gi1` for MIG instance 1 of it."""
+    """`gpu0`, or `gpu0/gi1` for MIG instance 1 of it (samples labelled `mig_instance`; the NVML
+    source lists its processes under that id): each instance has its own window, and a request goes
+    to the jobs on that instance only."""
     dev = labels.get("device", "")
     mig = labels.get("mig_instance")
     return f"{dev}/gi{mig}" if mig else dev
@@ -167,7 +155,13 @@ class HbmWatch:
                  actions: Iterable[str] = ("signal", "file", "event"), signal_name: str = "SIGUSR1",
                  request_dir: str = "/run/xpusense/checkpoint", group_by: str = "auto", proc: str = "/proc",
                  kill: Callable[[int, int], None] | None = None, own_pid: int | None = None):
-        """rules: vendor -> Rule ('default' for any vendor without its own). kill: None sends through
+        """Every pid is checked before a request names it (pid_refusal: pids come from vendor
+        libraries, and a misread NVML process list gives 0 or 4294967295); the signal goes only to a
+        process that catches it and is still the one listed (proc_signal.py), so a process without
+        a handler gets the request file and event only. Every pid not signalled is logged with why
+        and counted by reason (`status()["not_signalled"]`).
+
+        rules: vendor -> Rule ('default' for any vendor without its own). kill: None sends through
         a pidfd (os.kill where there is none); tests over a fake /proc give their own. Raises
         RequestDirError when the "file" action's request_dir is unsafe (request_dir.py)."""
         self.rules = rules

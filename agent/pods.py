@@ -1,28 +1,9 @@
 """Pod attribution: which Kubernetes pod and container a process or a cgroup belongs to, from the
 cgroup path (/proc/PID/cgroup), the container runtime's metadata, and the kubelet's pod-resources
-API (which devices the kubelet assigned to which container).
-
-Samples that carry `pid` (NVML's and npu-smi's process series, the eBPF per-process probes) or
-`cgroup` (the eBPF per-cgroup probes) get, when the process or cgroup is a pod's:
-`k8s.pod.uid` and `container.id` (from the cgroup path alone), and `k8s.pod.name`,
-`k8s.namespace.name`, `k8s.container.name` (from the runtime's metadata, or else from the
-pod-resources assignment of the sample's `device`).
-
-cgroup paths, as the two kubelet cgroup drivers and the runtimes write them (v1 and v2 alike):
-- systemd driver: /kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid, '-' as '_'>.slice/
-  cri-containerd-<id>.scope | crio-<id>.scope | docker-<id>.scope   (guaranteed pods: kubepods-pod<uid>.slice)
-- cgroupfs driver: /kubepods/burstable/pod<uid>/<id>   (guaranteed: /kubepods/pod<uid>/<id>)
-- in a private cgroup namespace the path is relative (`/../../kubepods...`): the patterns are searched.
-
-Runtime metadata (the container's name, its pod's name and namespace), found by container id under
-each of `metadata_dirs`: containerd's bundle `<dir>/<id>/config.json` (annotations
-io.kubernetes.cri.*), CRI-O's `<dir>/<id>/userdata/config.json` (annotations io.kubernetes.*),
-Docker's `<dir>/<id>/config.v2.json` (Config.Labels io.kubernetes.*).
-
-The pod-resources API (kubelet, `v1.PodResourcesLister/List` on a unix socket) is read every
-`refresh_s` by a thread of its own; its assignments also become samples
-(`xpusense.k8s.device.assigned`, value 1, one per container and device).
-"""
+API (which devices the kubelet assigned to which container). Samples that carry `pid` or `cgroup`
+get k8s.pod.uid and container.id (the cgroup path alone), and k8s.pod.name, k8s.namespace.name,
+k8s.container.name (the runtime's metadata, or the pod-resources assignment of their `device`);
+the assignments also become samples (`xpusense.k8s.device.assigned`). docs/export.md has the detail."""
 
 from __future__ import annotations
 
@@ -58,7 +39,12 @@ DEFAULT_METADATA_DIRS = ["/run/containerd/io.containerd.runtime.v2.task/k8s.io",
 
 
 def parse_cgroup_path(path: str) -> dict[str, str]:
-    """A cgroup path -> {k8s.pod.uid, container.id} (what it names; {} for a non-pod cgroup)."""
+    """A cgroup path -> {k8s.pod.uid, container.id} (what it names; {} for a non-pod cgroup), as the
+    two kubelet cgroup drivers and the runtimes write them (v1 and v2 alike):
+    - systemd: /kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid, '-' as '_'>.slice/
+      cri-containerd-<id>.scope | crio-<id>.scope | docker-<id>.scope (guaranteed: kubepods-pod<uid>.slice)
+    - cgroupfs: /kubepods/burstable/pod<uid>/<id> (guaranteed: /kubepods/pod<uid>/<id>)
+    In a private cgroup namespace the path is relative (`/../../kubepods...`): the patterns are searched."""
     out: dict[str, str] = {}
     m = _SYSTEMD_POD.search(path) or _CGROUPFS_POD.search(path)
     if not m:
@@ -111,6 +97,10 @@ def parse_runtime_metadata(doc: dict) -> dict[str, str]:
 
 
 def read_runtime_metadata(dirs: Iterable[str], container_id: str) -> dict[str, str]:
+    """The container's name, its pod's name and namespace, found by container id under each of `dirs`:
+    containerd's bundle `<dir>/<id>/config.json` (annotations io.kubernetes.cri.*), CRI-O's
+    `<dir>/<id>/userdata/config.json` (io.kubernetes.*), Docker's `<dir>/<id>/config.v2.json`
+    (Config.Labels io.kubernetes.*)."""
     for d in dirs:
         for rel in ("config.json", "userdata/config.json", "config.v2.json"):
             path = os.path.join(d, container_id, rel)

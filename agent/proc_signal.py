@@ -2,14 +2,7 @@
 the process that was listed (its start time, field 22 of /proc/PID/stat, is the one recorded when
 the list was read), the process catches the signal (its bit in `SigCgt` of /proc/PID/status: one
 that does not would be ended by SIGUSR1's default action), and it is neither the agent, one of the
-agent's threads, nor the leader of the agent's process group.
-
-Where the kernel has pidfds, one is opened for each pid when the process list is read (`record`)
-and the signal goes through it, after the checks and a null signal that proves the listed process
-was alive through them: a pid reused in between (even within the 10 ms tick of the start time) can
-never be signalled. Without pidfds, os.kill after the same checks: the start time catches a reuse
-except within one tick, and a window of microseconds remains between the check and the kill.
-"""
+agent's threads, nor the leader of the agent's process group."""
 
 from __future__ import annotations
 
@@ -157,7 +150,13 @@ def release(listed: dict[int, Listed]) -> None:
 def send(pid: int, signum: int, ref: Listed, proc: str = "/proc", own_pid: int | None = None,
          kill: Callable[[int, int], None] | None = None) -> Refusal | None:
     """Signal `pid` if `check` lets it; the refusal when it did not. `ref`: from record(), when the
-    list was read. `kill`: replaces os.kill where there is no pidfd (tests over a fake /proc)."""
+    list was read. `kill`: replaces os.kill where there is no pidfd (tests over a fake /proc).
+
+    Where the kernel has pidfds, record() opened one for each pid and the signal goes through it,
+    after the checks and a null signal that proves the listed process was alive through them: a pid
+    reused in between (even within the 10 ms tick of the start time) can never be signalled. Without
+    pidfds, os.kill after the same checks: the start time catches a reuse except within one tick,
+    and a window of microseconds remains between the check and the kill."""
     if ref.refusal is not None:
         return ref.refusal
     if why := check(pid, signum, ref.started, proc, own_pid):

@@ -1,16 +1,6 @@
 """systemd readiness and watchdog notifications (sd_notify(3)) over $NOTIFY_SOCKET, standard library
-only.
-
-The agent says READY=1 once its sources are set up and the tier loop runs, then WATCHDOG=1 from
-the progress of what it watches: the tier loop (a round dispatched within `stall_s`, twice the
-period of its fastest tier: a loop waiting for its next deadline is not wedged) and delivery (the
-stream's batcher completing its rounds, its sender alive). A ping goes out only while every one
-of them moves, so a wedged loop or a stopped delivery stops the pings and systemd (WatchdogSec= in
-the unit) restarts the agent. A `status()` text (the spool cannot write, the collector is away) is
-sent as STATUS= when it changes, so `systemctl status` shows it. Pings are spaced at half of
-$WATCHDOG_USEC, as sd_watchdog_enabled(3) advises. Outside systemd ($NOTIFY_SOCKET unset)
-everything here does nothing.
-"""
+only: READY=1 once the agent runs, WATCHDOG=1 while what it watches makes progress (Watchdog), and
+STATUS= texts for `systemctl status`. Outside systemd ($NOTIFY_SOCKET unset) it does nothing."""
 
 from __future__ import annotations
 
@@ -61,7 +51,14 @@ def watchdog_interval_s(env: Mapping[str, str] | None = None) -> float:
 
 
 class Watchdog:
-    """READY=1 at start(), then WATCHDOG=1 every interval while every watched progress keeps moving."""
+    """READY=1 at start(), then WATCHDOG=1 every interval while every watched progress keeps moving.
+
+    The agent watches the tier loop (a round dispatched within `stall_s`, twice the period of its
+    fastest tier: a loop waiting for its next deadline is not wedged) and delivery (the stream's
+    batcher completing its rounds, its sender alive): a wedged loop or a stopped delivery stops the
+    pings and systemd (WatchdogSec= in the unit) restarts the agent. A `status()` text (the spool
+    cannot write, the collector is away) is sent as STATUS= when it changes. Pings are spaced at
+    half of $WATCHDOG_USEC, as sd_watchdog_enabled(3) advises."""
 
     def __init__(self, progress: Callable[[], float], stall_s: float = 0.0, env: Mapping[str, str] | None = None,
                  clock: Callable[[], float] = time.monotonic, name: str = "tier loop",

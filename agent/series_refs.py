@@ -1,17 +1,7 @@
 """The agent's series references for one boot: the number (`series_ref`) each series (name and
 labels) is sent with, so the collector reads a sample's name and labels only the first time it sees
 the number, and each series' encoded template (name, unit, kind, labels, ref), copied into every
-sample (agent/stream.py builds batches from them).
-
-Series come and go (process series carry pids), so the table is kept in two generations turned
-every `[stream] series_idle_s`: a series sampled since the last turn is in the current one, and at
-a turn the series with no sample in the whole generation before are retired (counted `retired`),
-so a reference goes between series_idle_s and twice that after its series' last sample. A retired
-series that comes back gets a new number: a number is never given twice in a boot (the wire has no
-message that retires one, and the collector may still map a retired number to its series), and
-once 2**32 - 1 are spent new series are sent without one (0: the collector reads name and labels).
-Not thread-safe: StreamClient calls it under its lock.
-"""
+sample (agent/stream.py builds batches from them)."""
 
 from __future__ import annotations
 
@@ -27,6 +17,15 @@ MAX_REF = 0xFFFFFFFF   # series_ref is a uint32
 
 
 class SeriesRefs:
+    """Series come and go (process series carry pids), so the table is kept in two generations
+    turned every `[stream] series_idle_s`: a series sampled since the last turn is in the current
+    one, and at a turn the series with no sample in the whole generation before are retired
+    (counted `retired`), so a reference goes between series_idle_s and twice that after its series'
+    last sample. A retired series that comes back gets a new number: a number is never given twice
+    in a boot (the wire has no message that retires one, and the collector may still map it), and
+    once 2**32 - 1 are spent new series are sent without one (0: the collector reads name and
+    labels). Not thread-safe: StreamClient calls it under its lock."""
+
     def __init__(self, max_templates: int, idle_s: float = 900.0, clock: Callable[[], float] = time.monotonic):
         self.max_templates = max_templates
         self.idle_s = idle_s

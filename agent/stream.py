@@ -1,25 +1,6 @@
-"""The stream to the collector: one long-lived gRPC bidirectional stream, batches, acks, resends.
-
-Samples and events handed to `put()` are cut into a batch `flush_s` after the first of them came (a
-round's sources finish within milliseconds of each other: one batch a round); each batch gets the next
-sequence number of this boot once it is kept: written to the spool (agent/spool/) or, without one
-or while the spool cannot write, held in a bounded in-memory queue (`queue_batches`) until the
-collector acknowledges it. On a reconnect every unacknowledged batch is sent again, in order; the
-collector drops one it has already stored, so nothing counts twice; a collector claiming to hold more
-than was sent (agent/claims.py) takes nothing as acknowledged: the connection ends. When the queue is
-full the oldest batch is dropped and counted (samples and batches): loss is never silent. A spooled
-batch that cannot be read back, does not decode, or is not this node's is set aside and counted, never
-sent; so is one the collector refuses as never passing its limits (INVALID_ARGUMENT). Reconnects
-back off exponentially with jitter; the backoff starts again from its initial delay only after a
-connection that stayed up `backoff_reset_s`, and stop() interrupts the wait.
-The address may name several collectors (cluster-mode gateways, `HOST:PORT,HOST:PORT`): after a
-failure the next one is tried; while none answers at all (no connection made), each is tried again
-at least every `reconnect_max_s`, so a gateway's agents stream through another within a second or
-two and a collector back after an outage is found as soon. A DNS name with several records is
-failed over by gRPC itself (pick_first over the resolved addresses).
-No thread of the client dies of an error: `progress()` moves while both keep working, and the
-agent's systemd watchdog stops being fed when it does not.
-"""
+"""The stream to the collector: one long-lived gRPC bidirectional stream, batches, acks, resends
+(StreamClient). Loss is never silent: every batch is kept (spool or bounded queue) until the
+collector acknowledges it, and every batch dropped or set aside is counted."""
 
 from __future__ import annotations
 
@@ -112,6 +93,23 @@ class _StreamCall(Protocol):
 
 
 class StreamClient:
+    """Samples and events handed to `put()` are cut into a batch `flush_s` after the first of them
+    came (one batch a round); each batch gets the next sequence number of this boot once it is kept:
+    in the spool (agent/spool/) or, without one or while it cannot write, in a bounded in-memory
+    queue (`queue_batches`) until the collector acknowledges it. On a reconnect every unacknowledged
+    batch is sent again, in order; the collector drops one it already stored. A collector claiming
+    to hold more than was sent (agent/claims.py) ends the connection, nothing taken as acknowledged.
+    A full queue drops its oldest batch, counted. A spooled batch that cannot be read back, does not
+    decode or is not this node's is set aside and counted, never sent; so is one the collector
+    refuses as never passing its limits (INVALID_ARGUMENT).
+
+    Reconnects back off exponentially with jitter, from the initial delay again only after a
+    connection stayed up `backoff_reset_s`; stop() interrupts the wait. Several addresses
+    (cluster-mode gateways, `HOST:PORT,HOST:PORT`) are failed over in turn; while none answers each
+    is tried again at least every `reconnect_max_s`. A DNS name with several records is failed over
+    by gRPC itself (pick_first). No thread of the client dies of an error: `progress()` moves while
+    both keep working, and the agent's systemd watchdog stops being fed when it does not."""
+
     def __init__(self, address: str, node_id: str, boot_id: str, inventory: Callable[[], pb.Inventory],
                  queue_batches: int = 3600, flush_s: float = 0.2, max_samples_per_batch: int = 5000,
                  backoff_initial_s: float = 0.2, backoff_max_s: float = 10.0, agent_version: str = "",

@@ -1,16 +1,6 @@
-"""The one scheduling loop: every tier's rounds from time.monotonic() deadlines, no thread per tier.
-
-Each source runs its collect() in a worker thread of its own (sources naming the same
-`Source.worker` share one per tier, for rounds that never block), so a slow source never delays the
-loop, and another source only a little: the rounds of one tier run one after the other, each
-waiting for the one before it at most `chain_wait_ratio` of the period (CHAIN_WAIT_MAX_S at most).
-A dozen sources started at the same instant fight for the GIL at every ctypes call and bpf syscall
-they make, and those hand-offs (futex waits, context switches) cost more CPU than the reads.
-A round of a source that is still busy with its previous round of that tier is skipped
-and counted (never queued behind); a round that finishes later than its timeout (a share of the
-tier's period) is discarded and counted as a timeout. The loop records, for every source, its last
-duration and success as samples of its own (`xpusense.agent.source.*`).
-"""
+"""The one scheduling loop: every tier's rounds from time.monotonic() deadlines, no thread per tier
+(TierLoop). The loop records, for every source, its last duration and success as samples of its
+own (`xpusense.agent.source.*`)."""
 
 from __future__ import annotations
 
@@ -107,6 +97,15 @@ def setup_sources(sources: list[Source]) -> tuple[list[SourceState], list[Event]
 
 
 class TierLoop:
+    """Each source runs its collect() in a worker thread of its own (sources naming the same
+    `Source.worker` share one per tier, for rounds that never block), so a slow source never delays
+    the loop, and another source only a little: the rounds of one tier run one after the other, each
+    waiting for the one before it at most `chain_wait_ratio` of the period (CHAIN_WAIT_MAX_S at most).
+    A dozen sources started at the same instant fight for the GIL at every ctypes call and bpf
+    syscall, and those hand-offs cost more CPU than the reads. A round of a source still busy with
+    its previous round of that tier is skipped and counted (never queued behind); a round that
+    finishes later than its timeout (a share of the tier's period) is discarded and counted."""
+
     def __init__(self, states: list[SourceState], periods_s: dict[str, float], sink: Sink,
                  timeout_ratio: float = 0.8, clock: Callable[[], float] = time.monotonic,
                  chain_wait_ratio: float = 0.05):

@@ -2,29 +2,8 @@
 as `xpusense.client.checkpoint`, or copy this one file next to the training code.
 
 The xpusense agent asks a job to checkpoint when the HBM bandwidth of its accelerator stays high
-(see the README, "HBM bandwidth watch"), by a signal (default SIGUSR1), by a JSON request file in a
-directory, or both. This helper turns either into a flag that the training loop checks at a safe
-point: the signal handler only sets the flag, never runs your code.
-
-    from xpusense.client.checkpoint import CheckpointRequests
-
-    requests = CheckpointRequests()            # SIGUSR1 + /run/xpusense/checkpoint
-    requests.install()
-    for step in range(steps):
-        train_step()
-        if requests.pending():                 # cheap: a flag check
-            req = requests.take()              # the request (dict), or {} for a bare signal
-            save_checkpoint()
-            requests.done(req, path="ckpt.pt") # optional: tells the agent it was handled
-
-or `requests.at_safe_point(save_checkpoint)` at the safe point, which calls it when one is pending.
-
-The agent signals only a process that has a handler for the signal installed (this helper's
-install() does it): a process without one gets the request file and event only, never the signal.
-The request directory is shared by every job on the node (mode 1777, like /tmp): this helper reads
-only request files owned by root or by the directory's owner (the agent), never follows a symlink
-there, and writes its done file under a new name of its own before renaming it into place.
-"""
+(README, "HBM bandwidth watch"), by a signal (default SIGUSR1), a JSON request file, or both;
+CheckpointRequests turns either into a flag that the training loop checks at a safe point."""
 
 from __future__ import annotations
 
@@ -47,6 +26,26 @@ _Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
 class CheckpointRequests:
+    """The signal handler only sets a flag, never runs your code:
+
+        requests = CheckpointRequests()            # SIGUSR1 + /run/xpusense/checkpoint
+        requests.install()
+        for step in range(steps):
+            train_step()
+            if requests.pending():                 # cheap: a flag check
+                req = requests.take()              # the request (dict), or {} for a bare signal
+                save_checkpoint()
+                requests.done(req, path="ckpt.pt") # optional: tells the agent it was handled
+
+    or `requests.at_safe_point(save_checkpoint)` at the safe point, which calls it when one is pending.
+
+    The agent signals only a process that has a handler for the signal installed (install() does
+    it): a process without one gets the request file and event only. The request directory is
+    shared by every job on the node (mode 1777, like /tmp): only request files owned by root or by
+    the directory's owner (the agent) are read, a symlink there is never followed, and the done file
+    is written under a new name of its own before it is renamed into place.
+    """
+
     def __init__(self, directory: str | None = DEFAULT_DIR, signum: int | None = signal.SIGUSR1,
                  poll_s: float = 0.2, pids: set[int] | None = None):
         """directory: where request files appear (None: signals only); signum: None for files only;

@@ -1,17 +1,10 @@
 """The diagnosis engine: rules' findings -> `diagnosis` events, opened and closed with hysteresis.
 
 It sits beside the HBM watch between the tier loop and the stream (agent/daemon.py `_sink`): every
-round's samples go into `Recent`, and at most every `check_every_s` each rule says what it finds.
-A finding that holds for `open_after_s` opens a diagnosis (one event, state open); one that has
-been absent for `close_after_s` closes it (one event, state closed, with the evidence it had last).
-A finding that comes and goes faster than that opens nothing: no flapping. Open diagnoses are
-bounded (`max_open`; a finding past it is counted in `refused`, not opened).
-
-Event contract (docs/diagnosis.md): type "diagnosis", severity warning, device, message
-"<symptom>: <cause>; remedy: <remedy>", attributes diagnosis.id (the same on open and close),
-diagnosis.state, diagnosis.rule, diagnosis.symptom, diagnosis.cause, diagnosis.remedy,
-diagnosis.evidence (JSON list), diagnosis.opened_unix_nano, and the finding's own attributes.
-"""
+round's samples go into `Recent`, and at most every `check_every_s` each rule says what it finds. A
+finding that holds for `open_after_s` opens a diagnosis, one absent for `close_after_s` closes it,
+one that comes and goes faster opens nothing; at most `max_open` are open (past it: `refused`).
+The event's contract: docs/diagnosis.md "The event"."""
 
 from __future__ import annotations
 

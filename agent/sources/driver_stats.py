@@ -1,14 +1,6 @@
-"""NIC driver error and drop counters (what `ethtool -S` shows), read through pyroute2's ethtool ioctl.
-
-Drivers name their statistics freely (`rx_crc_errors`, `rx_queue_0_drops`, `tx_fifo_errors`...). Only
-counters whose name says error, drop, discard, miss, fifo or crc are reported, as
-`xpusense.network.interface.driver_errors{device, counter}`, at most `limit` per interface (the
-first in the driver's order); how many matching counters were left out is reported as
-`xpusense.network.interface.driver_errors.omitted{device}`. Interfaces without driver statistics
-(loopback, most virtual links) report nothing. The ioctl goes through a socket made inside the
-configured network namespace (in a short-lived thread that joins it: the agent's threads stay where
-they are), so the counters are those of that namespace's interfaces.
-"""
+"""NIC driver error and drop counters (what `ethtool -S` shows), read through pyroute2's ethtool ioctl
+(DriverStats), as `xpusense.network.interface.driver_errors{device, counter}`. Interfaces without
+driver statistics (loopback, most virtual links) report nothing."""
 
 from __future__ import annotations
 
@@ -73,7 +65,14 @@ def socket_in_netns(netns: str) -> socket.socket:
 
 
 class DriverStats:
-    """Driver statistics of the interfaces of one network namespace, names cached per interface."""
+    """Driver statistics of the interfaces of one network namespace, names cached per interface.
+
+    Drivers name their statistics freely (`rx_crc_errors`, `rx_queue_0_drops`...): only counters
+    whose name says error, drop, discard, miss, fifo or crc are reported, at most `limit` per
+    interface (the first in the driver's order); how many were left out is reported as
+    `xpusense.network.interface.driver_errors.omitted{device}`. The ioctl goes through a socket made
+    inside the namespace (socket_in_netns: a short-lived thread joins it, the agent's threads stay
+    where they are), so the counters are those of that namespace's interfaces."""
 
     def __init__(self, netns: str = ""):
         from pyroute2.ethtool.ioctl import IoctlEthtool

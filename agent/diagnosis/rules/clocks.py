@@ -1,13 +1,6 @@
 """Clocks held down: an accelerator kept below its clocks for a whole window while it is busy (the
-"training suddenly slower" case: clocks locked after a preemption, a power cap, heat).
-
-NVIDIA: a clocks-event (throttle) reason active at every reading of `window_s`
-(xpusense.accelerator.throttle, label reason, NVML nearline) while hw.gpu.utilization averages at
-least `busy_above`; the cause names the reasons. Ascend: the AI Core's current frequency below
-`min_clock_ratio` of its rated one at every reading of the window (xpusense.accelerator.clock.frequency,
-clock = aicore / aicore_rated, from `npu-smi info -t common`) while busy. An open diagnosis stays
-while the reason (or the low clock) is still there at the newest reading and the device still busy.
-"""
+"training suddenly slower" case: clocks locked after a preemption, a power cap, heat). What it
+reads and when it opens, for NVIDIA and Ascend: docs/diagnosis.md "clocks_held_down"."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
 """CPU starvation of an accelerator job: the job's cgroup waits on the CPU run queue too long, so the
 host side (data loading, kernel launches, collectives' progress threads) holds the device back.
-
-A job is a process on an accelerator (Context.processes(): pid -> devices, NVML / npu-smi); its
-cgroup is read from <procfs>/PID/cgroup (the cgroup v2 line, "0::/path"), which is how the runqlat
-probe labels xpusense.sched.runqueue.latency (the path below the cgroup2 mount). Opens when the p99
-of the run-queue latency counted in the window (histogram_quantile: interpolated inside the log2
-bucket the 99th percentile falls in, xpusense.common.histograms) is above `p99_above_ms` over
-`window_s`, with at least `min_waits` run-queue waits counted; an open diagnosis stays while the
-p99 is above `clear_below_ms`. One finding per (device, cgroup), with attributes cgroup and
-process.pid.
-"""
+What it reads and when it opens: docs/diagnosis.md "cpu_starvation"."""
 
 from __future__ import annotations
 

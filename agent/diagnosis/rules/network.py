@@ -1,26 +1,7 @@
 """Network stack trouble: what slows a job's cross-node gradient sync on the host's side of the wire,
-the operators' `ethtool -S eth0` check done from the series the agent already holds.
-
-- TCP retransmits per cgroup (the netio probe's xpusense.network.tcp.retransmits, per cgroup with its
-  sock_cgroup variant, else per address family only: then one node-wide finding) at more than
-  `retransmits_per_s_above` over `window_s`, and, where the netio probe counts the cgroup's send calls
-  (xpusense.cgroup.network.calls direction=transmit), more than `retransmit_ratio_above`
-  retransmitted segments per send call. One finding per cgroup (subject and attribute cgroup); its
-  device is the accelerator of a process in that cgroup (Context.processes(), /proc/PID/cgroup), if
-  one is on an accelerator.
-- NIC errors and drops per interface: the larger of the kernel's counters (system.network.errors +
-  system.network.packet.dropped, both directions) and the driver's own
-  (xpusense.network.interface.driver_errors, every counter) per second (they count many of the same
-  packets, so they are not added), above `nic_errors_per_s_above`, and where the interface's packets
-  are counted (system.network.packet.count, else the netio fallback's xpusense.network.device.packets)
-  above `nic_error_ratio_above` of them. Subject and attribute network.interface.name.
-- TCP round-trip time per remote region (the tcp_rtt probe's histogram xpusense.network.tcp.rtt):
-  its median over `window_s` (interpolated within the log2 bucket it falls in) above
-  `rtt_median_above_ms` (3 ms: past it the operators pick larger microbatches between clouds), with
-  at least `rtt_min_samples` samples. Subject and attribute network.remote_region.
-
-An open diagnosis stays while its figure is above `clear_ratio` x the threshold that opened it.
-"""
+the operators' `ethtool -S eth0` check done from the series the agent already holds: TCP
+retransmits per cgroup, NIC errors and drops per interface, TCP round-trip time per remote region.
+What each reads and when it opens: docs/diagnosis.md "network_stack"."""
 
 from __future__ import annotations
 

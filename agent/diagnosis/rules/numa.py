@@ -1,17 +1,6 @@
 """NUMA misplacement: a GPU's process running on CPUs outside the GPU's NUMA node, so its host
-buffers and PCIe transfers cross the socket interconnect. The operators' check today: `nvidia-smi
-topo -m` (CPU affinity) against `taskset -p`; the remedy: bind the process to the GPU's node.
-
-Reads xpusense.accelerator.numa.node (NVML source, from sysfs), the accelerators' processes
-(Context.processes: pid -> devices), and per process under the Context's roots:
-`<procfs>/PID/stat` field 39 (the CPU it last ran on), `<procfs>/PID/status` Cpus_allowed_list,
-`<procfs>/PID/comm`; the CPUs of each node from `<sysfs>/devices/system/node/node*/cpulist`.
-
-A process is misplaced on a GPU when the CPU it last ran on is not one of the GPU's node's CPUs and
-it is not now confined to that node (a process just pinned back runs there next, even if it has not
-run since). A process the scheduler moves between nodes comes and goes, and so opens nothing (the
-engine's open_after_s). A host with one NUMA node has nothing to misplace.
-"""
+buffers and PCIe transfers cross the socket interconnect. What it reads and when it opens:
+docs/diagnosis.md "numa_misplacement"."""
 
 from __future__ import annotations
 

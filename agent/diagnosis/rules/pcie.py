@@ -1,19 +1,7 @@
 """PCIe contention: a GPU whose utilisation swings while its PCIe link runs near its capacity (the
 GPU waits on host transfers), or GPUs under one PCIe switch that together move about what one link
-carries (they share the switch's uplink). The operators' check today: `nvidia-smi topo -m`; the
-remedy: bind the job to the GPU's NUMA node, spread PCIe-heavy jobs across switches.
-
-Reads hw.gpu.utilization (realtime), xpusense.accelerator.pcie.throughput (nearline, per direction),
-xpusense.accelerator.pcie.link.capacity (nearline, per direction; label pcie_switch) and
-xpusense.accelerator.numa.node (for the remedy's command), all from the NVML source.
-
-- Per GPU: over `window_s`, the utilisation's mean is at least `util_floor` (an idle GPU does not
-  swing) and its coefficient of variation (population standard deviation / mean) at least
-  `cv_threshold`, while the mean throughput of one direction is at least `near_capacity` x the link's
-  capacity.
-- Per switch: two or more GPUs of one `pcie_switch` group each moving at least `switch_share_floor`
-  of their link in one direction, together at least `near_capacity` x the smallest member's link.
-"""
+carries (they share the switch's uplink). What it reads and when it opens: docs/diagnosis.md
+"pcie_contention"."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
 """XID errors, double-bit ECC errors and GPU health events from an NVML event set, on a thread.
 
-nvmlEventSetWait blocks, so a thread of its own waits on the set and turns what arrives into
-`Event`s on a queue that the source drains every round.
-
-XIDs are not all alike. NVIDIA's k8s-device-plugin ignores 13, 31, 43, 45, 68 and 109 for GPU health:
-they are application errors (a kernel's bad memory access, a reset channel, a killed context...) that
-leave the GPU fine for the next job; those are `warning` with class `application`. Every other XID is
-`critical` with class `hardware`; 999 is the driver's "unknown Xid" (nvml.h), class `unknown`, also
-critical (the device plugin does not skip it). In MIG mode an XID that belongs to one instance
-carries its GPU and compute instance ids (0xFFFFFFFF otherwise), kept as attributes.
-
-nvmlEventSetWait answers GPU_IS_LOST once a GPU of the set has fallen off the bus, at every call: the
-thread then finds which GPUs answer GPU_IS_LOST, reports them lost (one health event each, shared with
-the rounds) and waits on a new set without them. Any other failure is logged once per streak and
-retried with back-off, never every second forever.
-"""
+nvmlEventSetWait blocks, so a thread of its own (EventWatcher) waits on the set and turns what
+arrives into `Event`s on a queue that the source drains every round."""
 
 from __future__ import annotations
 
@@ -42,10 +29,20 @@ NO_INSTANCE = 0xFFFFFFFF
 
 
 def xid_class(xid: int) -> str:
+    """NVIDIA's k8s-device-plugin ignores 13, 31, 43, 45, 68 and 109 for GPU health: application
+    errors (a kernel's bad memory access, a reset channel, a killed context...) that leave the GPU
+    fine for the next job: `warning`, class `application`. Every other XID is `critical`, class
+    `hardware`; 999 is the driver's "unknown Xid" (nvml.h), class `unknown`, also critical."""
     return "application" if xid in APPLICATION_XIDS else "unknown" if xid == UNKNOWN_XID else "hardware"
 
 
 class EventWatcher:
+    """In MIG mode an XID that belongs to one instance carries its GPU and compute instance ids
+    (0xFFFFFFFF otherwise), kept as attributes. nvmlEventSetWait answers GPU_IS_LOST at every call
+    once a GPU of the set has fallen off the bus: the thread then finds which GPUs answer
+    GPU_IS_LOST, reports them lost (one health event each, shared with the rounds) and waits on a
+    new set without them. Any other failure is logged once per streak and retried with back-off."""
+
     def __init__(self, nv: Any, gpus: list[Gpu], out: queue.Queue[Event], wait_ms: int, states: ReadingStates,
                  health: Health):
         self.nv = nv

@@ -1,16 +1,7 @@
-"""HBM (DRAM) bandwidth, SM and tensor utilisation from NVML GPM (GPU Performance Monitoring).
-
-A GPM metric is computed from two samples: every realtime round takes one per GPU (or per MIG GPU
-instance) and asks for the metrics over the interval since the previous one. Hopper and newer only
-(nvmlGpmQueryDeviceSupport). What real drivers do, and what this module does about it:
-- samples under 100 ms apart give metrics that are invalid without any error (nvml.h: "should be
-  greater than 100ms due to the internal sample refresh rate"; DCGM issue 310: "a hard limit"): a
-  round that comes sooner takes no sample and reports nothing; the older sample waits for the next;
-- any failed sample or metrics call (Unknown, ResetRequired, NotSupported on a vGPU profile...) is
-  no data for that device and round only, as in DCGM's GPM manager; both samples are dropped so the
-  next pair starts afresh;
-- a metric can come back NaN with a success code: the caller's range check drops it.
-"""
+"""HBM (DRAM) bandwidth, SM and tensor utilisation from NVML GPM (GPU Performance Monitoring), Hopper
+and newer only (nvmlGpmQueryDeviceSupport). A GPM metric is computed from two samples: every
+realtime round takes one per GPU (or per MIG GPU instance) and asks for the metrics over the
+interval since the previous one (GpmStream)."""
 
 from __future__ import annotations
 
@@ -37,6 +28,14 @@ def supported(nv: Any, handle: Any) -> bool:
 
 class GpmStream:
     """Consecutive GPM samples of one device (a GPU, or one GPU instance of a MIG GPU).
+
+    What real drivers do, and what is done about it: samples under 100 ms apart give metrics that
+    are invalid without any error (nvml.h: "should be greater than 100ms due to the internal sample
+    refresh rate"; DCGM issue 310: "a hard limit"): a round that comes sooner takes no sample and
+    reports nothing, the older sample waits for the next. Any failed sample or metrics call
+    (Unknown, ResetRequired, NotSupported on a vGPU profile...) is no data for that device and round
+    only, as in DCGM's GPM manager; both samples are dropped so the next pair starts afresh. A
+    metric can come back NaN with a success code: the caller's range check drops it.
 
     `take(sample)` fills an allocated sample (nvmlGpmSampleGet or nvmlGpmMigSampleGet). Two samples
     are allocated once and take turns (the newer one is kept, the older one is filled next), and the

@@ -1,13 +1,5 @@
-"""MIG: the GPU instances of a MIG-enabled GPU, found through their MIG device handles.
-
-With MIG enabled, the whole-GPU handle answers aggregate calls (memory, processes, GPM) only to a
-caller with the MIG monitor capability (a container needs NVIDIA_MIG_MONITOR_DEVICES=all and
-CAP_SYS_ADMIN; NVIDIA's device plugin sets them for itself), and NO_PERMISSION otherwise, while each
-MIG device handle still answers for its own instance. So every instance is read through its own
-handle: memory and processes from the MIG device handle, GPM from nvmlGpmMigSampleGet(GPU, GI id),
-which works only for GPU instances that have a compute instance (those are the ones that have MIG
-device handles at all). Instances are found again when MIG mode or the MIG layout changes.
-"""
+"""MIG: the GPU instances of a MIG-enabled GPU, found through their MIG device handles (discover).
+Instances are found again when MIG mode or the MIG layout changes."""
 
 from __future__ import annotations
 
@@ -41,7 +33,14 @@ class MigInstance:
 
 
 def discover(nv: Any, g: Gpu, with_gpm: bool) -> list[MigInstance]:
-    """The GPU instances with compute instances, by GI id. Raises NVMLError when the GPU refuses."""
+    """The GPU instances with compute instances, by GI id. Raises NVMLError when the GPU refuses.
+
+    With MIG enabled, the whole-GPU handle answers aggregate calls (memory, processes, GPM) only to
+    a caller with the MIG monitor capability (a container needs NVIDIA_MIG_MONITOR_DEVICES=all and
+    CAP_SYS_ADMIN), and NO_PERMISSION otherwise, while each MIG device handle still answers for its
+    own instance. So every instance is read through its own handle: memory and processes from the
+    MIG device handle, GPM from nvmlGpmMigSampleGet(GPU, GI id), which works only for GPU instances
+    that have a compute instance (the ones that have MIG device handles at all)."""
     found: dict[int, MigInstance] = {}
     for slot in range(nv.nvmlDeviceGetMaxMigDeviceCount(g.handle)):
         try:

@@ -1,14 +1,5 @@
-"""The compute processes on a GPU, read right whatever the driver generation, with every pid checked.
-
-pynvml reads `nvmlDeviceGetComputeRunningProcesses_v3` as 24-byte entries, but drivers 535.43 to
-535.86 write 32-byte ones (nvml.h 12.2 added usedGpuCcProtectedMemory to nvmlProcessInfo_t) and
-older drivers lack `_v3` (then `_v2`, then the 16-byte v1 call). Read with pynvml, such a driver
-gives pids of 0 or 4294967295 after the first entry (nvitop issues 75 and 88, PR 89): pid 0 signalled
-is the signaller's own process group. So the call is made here, into a buffer big enough for any
-entry size, the layout is chosen the way nvitop chooses it (`_v3` with ConfComputeMemSizeInfo but
-without RunningProcessDetailList: 32 bytes) and confirmed by the pids it yields; every pid is then
-checked (`pid_problem`) before anything uses it.
-"""
+"""The compute processes on a GPU, read right whatever the driver generation (ProcessReader), with
+every pid checked (`pid_problem`) before anything uses it."""
 
 from __future__ import annotations
 
@@ -57,7 +48,16 @@ def pid_problem(pid: Any, limit: int = PID_MAX_LIMIT) -> str | None:
 
 
 class ProcessReader:
-    """Lists the compute processes of a device handle (a GPU or a MIG device)."""
+    """Lists the compute processes of a device handle (a GPU or a MIG device).
+
+    pynvml reads `nvmlDeviceGetComputeRunningProcesses_v3` as 24-byte entries, but drivers 535.43 to
+    535.86 write 32-byte ones (nvml.h 12.2 added usedGpuCcProtectedMemory to nvmlProcessInfo_t) and
+    older drivers lack `_v3` (then `_v2`, then the 16-byte v1 call). Read with pynvml, such a driver
+    gives pids of 0 or 4294967295 after the first entry (nvitop issues 75 and 88, PR 89): pid 0
+    signalled is the signaller's own process group. So the call is made here, into a buffer big
+    enough for any entry size, the layout chosen the way nvitop chooses it (`_v3` with
+    ConfComputeMemSizeInfo but without RunningProcessDetailList: 32 bytes) and confirmed by the pids
+    it yields."""
 
     def __init__(self, nv: Any, procfs: str = "/proc"):
         self.nv = nv

@@ -1,14 +1,5 @@
-"""The NVML source: every NVIDIA GPU of the host at three tiers, its events and its inventory.
-
-Failure rules: no library or driver -> Unavailable with the reason. Every reading of every GPU (and
-of every MIG instance) stands alone: an error is judged by its code (library.classify) and kept in
-that reading's state (states.py), so one failing call costs that reading on that device for that
-round and nothing else; transient errors are asked again with back-off, never taken for "not
-supported". A GPU that answers RESET_REQUIRED gets a critical health event and keeps being asked; a
-GPU lost (GPU_IS_LOST) gets one and is left out; a GPU that cannot be opened for another reason is
-tried again later (health.py). MIG mode and layout are read again every nearline round and when a
-MIG config change event arrives. Nothing leaves the source without passing checks.py.
-"""
+"""The NVML source: every NVIDIA GPU of the host at three tiers, its events and its inventory
+(NvmlSource, with its failure rules). Nothing leaves the source without passing checks.py."""
 
 from __future__ import annotations
 
@@ -45,6 +36,15 @@ SCHEMA = {
 
 
 class NvmlSource(Source):
+    """Failure rules: no library or driver -> Unavailable with the reason. Every reading of every GPU
+    (and of every MIG instance) stands alone: an error is judged by its code (library.classify) and
+    kept in that reading's state (states.py), so one failing call costs that reading on that device
+    for that round and nothing else; transient errors are asked again with back-off, never taken
+    for "not supported". A GPU that answers RESET_REQUIRED gets a critical health event and keeps
+    being asked; a GPU lost (GPU_IS_LOST) gets one and is left out; a GPU that cannot be opened for
+    another reason is tried again later (health.py). MIG mode and layout are read again every
+    nearline round and when a MIG config change event arrives."""
+
     name = "nvml"
     tiers = (REALTIME, NEARLINE, OFFLINE)
 

@@ -1,18 +1,5 @@
 """Where each GPU sits on the host: its PCIe link's capacity, its NUMA node and the PCIe switch it
-shares with other GPUs (what the pcie_contention and numa_misplacement diagnosis rules read).
-
-- Link capacity, per direction: the current link generation x the current width
-  (nvmlDeviceGetCurrPcieLink{Generation,Width}); per lane 2.5 / 5 / 8 / 16 / 32 / 64 GT/s for
-  generations 1-6, 8b/10b encoding for 1-2 and 128b/130b from 3 on (generation 6's FLIT overhead
-  is not taken off). Current, not maximum: a link trained down (a riser, a slot) is what the traffic
-  gets; an idle GPU may drop to a lower generation to save power, so the capacity of an idle GPU
-  reads low.
-- NUMA node: sysfs `<root>/bus/pci/devices/<domain:bus:dev.fn>/numa_node` (the kernel's own answer;
-  -1 = the platform says none, then no node).
-- PCIe switch: nvmlDeviceGetTopologyCommonAncestor per pair of GPUs; those whose common ancestor is
-  one switch (SINGLE) or several switches (MULTIPLE) below the root complex share a switch uplink.
-  GPUs are grouped transitively and each group numbered from 0 in the order of its first GPU.
-"""
+shares with other GPUs (what the pcie_contention and numa_misplacement diagnosis rules read)."""
 
 from __future__ import annotations
 
@@ -29,7 +16,11 @@ TOPOLOGY_MULTIPLE = 20   # NVML_TOPOLOGY_INTERNAL 0, SINGLE 10, MULTIPLE 20: at 
 
 
 def link_capacity(gen: int, width: int) -> float | None:
-    """Bytes/s one direction of a PCIe link carries at most (None for a generation not known)."""
+    """Bytes/s one direction of a PCIe link carries at most (None for a generation not known): per
+    lane 2.5 / 5 / 8 / 16 / 32 / 64 GT/s for generations 1-6, 8b/10b encoding for 1-2 and 128b/130b
+    from 3 on (generation 6's FLIT overhead is not taken off). The caller passes the current
+    generation and width, not the maximum: a link trained down (a riser, a slot) is what the traffic
+    gets; an idle GPU may drop to a lower generation to save power, so its capacity reads low."""
     rate = GT_PER_LANE.get(int(gen))
     if rate is None or width <= 0:
         return None
@@ -56,7 +47,9 @@ def numa_node(sysfs: str, bus_id: str) -> int | None:
 
 def switch_groups(nv: Any, gpus: list[Gpu]) -> tuple[dict[str, str], str]:
     """GPU id -> its PCIe switch group ('0', '1', ...), for the GPUs NVML placed; and why some were
-    not ('' when all were). A GPU under no shared switch is a group of its own."""
+    not ('' when all were). A GPU under no shared switch is a group of its own. Per pair,
+    nvmlDeviceGetTopologyCommonAncestor: one switch (SINGLE) or several (MULTIPLE) below the root
+    complex share a switch uplink; groups are transitive, numbered in the order of their first GPU."""
     parent = {g.id: g.id for g in gpus}
 
     def root(x: str) -> str:
