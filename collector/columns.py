@@ -153,7 +153,7 @@ def form(state: Any, n: Any, boot: str, by_time: dict[int, list], times: set[int
 
 def adopt(state: Any, n: Any, key: tuple, members: list, t: array, v: array, last_t: int, due_t: int,
           due_n: int) -> Frame:
-    """A frame as a snapshot held it (collector/store/image.py): its rows `t` and `v` taken as they
+    """A frame as a snapshot held it (collector/store/fleet_image.py): its rows `t` and `v` taken as they
     are, counted in frame_rows and frame_points (the caller counts them in history_slots). A member
     with rows holds, in its own latest fields, its point before them (its previous value while the
     frame has one row): the restore sets them."""

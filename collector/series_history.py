@@ -10,7 +10,7 @@ an older point, as before).
 
 `dropped` counts every point let go from the front (prune, shrink): `dropped + len(t)` is how many
 points the series ever held, so a snapshot can write only the points appended since the last one
-(collector/store/image.py). Points leave only through these two methods; the window is measured
+(collector/store/fleet_image.py). Points leave only through these two methods; the window is measured
 from the newest time the series has held (`newest`), never from a later-arriving older point.
 """
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 from google.protobuf.message import DecodeError
 
-from .image import restore, restore_fleet, restore_node_v1
+from .fleet_image import restore, restore_fleet, restore_node_v1
 from .snapshot_file import TMP_PREFIX, Damaged, Entry, Pos, Reader, SnapshotFile, entries, snapshot_name
 
 log = logging.getLogger("xpusense.collector.store")

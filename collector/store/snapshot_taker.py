@@ -13,7 +13,7 @@ import concurrent.futures
 import logging
 import time
 
-from . import image
+from . import fleet_image
 from .snapshot_file import SnapshotFile
 from .writer import why_failed
 
@@ -35,7 +35,7 @@ class Snapshotter:
         self.failures = 0
         # The last full snapshot written by this process: (position, id), its size, what diffs need of it.
         self.base: tuple[tuple[int, int], int] | None = None
-        self.base_image: image.Base | None = None
+        self.base_image: fleet_image.Base | None = None
         self.base_bytes = 0
         self.diff_bytes = 0   # of the last diff
         self.last: dict[str, float] = {}
@@ -71,12 +71,12 @@ class Snapshotter:
             full = self.diff_bytes * DIFF_RATIO >= self.base_bytes
         full = full or self.base is None
         base_image = None if full else self.base_image
-        into = image.Base() if full else None
+        into = fleet_image.Base() if full else None
         try:
             pos = self.store.covered()
             f = await loop.run_in_executor(self._pool, SnapshotFile, self.store.snapshots.dir, pos, self.store.fsync,
                                            None if full else self.base)
-            await loop.run_in_executor(self._pool, f.add, ["f", image.fleet(self.state)])
+            await loop.run_in_executor(self._pool, f.add, ["f", fleet_image.fleet(self.state)])
             ids = list(self.state.nodes)
             i = 0
             while i < len(ids):
@@ -89,7 +89,7 @@ class Snapshotter:
                     n = self.state.nodes.get(ids[i])
                     i += 1
                     if n is not None:
-                        chunk.append(image.capture(n, unapplied.get(n.node_id), parts, base_image, into))
+                        chunk.append(fleet_image.capture(n, unapplied.get(n.node_id), parts, base_image, into))
                         size += len(n.series) + 1
                 cpu_loop += time.perf_counter() - c0
                 await loop.run_in_executor(self._pool, f.add, ["n", chunk], parts)

@@ -1,7 +1,7 @@
 """Series held in columns (collector/columns.py): whatever the batches, a fleet state that holds
 series in frames answers exactly as one that keeps every series in its own History (latest and
 previous values, rates, every history point, counts), and so does its snapshot, full or as a diff
-on an earlier one (collector/store/image.py); frames are formed where groups come together again
+on an earlier one (collector/store/fleet_image.py); frames are formed where groups come together again
 and again, dissolved where they change."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from xpusense.collector import columns
 from xpusense.collector.batch_rows import BatchRows
 from xpusense.collector.columns import held
 from xpusense.collector.state import FleetState
-from xpusense.collector.store import image
+from xpusense.collector.store import fleet_image
 from xpusense.v1 import telemetry_pb2 as pb
 
 S = 10**9
@@ -87,7 +87,7 @@ def run(script, with_columns: bool, history_s: float, snap_at: int):
     state = FleetState(history_s=history_s, clock=clock)
     state.columns = with_columns
     seqs: dict[tuple[str, str], int] = {}
-    base, base_parts, base_entries = image.Base(), [], []
+    base, base_parts, base_entries = fleet_image.Base(), [], []
     for k, (node, boot, groups, step) in enumerate(script):
         clock.now += step
         seqs[(node, boot)] = seqs.get((node, boot), 0) + 1
@@ -95,7 +95,7 @@ def run(script, with_columns: bool, history_s: float, snap_at: int):
         assert ingest(state, make_batch(node, boot, seqs[(node, boot)], groups), clock.now)
         state.disconnected(node, boot)
         if k == snap_at:
-            base_entries = [image.capture(n, None, base_parts, None, base) for n in state.nodes.values()]
+            base_entries = [fleet_image.capture(n, None, base_parts, None, base) for n in state.nodes.values()]
     counted(state)
     return state, (base_parts, base_entries, base)
 
@@ -123,14 +123,14 @@ def restored(state: FleetState, base_snap) -> tuple[FleetState, FleetState]:
         for entries, parts in entries_parts_list:
             blob, at = memoryview(b"".join(parts)), 0
             for e in entries:
-                at = image.restore(st_, e, blob, at)
+                at = fleet_image.restore(st_, e, blob, at)
         st_.history_cap = state.history_cap
         return st_
     parts: list[bytes] = []
-    whole = [image.capture(n, None, parts, None, None) for n in state.nodes.values()]
+    whole = [fleet_image.capture(n, None, parts, None, None) for n in state.nodes.values()]
     base_parts, base_entries, base = base_snap
     diff_parts: list[bytes] = []
-    diff = [image.capture(n, None, diff_parts, base, None) for n in state.nodes.values()]
+    diff = [fleet_image.capture(n, None, diff_parts, base, None) for n in state.nodes.values()]
     return load([(whole, parts)]), load([(base_entries, base_parts), (diff, diff_parts)])
 
 
@@ -307,11 +307,11 @@ def test_a_frame_outlives_a_reset_of_its_nodes_refs_and_a_snapshot_brings_it_bac
         state.ingest(make_batch("A", "b1", seq, [(T0 + seq * S, [0, 1, 2, 3, 4], [float(seq)] * 5)]))
     assert state.evict_expired("A") == 1 and not n.refs and len(n.frames) == 1
     parts: list[bytes] = []
-    entries = [image.capture(m, None, parts, None, None) for m in state.nodes.values()]
+    entries = [fleet_image.capture(m, None, parts, None, None) for m in state.nodes.values()]
     back = FleetState(history_s=5.0, clock=clock)
     blob, at = memoryview(b"".join(parts)), 0
     for e in entries:
-        at = image.restore(back, e, blob, at)
+        at = fleet_image.restore(back, e, blob, at)
     assert list(back.nodes["A"].frames) == list(n.frames)
     for st_ in (state, back):
         st_.ingest(make_batch("A", "b1", 14, [(T0 + 14 * S, [0, 1, 2, 3, 4], [14.0] * 5)]))

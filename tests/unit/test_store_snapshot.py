@@ -1,6 +1,7 @@
-"""Snapshots of the fleet state (collector/store/snapshot_load.py, snapshot_taker.py, image.py): a restart
-loads the newest good one and replays only the log after it, and ends with the state a full replay
-of the log gives; a damaged or partial snapshot is counted and ignored, with nothing lost."""
+"""Snapshots of the fleet state (collector/store/snapshot_load.py, snapshot_taker.py, fleet_image.py):
+a restart loads the newest good one and replays only the log after it, and ends with the state a
+full replay of the log gives; a damaged or partial snapshot is counted and ignored, with nothing
+lost."""
 
 from __future__ import annotations
 

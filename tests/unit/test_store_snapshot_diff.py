@@ -1,7 +1,8 @@
-"""Diffs and the version 3 snapshot format (collector/store/image.py, snapshot_file.py, snapshot_load.py): a
-restart from a full snapshot and a diff on it ends with the state a full replay of the log gives;
-a damaged or unfitting diff falls back to its full snapshot (and a longer replay), counted and
-logged; snapshots written by the versions before are still read; retention keeps what fallbacks need."""
+"""Diffs and the version 3 snapshot format (collector/store/fleet_image.py, snapshot_file.py,
+snapshot_load.py): a restart from a full snapshot and a diff on it ends with the state a full replay
+of the log gives; a damaged or unfitting diff falls back to its full snapshot (and a longer replay),
+counted and logged; snapshots written by the versions before are still read; retention keeps what
+fallbacks need."""
 
 from __future__ import annotations
 
@@ -349,10 +350,10 @@ def test_a_version_1_snapshot_is_still_loaded(tmp_path):
 def test_a_version_2_snapshot_is_still_loaded(tmp_path, monkeypatch):
     """Version 2 (before frames were written): a node's entry has no frames, its series hold all
     their points; loaded as such, the series on their own."""
-    from xpusense.collector.store import image, snapshot_file
-    capture = image.capture
+    from xpusense.collector.store import fleet_image, snapshot_file
+    capture = fleet_image.capture
     monkeypatch.setattr(snapshot_file, "VERSION", 2)
-    monkeypatch.setattr(image, "capture", lambda *a: capture(*a)[:14])
+    monkeypatch.setattr(fleet_image, "capture", lambda *a: capture(*a)[:14])
     d = tmp_path / "d"
     p = five_then_a_snapshot_then_two(d, columns=False)   # no frames: what version 2 wrote
     from xpusense.collector.store.snapshot_file import Reader

@@ -1,32 +1,9 @@
-"""The fleet state as plain data and raw arrays, for a snapshot (snapshot.py): what the replay rebuilds.
-
-Per node: inventory, boot, the per-boot marks (stored_up_to, in order, and when each rose),
-counts, recent events, open diagnoses, every series (latest and previous value, histogram, the
-points of its own History), the agent's series_ref of each, per boot, and its frames (series held
-in columns, collector/columns.py: key, members, rows). Fleet-wide: the marks known from earlier runs
-(known_marks), the state's counters and diagnoses opened per rule. The metadata is msgpack (lists,
-ints, floats, strings, bytes); the points are raw array bytes (`array.tobytes`, 8 bytes a time and 8
-a value; a frame's values row by row, as it holds them) in the frame's blob, read back with
-`array.frombytes` straight from the mapped file: no per-point work either way. The series of one
-source share their times: a node's time runs are written once each (`_Runs`). A restart gets the
-frames back as they were, so its state holds a point in ~9 bytes as before, and the log's tail
-after the snapshot finds them.
-
-A node is written one of two ways:
-- "F" (full): every series with its own points, every frame with its rows (a full snapshot; in a
-  diff, a node new since its base or whose series or frames changed);
-- "I" (incremental, in a diff only): series and frames by position, the same Series and Frame
-  objects as in the base snapshot, each with only the points (rows) appended since the base was
-  captured, and how many it holds now: the loader appends them to the base's arrays and lets the
-  oldest go down to that count, then checks the first and last time.
-
-Version 2 (still read) had no frames: a framed series' points were written as its own.
-
-A node is captured on the event loop in one go (`capture()`), so each node is consistent with
-itself; nodes are captured a chunk at a time (snapshotter.py) and may differ in time from one
-another. That is enough, because the replay after a snapshot tells what a node already holds by
-its marks: the marks captured are those of batches *applied*, so a batch accepted (mark raised) but
-not applied yet is replayed from the log after the snapshot, and one applied is a duplicate there.
+"""The fleet state as plain data and raw arrays, for a snapshot: what `capture` takes of a node and
+`restore` rebuilds. Points are written as array bytes and read back straight from the mapped file;
+in a diff a node the base holds as it was carries only the points appended since (layout:
+docs/design.md, on-disk formats). A node is captured in one go, consistent with itself; nodes
+may differ in time, as the replay after the snapshot tells by each node's marks (those of batches
+applied) which batches it holds already.
 """
 
 from __future__ import annotations
