@@ -1,24 +1,9 @@
-"""Who may talk to the collector, and as which node: mTLS identities, per-node tokens, plaintext rules.
-
-Modes, from the collector config:
-- mTLS (`[tls] cert`, `key` and `ca`): every connection must present a client certificate signed by
-  the CA; an agent may report only as the node its certificate names (SAN URI
-  `xpusense://node/<id>`, else SAN DNS `<id>`, else subject CN `<id>`), and the certificate must be
-  allowed for client use (extended key usage clientAuth, when the extension is present).
-- Tokens (`tokens_file`: `NODE_ID SHA256_HEX` lines): the agent sends `authorization: Bearer <token>`;
-  the token's hash must be the one listed for the node id it claims. With `[tls] cert`/`key` and no
-  `ca` the transport is TLS without client certificates; both can also be required together.
-- Plaintext (neither): allowed only when the listen address is loopback, or with
-  `allow_insecure = true` (a warning is logged once at start). Otherwise the collector refuses to
-  start, with one line naming the keys to set. The same holds for TLS that authenticates nobody
-  (`[tls] cert`/`key` without `ca` and without `tokens_file`) on a non-loopback address.
+"""Who may talk to the collector, and as which node: mTLS identities, per-node tokens, plaintext rules
+(Security; the operator's side is docs/security.md "Transport and identity").
 
 Ingest is checked per stream after the Hello (`authorize`); the Query API and everything else on the
-port (except gRPC health) needs a valid credential of the fleet (`interceptors`): any node's token,
-or in mTLS any client certificate from the CA (the TLS handshake already enforces it).
-Refusals are logged with the peer and the claimed node id, at most `log_per_s` a second (the rest
-are counted and the count is logged with the next line that gets through).
-"""
+port (except gRPC health) needs a valid credential of the fleet (`interceptors`). Refusals are
+logged with the peer and the claimed node id, at most `log_per_s` a second (the rest counted)."""
 
 from __future__ import annotations
 
@@ -83,7 +68,17 @@ def cert_identities(pem: bytes) -> tuple[list[str], bool]:
 
 
 class Security:
-    """The collector's transport credentials and its per-stream and per-call checks."""
+    """The collector's transport credentials and its per-stream and per-call checks. Modes:
+    - mTLS (`[tls] cert`, `key` and `ca`): every connection presents a client certificate signed by
+      the CA; an agent may report only as the node its certificate names (SAN URI
+      `xpusense://node/<id>`, else SAN DNS `<id>`, else subject CN `<id>`), and the certificate must
+      be allowed for client use (extended key usage clientAuth, when the extension is present).
+    - Tokens (`tokens_file`: `NODE_ID SHA256_HEX` lines): `authorization: Bearer <token>`, whose hash
+      must be the one listed for the node id it claims. With `[tls] cert`/`key` and no `ca` the
+      transport is TLS without client certificates; both can also be required together.
+    - Plaintext (neither): only when the listen address is loopback, or with `allow_insecure = true`
+      (a warning is logged once); otherwise the collector refuses to start, with one line naming the
+      keys to set. The same holds for TLS that authenticates nobody on a non-loopback address."""
 
     def __init__(self, listen: str, ca: bytes | None = None, cert: bytes | None = None, key: bytes | None = None,
                  tokens: dict[str, str] | None = None, allow_insecure: bool = False, log_per_s: float = 10.0):

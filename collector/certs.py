@@ -1,14 +1,10 @@
 """Credentials for a fleet: a CA, the collector's server certificate, one client certificate per node
-(node id bound to it), and per-node bearer tokens where certificates are not deployed.
+(its id as subject CN and SAN URI `xpusense://node/<id>`, what collector/auth.py checks), and
+per-node bearer tokens where certificates are not deployed. The CA in DIR is reused when it exists,
+so running `certs` again for new nodes extends the fleet; keys and tokens are written 0600.
 
     xpusense-collector certs  --out DIR --nodes n1,n2 [--collector-host HOST ...] [--days N]
-    xpusense-collector tokens --out DIR --nodes n1,n2
-
-A node's certificate carries its id twice: as the subject CN and as the SAN URI
-`xpusense://node/<id>`, which is what collector/auth.py checks against the id the agent claims.
-The CA in DIR is reused when it exists, so running `certs` again for new nodes extends the fleet.
-Every private key and token is written with mode 0600; certificates with 0644.
-"""
+    xpusense-collector tokens --out DIR --nodes n1,n2"""
 
 from __future__ import annotations
 

@@ -1,24 +1,8 @@
 """Agent clocks as the collector sees them: per node an estimate of how far its clock is off the
-collector's, an agent's stamp put on the collector's clock, and the diagnosis for a node too far off.
-
-The collector keeps, beside the times an agent stamps (a sample's, an event's), when they happened
-on its own clock: when the batch that carried them was received, less how long before the agent
-built it they were stamped (`received_at`, never after it arrived), and decides on that: freshness
-(Prometheus' `max_age_s`, the scheduler's health checks), how recent an event is; a series' latest
-point is the newest received, whatever its stamp. The stamps are shown as sent.
-
-The offset (agent minus collector): each Hello's `time_unix_nano` and each batch's `sent_unix_nano`
-against when it was received is a sample of it less the delay on the way (network, queues, the
-agent's spool), which only lowers it, so the estimate is the highest sample of the last one to two
-WINDOW_NS (two windows' maxima: O(1) a node; a clock stepped back shows within 2 x WINDOW_NS). A
-batch resent from the spool is a low sample, outweighed by any fresh one in the windows (a drain
-longer than that shows the node behind meanwhile).
-
-A node whose estimate is more than `[state] max_clock_offset_s` off gets a node-wide diagnosis of
-rule `clock_offset`, made by the collector (collector/diagnoses.py keeps it with the agent's; in
-cluster mode the worker does): its cause names the offset, attribute `clock.offset_s` holds it. It
-is updated when the offset moves by more than the bound and closes once the estimate is within it.
-"""
+collector's (ClockOffset), an agent's stamp put on the collector's clock (received_at), and the
+node-wide `clock_offset` diagnosis for a node more than `[state] max_clock_offset_s` off (check).
+The collector decides on when things were received, never on the stamps, which are shown as sent:
+docs/diagnosis.md "Agent clocks"."""
 
 from __future__ import annotations
 
@@ -65,7 +49,11 @@ def events_received(node, batch) -> list[int]:
 
 class ClockOffset:
     """The estimate of one node's clock offset (agent - collector, ns): the highest sample of the
-    current window and the one before."""
+    current window and the one before. Each Hello's `time_unix_nano` and each batch's
+    `sent_unix_nano` against when it was received is a sample of the offset less the delay on the
+    way (network, queues, the agent's spool), which only lowers it; two windows' maxima keep it O(1)
+    a node, and a clock stepped back shows within 2 x WINDOW_NS. A batch resent from the spool is a
+    low sample, outweighed by any fresh one in the windows."""
 
     __slots__ = ("cur", "prev", "since", "reported")
 

