@@ -1,28 +1,9 @@
-"""OTLP export from the collector: every point the fleet stored, to an OpenTelemetry backend over
-OTLP gRPC (opentelemetry-sdk's OTLPMetricExporter; conversion in common/otlp.py), and with `logs`
-(the default) every event stored (diagnoses, XIDs, checkpoint requests...) as an OTLP log record to
-the same endpoint's LogsService (the SDK's OTLPLogExporter), with the node's resource.
-
-Where the points come from:
-- with a data_dir, the durable store is the export queue: a `StoreReader(store, "otlp")` reads the
-  batches stored after its cursor, and the cursor is committed only after the backend accepted
-  them. A backend outage loses nothing (the store keeps unread segments), a collector restart
-  resumes where the last accepted export ended (what was sent but not yet committed is sent again:
-  at least once, the same points with the same timestamps);
-- without one, a bounded in-memory queue fed through FleetState.watchers after each stored batch;
-  when it is full the oldest batches are dropped and counted (`dropped_batches`/`dropped_points`/
-  `dropped_events`, logged). Batches with events and no samples are queued too.
-
-One thread sends: every `interval_s` it takes what is queued (at most `max_request_points` points
-per request), converts it (resource per node, device attributes from the node's inventory) and
-exports it; on a failure it waits with jittered exponential backoff (from `interval_s`, doubling to
-`backoff_max_s`) and sends the same points again. stop() interrupts the wait and a send in progress.
-Events: once the metrics of a read were accepted (or the read had none) its events go into a queue
-of their own, bounded by `queue_events` (the oldest dropped first, counted as `dropped_events`,
-logged), sent as log records in requests of at most LOG_REQUEST_EVENTS, with a backoff of their own:
-a backend that takes metrics but not logs (no LogsService) never holds the metrics up. Events are
-at least once from the store while their read's metrics are not accepted, at most once after that.
-"""
+"""OTLP export from the collector: every point the fleet stored to an OpenTelemetry backend over
+OTLP gRPC, and with `logs` every stored event as a log record (docs/export.md). The queue is the
+durable store where there is one (a cursor committed once the backend took the points: at least
+once), else a bounded in-memory queue fed by the fleet's watchers (the oldest dropped, counted).
+One thread sends, with a backoff on failure; events have a queue and backoff of their own, so a
+backend that takes metrics but not logs never holds the metrics up."""
 
 from __future__ import annotations
 
@@ -44,6 +25,7 @@ from xpusense.common.otlp import (
     resource_attributes,
 )
 
+from .fleet_view import Fleet
 from .inventory_book import InventoryBook
 from .store import StoreReader
 
@@ -84,7 +66,7 @@ class StoreQueue:
 
 
 class MemoryQueue:
-    """Batches as FleetState stores them (watchers), bounded: the oldest dropped first, counted."""
+    """Batches as the fleet stores them (its watchers), bounded: the oldest dropped first, counted."""
 
     def __init__(self, max_batches: int):
         self.max_batches = max_batches
@@ -95,7 +77,7 @@ class MemoryQueue:
         self.dropped_points = 0
         self.dropped_events = 0
 
-    def watch(self, state) -> MemoryQueue:
+    def watch(self, state: Fleet) -> MemoryQueue:
         state.watchers.append(self._on_batch)
         return self
 
@@ -207,7 +189,7 @@ class OtlpExport:
         self.queue.commit(token)
         self.exported_points += points
         self.exported_batches += len(batches)
-        if self.log_sender is not None:
+        if self.log_sender is not None:   # events: at least once until here, at most once from here on
             self._queue_events(batches)
         if self.last_error:
             log.info("OTLP export to %s works again", self.cfg.endpoint)

@@ -1,23 +1,8 @@
-"""A Prometheus endpoint on the collector: the fleet state's latest values, rendered at scrape time
-(a custom prometheus-client Collector on its own HTTP port, `[export.prometheus] listen`).
-
-Native names: the OpenTelemetry name with dots as underscores and the unit as a suffix, as
-OpenTelemetry's Prometheus exporters write them (`hw.gpu.memory.usage` By -> `hw_gpu_memory_usage_bytes`,
-`hw.gpu.utilization` 1 -> `hw_gpu_utilization_ratio`, counters end in `_total`); labels are the
-series' labels (dots as underscores) plus `node` (node id) and `host_name`. Histograms keep their
-buckets (`le` in the unit of the series). Whatever a node sends, what Prometheus would refuse is
-renamed or left out and counted (collector/prom_names.py), so one node cannot fail the scrape.
-
-With `compat_names` the accelerator series are also written under the names existing dashboards
-use, in those exporters' units and labels, for the signals that have an equivalent (tables below).
-The values are ours: where the measure differs (docs/metrics.md: NVIDIA "utilisation" is a time
-share on both sides; DRAM active vs GPM bandwidth) the dashboard shows our measure.
-
-Reading the fleet state from the HTTP thread: the state is changed on the collector's event loop
-thread; the scrape copies each dict it walks with one C-level call (`list(d.values())`, atomic under
-the GIL) and reads each series' value and timestamp attributes, which the loop replaces, never
-mutates in place. Inventories come from the InventoryBook (immutable copies).
-"""
+"""A Prometheus endpoint on the collector (`[export.prometheus] listen`): the fleet's latest values
+rendered at scrape time under OpenTelemetry's Prometheus names, with `compat_names` also under
+dcgm-exporter's and npu-exporter's (docs/export.md). Scrapes run on the HTTP thread: each dict
+walked is copied with one C-level call (`list(d.values())`, atomic under the GIL), and the loop
+replaces a series' value and time, never mutates them in place."""
 
 from __future__ import annotations
 
@@ -34,6 +19,7 @@ from xpusense.common.config import split_host_port
 from xpusense.v1 import telemetry_pb2 as pb
 
 from . import diagnoses as dg
+from .fleet_view import Fleet
 from .inventory_book import InventoryBook
 from .prom_names import REASONS, Families, Tally, prom_labels, prom_name
 
@@ -123,9 +109,9 @@ def npu_id(res, index: int) -> str:
 
 
 class FleetCollector:
-    """prometheus-client custom collector over a FleetState."""
+    """prometheus-client custom collector over the fleet."""
 
-    def __init__(self, state, book: InventoryBook, compat_names: bool = False, max_age_s: float = 900.0,
+    def __init__(self, state: Fleet, book: InventoryBook, compat_names: bool = False, max_age_s: float = 900.0,
                  clock_ns=time.time_ns):
         self.state = state
         self.clock_ns = clock_ns
@@ -225,15 +211,14 @@ class FleetCollector:
         open_ = Metric("xpusense_diagnoses_open", "diagnoses open now (docs/diagnosis.md)", "gauge")
         count: dict[tuple[str, str, str], int] = {}
         for n in list(self.state.nodes.values()):
-            for e in list(getattr(n, "diagnoses", {}).values()):
+            for e in list(n.diagnoses.values()):
                 key = (n.node_id, e.attributes.get(dg.RULE, "") or "unknown", e.device)
                 count[key] = count.get(key, 0) + 1
         for (node, rule, device), k in sorted(count.items()):
             open_.add_sample("xpusense_diagnoses_open", {"node": node, "rule": rule, "device": device}, float(k))
         yield open_
         opened = Metric("xpusense_diagnoses_opened", "diagnoses opened since the collector started", "counter")
-        book = getattr(self.state, "diagnoses", None)
-        for rule, k in sorted(list(book.opened.items()) if book is not None else []):
+        for rule, k in sorted(list(self.state.diagnoses.opened.items())):
             opened.add_sample("xpusense_diagnoses_opened_total", {"rule": rule}, float(k))
         yield opened
 
@@ -272,7 +257,7 @@ def _le(bound: float) -> str:
 
 
 class PrometheusEndpoint:
-    def __init__(self, cfg, state, book: InventoryBook):
+    def __init__(self, cfg, state: Fleet, book: InventoryBook):
         """cfg: the [export.prometheus] table; book: inventories, watching the state."""
         self.cfg = cfg
         self.book = book

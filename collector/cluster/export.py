@@ -1,17 +1,7 @@
-"""OTLP export in cluster mode (`xpusense-collector exporter --nats URLS`, issue 16 item 6): the
-collector's OtlpExport (collector/otlp_export.py) with the streams as its queue, as the durable
-store is one collector's. One durable consumer per stream (`otlp-<i>`, AckPolicy ALL) reads the
-batches; they are acknowledged only after the backend accepted the request that carried them, so
-a backend away loses nothing (the streams keep `retention_s`) and an exporter restarted, or
-another one taking over, goes on from the last accepted request (at least once: what was sent and
-not yet acknowledged is sent again, same points, same timestamps). Each (node, boot, seq) is
-exported once per process (SeqWindow): a resend stored twice beyond the duplicate window is not.
-Any number of exporters may run: they share the consumers' messages (each batch to one of them).
-
-Inventories (resource and device attributes) come from the hello/inventory messages on the
-stream, and for a node whose hello is older than where the consumer resumed, from its summary in
-the `fleet` bucket.
-"""
+"""OTLP export in cluster mode (`xpusense-collector exporter --nats URLS`): the collector's OtlpExport
+with the streams as its queue. One durable consumer per stream acknowledges batches only once the
+backend took them (at least once; any number of exporters share the consumers), and inventories
+come from the stream's hello/inventory messages or the node's summary (docs/scale.md)."""
 
 from __future__ import annotations
 
@@ -59,6 +49,8 @@ class StreamQueue:
         self.held_points = 0
         self.tail: dict[str, Any] = {}              # stream -> newest message fetched (acks all before it)
         self.last_seq: dict[str, int] = {}          # stream -> its stream sequence (redeliveries skipped)
+        # (node, boot) -> its seqs exported: each once per process (a resend stored twice beyond the
+        # duplicate window is not)
         self.windows: dict[tuple[str, str], SeqWindow] = {}
         self.skipped = 0
 

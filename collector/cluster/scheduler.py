@@ -1,15 +1,6 @@
-"""Scheduler replicas (`xpusense-collector scheduler --nats URLS`): the scheduler core of
-collector/scheduler/, fed from the `fleet` bucket instead of an in-process FleetState, the way
-Kubernetes informers list then watch: the bucket's latest summaries first (the list), then every
-change as the workers write it (the watch), into `FleetIndex`, which shows the core the same
-attributes FleetState does (nodes with inventory, series, events, last_seen_ns; watchers called
-after each change). Any number can run; each answers Place from its own index, and also serves
-the Query API from it.
-
-A node whose inventory is unchanged is updated in place (its series objects keep their identity,
-so the core's per-device references stay valid) and the core refreshes its readings; a new
-inventory rebuilds the node.
-"""
+"""Scheduler replicas (`xpusense-collector scheduler --nats URLS`): the scheduler core fed from the
+`fleet` bucket, listed then watched (as Kubernetes informers do) into a FleetIndex, a fleet_view.Fleet
+like the collector's FleetState. Each replica answers Place, Query and /metrics from its own index."""
 
 from __future__ import annotations
 
@@ -71,7 +62,9 @@ class _Opened:
 
 
 class FleetIndex:
-    """The `fleet` bucket as a FleetState-like object for the scheduler core and the Query API."""
+    """The `fleet` bucket as a fleet_view.Fleet for the scheduler core, the Query API and Prometheus.
+    A node whose inventory is unchanged is updated in place (its series keep their identity, so the
+    core's per-device references stay valid); a new inventory rebuilds it in the core."""
 
     readings_with_inventory = True   # a node comes with its latest values (fleet.py: no wait for a first batch)
 

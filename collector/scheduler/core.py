@@ -1,9 +1,6 @@
-"""The scheduler core: ranks the fleet's nodes for a job, from the collector's live fleet state.
-
-Scheduler(state, section, stale_s) follows `state` (fleet.py) with the loaded [scheduler] config
-section; place(request) decides (search.py) and answers with the ranking and its reasons
-(explain.py).
-"""
+"""The scheduler core: Scheduler(fleet, section, stale_s) follows the fleet (fleet.py) with the loaded
+[scheduler] config section; place(request) decides (search.py) and answers with the ranking and its
+reasons (explain.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +10,7 @@ from typing import Any
 
 from xpusense.v1 import scheduler_pb2 as spb
 
+from ..fleet_view import Fleet
 from .config import PlaceError, Settings, resolve_weights
 from .explain import fill_reply
 from .fleet import FleetView
@@ -25,7 +23,7 @@ class Scheduler:
     `section`: the loaded (and checked) [scheduler] table of the collector's config; `stale_s`:
     the collector's, after which a silent node is left out."""
 
-    def __init__(self, state: Any, section: Any, stale_s: float, refresh_ms: float | None = None):
+    def __init__(self, state: Fleet, section: Any, stale_s: float, refresh_ms: float | None = None):
         self.settings = Settings.from_section(section, stale_s)
         self.weights = self.settings.weights
         # How old the index may be (fleet.py): [scheduler] index_refresh_ms unless given.

@@ -1,32 +1,8 @@
-"""Following the collector's FleetState: one NodeSummary per node, kept up to date by a watcher on
-FleetState (called on the event loop after every Hello, inventory and stored batch), and filed in
-the index (index.py) after every change.
-
-Off the ingest path: a stored batch only marks its node dirty (with when, on the monotonic clock);
-dirty nodes are refreshed in bulk by a timer on the loop TIMER_SHARE x `refresh_ns` after the first
-of them was marked (early, so that a decision seldom finds one due when the loop runs late), in
-slices of at most SLICE_S so acks are not held up, and by `catch_up()` before every decision for
-the nodes the timer has not reached yet: a Place answer never uses a node's summary that misses a
-batch stored more than `refresh_ns` before it. A node that sends many batches in that time is
-refreshed once. Hello, inventory, the first batch after them (unless the state's nodes come with
-their readings, `readings_with_inventory`) and events are followed at once (rare, and they carry
-what a decision must not miss). `refresh_ns` 0, or no running loop to time it: refreshed on every batch
-(unit tests, the reference) or, without a loop, by catch_up() before each decision. A node filed by
-id in the index (busy: its tie key changed at its last refresh) is moved under its tie key once it
-has not been refreshed for SETTLE_NS, by a second timer (settle_quiet; by catch_up() without a
-loop), so that no decision walks quiet nodes one by one. A refresh that finds nothing a decision reads
-moved (an idle node's round) keeps the node's groups and their filing (`unchanged`, _refresh).
-
-Per node: its accelerators' free HBM and free score from the latest readings, their health (an XID or double-bit ECC
-event within xid_window_s, or a health state other than OK: the newer of the `xpusense.accelerator.health` series
-and the last `health` event, takes a device out; events and series timed by when they arrived, not by the node's
-clock, collector/clock.py; a checkpoint request from the HBM watch within hbm_watch_window_s, or a diagnosis open on
-it now (FleetState's NodeState.diagnoses, collector/diagnoses.py, or in cluster mode the node summary's; for as long
-as it is open), keeps it, penalised, the same penalty and factor), its groups by type and interconnect domain.
-Staleness is read from each NodeState's last_seen_ns when a node is looked at; `stale()` finds the stale nodes
-without a scan. Its `xpusense.network.tcp.rtt{remote_region}` histograms: a new point joins the node's window and
-its figure is filed under the region pair (latency.py), so that a decision reads a pair's measured figure in O(1).
-"""
+"""Following the fleet (fleet_view.Fleet): one NodeSummary per node, kept up to date by a watcher
+called after every Hello, inventory and stored batch, and filed in the index (index.py). A stored
+batch only marks its node dirty; dirty nodes are refreshed in bulk off the ingest path, and before
+every decision (catch_up), so that a Place answer never misses a batch stored more than `refresh_ns`
+before it. Policy and per-node health, penalties and staleness: docs/scheduler.md."""
 
 from __future__ import annotations
 
@@ -42,6 +18,7 @@ from xpusense.v1 import scheduler_pb2 as spb
 
 from .. import diagnoses as dg
 from ..clock import events_received
+from ..fleet_view import Fleet, FleetNode
 from .config import Settings
 from .index import (
     ACCEL_TYPES,
@@ -80,15 +57,15 @@ class FleetView:
     """The scheduler's view of the fleet. Construct it on the loop thread that owns `state`; it
     registers itself as a watcher."""
 
-    def __init__(self, state: Any, settings: Settings, refresh_ms: float = 0.0, mono=time.monotonic_ns):
+    def __init__(self, state: Fleet, settings: Settings, refresh_ms: float = 0.0, mono=time.monotonic_ns):
         self.state = state
         self.refresh_ns = int(refresh_ms * 1e6)
         self.mono = mono
         self.dirty: dict[str, int] = {}    # node -> when (mono ns) it was first changed since its refresh
         self.first: set[str] = set()       # nodes whose next batch is their first since a Hello or inventory
-        # A state whose nodes come with their readings (cluster mode's FleetIndex: a summary has the
-        # inventory and the latest values at once): the batch after an inventory is one like any other.
-        self.readings_with_inventory = bool(getattr(state, "readings_with_inventory", False))
+        # Nodes that come with their readings (a cluster replica's: a summary has the inventory and the
+        # latest values at once): the batch after an inventory is one like any other.
+        self.readings_with_inventory = state.readings_with_inventory
         self.timer: asyncio.TimerHandle | asyncio.Handle | None = None
         # Nodes filed by id in some pool (busy: their tie key changed at their last refresh) -> when
         # (state clock) they were last refreshed, oldest first: settled on `settle_timer` once quiet
@@ -122,19 +99,16 @@ class FleetView:
         for n in list(state.nodes.values()):
             self._rebuild(self._summary(n), initial=True)
             self._seen(n)
-        watchers = getattr(state, "watchers", None)
-        if watchers is None:
-            raise RuntimeError("FleetState has no `watchers` list: the scheduler cannot follow it")
-        watchers.append(self.on_change)
+        state.watchers.append(self.on_change)
 
-    def _summary(self, n: Any) -> NodeSummary:
+    def _summary(self, n: FleetNode) -> NodeSummary:
         s = self.summaries.get(n.node_id)
         if s is None or s.state is not n:
             s = self.summaries[n.node_id] = NodeSummary(n)
         return s
 
-    def on_change(self, node: Any, batch: Any) -> None:
-        """FleetState's watcher: batch None after a Hello or a new inventory, else a stored batch."""
+    def on_change(self, node: FleetNode, batch: Any) -> None:
+        """The fleet's watcher: batch None after a Hello or a new inventory, else a stored batch."""
         try:
             self._seen(node)
             nid = node.node_id
@@ -506,7 +480,7 @@ class FleetView:
             w = s.rtt.get(remote)
             if w is None:
                 w = s.rtt[remote] = RttWindow()
-            if w.observe(getattr(ser, "histogram", None), now, window_ns):
+            if w.observe(ser.histogram, now, window_ns):
                 latency.set(s.node_id, s.region, remote,
                             None if w.median_s is None else w.median_s * 1e3, w.grew_ns)
 
@@ -568,10 +542,10 @@ class FleetView:
                 self._refresh(s, now)
 
 
-def _diagnosed(node: Any, now: int) -> dict[str, str]:
+def _diagnosed(node: FleetNode, now: int) -> dict[str, str]:
     """Device -> the penalty's detail for the diagnoses open on it (node-wide ones, device "", name
     no device and penalise none)."""
-    held = getattr(node, "diagnoses", None)   # FleetState's NodeState, or cluster mode's MirrorNode (its summary's)
+    held = node.diagnoses
     if not held:
         return {}
     out: dict[str, list[str]] = {}

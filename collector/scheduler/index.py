@@ -1,21 +1,7 @@
 """The per-node index a decision walks: what the scheduler keeps per node (NodeSummary, its Devices
 and Groups, with what a decision needs for any device count precomputed) and where it is filed
-(per kind of request a Pool, of Buckets by placement key, of Entries).
-
-A Pool is what one kind of request walks: type GPU 0, NPU 1, any 2; +3 when the devices must share
-one interconnect domain. In it, per placement key (region, zone, province, encryption,
-attestation) a Bucket, whose part of the score is worked out once per request for all its nodes.
-A node with one group to look at has a row of CMAX values (its fit row: the free HBM of its c-th
-most free offered device, c = 1..CMAX). The Buckets of the two type pools (GPU, NPU: every node
-of the type, one group each) keep, per count, the fit rows' values sorted (ranked.py), so that a
-decision counts what fits per placement key in O(log n) whatever the pool (search.py works out
-the other pools' counts from these); the Pool keeps the rows once more, pool-wide, to find a few
-misfits to list at C speed. Every Bucket files its one-group nodes by the level of their compute
-part per count, so that a decision can rank best level first and stop early; within a level, by
-their tie key (Group.ties: what their score and fit for that count depend on), so that many alike
-nodes (a homogeneous fleet, idle) score once per decision and only the first few by id (Alike)
-are offered to the top K.
-"""
+(per kind of request a Pool, of Buckets by placement key, of Entries by compute level and tie key).
+How and why: docs/scheduler.md "The index"."""
 
 from __future__ import annotations
 
@@ -25,6 +11,7 @@ from typing import Any
 
 from xpusense.v1 import scheduler_pb2 as spb
 
+from ..fleet_view import FleetNode
 from .ranked import Ranked
 from .scoring import NO_READINGS_FREE, UNKNOWN_VALUE_NORM, value_norm, value_per_price
 
@@ -254,8 +241,8 @@ class NodeSummary:
                  "xid_events", "health_events", "checkpoint_requests", "not_offered", "best_value",
                  "base_candidate", "layout", "rtt_series", "rtt", "stale")
 
-    def __init__(self, state: Any):
-        self.state = state                  # FleetState's NodeState, read in place (last_seen_ns...)
+    def __init__(self, state: FleetNode):
+        self.state = state                  # the fleet's node, read in place (last_seen_ns...)
         self.node_id: str = state.node_id
         self.devices: list[Device] = []
         self.by_type: dict[str, Group] = {}

@@ -1,24 +1,6 @@
-"""Measured latency for data affinity: the round-trip time of a region pair (node region, data
-region) from the agents' `xpusense.network.tcp.rtt{remote_region}` histograms (the eBPF tcp_rtt
-probe: the smoothed RTT of TCP sockets to the addresses of each remote region, log2 buckets in
-seconds, counts cumulative over buckets and over time). A node's own region is its `region` label.
-
-Per node and remote region (RttWindow, kept by fleet.py when it refreshes a node, off the ingest
-path): the fleet state keeps only a histogram's latest value (its history holds the sum), so the
-scheduler keeps a few snapshots of the cumulative counts itself, stamped with the collector's clock
-when the index reads them (within index_refresh_ms of their arrival, so an agent's clock skew ages
-nothing), at least window/8 apart. The node's figure is the median of the samples counted over the
-last `window` (the newest snapshot less the newest one at or before `window` ago; the first
-histogram seen of a series is only that baseline: its counts are since the agent started, of
-unknown age), interpolated linearly within the median's bucket ((lower bound, upper bound], the
-first from 0): a log2 bucket's upper bound alone overstates by up to 2x. Counts going down (the
-agent restarted) or other bounds start the series afresh.
-
-Per region pair (MeasuredLatency): the median of its nodes' figures (each node counts once, however
-chatty), kept in a sorted list so that reading it is O(1). A node's figure counts until `max_age`
-after the last snapshot in which its counts grew; then it is dropped (expire(), before each
-decision, pops only what came due), and once a pair has none the configured matrix is used again.
-"""
+"""Measured latency for data affinity: a region pair's round-trip time from the agents'
+`xpusense.network.tcp.rtt{remote_region}` histograms, per node a window of snapshots (RttWindow),
+per pair the median of its nodes' figures (MeasuredLatency); docs/scheduler.md "Measured latency"."""
 
 from __future__ import annotations
 

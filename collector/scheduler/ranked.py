@@ -1,19 +1,6 @@
-"""A multiset of numbers that says how many are at least x without looking at each: what lets a
-decision count the nodes that fit a request (index.py keeps one per placement key, device count
-and accelerator type) in O(log n) instead of a pass over every node.
-
-The numbers are kept sorted in blocks of about LOAD (split above 2 x LOAD, merged into a neighbour
-below LOAD / 4; the last number of each block, its max, in `maxes`), the way sortedcontainers'
-SortedList does: adding, removing or replacing one is a bisection and a short list move; counting
-those at least x, a bisection plus a sum over the lengths of the blocks above it.
-
-A count is kept (`memo`, at most MEMO_MAX thresholds) until the multiset next changes: a decision
-asks each multiset of its request's placement keys the same one or two counts, and between two
-decisions a few of them change. A kept count costs the decision a dict lookup in the multiset's
-own memory, where the bisections read ~20 numbers scattered over the heap: on a loop that ran
-other work since the last decision, most of those were cache misses (10,000 nodes in 24 placement
-keys, the caches flushed between decisions: the search's counting 64-169 -> 19-52 us a decision).
-"""
+"""A multiset of numbers that says how many are at least x without looking at each (sorted blocks,
+as sortedcontainers' SortedList, and the counts asked since it last changed): what lets a decision
+count the nodes that fit a request in O(log n) (docs/scheduler.md "The index")."""
 
 from __future__ import annotations
 

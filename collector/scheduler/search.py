@@ -1,16 +1,6 @@
-"""The decision: a request (Query) against the index, answered by the indexed search or by the scan.
-
-A node's score is (key_part + w_compute * compute) * penalty: the part its placement key decides
-(data affinity, disaster tolerance, compliance, weighted; the same for every node of a Bucket) plus
-its weighted compute dimension, times the penalty factor of the devices chosen.
-
-`search` counts what fits with C-speed passes over the pool-wide fit column (the free HBM of each
-one-group node's count-th most free offered device), corrected for the stale nodes and the buckets
-a hard filter removes, and ranks by walking the compute levels best first across buckets, stopping
-when no node left can beat the K-th best. `scan` walks every node: it answers counts above CMAX
-and is the reference the search is tested against. Both leave the ranking, the counts of excluded
-nodes by reason, and a few excluded nodes to list in the Query.
-"""
+"""The decision: a request (Query) against the index, answered by the indexed search (counts over
+the fit columns, compute levels walked best first) or by the scan of every node, the reference the
+search is tested against (docs/scheduler.md "The decision")."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from xpusense.v1 import scheduler_pb2 as spb
 from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
 
 from ..config import load_collector
+from ..fleet_view import Fleet
 from .config import DIMENSIONS, PlaceError
 from .core import Scheduler
 from .inventory import parse_memory
@@ -46,7 +47,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
 
-def add_to_server(server: grpc.aio.Server, state, cfg=None) -> Scheduler:
+def add_to_server(server: grpc.aio.Server, state: Fleet, cfg=None) -> Scheduler:
     """Build the core over `state` (call it on the loop that owns the state) and serve it.
     `cfg`: the collector's loaded configuration; None: its defaults."""
     if cfg is None:
