@@ -88,7 +88,8 @@ def scan(fd: int) -> Iterator[Good | Damaged]:
     for span in framing.scan(buf, 0, os.fstat(fd).st_size, MAGIC, MAX_RECORD_BYTES):
         length = span.end - span.start
         if span.payload is None:
-            yield Damaged(span.start, length, 1 + framing.count(buf, span.start + 1, span.end, MAGIC), span.damage)
+            held = 1 + framing.count(buf, span.start + 1, span.end, MAGIC)
+            yield Damaged(span.start, length, held, span.damage)
             continue
         try:
             boot, seq, samples, batch = decode_payload(span.payload)

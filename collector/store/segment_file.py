@@ -18,7 +18,7 @@ from xpusense.common import framing
 from xpusense.common.framing import Span
 
 SEGMENT_MAGIC = b"XPSSEG\x00\x02"
-RECORD_MAGIC = b"\xc1XR\x02"   # 0xc1 is never used by msgpack, so a bare-msgpack segment cannot look like frames
+RECORD_MAGIC = b"\xc1XR\x02"   # 0xc1: never a msgpack byte, so a bare-msgpack segment cannot look like frames
 MAX_RECORD_BYTES = 2**31          # a length above this is damage, not a record
 SEGMENT_NAME = re.compile(r"^(\d{8,})\.log$")
 RECORD_KINDS = ("b", "i", "m", "s")   # batch, inventory, mark, seal of the segment before
