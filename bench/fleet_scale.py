@@ -1,12 +1,11 @@
-"""Cluster mode at fleet scale: what each part of the tier does per core and per node on this
-machine, and what 100,000 nodes at one batch a second would take (bench/README.md, docs/scale.md).
+"""Cluster mode at fleet scale: the tier per core and per node, projected to 100,000 nodes at 1 batch/s.
 
     .venv/bin/python bench/fleet_scale.py                 # whole_run: six steps, ~4 min on 2 cores
     .venv/bin/python bench/fleet_scale.py --place-only    # step 5 alone, ~1.5 min
     .venv/bin/python bench/fleet_scale.py --ack-only      # step 2 alone, ~1.5 min (--spy PY_SPY: stacks)
-    .venv/bin/python bench/fleet_scale.py --nats-open --record bench/results/fleet_scale.jsonl
 
-Prints a table, then one JSON line (figures, NATS mode, date, CPU model, steal); --record appends it."""
+Prints a table, then one JSON line (figures, NATS mode, date, CPU model, steal): --record FILE
+appends it to FILE (bench/results/); --nats-open runs NATS plaintext, for TLS's cost as a ratio."""
 
 from __future__ import annotations
 
