@@ -1,7 +1,7 @@
-"""The agent fails over (issue 16 item 2), with real processes: given several collector addresses
-(`--collector A,B`) it streams through the next within 3 s when its collector goes, and after an
-outage it finds a collector within 3 s of it answering again (it used to take about 15 s: the
-backoff had grown to 10 s), while failures after a connection still back off as before."""
+"""The agent fails over, with real processes: given several collector addresses (`--collector A,B`)
+it streams through the next within 3 s when its collector goes, and after an outage it finds a
+collector within 3 s of it answering again (while none answers, each is tried again at least
+every `reconnect_max_s`), while failures after a connection still back off as usual."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Every bench that no other test runs, run once at a small size: it finishes and its JSON summary
-says it measured what it names (figures are never asserted: tests do not time things). A bench
-that stops running is otherwise found only by the session that next wants its figure
-(bench/collector_restart.py failed for seven sessions that way; tests/e2e/test_bench_restart.py).
-The eBPF benches, which need root: tests/privileged/test_benches_ebpf.py."""
+says it measured what it names (figures are never asserted: tests do not time things), so that a
+bench that stops running is found here, not when its figure is next wanted. The restart bench:
+tests/e2e/test_bench_restart.py; the eBPF benches, which need root: tests/privileged/test_benches_ebpf.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cluster mode, diagnoses (issue 18 in cluster mode): a node's open diagnosis event goes through a
+"""Cluster mode, diagnoses: a node's open diagnosis event goes through a
 gateway into the stream; the worker owning its partition keeps it open (collector/diagnoses.py) in
 the node's summary; `nodes` through the gateway shows it, a scheduler replica's Place penalises the
 device and says why, and the replica's Prometheus endpoint counts it. Its close takes it away from

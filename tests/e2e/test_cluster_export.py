@@ -1,4 +1,4 @@
-"""Cluster mode, OTLP export as a durable consumer of the streams (issue 16 item 6): with the
+"""Cluster mode, OTLP export as a durable consumer of the streams: with the
 backend away, nothing is lost (the streams keep it and the consumer acknowledges only what the
 backend accepted); an exporter killed and started again goes on from its consumer; resource and
 device attributes come from the inventories (on the stream, else the fleet bucket)."""

@@ -1,12 +1,10 @@
-"""Issue 16, "Done when": a real 3-server JetStream cluster on loopback, 2 gateways, workers, a
-scheduler and 20 real agents (the fake NVML, 8 GPUs each), each agent given both gateways. Mid-stream
-the leader of a stream is SIGKILLed, then one gateway, then a worker:
-- every (node, boot, seq) the agents produced is in the streams exactly once (counted by message
-  id), or still in the agent's spool, never acknowledged;
-- the killed gateway's agents stream again through the other within 3 s;
-- `nodes` through the surviving gateway shows every node;
-- Place answers from the scheduler's index all along.
-The figures (failover seconds per agent, stream leader election pause, Place calls) are recorded."""
+"""Cluster mode under failures: a real 3-server JetStream cluster on loopback, 2 gateways, workers, a
+scheduler and 20 real agents (the fake NVML, 8 GPUs each), each agent given both gateways. The
+leader of a stream, then a gateway, then a worker are SIGKILLed mid-stream: every (node, boot, seq)
+is in the streams exactly once (by message id) or still in its agent's spool, never acknowledged;
+the killed gateway's agents stream again through the other within 3 s; `nodes` through the
+survivor shows every node; Place answers all along. The figures (failover seconds per agent, leader
+election pause, Place calls) are recorded."""
 
 from __future__ import annotations
 
@@ -57,7 +55,7 @@ enabled = false
 [hbm_watch]
 enabled = false
 """
-# Issue 16's goal for a gateway failover, recorded beside the measured figure. The test asserts only
+# The goal for a gateway failover, recorded beside the measured figure. The test asserts only
 # that every agent moved within FAILOVER_BOUND_S: a loaded machine stretches the seconds (tests never
 # assert wall-clock goals), an agent that does not fail over misses any bound.
 FAILOVER_S = 3.0

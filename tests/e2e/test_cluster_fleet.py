@@ -1,4 +1,4 @@
-"""Cluster mode, fleet state (issue 16 items 3 and 4): workers own partitions by lease, keep the
+"""Cluster mode, fleet state: workers own partitions by lease, keep the
 latest values and write per-node summaries to the `fleet` bucket; `nodes`, `top` and the Query
 API pointed at any gateway show the whole fleet; a dead worker's partitions are taken over; the
 stream is the history GetHistory reads back."""

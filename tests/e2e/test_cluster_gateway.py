@@ -1,4 +1,4 @@
-"""Cluster mode, the gateway (issue 16 item 1), with real processes: a real agent streams through
+"""Cluster mode, the gateway, with real processes: a real agent streams through
 `serve --nats` into a real 3-server JetStream cluster. Each batch is in the stream once under its
 message id node:boot:seq; the agent's Ack comes only after JetStream's publish ack (what an agent
 forgot is stored, also across a lost quorum); the marks bucket carries Welcome across gateways."""

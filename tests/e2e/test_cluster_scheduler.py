@@ -1,4 +1,4 @@
-"""Cluster mode, scheduler replicas (issue 16 item 5): `xpusense-collector scheduler` lists then
+"""Cluster mode, scheduler replicas: `xpusense-collector scheduler` lists then
 watches the `fleet` bucket into the scheduler core's index and answers Place from it; any number
 run, each answers alike, and a node's XID event reaches every replica's index."""
 

@@ -1,4 +1,4 @@
-"""Diagnosis events (issue 18) at the collector, end to end on loopback: the real collector gRPC
+"""Diagnosis events at the collector, end to end on loopback: the real collector gRPC
 server (in-process: Ingest, Query, Scheduler) with its real exporters (a Prometheus endpoint scraped
 over HTTP, OTLP to a real gRPC receiver serving MetricsService and LogsService) receives a simulated
 agent's open and close events on the real Ingest stream; the node view, `xpusense-collector nodes`

@@ -1,4 +1,4 @@
-"""clocks_held_down on what the real npu-smi source reads from the fake npu-smi (issue 18): an Ascend
+"""clocks_held_down on what the real npu-smi source reads from the fake npu-smi: an Ascend
 910B4 whose AI Core runs below its rated clock while busy (`npu-smi info -t common`, nearline) and
 whose AI Core usage is high (`-t usages`, realtime). The source's samples are replayed into the
 Diagnoser on a simulated timeline (realtime every second, nearline every 15 s), so the rule judges

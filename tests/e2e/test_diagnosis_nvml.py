@@ -1,4 +1,4 @@
-"""Diagnosis rules on what the real NVML source reads from the fake libnvidia-ml (issue 18): the
+"""Diagnosis rules on what the real NVML source reads from the fake libnvidia-ml: the
 source's samples of a thermal slowdown, of memory at 97% and of a healthy GPU, replayed into the
 Diagnoser on a simulated timeline (realtime readings every second, nearline every 15 s), so the
 rules judge the values and labels the source really emits without minutes of waiting."""

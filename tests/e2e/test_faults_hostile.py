@@ -1,14 +1,11 @@
-"""Hostile clients of a real collector process (issue 13, items 5 and 6): each attack as it was
-reported, and what holds now. The collector's RSS (psutil) before, at its peak and after each memory
-attack is recorded and printed at the end of the run (helpers.record_figure).
+"""Hostile clients of a real collector process, and the bound each meets. The collector's RSS
+(psutil) before, at its peak and after each memory attack is recorded and printed at the end of the
+run (helpers.record_figure).
 
 - The hijack: a local process reads a node's boot id from the Query API and sends seq 2**64-1 as
-  that node, so every later real batch would be acknowledged as a duplicate and dropped.
-- 12 rejected 4 MB batches (RSS 44 -> 526 MB, and it stayed).
-- A client that never reads its acks (+560 MB: the per-stream queue had no bound).
-- series_ref = 0 with new labels each time (1.4 million series past a 200k limit, and a 52 MB
-  ListNodes reply that `nodes` and `top` could not read).
-"""
+  that node, so that every later real batch would be acknowledged as a duplicate and dropped.
+- Memory: rejected 4 MB batches, a client that never reads its acks, and series_ref = 0 with new
+  labels each time (series past the limit, a ListNodes reply too big for `nodes` and `top`)."""
 
 from __future__ import annotations
 
@@ -116,7 +113,7 @@ def forwarder_as_nobody(target: tuple[str, int], errors) -> tuple[int, int]:
         os._exit(0)
 
 
-# ------------------------------------------------------------------------------------------ item 5: the hijack
+# ------------------------------------------------------------------------------------------ the hijack
 
 def test_a_local_process_cannot_silence_a_node_with_a_forged_sequence_number(procs, tmp_path):
     if os.geteuid() != 0:
@@ -203,7 +200,7 @@ def test_a_forger_inside_the_window_costs_at_most_max_seq_jump_batches(procs, tm
            victim_stored_after=after.stored_up_to)
 
 
-# ------------------------------------------------------------------------------------------ item 6: memory
+# ------------------------------------------------------------------------------------------ memory
 
 def test_rejected_big_batches_do_not_stay_in_memory(procs, tmp_path):
     coll = Collector(procs, tmp_path)

@@ -1,4 +1,4 @@
-"""The agent's spool under damaged bytes and a full disk, with real processes (issue 13 items 2, 3):
+"""The agent's spool under damaged bytes and a full disk, with real processes:
 damaged records are skipped, counted and kept aside while every other batch is delivered; a full
 disk is a state the agent reports and leaves by itself, with every batch delivered or counted as
 dropped, memory within its budget, and the systemd watchdog still fed while delivery goes on."""

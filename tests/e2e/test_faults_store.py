@@ -1,5 +1,6 @@
-"""The collector's durable store under a damaged and a full disk, with real processes (issue 13,
-items 1 and 4). Figures are printed at the end of the run (tests/helpers.py record_figure)."""
+"""The collector's durable store under a damaged and a full disk, and its snapshots bounding the
+replay at start, with real processes. Figures are printed at the end of the run (tests/helpers.py
+record_figure)."""
 
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def rewrite(path, fn):
 
 
 def test_damaged_store_the_collector_starts_and_keeps_every_undamaged_batch(procs, tmp_path):
-    """Item 1: the issue's damage, all at once, on a store a real collector wrote (small segments):
+    """Every kind of damage at once, on a store a real collector wrote (small segments):
     eight flipped bytes, a zero-filled segment, a stray msgpack integer, one changed byte inside a
     double, a zeroed tail. The collector starts, logs each damaged range with its position, keeps
     it aside, and replays every other acknowledged batch with its value."""
@@ -174,7 +175,7 @@ def test_damaged_store_the_collector_starts_and_keeps_every_undamaged_batch(proc
                   kept_aside_files=len(kept), start="ok")
 
 
-# -- item 4: a full disk ------------------------------------------------------------------------------
+# -- a full disk -------------------------------------------------------------------------------------
 class RawStream:
     """One Ingest stream by hand: messages in through a queue, replies collected by a thread."""
 
@@ -311,7 +312,7 @@ def flood_batch_samples(k: int) -> list[Sample]:
 
 
 def test_full_disk_is_a_state_held_within_a_bound_and_resumed(procs, tmp_path, small_disk):
-    """Item 4: the store's disk fills while a real agent streams and three clients flood it. One
+    """The store's disk fills while a real agent streams and three clients flood it. One
     error line, health NOT_SERVING, no segment per failure, acks held back (streams held open, not
     ended), memory bounded (past max_pending_bytes the store refuses and those streams are not read);
     space back: SERVING, one line, the agent's batches all stored exactly once."""
@@ -399,7 +400,7 @@ def test_full_disk_is_a_state_held_within_a_bound_and_resumed(procs, tmp_path, s
     assert growth_mb < offered / 2**20, f"collector RSS grew {growth_mb:.1f} MB with {offered / 2**20:.1f} MB offered"
 
 
-# -- issue 15 item 4: snapshots bound the replay at start ----------------------------------------------
+# -- snapshots bound the replay at start -------------------------------------------------------------
 def stop_cleanly(proc) -> int:
     proc.p.send_signal(signal.SIGTERM)
     return proc.p.wait(timeout=120)

@@ -68,8 +68,7 @@ def test_nodes_shows_8_npus_with_utilisation_hbm_and_inventory(procs, tmp_path):
 
 def test_a_hanging_npu_smi_does_not_hold_back_the_other_sources(procs, tmp_path):
     """npu-smi hangs in setup (600 s, with a setup budget as long): the host source streams all the
-    same, and the agent still stops cleanly on SIGTERM (issue 13 item 7: nothing was streamed for the
-    first setup_timeout_s)."""
+    same (not only after setup_timeout_s), and the agent still stops cleanly on SIGTERM."""
     config = CONFIG.replace("timeout_s = 2.0\n", "timeout_s = 2.0\nsetup_timeout_s = 600\n") + "[spool]\nenabled = false\n"
     addr, scenario, agent = start(procs, tmp_path, "hung-npu", config,
                                   {"FAKE_NPU_SMI_DELAY_S": "600", "FAKE_NPU_SMI_DELAY_ON": "info"})

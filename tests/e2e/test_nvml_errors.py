@@ -1,9 +1,8 @@
-"""NVML errors as real drivers return them (issue 14 item 6), through pynvml's ctypes code and the fake.
+"""NVML errors as real drivers return them, through pynvml's ctypes code and the fake.
 
 Unknown, Timeout, NotReady and InUse are transient: the reading comes back once the driver answers
-again (it used to be disabled for the rest of the run). ResetRequired is a health event, and the GPU
-keeps being asked, so a reset brings it back. A GPU that cannot be opened at start is tried again.
-"""
+again. ResetRequired is a health event, and the GPU keeps being asked, so a reset brings it back. A
+GPU that cannot be opened at start is tried again."""
 
 from __future__ import annotations
 

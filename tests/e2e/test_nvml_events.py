@@ -1,4 +1,4 @@
-"""XID events as drivers send them (issue 14 item 7), through pynvml's ctypes code and the fake:
+"""XID events as drivers send them, through pynvml's ctypes code and the fake:
 severity by class (application errors are not GPU failures), 999 as unknown, MIG instance ids."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ event = 0.7 xid 94        # contained ECC error, the whole device: reported
 
 
 def test_a_lost_gpu_in_the_event_set_is_reported_once_and_the_others_events_still_come(libdir, tmp_path):
-    # Once gpu1 is lost every nvmlEventSetWait answers GPU_IS_LOST (nvml.h): the thread used to log
+    # Once gpu1 is lost every nvmlEventSetWait answers GPU_IS_LOST (nvml.h): the thread must not log
     # that every second forever and deliver nothing else.
     scn = write_scenario(tmp_path, h100s(2) + """
 [gpu 1]

@@ -1,9 +1,8 @@
-"""GPM as real drivers answer it (issue 14, items 1 and 3), through pynvml's ctypes code and the fake.
+"""GPM as real drivers answer it, through pynvml's ctypes code and the fake.
 
-Item 1: a GPM call that fails on one GPU (Unknown, ResetRequired, NotSupported on a vGPU profile) is
-no data for that GPU that round; every other GPU keeps its HBM bandwidth, and the failing GPU keeps
-its other readings. Item 3: samples under 100 ms apart and NaN metrics never leave the source.
-"""
+A GPM call that fails on one GPU (Unknown, ResetRequired, NotSupported on a vGPU profile) is no
+data for that GPU that round; every other GPU keeps its HBM bandwidth, and the failing GPU keeps its
+other readings. Samples under 100 ms apart and NaN metrics never leave the source."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Device memory as DCGM reports it (issue 14 item 8): nvmlDeviceGetMemoryInfo_v2 where the driver has
+"""Device memory as DCGM reports it: nvmlDeviceGetMemoryInfo_v2 where the driver has
 it, reserved memory apart from used, used / (total - reserved); the v1 call on older drivers."""
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""MIG as a monitoring agent meets it (issue 14 item 2), through pynvml's ctypes code and the fake.
+"""MIG as a monitoring agent meets it, through pynvml's ctypes code and the fake.
 
 Without the MIG monitor capability (NVIDIA_MIG_MONITOR_DEVICES=all and CAP_SYS_ADMIN in a container)
-the whole-GPU handle answers NO_PERMISSION for memory and processes: the GPU used to be declared lost.
-Now every GPU instance is read through its own handle (memory, processes) and GPM per instance through
-nvmlGpmMigSampleGet (only instances with a compute instance); MIG mode can also change at run time.
-"""
+the whole-GPU handle answers NO_PERMISSION for memory and processes; the GPU is not lost for it:
+every GPU instance is read through its own handle (memory, processes) and GPM per instance through
+nvmlGpmMigSampleGet (only instances with a compute instance); MIG mode can also change at run time."""
 
 from __future__ import annotations
 

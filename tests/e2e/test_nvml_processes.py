@@ -1,4 +1,4 @@
-"""Process lists as each driver generation lays them out (issue 14 item 4), through the fake.
+"""Process lists as each driver generation lays them out, through the fake.
 
 pynvml reads `_v3` entries as 24 bytes; drivers 535.43-535.86 write 32 and older drivers lack `_v3`.
 The source must list the right pids on every generation and never pass on a pid that cannot be a

@@ -1,4 +1,4 @@
-"""Values as drivers of different generations answer them (issue 14 items 5 and 9), through pynvml's
+"""Values as drivers of different generations answer them, through pynvml's
 ctypes code and the fake: field values read by their valueType, impossible temperatures dropped, the
 newest temperature and throttle calls the driver has."""
 

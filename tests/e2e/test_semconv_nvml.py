@@ -1,4 +1,4 @@
-"""What the NVML source reads for the semantic conventions' GPU metrics (issue 20), through pynvml's
+"""What the NVML source reads for the semantic conventions' GPU metrics, through pynvml's
 ctypes code and the fake libnvidia-ml: NVENC/NVDEC utilisation (OTLP hw.gpu.utilization with
 hw.gpu.task encoder/decoder) and the temperature limits of the chip and HBM sensors (OTLP
 hw.temperature.limit); a driver or GPU without them costs only those readings."""

@@ -1,13 +1,9 @@
-"""OTLP that observability stacks understand (issue 20): every metric a real OTLP gRPC receiver gets,
-checked against a table derived from the semantic conventions' own model files
-(tests/fixtures/semconv, the commit in COMMIT): name, unit, instrument, required attributes, the
-attributes the model lists (others only `xpusense.*` or pod attribution), their types and allowed
-values, and the resource (SDK-made, `schema_url`, service/host identity, a process resource for
-process.* metrics). Metrics outside the conventions must be `xpusense.*` and carry none of the wire's
-short labels.
-
-Two paths, the same check: a collector fed by an agent on 8 fake H100s (fake libnvidia-ml) and one on
-8 fake Ascend 910B4s (fake npu-smi); and an agent exporting directly (`[export.otlp] only`)."""
+"""OTLP that observability stacks understand: every metric a real OTLP gRPC receiver gets, checked
+against a table derived from the semantic conventions' own model files (tests/fixtures/semconv):
+name, unit, instrument, attributes (required, listed, types, allowed values) and the resource.
+Metrics outside the conventions must be `xpusense.*` and carry none of the wire's short labels.
+Two paths, the same check: a collector fed by an agent on 8 fake H100s (fake libnvidia-ml) and one
+on 8 fake Ascend 910B4s (fake npu-smi); and an agent exporting directly (`[export.otlp] only`)."""
 
 from __future__ import annotations
 

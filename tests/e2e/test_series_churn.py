@@ -1,13 +1,9 @@
 """Series that come and go (process series carry pids), against real processes: a real collector,
 and a real gateway and worker on a real 3-server JetStream cluster, fed by a raw Ingest client
-that introduces new series, each under a new series_ref, round after round.
-
-What held before: the collector kept every series (185,620 and 381 MB on one node before the
-per-node limit cut it), and past `max_series_per_boot` references in one boot the collector and a
-gateway refused every batch with a new one (RESOURCE_EXHAUSTED), after every reconnect too: the
-node was silenced until its agent restarted. Here the limits are small and `[state] series_idle_s`
-is 1 s, so each round of churn takes about a second: a round's series must be let go before the
-next round ends, and no batch may be refused."""
+that introduces new series, each under a new series_ref, round after round. The limits are small
+and `[state] series_idle_s` is 1 s, so each round of churn takes about a second: a round's series
+must be let go before the next round ends, and no batch may be refused (a node past
+`max_series_per_boot` references must not be silenced until its agent restarts)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """A Debian bookworm tree booted under systemd-nspawn, for tests that need a live systemd.
 
-The tree (debootstrap, variant minbase, plus systemd, dbus, python3, python3-venv and
-ca-certificates) is built once into a cache outside the checkout, named by a hash of its recipe, so
-a changed recipe builds a new one; each test run boots a copy of it, removed afterwards. The
-container shares the host's network (no --private-network): pip inside reaches PyPI, and the
-agent reaches the collector on 127.0.0.1. Commands run inside through nsenter into its PID 1's
-namespaces (there is no machined registration: --register=no).
-
-Environment: XPUSENSE_NSPAWN_CACHE (default /var/cache/xpusense-test), XPUSENSE_DEBIAN_MIRROR
-(default http://deb.debian.org/debian).
-"""
+The tree (debootstrap, minbase plus systemd, dbus, python3, python3-venv, ca-certificates) is built
+once into a cache outside the checkout, named by a hash of its recipe; each test run boots a copy
+of it, removed afterwards. The container shares the host's network (pip inside reaches PyPI, the
+agent reaches the collector on 127.0.0.1); commands run inside through nsenter into its PID 1's
+namespaces (--register=no). Environment: XPUSENSE_NSPAWN_CACHE (default /var/cache/xpusense-test),
+XPUSENSE_DEBIAN_MIRROR (default http://deb.debian.org/debian)."""
 
 from __future__ import annotations
 

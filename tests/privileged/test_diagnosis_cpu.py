@@ -1,4 +1,4 @@
-"""cpu_starvation end to end (issue 18): a job process and CPU hogs pinned to one CPU in a cgroup of
+"""cpu_starvation end to end: a job process and CPU hogs pinned to one CPU in a cgroup of
 the test's own, the runqlat probe loaded for real, its histograms fed to the Diagnoser on a
 simulated clock (5 s a collection, so a 60 s window takes a dozen collections, not a minute); the
 diagnosis names the job's cgroup and pid, and closes once the hogs are gone."""

@@ -1,4 +1,4 @@
-"""network_stack end to end (issue 18): two network namespaces of the test's own joined by two TUN
+"""network_stack end to end: two network namespaces of the test's own joined by two TUN
 devices and a relay process of the test's that can delay and drop packets (this kernel has no
 netem), a paced TCP sender in a cgroup of the test's own, the netio and tcp_rtt probes loaded for
 real. Their samples, stamped with the time they were read, go to the Diagnoser (windows of seconds

@@ -1,4 +1,4 @@
-"""network_stack's NIC finding end to end (issue 18): a veth of the test's own whose XDP program drops
+"""network_stack's NIC finding end to end: a veth of the test's own whose XDP program drops
 every frame, a paced UDP sender on the other side, the host source reading the namespace's interface
 and driver counters for real; its samples, stamped with the time they were read, go to the Diagnoser
 (windows of seconds): the interface opens a diagnosis naming the driver's drop counter, and it closes

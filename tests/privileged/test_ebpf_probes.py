@@ -1,13 +1,10 @@
 """eBPF probes loaded into the real kernel, checked against workloads whose figures the test knows.
 
 Each probe test builds the probe's source, attaches it, drives a known workload (sleeps, O_DIRECT
-I/O on a loop device, UDP and TCP over a veth pair in namespaces of the test's own, ioctls on a
-device node of its own, calls into a fake libcuda built here) and compares the probe's figure with
-it. Tests skip with the reason when not root or when this kernel lacks the probe's features; a
-probe that plans but then fails to compile or attach fails the test. The tests at the end need no
-root (feature-test fallbacks on a fake tracefs, config errors, the pure helpers) are in
-tests/unit/test_ebpf_helpers.py.
-"""
+I/O on a loop device, UDP and TCP over a veth pair in namespaces of its own, ioctls on a device
+node of its own, calls into a fake libcuda built here) and compares the probe's figure with it.
+Skips with the reason when not root or when the kernel lacks a probe's features; a probe that plans
+but then fails to compile or attach fails. Tests that need no root: tests/unit/test_ebpf_helpers.py."""
 
 from __future__ import annotations
 

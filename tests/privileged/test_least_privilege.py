@@ -2,19 +2,9 @@
 
 Each test runs the real agent CLI as uid/gid 65534 (nobody) with exactly the ambient (and bounding)
 capabilities named, checks the process had those and no others, and checks which sources come up:
-- CAP_BPF + CAP_PERFMON + CAP_DAC_READ_SEARCH: the tracepoint probes (runqlat, blkio, netio,
-  accel_ioctl) run; `run --once` streams their samples to a collector;
-- + CAP_NET_ADMIN, in a network namespace of the test's own: tc_traffic runs;
-- + CAP_SYS_ADMIN: cuda_uprobe runs (the kernel's uprobe PMU wants it, see docs/security.md);
-- nothing: every eBPF source is unavailable with a reason, the host source runs.
-
-The interpreter: the virtualenv's Python lives under /root (mode 0700 on CI), which nobody cannot
-enter, so the tests run the system's Python of the same version over the virtualenv's
-site-packages (the same agent code and C extensions). Where the checkout itself is not readable by
-nobody (a clone under /root), those site-packages and the project's packages are copied once into
-a world-readable directory, so the test does not depend on where the checkout lives. Skips with the
-reason when root, setpriv, a matching system Python or eBPF is missing.
-"""
+the tracepoint probes with CAP_BPF + CAP_PERFMON + CAP_DAC_READ_SEARCH, tc_traffic with
+CAP_NET_ADMIN too, cuda_uprobe with CAP_SYS_ADMIN too, and with nothing only the host source.
+Skips with the reason when root, setpriv, a matching system Python or eBPF is missing."""
 
 from __future__ import annotations
 
@@ -79,7 +69,11 @@ SITE: dict[str, str] = {}   # where as_nobody's interpreter finds the agent (the
 @pytest.fixture(scope="module")
 def agent_site():
     """site-packages holding the agent that nobody can read: the virtualenv's where the checkout is
-    readable by others, else a copy (with the project's packages laid out as the wheel would)."""
+    readable by others, else a copy (with the project's packages laid out as the wheel would).
+
+    The virtualenv's Python lives under /root (mode 0700 on CI), which nobody cannot enter, so the
+    tests run the system's Python of the same version over these site-packages (the same agent code
+    and C extensions); the copy, made once, keeps the test independent of where the checkout lives."""
     here = Path(venv_site())
     if readable_by_others(here) and readable_by_others(ROOT / "agent" / "cli.py"):
         SITE["dir"] = str(here)

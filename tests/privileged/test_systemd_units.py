@@ -1,30 +1,10 @@
-"""The units under a live systemd, the wheel as users install it (issue 19).
-
-A Debian bookworm tree (tests/privileged/nspawn.py: debootstrap once into a cache, a copy per run)
-boots under systemd-nspawn. The wheel is built with `python -m build` from this checkout, and
-`scripts/install-host.sh` (README "Install on a host") installs it and the units inside, unchanged.
-Then, through systemctl and journalctl inside the container, in order:
-
-1. both units active; the agent (Type=notify) ready, the collector storing its batches; the agent's
-   file system read-only but its spool (ProtectSystem=strict + StateDirectory=);
-2. journald entries with the fields an operator filters on (_SYSTEMD_UNIT, PRIORITY, XPUSENSE_SOURCE);
-3. watchdog: with the collector stopped (so batches wait in the spool), the agent is frozen with
-   SIGSTOP; systemd restarts it within WatchdogSec + a margin, and the new agent resends the frozen
-   one's spooled batches;
-4. `systemctl stop` drains: the agent's stop line counts the batches its boot made, none left
-   unacknowledged, and the collector stored them all;
-5. upgrade: a newer wheel through the same script (which restarts the units) keeps the spool and
-   the collector's store;
-6. the least-privilege drop-in: the agent as user xpusense with exactly docs/security.md's
-   capabilities, still delivering; `xpusense-agent sources` run with the drop-in's identity says
-   which sources that allows here;
-7. across all of it, every batch any agent boot made is stored once: made == stored.
-
-The container has no GPU/NPU and no bcc: nvml, npu-smi and the eBPF probes report themselves
-unavailable (with their reasons), the host and agent sources run. Figures (cold/warm set-up,
-restart time, batches made/stored) go to the run's summary. Skips with the reason without root,
-systemd-nspawn, debootstrap or the `build` module.
-"""
+"""The units under a live systemd, the wheel as users install it: a Debian bookworm tree
+(tests/privileged/nspawn.py) boots under systemd-nspawn, the wheel built from this checkout is
+installed with `scripts/install-host.sh` (README "Install on a host"), and the tests below run in
+order through systemctl and journalctl inside the container. It has no GPU/NPU and no bcc: nvml,
+npu-smi and the eBPF probes report themselves unavailable, the host and agent sources run. Figures
+(cold/warm set-up, restart time, batches made/stored) go to the run's summary. Skips with the
+reason without root, systemd-nspawn, debootstrap or the `build` module."""
 
 from __future__ import annotations
 
@@ -200,6 +180,8 @@ def deployed(tmp_path_factory):
 
 
 def test_units_active_and_batches_stored(deployed):
+    """Both units active; the agent (Type=notify) ready, the collector storing its batches; the
+    agent's file system read-only but its spool (ProtectSystem=strict + StateDirectory=)."""
     d = deployed
     assert "xpusense 0.1.0" in d.install_log or "installed" in d.install_log
     d.wait_active(COLLECTOR)
@@ -236,6 +218,9 @@ def test_journal_fields_operators_filter_on(deployed):
 
 
 def test_watchdog_restarts_a_hung_agent_and_its_spool_is_replayed(deployed):
+    """With the collector stopped (so batches wait in the spool), the agent is frozen with SIGSTOP;
+    systemd restarts it within WatchdogSec + a margin, and the new agent resends the frozen one's
+    spooled batches."""
     d = deployed
     watchdog_s = watchdog_sec(d)
     old_pid = d.main_pid()
@@ -275,6 +260,8 @@ def watchdog_sec(d: Deployment) -> int:
 
 
 def test_stop_drains_every_batch_made(deployed):
+    """`systemctl stop`: the agent's stop line counts the batches its boot made, none left
+    unacknowledged, and the collector stored them all."""
     d = deployed
     boot = d.current_boot()
     d.wait_delivering(d.stored() + 3)
@@ -295,6 +282,7 @@ def test_stop_drains_every_batch_made(deployed):
 
 
 def test_upgrade_keeps_spool_and_store(deployed):
+    """A newer wheel through the same script (which restarts the units)."""
     d = deployed
     old, newer = d.wheels
     boot = d.current_boot()
@@ -343,6 +331,8 @@ def dropin_properties() -> list[str]:
 
 
 def test_least_privilege_dropin(deployed):
+    """The agent as user xpusense with exactly docs/security.md's capabilities, still delivering;
+    `xpusense-agent sources` run with the drop-in's identity says which sources that allows here."""
     d = deployed
     boot = d.current_boot()
     caps = documented_caps()
@@ -374,6 +364,7 @@ def test_least_privilege_dropin(deployed):
 
 
 def test_every_batch_made_is_stored_once(deployed):
+    """Across all of the above, every batch any agent boot made is stored once: made == stored."""
     d = deployed
     boot = d.current_boot()
     d.wait_delivering(d.stored() + 2)

@@ -383,7 +383,7 @@ def test_localhost_is_loopback_by_name_even_without_a_resolver(monkeypatch):
     assert not is_loopback_host("localhost.example.com") and not is_loopback_host("notlocalhost")
 
 
-# ------------------------------------------------------------------------------------------ bounds against hostile clients (issue 13)
+# ------------------------------------------------------------------------------------------ bounds against hostile clients
 
 def _state_and_limits(now_ns, **limits):
     from xpusense.collector.state import FleetState

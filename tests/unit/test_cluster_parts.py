@@ -282,8 +282,8 @@ def test_a_stopping_worker_hands_its_partitions_over_at_once():
 
 def test_a_stopping_gateway_writes_its_marks_within_a_bound():
     """Marks.flush_all(timeout_s): the marks the cluster takes are written; those it never answers
-    for are given up after the bound and counted (their agents resend, dropped downstream), where
-    each used to take 5 tries of a publish timeout."""
+    for are given up after the bound and counted (their agents resend, dropped downstream), not
+    after 5 tries of a publish timeout each."""
     import asyncio
 
     from xpusense.collector.cluster.seq_marks import Marks

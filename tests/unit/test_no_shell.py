@@ -1,9 +1,8 @@
-"""No shell anywhere: every external command is an argv list (issue 7, hostile input).
+"""No shell anywhere: every external command is an argv list (hostile input).
 
 Parses every Python file under agent/, collector/, probes/ and client/ and fails on `shell=True`
 (or any non-literal-False `shell=`), on os.system/os.popen/subprocess.getoutput/getstatusoutput/
-asyncio.create_subprocess_shell, and on subprocess calls whose command is a string.
-"""
+asyncio.create_subprocess_shell, and on subprocess calls whose command is a string."""
 
 from __future__ import annotations
 

@@ -515,7 +515,7 @@ def test_module_names_one_source():
 
 
 def test_a_bad_npu_id_followed_by_a_continuation_line_is_a_parse_error():
-    # Used to raise KeyError (the continuation was appended to a key the bad NPU never had).
+    # Not a KeyError (the continuation must not be appended to a key the bad NPU never had).
     with pytest.raises(ParseError, match="NPU ID is not a number at line 1") as e:
         parse_kv("NPU ID : x\n\t : more\nChip ID : 0\nPower(W) : 3\n")
     assert e.value.partial.npus[0].npu_id is None

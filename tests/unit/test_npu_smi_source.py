@@ -399,7 +399,7 @@ def test_fake_rejects_unknown_commands_like_npu_smi(scenario):
 
 def test_endless_output_is_cut_at_the_bound_and_the_call_killed(source, scenario, tmp_path):
     """`yes` as npu-smi for one NPU: that call is killed past max_output_bytes and counted; the other
-    NPUs are read; the agent's memory does not follow the output (issue 13 item 7)."""
+    NPUs are read; the agent's memory does not follow the output."""
     import psutil
     from helpers import record_figure
     wrapper = tmp_path / "npu-smi"

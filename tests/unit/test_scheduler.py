@@ -555,7 +555,7 @@ def test_the_core_does_not_import_the_agent():
     assert out.strip() == "[]"
 
 
-# -- the index off the ingest path (issue 15 item 2) -------------------------------------------------
+# -- the index off the ingest path -------------------------------------------------
 
 def test_the_index_is_refreshed_off_the_ingest_path_and_place_never_uses_data_older_than_its_bound():
     """A stored batch only marks its node dirty; Place refreshes every node marked more than

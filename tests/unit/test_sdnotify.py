@@ -97,8 +97,8 @@ def test_the_agent_says_ready_and_pings_while_running(procs, tmp_path, notify_so
 
 
 def test_pings_stop_when_delivery_stops_while_the_tier_loop_runs(notify_socket, tmp_path):
-    """Issue 13 item 3: the batcher died on a full disk and the watchdog, fed by the tier loop alone,
-    kept saying the agent was healthy. Here the stream's batcher is stuck in a spool write that does
+    """A watchdog fed by the tier loop alone would say the agent is healthy while delivery is dead.
+    Here the stream's batcher is stuck in a spool write that does
     not return (a hung disk), the tier loop keeps going: no pings until the write returns."""
     from xpusense.agent.sources.base import Sample
     from xpusense.agent.spool import Spool

@@ -145,7 +145,7 @@ def test_made_up_boot_ids_do_not_grow_the_state_without_bound():
     assert len(n.refs) <= MAX_BOOTS_REMEMBERED
 
 
-# -- the spool's damaged records and a failing disk, seen from the stream (issue 13 items 2, 3) ----
+# -- the spool's damaged records and a failing disk, seen from the stream ----
 
 def spool_with(tmp_path, batches):
     """A spool holding (boot, seq, bytes) records, as a killed agent would have left it."""
@@ -259,8 +259,8 @@ def test_a_sample_that_cannot_be_encoded_costs_that_sample_only(client_factory):
 
 
 def test_a_connection_that_fails_at_once_does_not_reset_the_backoff(client_factory, monkeypatch):
-    """Item 4 saw 879 reconnects to a collector that accepted and then failed: each connect reset
-    the backoff. Only a connection that stayed up backoff_reset_s resets it now."""
+    """A collector that accepts and then fails must not reset the backoff at each connect: only a
+    connection that stayed up backoff_reset_s resets it."""
     import asyncio
     import threading
     import time

@@ -4,13 +4,7 @@ print what it saw as one JSON document: inventory, describe(), and the samples o
     python drive_source.py ROUNDS [--gap-s 0.25] [--until-event TYPE] [--until-t T] [--deadline-s 15]
                                   [--no-gpm] [--no-events]
 
-ROUNDS is a comma list of tiers (realtime, nearline, offline) run in order, `gap-s` apart (GPM
-metrics are computed between two samples, so realtime rounds need time between them); with
---until-event or --until-t the list repeats until that event arrived or the scenario clock reached
-T (or the deadline passed). Each round records `st`, the scenario time when it started (the fake's
-fakeNvmlNow()), so a test judges rounds by where they fell on the timeline, not by how fast it ran;
-each event records the index of the round after which it was drained (`round`).
-"""
+ROUNDS is a comma list of tiers (realtime, nearline, offline) run in order, `gap-s` apart (main())."""
 
 import argparse
 import json
@@ -34,6 +28,11 @@ def scenario_now() -> float:
 
 
 def main():
+    """GPM metrics are computed between two samples, so realtime rounds need time between them; with
+    --until-event or --until-t the list of rounds repeats until that event arrived or the scenario
+    clock reached T (or the deadline passed). Each round records `st`, the scenario time when it
+    started (the fake's fakeNvmlNow()), so a test judges rounds by where they fell on the timeline,
+    not by how fast it ran; each event records the index of the round after which it was drained."""
     p = argparse.ArgumentParser()
     p.add_argument("rounds")
     p.add_argument("--gap-s", type=float, default=0.25)
