@@ -73,7 +73,7 @@ def test_back_within_3_s_of_the_collector_answering(procs, tmp_path):
     agent = _agent(procs, tmp_path, addr, "outage-node")
     wait_until(lambda: _connects(agent.output(), addr), 60, what="connected")
     c.kill(signal.SIGKILL)
-    time.sleep(20.0)          # an outage long enough for the old backoff to reach its 10 s cap
+    time.sleep(20.0)          # an outage long enough for an exponential backoff to reach its 10 s cap
     before = len(_connects(agent.output(), addr))
     _collector(procs, addr, "collector-back")   # returns once it answers health checks
     answering = time.time()

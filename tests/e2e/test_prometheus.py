@@ -2,7 +2,7 @@
 a temporary TSDB), read back through Prometheus's HTTP query API: every series of two nodes (8 fake
 H100s, 8 fake Ascend 910B4s) under its native name, and the dcgm-exporter / npu-exporter names with
 their units and labels, equal to what the collector holds; and a node sending names and labels
-Prometheus would refuse, which no longer fails the scrape (promtool reads the same text)."""
+Prometheus would refuse, which must not fail the scrape (promtool reads the same text)."""
 
 from __future__ import annotations
 

@@ -185,7 +185,7 @@ def test_indexed_search_answers_as_the_full_scan_does_with_many_blocks_per_bucke
 def test_a_refresh_that_finds_nothing_moved_answers_as_one_that_regroups(monkeypatch):
     """An idle node's round (the same readings, health and no events: what most of a fleet's
     nodes send between jobs) keeps its groups and their filing (FleetView.unchanged counts it).
-    Two cores follow one fleet state, the second regrouping on every refresh as before: every
+    Two cores follow one fleet state, the second regrouping on every refresh: every
     answer is the same, while nodes go idle, busy, unhealthy and back with the same readings,
     take XIDs and checkpoint requests, and those windows end."""
     from xpusense.collector.scheduler import fleet as fleet_mod

@@ -1,4 +1,4 @@
-"""The fleet state's history kept compactly (collector/series_history.py), answered as before by
+"""The fleet state's history kept compactly (collector/series_history.py), answered by
 GetHistory; latest values, counter rates and histograms alongside; and the [state] max_memory
 budget: history shortened first, then samples of new series dropped, counted, never past it."""
 
