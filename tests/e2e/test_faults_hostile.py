@@ -214,8 +214,8 @@ def test_rejected_big_batches_do_not_stay_in_memory(procs, tmp_path):
         assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "limits.max_samples_per_batch" in err.details()
         peak = max(peak, coll.rss_mb())
-    # Before: ~40 MB kept per rejection (the aborted stream's traceback held the message in a cycle,
-    # which gc.freeze then made permanent). Now it is let go once each stream has ended.
+    # A rejected message must be let go once its stream has ended: an aborted stream's traceback can
+    # hold the message in a cycle, which gc.freeze would make permanent.
     after = wait_until(lambda: (r := coll.rss_mb()) < before + 60 and r, timeout_s=60,
                        what="the collector's RSS back near where it was")
     record("12 rejected batches", batch_mb=size_mb, rss_before_mb=before, rss_peak_mb=peak, rss_after_mb=after)
