@@ -131,8 +131,8 @@ class CAgents:
 
 
 class PyAgents:
-    """collector_ingest.worker processes (grpc aio), the agents spread over `procs` of them: ~470 us
-    of CPU a batch on a 2-core VM, to compare with figures taken with it."""
+    """collector_ingest.worker processes (grpc aio), the agents spread over `procs` of them: about
+    10x the C generator's CPU a batch, to compare with figures taken with it."""
 
     def __init__(self, indices: list[int], address: str, rate: float, window: int, cpus: list[int], procs: int):
         from collector_ingest import worker
