@@ -1,19 +1,6 @@
 """The Ingest stream's requests as they came on the wire: a batch is kept (the single collector's
-durable store) or published (a cluster gateway) in the bytes the agent sent, not serialized again.
-
-An AgentMessage holding a batch is the Batch's own encoding after a tag (field 2, length-delimited)
-and a length, so those bytes are a slice of what was received. `parse_agent_message` is the Ingest
-stream's request deserializer: it keeps the bytes of the message it parsed last, with the message
-itself (so that `batch_wire` can tell it is handed that very message, never a later one with a
-recycled id). A stream's reader takes them as soon as its `async for` hands over the message,
-before it awaits anything, so no other stream's message is parsed in between; taking them lets
-them go (at most one message's bytes are held beyond that: the last one parsed, until the next).
-
-The usual batch (no events) is not parsed by protobuf at all: the C reader (`_wire_rows.lean_batch`)
-checks every field of it as protobuf would and reads its ids, seq and samples' columns in one pass,
-and the message is a LeanMessage holding a WireBatch, which parses the whole Batch only when
-something reads more than that (a new series' name and labels, an exporter's samples). Bytes the C
-reader does not accept whole are parsed by protobuf, which refuses what it always refused.
+durable store) or published (a cluster gateway) in the bytes the agent sent, not serialized again,
+and the usual batch is read by a C reader (`_wire_rows`) rather than parsed by protobuf.
 """
 
 from __future__ import annotations
@@ -33,6 +20,13 @@ INGEST_SERVICE = pb.DESCRIPTOR.services_by_name["Ingest"].full_name
 _BATCH_TAG = 0x12   # field 2 (batch), length-delimited
 
 
+# An AgentMessage holding a batch is the Batch's own encoding after a tag (field 2, length-delimited)
+# and a length, so those bytes are a slice of what was received. `parse_agent_message`, the Ingest
+# stream's request deserializer, keeps the bytes of the message it parsed last, with the message
+# itself (so that `batch_wire` can tell it is handed that very message, never a later one with a
+# recycled id). A stream's reader takes them as soon as its `async for` hands over the message,
+# before it awaits anything, so no other stream's message is parsed in between; taking them lets
+# them go (at most one message's bytes are held beyond that: the last one parsed, until the next).
 class _Received:
     __slots__ = ("raw", "msg")
 
@@ -100,7 +94,11 @@ class LeanMessage:
 
 def parse_agent_message(raw: bytes) -> pb.AgentMessage | LeanMessage:
     """A batch without events that the C reader accepts whole: a LeanMessage. Anything else:
-    AgentMessage.FromString, keeping `raw` for batch_wire."""
+    AgentMessage.FromString, keeping `raw` for batch_wire. The C reader checks every field of the
+    usual batch as protobuf would and reads its ids, seq and samples' columns in one pass; the
+    WireBatch parses the whole Batch only when something reads more than that (a new series' name
+    and labels, an exporter's samples). Bytes it does not accept whole are parsed by protobuf,
+    which refuses what it always refused."""
     if _wire_rows is not None and raw[:1] == b"\x12" and (lean := _wire_rows.lean_batch(raw)) is not None:
         _received.raw, _received.msg = b"", None   # what an earlier message left: not held on
         return LeanMessage(WireBatch(*lean))
