@@ -28,10 +28,10 @@ from .cluster.cli import add_nats_flag, run_cluster, wants_cluster
 from .cluster.cli import add_parsers as add_cluster_parsers
 from .config import load_collector
 from .exporters import Exporters
-from .gc_policy import freeze_long_lived
+from .gc_policy import freeze_long_lived, reclaim_pending
 from .limits import Limits
 from .scheduler.service import add_place_parser, place_command
-from .server import BindError, check_bind, reclaim_pending, serve
+from .server import BindError, check_bind, serve
 from .state import FleetState
 from .store import Store, StoreError
 from .store.snapshotter import Snapshotter

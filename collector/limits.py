@@ -1,47 +1,9 @@
-"""Limits on what one agent may send: samples and events per batch, labels per sample, name and label
-lengths, histogram buckets, and batches per second per node and boot (a token bucket with a burst;
-per boot, so that another process claiming the node id cannot spend the real agent's batches).
-
-`Limits.check(node_id, batch)` runs on the collector's event loop for every batch before it is stored
-and returns a `Violation` (a gRPC status code and a message naming the limit) or None; the Ingest
-servicer aborts that stream with it, and the collector and every other stream carry on. The size of
-one message is bounded before any of this by gRPC itself (`max_message_bytes`, RESOURCE_EXHAUSTED).
-
-Reading a sample's labels from Python is the costly part of ingest, so names and labels are checked
-once per series reference (`series_ref`) of a node's boot, which is also all the fleet state reads
-for a known reference: a later sample with the same reference is not read again, here or there.
-References enter the checked set only when their whole batch passed. The set is kept in two
-generations (collector/idle.py RefGenerations, turned every `[state] series_idle_s`): references of
-series gone idle are let go (counted `limits.series_refs.expired`), and a boot never holds more
-than `max_series_per_boot`: past it the idle ones go first, and new ones that still do not fit
-are checked each time they come instead of remembered (counted `limits.max_series_per_boot`, a
-bound hit, not a refusal: a node is never silenced by how many series it has had).
-
-Codes: INVALID_ARGUMENT for a batch that would never pass (too many samples, a label too long: fix
-the agent or raise the limit), RESOURCE_EXHAUSTED for the rate and the series of a node (the agent
-backs off and resends), FAILED_PRECONDITION for a sequence number too far ahead (see below).
-
-With what is stored at hand (`check(node_id, batch, state)`, `state` a `Stored`: the collector's
-FleetState, a gateway's marks and stream, a worker's node), two more bounds:
-- Series per node (`max_series_per_node`), counted by name and labels whatever the `series_ref`
-  (0 included): a batch that would add more is refused, after the node's series with no point for
-  `history_s` are let go (`FleetState.evict_expired`).
-- Sequence numbers (`max_seq_jump`): a batch may be at most `max_seq_jump` above the highest one
-  stored for its boot, plus `batches_per_s` for every second since that one was stored. An agent
-  cannot make batches faster than that, so even after an outage whose oldest batches its spool
-  dropped, its next batch is within reach (or is once enough time has passed: it is refused and
-  resent with backoff); a forged seq of 2**64-1 is refused instead of making every later batch of
-  the boot look like a resend. A boot with nothing stored yet has no bound (nothing to count from).
-  `seq_ceiling` is that bound, the one implementation: the gateway and the worker call it too.
-
-Every refusal is counted by the key of its limit (`hits`, shown by the Query API's counters).
-
-`Limits.interceptors()` adds one more guard for every method on the port: a message that does not
-parse (bad wire format, bad UTF-8) ends its call with INVALID_ARGUMENT, instead of escaping the
-servicer as an exception (UNKNOWN, and a traceback in the log for every such message); so does a
-Hello whose node or boot id is empty, over 253 characters, or holds spaces or control characters
-(ids go into log lines: a newline in one would forge a line).
-Violations and malformed messages are logged at most `log_per_s` a second.
+"""Limits on what one agent may send, checked for every batch before it is kept: sizes (samples,
+events, labels, names, histogram buckets), batches per second per node boot, and, with what is
+stored at hand, series per node and how far ahead a sequence number may be. A refusal is a
+`Violation` (a gRPC status code and a message naming the limit), counted by its config key in
+`hits`; its stream ends, and the collector and every other stream carry on. `interceptors()` ends
+a call whose message does not parse with INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -89,6 +51,9 @@ class RateLimitedLog:
         self.logger.warning(msg, *args)
 
 
+# Codes: INVALID_ARGUMENT for a batch that would never pass (too many samples, a label too long: fix
+# the agent or raise the limit), RESOURCE_EXHAUSTED for the rate and the series of a node (the agent
+# backs off and resends), FAILED_PRECONDITION for a sequence number too far ahead.
 @dataclasses.dataclass(frozen=True)
 class Violation:
     code: grpc.StatusCode
@@ -230,6 +195,11 @@ class Limits:
                          f"collector's limits.max_inventory_bytes = {self.max_inventory_bytes}", "max_inventory_bytes")
 
     def interceptors(self) -> list:
+        """A guard for every method on the port: a message that does not parse (bad wire format, bad
+        UTF-8) ends its call with INVALID_ARGUMENT, instead of escaping the servicer as an exception
+        (UNKNOWN, and a traceback in the log for every such message); so does a Hello whose node or
+        boot id is empty, over 253 characters, or holds spaces or control characters (ids go into
+        log lines: a newline in one would forge a line). Logged at most `log_per_s` a second."""
         return [_MalformedInput(self.log)]
 
     def _bad(self, what: str, key: str, limit) -> Violation:
@@ -253,7 +223,12 @@ class Limits:
         return self._check_samples(node_id, batch, state, refs)
 
     def check_seq(self, node_id: str, boot_id: str, seq: int, state: Stored) -> Violation | None:
-        """The bound on sequence numbers alone (not counted here: `check` counts what it refuses)."""
+        """The bound on sequence numbers alone (not counted here: `check` counts what it refuses).
+        An agent cannot make batches faster than `batches_per_s`, so even after an outage whose
+        oldest batches its spool dropped, its next batch is within reach (or is once enough time has
+        passed: it is refused and resent with backoff); a forged seq of 2**64-1 is refused instead
+        of making every later batch of the boot look like a resend. `seq_ceiling` is that bound,
+        the one implementation: the gateway and the worker call it too."""
         mark = state.seq_mark(node_id, boot_id)
         ceiling = None if mark is None else seq_ceiling(mark[0], mark[1], self.max_seq_jump, self.batches_per_s)
         if ceiling is None or seq <= ceiling:
@@ -267,8 +242,10 @@ class Limits:
     def _check_samples(self, node_id: str, batch: pb.Batch, state=None,
                        refs: Sequence[int] | None = None) -> Violation | None:
         """Each series of this boot is checked once (by its series_ref) while it is in use (see
-        _remember). With the state: the series the batch would add to its node (by name and labels,
-        references or not) count against max_series_per_node."""
+        _remember): reading a sample's labels from Python is the costly part of ingest, and the
+        fleet state does not read them either for a known reference. With the state: the series the
+        batch would add to its node (by name and labels, references or not) count against
+        max_series_per_node, after the node's series idle for `history_s` are let go."""
         key = (node_id, batch.boot_id)
         gens = self._checked.get(key)
         if gens is None:
@@ -387,6 +364,8 @@ class Limits:
         return self._check_map(e.attributes, "event", e.type)
 
     def _rate(self, node_id: str, boot_id: str = "") -> Violation | None:
+        """A token bucket with a burst, per boot: another process claiming the node id cannot spend
+        the real agent's batches."""
         now = self.clock()
         key = (node_id, boot_id)
         b = self._buckets.get(key)
@@ -416,21 +395,6 @@ class Limits:
 
 def check_hello(hello: pb.Hello) -> str | None:
     return bad_id("node_id", hello.node_id) or bad_id("boot_id", hello.boot_id)
-
-
-async def read_hello(request_iterator, context, security) -> pb.Hello | None:
-    """The first message of an Ingest stream: a Hello with a node id and a boot id, from a peer
-    whose credentials may speak for that node (`security`: collector/auth.py Security, or None).
-    Aborts the call otherwise; None when the stream ended before any message."""
-    first = await anext(aiter(request_iterator), None)
-    if first is None:
-        return None
-    if not first.HasField("hello") or not first.hello.node_id or not first.hello.boot_id:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            "the first message of a stream must be a Hello with node_id and boot_id")
-    if security is not None:
-        await security.authorize(context, first.hello.node_id)   # aborts the stream when not allowed
-    return first.hello
 
 
 class MalformedRequest(Exception):

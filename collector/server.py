@@ -1,24 +1,13 @@
-"""The collector's gRPC server: the Ingest stream from agents, the Query API and gRPC health,
-all on one port, on one asyncio event loop that owns the fleet state.
-
-Bounds (collector/limits.py, `[limits]`): Ingest streams open at once (`max_streams`), node ids
-(`max_nodes`). A collector without a durable store reads a stream's next message only once it has
-acknowledged the last (one task a stream: gRPC's flow control holds back a client that does not read
-its acks); with a store, reading and acknowledging are pipelined, bounded per stream by what was read
-and not yet acknowledged (`max_stream_pending_batches`, `max_stream_pending_bytes`: past either the
-stream is not read until acks go out). A stream's messages are let go when it ends, and the garbage
-collector runs soon after (the exception of an aborted call holds them in a reference cycle).
-ListNodes replies are pages of at most `max_reply_bytes`; boot ids go only to callers the collector
-trusts (`QueryServicer.trusted`).
+"""The collector's gRPC server: the Ingest stream from agents (the fleet state and its store as the
+sink of collector/ingest_session.py), the Query API, Scheduler.Place and gRPC health, all on one
+port, on one asyncio event loop that owns the fleet state.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import errno
 import functools
-import gc
 import logging
 import socket
 
@@ -32,154 +21,138 @@ from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from . import gc_policy
 from .batch_rows import BatchRows
+from .ingest_session import IngestSession, PendingWindow, Sink
 from .limits import DEFAULTS as LIMITS
-from .limits import MalformedRequest, Violation, read_hello, short_boot
+from .limits import Violation
 from .query import state_query
 from .scheduler.service import SCHEDULER_SERVICE
 from .scheduler.service import add_to_server as add_scheduler
 from .state import FleetState
 from .store import StoreError
-from .wire import INGEST_SERVICE, add_ingest, batch_wire
+from .wire import INGEST_SERVICE, add_ingest
 
 log = logging.getLogger("xpusense.collector")
 
 QUERY_SERVICE = pb.DESCRIPTOR.services_by_name["Query"].full_name
 
 
-class _Window:
-    """What one stream holds between reading a batch and acknowledging it: at most `max_batches`
-    batches and `max_bytes` bytes (as they came on the wire); past either, the reader waits."""
+class FleetStream(Sink):
+    """One agent stream into the fleet state. Without a store each batch is accepted, applied and
+    acknowledged as it is read. With one, batches are written to the store as they come and
+    acknowledged in order once fsync'ed, then applied: batches that arrive together share a group
+    commit (a spool draining after an outage is not held to one fsync per batch)."""
 
-    def __init__(self, max_batches: int, max_bytes: int):
-        self.max_batches, self.max_bytes = max_batches, max_bytes
-        self.sizes: collections.deque[int] = collections.deque()
-        self.bytes = 0
-        self._room = asyncio.Event()
-        self._room.set()
+    def __init__(self, ingest: IngestServicer, node_id: str, boot_id: str, peer: str, welcome: pb.Welcome):
+        self.ingest, self.state, self.store, self.limits = ingest, ingest.state, ingest.store, ingest.limits
+        self.node_id, self.boot_id, self.peer, self.welcome = node_id, boot_id, peer, welcome
+        if self.store is not None:   # read and not yet acknowledged, per stream
+            lim = self.limits
+            self.window = PendingWindow(
+                int(lim.max_stream_pending_batches if lim else LIMITS["max_stream_pending_batches"]),
+                int(lim.max_stream_pending_bytes if lim else LIMITS["max_stream_pending_bytes"]),
+                lim.hit if lim else None)
 
-    def full(self) -> bool:
-        return len(self.sizes) >= self.max_batches or self.bytes >= self.max_bytes
+    def take_now(self, b, wire: bytes | None) -> pb.Ack | Violation:
+        rows = BatchRows(b, wire)   # read once, for the limits and the state
+        if self.limits is not None and (why := self.limits.check(self.node_id, b, self.state, rows.refs)):
+            return why
+        previous = self.state.accept(b)
+        if previous is not None:
+            self.state.apply(b, rows)
+        return pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=previous is None)
 
-    def add(self, size: int) -> None:
-        self.sizes.append(size)
-        self.bytes += size
-        if self.full():
-            self._room.clear()
-
-    def done(self) -> None:
-        if self.sizes:
-            self.bytes -= self.sizes.popleft()
-        if not self.full():
-            self._room.set()
-
-    async def wait(self) -> None:
-        await self._room.wait()
-
-
-class _Reclaim:
-    """Collect garbage cycles soon after a stream ended: an aborted call's exception and traceback
-    keep its frames, and the last message read, in a cycle that reference counting does not free.
-    Twice: `delay_s` after the end, and `late_s` after that (gRPC may still hold the call then),
-    again if another stream ended meanwhile. Cheap in `serve`, where the long-lived state is
-    frozen (gc_policy.freeze_long_lived, which does not freeze while runs are due, `reclaim_pending()`:
-    a cycle frozen would be kept until its next sweep): only what is not frozen yet is looked at.
-    But a message read before a freeze is frozen with everything else alive then: after a stream
-    the collector aborted (a refused batch, often a large one), the late run is a sweep of
-    everything (gc_policy.sweep, ~0.4 s of CPU at 1,000 nodes), at most every `deep_every_s`
-    (later when one ran sooner), counted in `deep_runs`: a client refused again and again costs
-    that pause that often, and its refused messages are held at most that long."""
-
-    waiting = 0   # instances with runs due, in this process
-
-    def __init__(self, delay_s: float = 0.05, late_s: float = 1.0, deep_every_s: float = 30.0):
-        self.delay_s, self.late_s, self.deep_every_s = delay_s, late_s, deep_every_s
-        self.pending = False   # runs are due
-        self.again = False     # a stream ended after the first run
-        self.runs = 0
-        self.deep_wanted = False   # an aborted stream ended since the last sweep
-        self.deep_runs = 0
-        self.deep_last = -deep_every_s
-        self.deep_timer: asyncio.TimerHandle | None = None
-
-    def soon(self, aborted: bool = False) -> None:
-        self.deep_wanted |= aborted
-        if self.pending:
-            self.again = True
-            return
-        self.pending = True
-        _Reclaim.waiting += 1
-        asyncio.get_running_loop().call_later(self.delay_s, self._run, True)
-
-    def _run(self, first: bool) -> None:
-        self.runs += 1
-        if not first and self.deep_wanted:
-            self._deep()
+    async def take(self, b, wire: bytes | None, size: int):
+        rows = BatchRows(b, wire)
+        if self.limits is not None and (why := self.limits.check(self.node_id, b, self.state, rows.refs)):
+            return why
+        store = self.store
+        await store.wait_room(size)   # a slow or failing disk: this stream waits, unread
+        previous = self.state.accept(b)
+        if previous is None:   # a resend: acknowledged once what it resends is durable
+            durable = store.barrier()
         else:
-            gc.collect()
-        if first or self.again:
-            self.again = False
-            asyncio.get_running_loop().call_later(self.late_s, self._run, False)
-        else:
-            self.pending = False
-            _Reclaim.waiting -= 1
+            durable = store.submit(["b", wire if wire is not None else b.SerializeToString()])
+            store.track(durable, self.node_id, b.boot_id, b.seq)
+            key = (self.node_id, b.boot_id)
+            undurable = self.ingest.undurable
+            undurable[key] = undurable.get(key, 0) + 1
+            durable.add_done_callback(functools.partial(self.ingest.settled, key))
+        if durable.done() and durable.exception() is not None:
+            self.stopped = True   # refused: nothing after it may be stored before it (settle ends the stream)
+        return b, previous, durable, rows
 
-    def _deep(self) -> None:
-        if not gc.get_freeze_count():   # nothing frozen (no freeze policy in this process)
-            self.deep_wanted = False
-            gc.collect()
-            return
-        loop = asyncio.get_running_loop()
-        wait = self.deep_last + self.deep_every_s - loop.time()
-        if wait > 0:
-            gc.collect()
-            if self.deep_timer is None:
-                self.deep_timer = loop.call_later(wait, self._deep_due)
-            return
-        self.deep_wanted, self.deep_last = False, loop.time()
-        self.deep_runs += 1
-        gc_policy.sweep("after an aborted stream")
+    async def inventory(self, inv: pb.Inventory) -> Violation | None:
+        """The node's accelerators changed: kept and stored, or refused."""
+        if self.limits is not None and (v := self.limits.check_inventory(inv)):
+            self.ingest.refuse(v, self.peer)
+            return v
+        self.state.set_inventory(self.node_id, inv)
+        if self.store is not None:
+            self.store.append_nowait(["i", self.node_id, self.boot_id, inv.SerializeToString()])
+        return None
 
-    def _deep_due(self) -> None:
-        self.deep_timer = None
-        if self.deep_wanted:
-            self._deep()
+    async def ready(self) -> None:
+        if self.store is not None and self.ingest.undurable.get((self.node_id, self.boot_id)):
+            # The Welcome's stored_up_to acknowledges what it covers: not before that is durable
+            # (a boot with nothing in flight is welcomed at once, even while the disk fails).
+            await asyncio.shield(self.store.barrier())
+
+    async def settle(self, item, context) -> pb.Ack:
+        b, previous, durable, rows = item
+        try:   # shielded: if the stream ends meanwhile, close() still sees how it went
+            await asyncio.shield(durable)
+        except StoreError as e:
+            # Refused by the store (it holds too much not yet on disk): this batch and the later
+            # ones of the stream (not read: the reader stopped) are resent by the agent.
+            if previous is not None:
+                self.state.unaccept(b, previous)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        if previous is not None:
+            self.state.apply(b, rows)
+            self.store.untrack(durable)   # a snapshot now holds it (store/snapshot_taker.py)
+        return pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=previous is None)
+
+    def close(self, unsettled: list) -> None:
+        """Batches accepted and not yet applied are applied once durable (the agent's resend of
+        one is then a duplicate, acknowledged once it is durable)."""
+        for it in unsettled:
+            if it.__class__ is not tuple or it[1] is None:
+                continue   # a refusal, the end, or a duplicate
+            b, durable = it[0], it[2]
+            if durable.done():
+                self.ingest.apply_if_durable(b, durable)
+            else:
+                durable.add_done_callback(functools.partial(self.ingest.apply_if_durable, b))
+        self.state.disconnected(self.node_id, self.boot_id)
 
 
-def reclaim_pending() -> bool:
-    """Whether a collection after a stream's end is due: garbage that a freeze now would keep."""
-    return _Reclaim.waiting > 0
+class IngestServicer(IngestSession):
+    """The single collector's Ingest: agent streams into the fleet state (FleetStream), at most
+    `max_streams` open at once and nodes admitted up to `max_nodes` and the state's memory budget."""
 
-
-class IngestServicer(pb_grpc.IngestServicer):
     def __init__(self, state: FleetState, security=None, limits=None, store=None):
+        super().__init__(security, limits)
         self.state = state
         # collector/store/: batches are durable there before they are acknowledged (None: memory only).
         self.store = store
         # Batches submitted to the store, not yet durable, per (node, boot): a Welcome waits for them.
         self.undurable: dict[tuple[str, str], int] = {}
-        # collector/auth.py: who may report as which node (mTLS identity or per-node token).
-        self.security = security
-        # collector/limits.py: per-node limits on batches (size, series, labels, rate).
-        self.limits = limits
         self.open_streams = 0
-        self.reclaim = _Reclaim()
-
-    def _refuse(self, v: Violation, peer: str) -> None:
-        if self.limits is not None:
-            self.limits.count(v)
-            self.limits.log.warning("refused stream from %s: %s", peer, v.message)
+        # A stream's messages are let go when it ends, and the garbage collector runs soon after (the
+        # exception of an aborted call holds them in a reference cycle).
+        self.reclaim = gc_policy.Reclaim()
 
     async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
         max_streams = self.limits.max_streams if self.limits is not None else LIMITS["max_streams"]
         if self.open_streams >= max_streams:
             v = Violation(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the collector has limits.max_streams = {max_streams} "
                           f"streams open; retry later", "max_streams")
-            self._refuse(v, context.peer())
+            self.refuse(v, context.peer())
             await context.abort(v.code, v.message)
         self.open_streams += 1
         aborted = False
         try:
-            async for out in self._stream(request_iterator, context):
+            async for out in super().Stream(request_iterator, context):
                 yield out
         except grpc.aio.AbortError:
             aborted = True
@@ -189,136 +162,29 @@ class IngestServicer(pb_grpc.IngestServicer):
             request_iterator = None
             self.reclaim.soon(aborted)
 
-    def _admit(self, node_id: str, inventory: pb.Inventory) -> Violation | None:
+    def admit(self, node_id: str, inventory: pb.Inventory) -> Violation | None:
         if self.limits is None:
             return None
-        if (v := self.limits.check_inventory(inventory)) is not None:
+        if (v := super().admit(node_id, inventory)) is not None:
             return v
         max_nodes = self.limits.max_nodes
         if node_id not in self.state.nodes and len(self.state.nodes) >= max_nodes:
             return Violation(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the collector holds limits.max_nodes = {max_nodes} "
                              f"nodes; node {node_id[:128]!r} is not taken", "max_nodes")
-        if node_id not in self.state.nodes and getattr(self.state, "full", bool)():
+        if node_id not in self.state.nodes and self.state.full():
             self.state.counters["state.max_memory.nodes_refused"] += 1
             return Violation(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the collector's fleet state is at its memory budget "
                              f"([state] max_memory) with its history at its shortest; node {node_id[:128]!r} is not "
                              f"taken (raise max_memory, or lower min_history_points or history_s)", "max_memory")
         return None
 
-    async def _stream(self, request_iterator, context: grpc.aio.ServicerContext):
-        peer = context.peer()
-        hello = await read_hello(request_iterator, context, self.security)
-        if hello is None:
-            return
-        node_id, boot_id = hello.node_id, hello.boot_id
-        if (v := self._admit(node_id, hello.inventory)) is not None:
-            self._refuse(v, peer)
-            await context.abort(v.code, v.message)
+    async def open(self, hello: pb.Hello, peer: str, context) -> FleetStream:
         welcome = self.state.hello(hello, peer)
         if self.store is not None:
-            self.store.append_nowait(["i", node_id, boot_id, hello.inventory.SerializeToString()])
-        log.info("node %s connected from %s (boot %s, stored up to %d)", node_id, peer, short_boot(boot_id),
-                 welcome.stored_up_to)
-        if self.store is None:
-            try:
-                yield pb.CollectorMessage(welcome=welcome)
-                async for ack in self._in_memory(request_iterator, context, node_id, boot_id):
-                    yield ack
-            finally:
-                self.state.disconnected(node_id, boot_id)
-                log.info("node %s disconnected", node_id)
-                request_iterator = hello = None   # see below
-            return
-        # Reading and acknowledging are pipelined: batches are written to the store as they come,
-        # and acknowledged in order once fsync'ed, so batches that arrive together share a group
-        # commit (a spool draining after an outage is not held to one fsync per batch).
-        pending: asyncio.Queue = asyncio.Queue()
-        lim = self.limits
-        window = _Window(int(lim.max_stream_pending_batches if lim else LIMITS["max_stream_pending_batches"]),
-                         int(lim.max_stream_pending_bytes if lim else LIMITS["max_stream_pending_bytes"]))
-        reader = asyncio.create_task(self._read(request_iterator, context, node_id, boot_id, pending, window))
-        item = None   # the batch being acknowledged, until it is applied (see _apply_later)
-        try:
-            if self.undurable.get((node_id, boot_id)):
-                # The Welcome's stored_up_to acknowledges what it covers: not before that is durable
-                # (a boot with nothing in flight is welcomed at once, even while the disk fails).
-                await asyncio.shield(self.store.barrier())
-            yield pb.CollectorMessage(welcome=welcome)
-            while True:
-                item = await pending.get()
-                if item is None:
-                    break
-                if isinstance(item, Violation):   # aborted here, in the handler's own task
-                    await context.abort(item.code, item.message)
-                b, previous, durable, b_rows = item
-                try:   # shielded: if the stream ends meanwhile, _apply_later still sees how it went
-                    await asyncio.shield(durable)
-                except StoreError as e:
-                    # Refused by the store (it holds too much not yet on disk): this batch and the
-                    # later ones of the stream (not read, _read stopped) are resent by the agent.
-                    if previous is not None:
-                        self.state.unaccept(b, previous)
-                    item = None
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-                if previous is not None:
-                    self.state.apply(b, b_rows)
-                    self.store.untrack(durable)   # a snapshot now holds it (store/snapshotter.py)
-                item = None
-                yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=previous is None))
-                window.done()
-            await reader   # re-raises the reader's abort, if any
-        finally:
-            reader.cancel()
-            self._apply_later(item, pending)
-            self.state.disconnected(node_id, boot_id)
-            log.info("node %s disconnected", node_id)
-            # An abort's traceback keeps this frame alive (a cycle): let go of the messages now.
-            request_iterator = hello = item = b = None
+            self.store.append_nowait(["i", hello.node_id, hello.boot_id, hello.inventory.SerializeToString()])
+        return FleetStream(self, hello.node_id, hello.boot_id, peer, welcome)
 
-    async def _in_memory(self, request_iterator, context: grpc.aio.ServicerContext, node_id: str, boot_id: str):
-        """Without a store: each batch is applied and acknowledged as it is read, in the stream's one
-        task (nothing to wait for, so no reader task to hand batches over through a queue: that
-        hand-over cost the loop a task switch and a future a batch)."""
-        state = self.state
-        try:
-            async for msg in request_iterator:
-                got = self._checked(msg, node_id, boot_id, context)
-                if got is None:
-                    continue
-                if isinstance(got, Violation):
-                    await context.abort(got.code, got.message)
-                else:
-                    b, _, b_rows = got
-                    previous = state.accept(b)
-                    if previous is not None:
-                        state.apply(b, b_rows)
-                    yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=previous is None))
-        except MalformedRequest as e:
-            await context.abort(e.violation.code, e.violation.message)
-        finally:   # an abort's traceback keeps this frame alive (a cycle): let go of the messages now
-            request_iterator = msg = got = b = b_rows = None
-
-    def _checked(self, msg, node_id: str, boot_id: str, context) -> tuple | Violation | None:
-        """A message of the stream after its Hello: a batch as (batch, its bytes as received, its
-        BatchRows) once it is the stream's node's and within the limits; None for an inventory taken;
-        else the Violation that ends the stream."""
-        kind = msg.WhichOneof("msg")
-        if kind == "batch":
-            wire = batch_wire(msg)   # first: before anything here awaits (wire.py)
-            b = msg.batch
-            # An earlier boot's batches may come again (the agent's spool after a restart); another node's never.
-            if b.node_id != node_id:
-                return Violation(grpc.StatusCode.PERMISSION_DENIED,
-                                 f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}")
-            b_rows = BatchRows(b, wire)   # read once, for the limits and the state
-            if self.limits is not None and (why := self.limits.check(node_id, b, self.state, b_rows.refs)):
-                return Violation(why.code, why.message)
-            return b, wire, b_rows
-        if kind == "inventory":
-            return self._take_inventory(node_id, boot_id, msg.inventory, context)
-        return Violation(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected message {kind!r} after Hello")
-
-    def _settled(self, key: tuple[str, str], durable: asyncio.Future) -> None:
+    def settled(self, key: tuple[str, str], durable: asyncio.Future) -> None:
         if self.undurable.get(key, 0) > 1:
             self.undurable[key] -= 1
         else:
@@ -326,71 +192,10 @@ class IngestServicer(pb_grpc.IngestServicer):
         if durable.cancelled() or durable.exception() is not None:   # retrieved: the stream handles a refusal
             self.store.untrack(durable)   # never applied
 
-    def _apply_later(self, item, pending: asyncio.Queue) -> None:
-        """A stream ended with batches accepted but not yet applied: each is applied once durable
-        (the agent's resend of it is then a duplicate, acknowledged once it is durable)."""
-        items = [item] if item is not None else []
-        while not pending.empty():
-            items.append(pending.get_nowait())
-        for it in items:
-            if isinstance(it, Violation) or not isinstance(it, tuple) or it[1] is None:
-                continue   # a refusal, the end, or a duplicate
-            b, durable = it[0], it[2]
-            if durable.done():
-                self._apply_if_durable(b, durable)
-            else:
-                durable.add_done_callback(functools.partial(self._apply_if_durable, b))
-
-    def _apply_if_durable(self, b: pb.Batch, durable: asyncio.Future) -> None:
+    def apply_if_durable(self, b: pb.Batch, durable: asyncio.Future) -> None:
         if not durable.cancelled() and durable.exception() is None:
             self.state.apply(b)
             self.store.untrack(durable)
-
-    def _take_inventory(self, node_id: str, boot_id: str, inventory: pb.Inventory, context) -> Violation | None:
-        """An inventory sent after the Hello (the node's accelerators changed): kept and stored, or refused."""
-        if self.limits is not None and (v := self.limits.check_inventory(inventory)):
-            self._refuse(v, context.peer())
-            return v
-        self.state.set_inventory(node_id, inventory)
-        if self.store is not None:
-            self.store.append_nowait(["i", node_id, boot_id, inventory.SerializeToString()])
-        return None
-
-    async def _read(self, request_iterator, context, node_id: str, boot_id: str, pending: asyncio.Queue,
-                    window: _Window) -> None:
-        try:
-            async for msg in request_iterator:
-                got = self._checked(msg, node_id, boot_id, context)
-                if got is None:
-                    continue
-                if isinstance(got, Violation):
-                    pending.put_nowait(got)
-                    return
-                b, wire, b_rows = got
-                # a slow or failing disk: this stream waits, unread
-                await self.store.wait_room(getattr(request_iterator, "wire_bytes", 0))
-                previous = self.state.accept(b)
-                if previous is None:   # a resend: acknowledged once what it resends is durable
-                    durable = self.store.barrier()
-                else:
-                    durable = self.store.submit(["b", wire if wire is not None else b.SerializeToString()])
-                    self.store.track(durable, node_id, b.boot_id, b.seq)
-                    key = (node_id, b.boot_id)
-                    self.undurable[key] = self.undurable.get(key, 0) + 1
-                    durable.add_done_callback(functools.partial(self._settled, key))
-                pending.put_nowait((b, previous, durable, b_rows))
-                if durable.done() and durable.exception() is not None:
-                    return   # refused: nothing after it may be stored before it (the handler ends the stream)
-                window.add(getattr(request_iterator, "wire_bytes", 0))   # limits.GuardedRequests
-                if window.full():   # not read further until acks go out (a client not reading them)
-                    if self.limits is not None:
-                        self.limits.hit("max_stream_pending_bytes" if window.bytes >= window.max_bytes
-                                        else "max_stream_pending_batches")
-                    await window.wait()
-        except MalformedRequest as e:   # aborted by the handler's task, not this one (see MalformedRequest)
-            pending.put_nowait(e.violation)
-        finally:
-            pending.put_nowait(None)
 
 
 def counters(ingest: IngestServicer) -> dict[str, int]:

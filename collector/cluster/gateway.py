@@ -1,24 +1,6 @@
-"""The cluster-mode gateway (`xpusense-collector serve --nats URLS`): the agent protocol of
-collector/server.py, with JetStream as the store. Stateless: any number behind one Service, an
+"""The cluster-mode gateway (`xpusense-collector serve --nats URLS`): the agent's Ingest stream of
+collector/ingest_session.py with JetStream as its sink. Stateless: any number behind one Service, an
 agent may move between them at any time.
-
-Per agent stream: Hello -> the boot's mark from the `marks` bucket (seq_marks.py) -> a `hello` message
-on the node's subject (inventory, for the workers) -> Welcome(stored_up_to = mark). Each batch above
-what this stream has seen is published to `<prefix>.<region>.p<k>.<node>` with `Nats-Msg-Id` =
-node:boot:seq and `Xps-Received` = when it was received (this gateway's clock, ns: the workers
-judge freshness by it, collector/clock.py), and acknowledged to the agent, in order, only after
-JetStream's publish ack (a duplicate by msg id is acknowledged as one). A publish that times out
-(no stream leader during an election) is sent again with the same id until `publish_give_up_s`;
-then the stream ends with UNAVAILABLE and the agent resends from its spool. A batch at or below the
-mark is acknowledged as a duplicate without publishing.
-
-Every batch passes collector/limits.py's checks, as at one collector, before it is published:
-`StreamStored` gives them what a gateway knows of what is stored. The bound on sequence numbers
-counts from the boot's mark (seq_marks.py `seq_mark`), read before the boot's first batch is checked,
-so a forged seq of 2**64-1 is refused (FAILED_PRECONDITION) and never raises the mark. A gateway
-holds no node's series: `max_series_per_node` bounds the series one stream introduces (by name and
-labels, those not known by reference) within `[state] series_idle_s`; a node's series over
-several streams or gateways are bounded by each stream's share only.
 """
 
 from __future__ import annotations
@@ -39,12 +21,10 @@ import nats.js.errors
 
 from xpusense.common.supervise import TASKS
 from xpusense.v1 import telemetry_pb2 as pb
-from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from ..batch_rows import refs_of
-from ..limits import MalformedRequest, Violation, read_hello
+from ..ingest_session import IngestSession, PendingWindow, Sink
 from ..series import read_labels, series_key
-from ..wire import batch_payload
 from .seq_marks import Marks
 from .subjects import KIND, MSG_ID, RECEIVED, msg_id, node_subject, partition
 
@@ -199,7 +179,8 @@ class Gateway:
 class StreamStored:
     """limits.Stored for one agent stream at a gateway: the boots' marks (seq_marks.py) and the series
     (name, labels) this stream introduced, each let go `idle_s` after it came (at most once every
-    EVICT_EVERY_S a look)."""
+    EVICT_EVERY_S a look). A gateway holds no node's series: `max_series_per_node` bounds what one
+    stream introduces; a node's series over several streams or gateways by each stream's share only."""
 
     EVICT_EVERY_S = 10.0
 
@@ -233,19 +214,100 @@ class StreamStored:
             self.series.setdefault(series_key(s.name, read_labels(s.labels)), now)
 
 
-class ClusterIngestServicer(pb_grpc.IngestServicer):
-    def __init__(self, gw: Gateway, security=None, limits=None):
-        self.gw, self.security, self.limits = gw, security, limits
+class GatewayStream(Sink):
+    """One agent stream at a gateway. Each batch above what is stored of its boot (the boot's mark,
+    or what this stream took since) is published to the node's subject with `Nats-Msg-Id` =
+    node:boot:seq and `Xps-Received` = when this gateway received it (the workers judge freshness by
+    it, collector/clock.py), and acknowledged after JetStream's publish ack (a duplicate by msg id is
+    acknowledged as one); a batch at or below is acknowledged as a duplicate, unpublished. Every
+    batch passes collector/limits.py's checks first, with what a gateway knows of what is stored
+    (StreamStored): the seq bound counts from the boot's mark, so a forged seq is refused and never
+    raises it. At most `Gateway.max_inflight` messages of a stream wait for their publish acks."""
 
-    async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
+    def __init__(self, ingest: ClusterIngestServicer, node_id: str, boot_id: str, peer: str, session: str,
+                 subject: str, mark: int):
+        self.ingest, self.gw, self.limits = ingest, ingest.gw, ingest.limits
+        self.node_id, self.peer, self.session, self.subject = node_id, peer, session, subject
+        self.welcome = pb.Welcome(boot_id=boot_id, stored_up_to=mark)
+        self.seen: dict[str, int] = {boot_id: mark}   # per boot on this stream: the highest seq taken
+        self.stored = StreamStored(self.gw.marks, getattr(self.limits, "series_idle_s", 3600.0))
+        self.window = PendingWindow(self.gw.max_inflight, on_full=self._waits)
+
+    def _waits(self, _key: str) -> None:
+        self.gw.inflight_waits += 1
+
+    async def take(self, b, wire: bytes | None, size: int):
+        gw, node_id = self.gw, self.node_id
+        high = self.seen.get(b.boot_id)
+        if high is None:   # an earlier boot's batches, resent from the spool
+            high = self.seen[b.boot_id] = await gw.marks.get(node_id, b.boot_id)
+        payload = wire if wire is not None else b.SerializeToString()
+        if self.limits is not None and (why := self.limits.check(node_id, b, self.stored, refs=refs_of(b, payload))):
+            return why
+        if b.seq <= high:
+            return b, None, None
+        self.seen[b.boot_id] = b.seq
+        again = (self.subject, payload, {MSG_ID: msg_id(node_id, b.boot_id, b.seq), RECEIVED: str(time.time_ns())},
+                 time.monotonic())
+        return b, await gw.publish_nowait(*again[:3]), again
+
+    async def inventory(self, inv: pb.Inventory):
+        if self.limits is not None and (v := self.limits.check_inventory(inv)) is not None:
+            self.ingest.refuse(v, self.peer)
+            return v
+        self.subject = self.gw.subject(self.node_id, inv)
+        again = (self.subject, inv.SerializeToString(), {KIND: "inventory", "Xps-Session": self.session},
+                 time.monotonic())
+        return None, await self.gw.publish_nowait(*again[:3]), again
+
+    async def settle(self, item, context) -> pb.Ack | None:
+        b, fut, again = item
         gw = self.gw
-        peer = context.peer()
-        hello = await read_hello(request_iterator, context, self.security)
-        if hello is None:
-            return
+        if fut is None:   # at or below the mark: stored before
+            gw.duplicates += 1
+            return pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=True)
+        try:
+            duplicate = await gw.settle(fut, *again)
+        except PublishFailed as e:
+            log.warning("node %s: %s; ending its stream (the agent resends)", self.node_id, e)
+            item = fut = again = b = None
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        if b is None:     # an inventory message: nothing to acknowledge
+            return None
+        gw.marks.raised(self.node_id, b.boot_id, b.seq)
+        if duplicate:
+            gw.duplicates += 1
+        else:
+            gw.published += 1
+        return pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=duplicate)
+
+    def close(self, unsettled: list) -> None:
+        asyncio.get_running_loop().create_task(self._bye(self.welcome.boot_id))
+
+    async def _bye(self, boot_id: str) -> None:
+        gw = self.gw
+        try:
+            await gw.marks.flush(self.node_id, boot_id)
+            await gw.js.publish(self.subject, b"", timeout=gw.ncfg.publish_timeout_s,
+                                headers={KIND: "bye", "Xps-Session": self.session})
+        except Exception as e:   # best effort: workers also age sessions out
+            log.debug("node %s: bye not published: %s", self.node_id, e)
+
+
+class ClusterIngestServicer(IngestSession):
+    """A gateway's Ingest: at a Hello, the boot's mark from the `marks` bucket (seq_marks.py) and a
+    `hello` message on the node's subject (its inventory, for the workers), then Welcome(stored_up_to
+    = mark); the stream's messages go to JetStream (GatewayStream)."""
+
+    log = log
+
+    def __init__(self, gw: Gateway, security=None, limits=None):
+        super().__init__(security, limits)
+        self.gw = gw
+
+    async def open(self, hello: pb.Hello, peer: str, context) -> GatewayStream:
+        gw = self.gw
         node_id, boot_id = hello.node_id, hello.boot_id
-        if (why := self._inventory_refused(node_id, hello.inventory)) is not None:
-            await context.abort(why.code, why.message)
         gw.sessions += 1
         session = f"{gw.id}/{gw.sessions}"
         subject = gw.subject(node_id, hello.inventory)
@@ -256,114 +318,4 @@ class ClusterIngestServicer(pb_grpc.IngestServicer):
         except (PublishFailed, nats.errors.Error) as e:
             log.warning("node %s: cannot reach JetStream for the Hello: %s", node_id, e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the cluster is not answering: {e}")
-        log.info("node %s connected from %s (boot %s, stored up to %d)", node_id, peer, boot_id, mark)
-        pending: asyncio.Queue = asyncio.Queue()
-        room = asyncio.Semaphore(gw.max_inflight)
-        state = {"subject": subject}
-        reader = asyncio.create_task(self._read(request_iterator, node_id, boot_id, mark, session, state, pending, room))
-        try:
-            yield pb.CollectorMessage(welcome=pb.Welcome(boot_id=boot_id, stored_up_to=mark))
-            while True:
-                item = await pending.get()
-                if item is None:
-                    break
-                if isinstance(item, Violation):
-                    await context.abort(item.code, item.message)
-                b, fut, again = item
-                if fut is None:   # at or below the mark: stored before
-                    gw.duplicates += 1
-                    yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=True))
-                    continue
-                try:
-                    duplicate = await gw.settle(fut, *again)
-                except PublishFailed as e:
-                    log.warning("node %s: %s; ending its stream (the agent resends)", node_id, e)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-                finally:
-                    room.release()
-                    item = fut = again = None
-                if b is None:     # an inventory message: nothing to acknowledge
-                    continue
-                gw.marks.raised(node_id, b.boot_id, b.seq)
-                if duplicate:
-                    gw.duplicates += 1
-                else:
-                    gw.published += 1
-                yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=duplicate))
-            await reader
-        finally:
-            reader.cancel()
-            asyncio.get_running_loop().create_task(self._bye(node_id, boot_id, state["subject"], session))
-            log.info("node %s disconnected", node_id)
-            request_iterator = hello = None
-
-    def _inventory_refused(self, node_id: str, inv: pb.Inventory):
-        """collector/limits.py's bound on an inventory (counted and logged as the collector does)."""
-        check = getattr(self.limits, "check_inventory", None)
-        if check is None:
-            return None
-        v = check(inv)
-        if v is not None:
-            self.limits.count(v)
-            self.limits.log.warning("node %r: %s", node_id[:128], v.message)
-        return v
-
-    async def _bye(self, node_id: str, boot_id: str, subject: str, session: str) -> None:
-        try:
-            await self.gw.marks.flush(node_id, boot_id)
-            await self.gw.js.publish(subject, b"", timeout=self.gw.ncfg.publish_timeout_s,
-                                     headers={KIND: "bye", "Xps-Session": session})
-        except Exception as e:   # best effort: workers also age sessions out
-            log.debug("node %s: bye not published: %s", node_id, e)
-
-    async def _read(self, request_iterator, node_id: str, boot_id: str, mark: int, session: str, state: dict,
-                    pending: asyncio.Queue, room: asyncio.Semaphore) -> None:
-        gw = self.gw
-        seen: dict[str, int] = {boot_id: mark}   # per boot on this stream: the highest seq taken
-        stored = StreamStored(gw.marks, getattr(self.limits, "series_idle_s", 3600.0))
-        try:
-            async for msg in request_iterator:
-                kind = msg.WhichOneof("msg")
-                if kind == "batch":
-                    payload = batch_payload(msg)   # first: before anything here awaits
-                    b = msg.batch
-                    if b.node_id != node_id:
-                        pending.put_nowait(Violation(grpc.StatusCode.PERMISSION_DENIED,
-                                                f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}"))
-                        return
-                    high = seen.get(b.boot_id)
-                    if high is None:   # an earlier boot's batches, resent from the spool
-                        high = seen[b.boot_id] = await gw.marks.get(node_id, b.boot_id)
-                    if self.limits is not None and (why := self.limits.check(node_id, b, stored,
-                                                                             refs=refs_of(b, payload))):
-                        pending.put_nowait(Violation(why.code, why.message))
-                        return
-                    if b.seq <= high:
-                        pending.put_nowait((b, None, None))
-                        continue
-                    seen[b.boot_id] = b.seq
-                    if room.locked():
-                        gw.inflight_waits += 1
-                    await room.acquire()
-                    again = (state["subject"], payload, {MSG_ID: msg_id(node_id, b.boot_id, b.seq),
-                                                         RECEIVED: str(time.time_ns())}, time.monotonic())
-                    pending.put_nowait((b, await gw.publish_nowait(*again[:3]), again))
-                elif kind == "inventory":
-                    if (why := self._inventory_refused(node_id, msg.inventory)) is not None:
-                        pending.put_nowait(Violation(why.code, why.message))
-                        return
-                    state["subject"] = gw.subject(node_id, msg.inventory)
-                    if room.locked():
-                        gw.inflight_waits += 1
-                    await room.acquire()
-                    again = (state["subject"], msg.inventory.SerializeToString(),
-                             {KIND: "inventory", "Xps-Session": session}, time.monotonic())
-                    pending.put_nowait((None, await gw.publish_nowait(*again[:3]), again))
-                else:
-                    pending.put_nowait(Violation(grpc.StatusCode.INVALID_ARGUMENT,
-                                                 f"unexpected message {kind!r} after Hello"))
-                    return
-        except MalformedRequest as e:   # aborted by the handler's task, not this one (see MalformedRequest)
-            pending.put_nowait(e.violation)
-        finally:
-            pending.put_nowait(None)
+        return GatewayStream(self, node_id, boot_id, peer, session, subject, mark)

@@ -1,5 +1,5 @@
 """gc_policy.freeze_long_lived: what is alive is frozen, no automatic full collections meanwhile, a cycle
-frozen as garbage is freed by the sweep, and nothing is frozen while server._Reclaim has a run due."""
+frozen as garbage is freed by the sweep, and nothing is frozen while gc_policy.Reclaim has a run due."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import gc
 import time
 import weakref
 
-from xpusense.collector.gc_policy import freeze_long_lived
-from xpusense.collector.server import _Reclaim
+from xpusense.collector.gc_policy import Reclaim, freeze_long_lived
 
 
 class Node:
@@ -105,13 +104,13 @@ def test_no_freeze_while_a_reclaim_is_due():
 
 
 def test_reclaim_runs_twice_and_again_for_a_stream_that_ended_meanwhile(monkeypatch):
-    from xpusense.collector.server import _Reclaim, reclaim_pending
+    from xpusense.collector.gc_policy import Reclaim, reclaim_pending
     # The count is per process: a collector of an earlier test whose loop was closed before its late
     # run leaves its run counted (in `serve` the process ends with its loop).
-    monkeypatch.setattr(_Reclaim, "waiting", 0)
+    monkeypatch.setattr(Reclaim, "waiting", 0)
 
     async def main() -> list:
-        r = _Reclaim(delay_s=0.01, late_s=0.05)
+        r = Reclaim(delay_s=0.01, late_s=0.05)
         seen = [reclaim_pending()]
         r.soon()
         seen.append(reclaim_pending())
@@ -149,7 +148,7 @@ def test_after_an_aborted_stream_the_reclaim_sweeps_frozen_cycles_at_most_every_
     """A cycle frozen while alive (a refused message read before a freeze) is kept by a plain
     reclaim, freed by the sweep after an aborted stream; a second aborted stream within
     deep_every_s gets a timer, not a second sweep at once."""
-    async def settled(r: _Reclaim) -> bool:
+    async def settled(r: Reclaim) -> bool:
         return await until(lambda: not r.pending)
 
     def frozen_cycle() -> weakref.ref:
@@ -160,7 +159,7 @@ def test_after_an_aborted_stream_the_reclaim_sweeps_frozen_cycles_at_most_every_
         return weakref.ref(a)
 
     async def main() -> tuple:
-        r = _Reclaim(delay_s=0.01, late_s=0.01, deep_every_s=3600.0)
+        r = Reclaim(delay_s=0.01, late_s=0.01, deep_every_s=3600.0)
         first = frozen_cycle()
         r.soon()                      # a stream that ended on its own: young garbage only
         assert await settled(r)

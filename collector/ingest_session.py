@@ -1,0 +1,237 @@
+"""One agent's Ingest stream, as the single collector and a cluster gateway both serve it: the Hello,
+admission, the Welcome, the batches checked and acknowledged in order, refusals. What a stream does
+with what it is sent (the fleet state and store, or JetStream) is its sink (`Sink`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from xpusense.v1 import telemetry_pb2 as pb
+from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
+
+from .limits import MalformedRequest, Violation, short_boot
+from .wire import batch_wire
+
+
+class PendingWindow:
+    """What one stream holds between reading a message and acknowledging it: at most `max_batches`
+    messages and `max_bytes` bytes (as they came on the wire); past either, the reader waits until
+    acks go out (a client that does not read its acks is held back by gRPC's flow control)."""
+
+    def __init__(self, max_batches: int, max_bytes: int = sys.maxsize,
+                 on_full: Callable[[str], None] | None = None):
+        self.max_batches, self.max_bytes, self.on_full = max_batches, max_bytes, on_full
+        self.sizes: collections.deque[int] = collections.deque()
+        self.bytes = 0
+        self._room = asyncio.Event()
+        self._room.set()
+
+    def full(self) -> bool:
+        return len(self.sizes) >= self.max_batches or self.bytes >= self.max_bytes
+
+    def add(self, size: int) -> None:
+        self.sizes.append(size)
+        self.bytes += size
+        if self.full():
+            self._room.clear()
+
+    def done(self) -> None:
+        if self.sizes:
+            self.bytes -= self.sizes.popleft()
+        if not self.full():
+            self._room.set()
+
+    async def wait(self) -> None:
+        """Wait for room; `on_full` is told which bound was reached (its limits key)."""
+        if self.on_full is not None:
+            self.on_full("max_stream_pending_bytes" if self.bytes >= self.max_bytes else "max_stream_pending_batches")
+        await self._room.wait()
+
+
+class Sink:
+    """What one stream does with its messages once the session checked that they are its node's.
+    `window` None: each batch is settled as it is read, in the handler's own task (`take_now`);
+    else a reader task takes them ahead (`take`) and the handler settles them in order (`settle`)."""
+
+    welcome: pb.Welcome
+    window: PendingWindow | None = None
+    stopped = False   # set by `take`: the message it returned is the last one to read
+
+    async def ready(self) -> None:
+        """Awaited before the Welcome goes out."""
+
+    def take_now(self, b: Any, wire: bytes | None) -> pb.Ack | Violation:
+        raise NotImplementedError
+
+    async def take(self, b: Any, wire: bytes | None, size: int) -> Any:
+        """A batch read (`size`: its bytes on the wire): what `settle` later acknowledges, or a Violation."""
+        raise NotImplementedError
+
+    async def inventory(self, inv: pb.Inventory) -> Any:
+        """An inventory sent after the Hello: None once taken, something to settle, or a Violation."""
+        raise NotImplementedError
+
+    async def settle(self, item: Any, context: grpc.aio.ServicerContext) -> pb.Ack | None:
+        """Wait until `item` is kept (aborting the call when it cannot be); its Ack (None: nothing to ack)."""
+        raise NotImplementedError
+
+    def close(self, unsettled: list) -> None:
+        """The stream ended; `unsettled`: what was taken and not settled."""
+
+
+def _wrong_node(b: Any, node_id: str) -> Violation:
+    return Violation(grpc.StatusCode.PERMISSION_DENIED,
+                     f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}")
+
+
+def _unexpected(kind: str | None) -> Violation:
+    return Violation(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected message {kind!r} after Hello")
+
+
+async def read_hello(request_iterator, context, security) -> pb.Hello | None:
+    """The first message of an Ingest stream: a Hello with a node id and a boot id, from a peer
+    whose credentials may speak for that node (`security`: collector/auth.py Security, or None).
+    Aborts the call otherwise; None when the stream ended before any message."""
+    first = await anext(aiter(request_iterator), None)
+    if first is None:
+        return None
+    if not first.HasField("hello") or not first.hello.node_id or not first.hello.boot_id:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            "the first message of a stream must be a Hello with node_id and boot_id")
+    if security is not None:
+        await security.authorize(context, first.hello.node_id)   # aborts the stream when not allowed
+    return first.hello
+
+
+class IngestSession(pb_grpc.IngestServicer):
+    """The Ingest servicer: `admit` and `open` say what differs between deployments."""
+
+    log = logging.getLogger("xpusense.collector")
+
+    def __init__(self, security=None, limits=None):
+        self.security = security   # collector/auth.py: who may report as which node
+        self.limits = limits       # collector/limits.py: what one agent may send
+
+    def refuse(self, v: Violation, peer: str) -> None:
+        if self.limits is not None:
+            self.limits.count(v)
+            self.limits.log.warning("refused stream from %s: %s", peer, v.message)
+
+    def admit(self, node_id: str, inventory: pb.Inventory) -> Violation | None:
+        """Why a node's stream is refused at its Hello, or None."""
+        return self.limits.check_inventory(inventory) if self.limits is not None else None
+
+    async def open(self, hello: pb.Hello, peer: str, context: grpc.aio.ServicerContext) -> Sink:
+        raise NotImplementedError
+
+    async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
+        peer = context.peer()
+        hello = await read_hello(request_iterator, context, self.security)
+        if hello is None:
+            return
+        node_id = hello.node_id
+        if (v := self.admit(node_id, hello.inventory)) is not None:
+            self.refuse(v, peer)
+            await context.abort(v.code, v.message)
+        sink = await self.open(hello, peer, context)
+        self.log.info("node %s connected from %s (boot %s, stored up to %d)", node_id, peer,
+                      short_boot(hello.boot_id), sink.welcome.stored_up_to)
+        window = sink.window
+        reader: asyncio.Task | None = None
+        pending: asyncio.Queue | None = None
+        item = None
+        try:
+            if window is None:
+                await sink.ready()
+                yield pb.CollectorMessage(welcome=sink.welcome)
+                async for ack in self._inline(request_iterator, context, sink, node_id):
+                    yield ack
+                return
+            # Reading and acknowledging are pipelined: a reader task takes messages as they come,
+            # and this task acknowledges them in order once each is kept.
+            pending = asyncio.Queue()
+            reader = asyncio.create_task(self._read(request_iterator, context, sink, node_id, pending, window))
+            await sink.ready()
+            yield pb.CollectorMessage(welcome=sink.welcome)
+            while True:
+                item = await pending.get()
+                if item is None:
+                    break
+                if item.__class__ is Violation:   # aborted here, in the handler's own task
+                    await context.abort(item.code, item.message)
+                ack = await sink.settle(item, context)
+                item = None
+                if ack is not None:
+                    yield pb.CollectorMessage(ack=ack)
+                window.done()
+            await reader   # re-raises the reader's abort, if any
+        finally:
+            unsettled = [item] if item is not None else []
+            if reader is not None and pending is not None:
+                reader.cancel()
+                while not pending.empty():
+                    unsettled.append(pending.get_nowait())
+            sink.close(unsettled)
+            self.log.info("node %s disconnected", node_id)
+            # An abort's traceback keeps this frame alive (a cycle): let go of the messages now.
+            request_iterator = hello = item = None
+            unsettled.clear()
+
+    async def _inline(self, request_iterator, context, sink: Sink, node_id: str):
+        """Each batch settled as it is read, in the stream's one task: no reader task to hand
+        batches over to, which would cost the loop a task switch and a future a batch."""
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("msg")
+                if kind == "batch":
+                    wire = batch_wire(msg)   # first: before anything here awaits (wire.py)
+                    b = msg.batch
+                    got = sink.take_now(b, wire) if b.node_id == node_id else _wrong_node(b, node_id)
+                elif kind == "inventory":
+                    got = await sink.inventory(msg.inventory)
+                else:
+                    got = _unexpected(kind)
+                if got.__class__ is Violation:
+                    await context.abort(got.code, got.message)
+                elif got is not None:
+                    yield pb.CollectorMessage(ack=got)
+        except MalformedRequest as e:
+            await context.abort(e.violation.code, e.violation.message)
+        finally:   # an abort's traceback keeps this frame alive (a cycle): let go of the messages now
+            request_iterator = msg = got = b = wire = None
+
+    async def _read(self, request_iterator, context, sink: Sink, node_id: str, pending: asyncio.Queue,
+                    window: PendingWindow) -> None:
+        try:
+            async for msg in request_iterator:
+                size = getattr(request_iterator, "wire_bytes", 0)   # limits.GuardedRequests
+                kind = msg.WhichOneof("msg")
+                if kind == "batch":
+                    wire = batch_wire(msg)   # first: before anything here awaits (wire.py)
+                    b = msg.batch
+                    got = await sink.take(b, wire, size) if b.node_id == node_id else _wrong_node(b, node_id)
+                elif kind == "inventory":
+                    got = await sink.inventory(msg.inventory)
+                else:
+                    got = _unexpected(kind)
+                if got is None:
+                    continue
+                pending.put_nowait(got)
+                if got.__class__ is Violation or sink.stopped:
+                    return
+                window.add(size)
+                if window.full():   # not read further until acks go out
+                    await window.wait()
+        except MalformedRequest as e:   # aborted by the handler's task, not this one (see MalformedRequest)
+            pending.put_nowait(e.violation)
+        finally:
+            pending.put_nowait(None)
+            msg = b = wire = got = None
