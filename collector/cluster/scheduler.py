@@ -9,6 +9,7 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from xpusense.common.backoff import backoff_delays
@@ -68,7 +69,7 @@ class FleetIndex:
 
     readings_with_inventory = True   # a node comes with its latest values (fleet.py: no wait for a first batch)
 
-    def __init__(self, clock=time.time_ns):
+    def __init__(self, clock=time.time_ns) -> None:
         self.nodes: dict[str, MirrorNode] = {}
         self.diagnoses = _Opened(self.nodes)
         self.watchers: list = []
@@ -78,7 +79,8 @@ class FleetIndex:
         self.ready = asyncio.Event()
         self.updates = 0
         self.watch_restarts = 0   # times the list-then-watch started again (follow)
-        self.idle = None   # async () -> None: waits (bounded) for the Place calls in flight; set by follow_fleet
+        # waits (bounded) for the Place calls in flight; set by follow_fleet
+        self.idle: Callable[[], Awaitable[None]] | None = None
         self.watch_clock = time.monotonic   # how long a list-then-watch round lasted (follow's backoff)
         self.clock_ahead = 0                # summaries whose "last seen" was ahead of this reader's clock
         self._log = RateLimitedLog(log)
