@@ -51,7 +51,7 @@ class FleetSnapshot:
         for _key, value, revision in await list_bucket(self.js, self.bucket):
             d = decode(value)
             if d is not None:
-                nodes[d["n"]] = MirrorNode(d, revision)
+                nodes[d["node"]] = MirrorNode(d, revision)
         self.nodes, self.taken = nodes, time.monotonic()
         return nodes
 
@@ -61,7 +61,7 @@ class FleetSnapshot:
         except nats.js.errors.NotFoundError:
             return {}
         d = decode(e.value) if e.value else None
-        return {d["n"]: MirrorNode(d, e.revision or 0)} if d is not None and d["n"] == node_id else {}
+        return {d["node"]: MirrorNode(d, e.revision or 0)} if d is not None and d["node"] == node_id else {}
 
 
 def list_nodes(nodes: Mapping[str, FleetNode], request: pb.ListNodesRequest, max_bytes: int = MAX_REPLY_BYTES,
