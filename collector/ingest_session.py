@@ -37,11 +37,14 @@ class PendingWindow:
     def full(self) -> bool:
         return len(self.sizes) >= self.max_batches or self.bytes >= self.max_bytes
 
-    def add(self, size: int) -> None:
+    def add(self, size: int) -> bool:
+        """Count a message read; whether the window is full now."""
         self.sizes.append(size)
         self.bytes += size
         if self.full():
             self._room.clear()
+            return True
+        return False
 
     def done(self) -> None:
         if self.sizes:
@@ -227,8 +230,7 @@ class IngestSession(pb_grpc.IngestServicer):
                 pending.put_nowait(got)
                 if got.__class__ is Violation or sink.stopped:
                     return
-                window.add(size)
-                if window.full():   # not read further until acks go out
+                if window.add(size):   # full: not read further until acks go out
                     await window.wait()
         except MalformedRequest as e:   # aborted by the handler's task, not this one (see MalformedRequest)
             pending.put_nowait(e.violation)

@@ -66,7 +66,8 @@ class FleetStream(Sink):
         if self.limits is not None and (why := self.limits.check(self.node_id, b, self.state, rows.refs)):
             return why
         store = self.store
-        await store.wait_room(size)   # a slow or failing disk: this stream waits, unread
+        if not store.has_room(size):   # a slow or failing disk: this stream waits, unread
+            await store.wait_room(size)
         previous = self.state.accept(b)
         if previous is None:   # a resend: acknowledged once what it resends is durable
             durable = store.barrier()
