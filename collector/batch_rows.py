@@ -1,15 +1,8 @@
-"""A batch's samples as ingest reads them, once a batch, for the limits and the fleet state.
-
-Reading a protobuf message from Python is the costly part of ingest: a wrapper object per sample,
-a lookup per field. So the server hands the bytes the batch came in (wire.batch_wire) to a C reader
-(collector/_wire_rows.c, built with the package where a C compiler was at hand), which reads the
-samples' series_ref, time and value there. The usual batch (an agent's round: one time, its series
-in the order of their refs) is then held as columns, with no object per sample: the refs, the one
-time and the values as the bytes of an array('d'), which a frame takes in one call
-(columns.store_row). Any other batch is read as rows, (series_ref, time, value) a sample; without
-the C reader, or bytes it does not read, protobuf's objects are read instead. A batch the stream's
-deserializer read lean (wire.WireBatch) comes with its columns, read in the same pass.
-"""
+"""A batch's samples as ingest reads them, once a batch, for the limits and the fleet state: read
+from the bytes the batch came in by a C reader (collector/_wire_rows.c) where it was built, else
+through protobuf's objects (reading those from Python is the costly part of ingest). The usual batch
+(an agent's round: one time, its series in the order of their refs) is held as columns with no
+object per sample, which a frame takes in one call (columns.store_row); any other as rows."""
 
 from __future__ import annotations
 

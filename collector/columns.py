@@ -1,26 +1,9 @@
 """A node's series that come at the same times, held in columns (a Frame): one array of times for
-all of them and their values row by row, so that a group of a batch's samples is stored with two C
-calls, not two appends and four attribute writes a sample on objects spread over the heap (the
-collector's ingest was bound by those cache misses: bench/collector_ingest.py).
-
-A group is the samples of a batch with one time (an agent stamps a round of a tier with one time).
-Sorted by series_ref, a group's refs and its boot are the key of its frame. A batch whose groups
-all have their frame, each at a time after the frame's last row, is stored here and nothing else
-is read (`store`); the other groups go through FleetState's general path (a series of a frame that
-the general path touches first has its frame dissolved: its points go back to each series' own
-History, `dissolve`), and afterwards a group whose series are all on their own, known by ref, not
-histograms and have this group's point as their latest becomes a frame (`form`). A series' points
-from before its frame stay in its own History (the frame's prefix, all older than its rows), let go
-by time and by the history's cap as the frame's rows come. After a dissolve, the node forms no frame
-for a while (HOLD_FIRST_NS, doubling while dissolves follow one another), so a node whose groups
-keep changing stays on the general path instead of moving points back and forth; an agent's first
-batch of a boot, which often lacks a few series (rates need two readings), costs one short hold.
-A series' latest and previous values are read off its frame's last two rows (Series.value and the
-others are properties).
-
-Points keep the order they arrived in, batch by batch; a group that would put a point at or before
-its frame's last row goes through the general path, which keeps that order as before.
-"""
+all of them and their values row by row, so that a group of a batch's samples (one time; sorted by
+series_ref, its refs and boot are its frame's key) is stored with two C calls, not two appends and
+four attribute writes a sample on objects spread over the heap. Groups without their frame go
+through the fleet state's general path and become frames where they can (`form`); a frame the
+general path touches is dissolved back into its members' own Histories (`dissolve`)."""
 
 from __future__ import annotations
 
@@ -34,7 +17,9 @@ from xpusense.v1 import telemetry_pb2 as pb
 _REF = operator.itemgetter(0)
 _TIME = operator.itemgetter(1)
 # After a frame of a node is dissolved, the node forms none for HOLD_FIRST_NS, twice as long after
-# each dissolve that follows (up to HOLD_MAX_NS), until one of its frames reaches STEADY_ROWS rows.
+# each dissolve that follows (up to HOLD_MAX_NS), until one of its frames reaches STEADY_ROWS rows:
+# a node whose groups keep changing stays on the general path instead of moving points back and
+# forth (an agent's first batch of a boot, often a few series short, costs one short hold).
 HOLD_FIRST_NS = 10**9
 HOLD_MAX_NS = 300 * 10**9
 STEADY_ROWS = 64
@@ -45,6 +30,12 @@ FRAME_POINT_BYTES = 9
 
 
 class Frame:
+    """A group's series in columns. A member's points from before the frame stay in its own History
+    (all older than the rows), let go by time and the history's cap as rows come; its latest and
+    previous values are read off the last two rows (Series.value and the others are properties).
+    A group whose point would be at or before the last row goes through the general path, so points
+    keep the order they arrived in."""
+
     __slots__ = ("key", "series", "k", "t", "v", "dropped", "due_t", "due_n", "last_t", "prefixed", "recv_ns")
 
     def __init__(self, key: tuple, members: list, last_t: int):
@@ -124,7 +115,8 @@ def _row_added(state: Any, n: Any, f: Frame, t: int) -> None:
 
 
 def form(state: Any, n: Any, boot: str, by_time: dict[int, list], times: set[int]) -> None:
-    """Frames for the groups at `times`, stored by the general path just now, where they can be."""
+    """Frames for the groups at `times`, stored by the general path just now, where they can be:
+    series all on their own, known by ref, not histograms, with this group's point their latest."""
     if not n.frames_allowed(state.clock()):
         return
     known = n.refs.get(boot)

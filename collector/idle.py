@@ -1,22 +1,8 @@
 """Letting go of what a node no longer sends (`[state] series_idle_s`). Process series carry pids,
 so a node whose processes come and go makes new series all the time; without this the collector,
-the gateways' reference tables and the workers would only grow.
-
-- The fleet state (state.py): a series with no point received for series_idle_s is let go, with its
-  history (`sweep`, run from ingest; counted `state.series.expired`). A pass over every series
-  starts every `every_ns` (an eighth of the bound, at most a minute) and looks at STEP series a
-  step (about a millisecond), a step at most every STEP_GAP_NS as batches are stored, so no batch
-  pays for more and a pass takes at most a tenth of the loop. "Received" is told on the
-  collector's own clock whatever the agent's: a series' points received so far (its History's
-  and its Frame's, with those let go) only grow, one a point, so a pass notes that count and
-  when it last moved, and a series whose count has not moved for series_idle_s goes.
-- Series-reference tables (limits.py's checked references of a boot, a gateway's included; a
-  cluster worker's, summary.py): RefGenerations, two generations turned every series_idle_s. A
-  reference used is in the current one; one not used for a whole generation is let go with the
-  older one, so an idle reference goes between series_idle_s and twice that after its last use.
-  A reference only stands for the name and labels its samples carry anyway: one let go is found
-  again by them if it comes back.
-"""
+the gateways' reference tables and the workers would only grow. The fleet state's series go by a
+sweep run a bounded step at a time from ingest (`sweep`), a worker's by `expire_latest`, and
+series references by generations (RefGenerations)."""
 
 from __future__ import annotations
 
@@ -25,8 +11,11 @@ from typing import Any, Generic, TypeVar
 
 from . import columns
 
-STEP = 2048   # series looked at per step of a pass (what one stored batch may add to ingest)
-STEP_GAP_NS = 10**7   # ...and at most one step every 10 ms
+# A pass over every series starts every every_ns() and looks at STEP series a step (about a
+# millisecond), a step at most every STEP_GAP_NS as batches are stored: no batch pays for more, and
+# a pass takes at most a tenth of the loop.
+STEP = 2048
+STEP_GAP_NS = 10**7
 _SECOND = 10**9
 
 C = TypeVar("C", set, dict)
@@ -40,7 +29,9 @@ def every_ns(idle_ns: int) -> int:
 class RefGenerations(Generic[C]):
     """A boot's series references in two generations of a set (or dict) each: `cur` (used since the
     last turn) and `old` (used in the generation before, not since). A user looks a reference up in
-    `cur`, else in `old` (and moves it to `cur`); `turn` lets the older generation go."""
+    `cur`, else in `old` (and moves it to `cur`); `turn` lets the older generation go. Turned every
+    series_idle_s, an idle reference goes between that and twice that after its last use; it only
+    stands for the name and labels its samples carry anyway, so one let go is found again by them."""
 
     __slots__ = ("cur", "old", "turn_at")
 
@@ -77,7 +68,10 @@ def due(state: Any, now_ns: int) -> bool:
 
 def sweep(state: Any, now_ns: int) -> int:
     """One step: up to STEP series of the pass under way looked at (a new pass begun if none is);
-    those idle for series_idle_s let go. Sets when the next step is due. Returns how many went."""
+    those idle for series_idle_s let go. Sets when the next step is due. Returns how many went.
+    Idle is told on the collector's own clock, whatever the agent's stamps: a series' points
+    received so far only grow, one a point (points_received), so a pass notes that count and when
+    it last moved, and a series whose count has not moved for series_idle_s goes."""
     if state.idle_walk is None:
         state.idle_walk = (_walk(state), now_ns + every_ns(state.series_idle_ns))   # and when the next begins
     walk, next_pass = state.idle_walk

@@ -1,30 +1,7 @@
-"""Fleet state kept by the collector: per node its inventory, the latest value of every series,
-a short history (default 15 min), recent events, and what it has stored per agent boot.
-
-Exactly once: a batch is stored only if its sequence number is above the highest one already
-stored for that node and agent boot; agents send in order on one stream, so anything at or below
-that mark is a resend of something stored (acknowledged again, never stored twice).
-All methods run on the collector's event loop thread; no locks. Clocks (collector/clock.py): a series'
-latest point is the newest received, kept with when (state clock); a node, its agent's clock offset.
-
-Bounds (collector/limits.py decides; the state counts and keeps to them): the boots remembered per
-node (the boots with an open stream are never forgotten), the series of a node (`max_series_per_node`,
-held even against batches admitted together; series with no point for `history_s` are let go first),
-series with no point received for `[state] series_idle_s` (collector/idle.py: a bounded step of a
-sweep as a batch is stored), how far a boot's sequence number may jump (`seq_ceiling`), and the bytes of one ListNodes page.
-
-Memory: history is kept 16 bytes a point in a series' own History (collector/series_history.py), about 8
-in columns where a node's series come together (collector/columns.py: one time a row). With
-`max_memory` set ([state] max_memory), the state estimates what it holds (history points x
-POINT_BYTES, those in columns x FRAME_POINT_BYTES and a row's time as much, plus SERIES_BYTES a
-series and NODE_BYTES a node, measured with tracemalloc) and keeps under it: first the history is
-shortened (every series cut to fewer points, at what a point costs on average; `history_points`
-shows how many; counted as `state.max_memory.history_shortened`, logged), down to
-`min_history_points`; only then are samples of new series dropped (`state.max_memory.samples_dropped`,
-logged), and the server refuses new nodes (`full()`). Points are let go in bulk, so the estimate
-may pass the budget by up to 1/8 of the shortened history (the cut aims at 90% of it). Never an
-OOM kill.
-"""
+"""The collector's fleet state: per node its inventory, the latest value of every series, a short
+history (default 15 min), recent events, open diagnoses and, per agent boot, the highest batch seq
+stored (exactly once: FleetState.accept). It keeps to the bounds collector/limits.py sets and, with
+`[state] max_memory`, to a memory budget. It runs on the collector's event loop thread; no locks."""
 
 from __future__ import annotations
 
@@ -47,8 +24,14 @@ from .series_history import POINT_BYTES, points_of
 log = logging.getLogger("xpusense.collector")
 HISTOGRAM = pb.HISTOGRAM
 MAX_BOOTS_REMEMBERED = 8
-# What a series and a node hold besides their history's slots, measured with tracemalloc
-# (bench/collector_ingest.py --memory): the Series, its key, labels, map entries.
+# Memory ([state] max_memory): a point costs POINT_BYTES in a series' own History, about
+# columns.FRAME_POINT_BYTES in a frame (and a row's time as much); a series (the Series, its key,
+# labels, map entries) and a node hold SERIES_BYTES and NODE_BYTES besides, measured with tracemalloc
+# (bench/collector_ingest.py --memory). Over the budget the history is shortened first (every
+# series, aiming at 90% of the budget; `state.max_memory.history_shortened`), down to
+# min_history_points; only then are samples of new series dropped (`state.max_memory.samples_dropped`)
+# and new nodes refused (full()). Points go in bulk: the estimate may pass the budget by up to 1/8
+# of the shortened history. Never an OOM kill.
 SERIES_BYTES = 1100
 NODE_BYTES = 8000
 
@@ -134,7 +117,7 @@ class FleetState:
             self._over_budget()
 
     def memory_bytes(self) -> int:
-        """What the fleet state holds, estimated (see the module docstring)."""
+        """What the fleet state holds, estimated (the comment at SERIES_BYTES)."""
         return ((self.history_slots - self.frame_points) * POINT_BYTES
                 + (self.frame_points + self.frame_rows) * columns.FRAME_POINT_BYTES
                 + self.series_total * SERIES_BYTES + len(self.nodes) * NODE_BYTES)
@@ -264,7 +247,8 @@ class FleetState:
 
     def accept(self, batch: pb.Batch, now_ns: int | None = None) -> int | None:
         """Claim the batch's sequence number: the mark before it, or None when the batch is at or
-        below what was stored (a resend)."""
+        below what was stored for its node and boot. Agents send in order on one stream, so such a
+        batch is a resend of one stored (acknowledged again, never stored twice)."""
         n = self._node(batch.node_id)
         n.last_seen_ns = self.clock() if now_ns is None else now_ns
         if now_ns is None:   # live: received now; the agent's clock against ours

@@ -1,49 +1,9 @@
-"""Fleet state workers (`xpusense-collector worker --nats URLS`): each owns some partitions, reads
-their batches with one durable consumer per partition, keeps every node's latest values
-(summary.NodeLatest) and writes each changed node's summary to the `fleet` bucket every `summary_s`.
-
-Ownership: a partition has one owner at a time, by lease. In the `leases` bucket (entries live
-`lease_s` unless renewed) every worker renews `w.<id>` and the `p.<k>` of the partitions it owns
-(compare-and-set on the revision). Each round a worker aims at ceil(P / workers alive): it takes
-free partitions (create: only one can), lets one go when it has more; a dead worker's leases run
-out and the others take its partitions within `lease_s` + `summary_s`.
-
-Open diagnoses: each node's, as one collector keeps them (collector/diagnoses.py, the same code, on
-NodeLatest), bounded by `[state] max_open_diagnoses_per_node`, go into its summary; the bound hit
-and diagnoses closed by a new boot are counted there too (summary.py: `dc`).
-
-Idle series (collector/idle.py): a pass over the nodes every eighth of `[state] series_idle_s` (at
-most a minute), a bounded step at a time; a kept series with no point for series_idle_s is let go
-(counted `state.series.expired`, in the node's `dc` too) and series references idle that long forgotten.
-
-Clocks (collector/clock.py): a batch's points and events count as of when a gateway received it
-(its `Xps-Received` header; JetStream's time where absent); the node's clock offset is estimated
-from its Hello's and batches' times against that, and a node off by more than `[state]
-max_clock_offset_s` gets the `clock_offset` diagnosis in its summary.
-
-Checked input: a worker trusts no message it reads (a gateway identity stolen, a gateway with a
-bug). A batch whose node is not its subject's, whose `Nats-Msg-Id` is not node:boot:seq of its
-contents, whose boot id or seq is not one an agent sends, without `Xps-Received` or with one more
-than `[nats] max_received_skew_s` ahead of when JetStream stored it (or `publish_give_up_s` + that
-behind), or that collector/limits.py refuses (its sizes, and its seq beyond `seq_ceiling` from the
-boot's highest seq taken and when that rose, on JetStream's clock; the same code a collector runs);
-a Hello or an inventory naming another node or over the limits: skipped (acknowledged with the rest,
-never applied, so a forged seq never raises what the node has taken) and counted by reason,
-`worker.skipped.<reason>`, in the node's summary (`dc`: ListNodes' counters) and the worker's
-counters, and logged at most a few a second.
-
-Exactly once into the summary: a new owner loads the partition's summaries from the bucket (the
-previous owner's state, marks included), resets the durable consumer to its ack floor (everything
-not yet covered by a written summary comes again) and drops by SeqWindow what was taken. Messages
-are acknowledged (AckPolicy ALL: the last acks all before it) only after the summaries that cover
-them are written, and only by the lease's holder: a partition's writes run one at a time (a
-handover's last write waits for the one in flight, so that its acknowledgement never runs ahead of
-a summary still on its way, which the next owner would load without), and the lease is renewed
-between the writes and the acknowledgement (a worker whose lease was taken over acknowledges
-nothing: the new owner reads those messages again). Deliveries are numbered by the consumer: a gap
-(messages the server sent and the connection lost) is never acknowledged past; what was handled is
-written and acknowledged, and the consumer reset to its ack floor, so the lost ones come again.
-"""
+"""Fleet state workers (`xpusense-collector worker --nats URLS`): each owns some partitions by
+lease, reads their batches with one durable consumer per partition, keeps every node's latest values
+(summary.NodeLatest) and writes each changed node's summary to the `fleet` bucket every `summary_s`,
+acknowledging the messages a summary covers only once it is written. A worker trusts no message it
+reads: what fails its checks is skipped and counted. docs/scale.md says how ownership, delivery and
+failures work."""
 
 from __future__ import annotations
 
@@ -144,6 +104,13 @@ class _Partition:
 
 
 class Worker:
+    """Exactly once into the summary: a new owner of a partition loads its summaries from the bucket
+    (the previous owner's state, marks included), resets the durable consumer to its ack floor and
+    drops by SeqWindow what was taken. Messages are acknowledged (AckPolicy ALL) only after the
+    summaries that cover them are written, one write at a time per partition, and only while the
+    lease is still this worker's. A gap in the consumer's delivery numbers is never acknowledged
+    past (_delivered_again)."""
+
     def __init__(self, js, buckets, ncfg: Any, worker_id: str = "", max_open_diagnoses_per_node: int = 64,
                  max_clock_offset_s: float = 5.0, limits: Limits | None = None):
         self.js, self.buckets, self.ncfg = js, buckets, ncfg
@@ -160,7 +127,7 @@ class Worker:
         self.diagnoses.configure(max_open_diagnoses_per_node)
         self.max_clock_offset_ns = int(max_clock_offset_s * 1e9)
         self.idle_ns = 3600 * 10**9           # [state] series_idle_s (collector/idle.py)
-        self.limits = limits or Limits()      # what a message read must keep to (module docstring)
+        self.limits = limits or Limits()      # what a message read must keep to (_batch_refused)
         # Xps-Received at most this far ahead of JetStream's time, or behind it by this + publish_give_up_s.
         skew_s, give_up_s = (getattr(ncfg, k, NATS_SCHEMA[k].default) for k in ("max_received_skew_s", "publish_give_up_s"))
         self.received_ns = (int(skew_s * 1e9), int((skew_s + give_up_s) * 1e9))
@@ -203,6 +170,9 @@ class Worker:
                 log.info("worker %s: partition %d not handed over cleanly: %s", self.id, k, e)
 
     async def _round(self) -> None:
+        """Renew `w.<id>` and the `p.<k>` of the partitions owned (compare-and-set on the revision),
+        aim at ceil(P / workers alive): take free partitions (create: only one can), let one go when
+        it has more. A dead worker's leases run out and the others take its partitions."""
         leases, n = self.buckets.leases, self.ncfg
         await leases.put(f"w.{token(self.id)}", b"")
         try:
@@ -415,7 +385,11 @@ class Worker:
 
     def _batch_refused(self, node_id: str, batch: Any, headers: dict, raw: str, t_ns: int,
                        data: bytes) -> tuple[str, str] | None:
-        """Why a batch read is not applied, or None (the module docstring): (reason, what was wrong)."""
+        """Why a batch read is not applied, or None: (reason, what was wrong). Refused: a batch whose
+        node is not its subject's, whose `Nats-Msg-Id` is not node:boot:seq of its contents, whose
+        boot id or seq is not one an agent sends, without `Xps-Received` or with one too far from when
+        JetStream stored it, or that collector/limits.py refuses (its seq against `seq_ceiling` on
+        JetStream's clock). Skipped messages are acknowledged with the rest, never applied (_skip)."""
         if batch.node_id != node_id:
             return "node", f"a batch of node {batch.node_id[:128]!r} on the subject of {node_id[:128]!r}"
         if (why := bad_id("boot_id", batch.boot_id)) or batch.seq < 1:
@@ -507,7 +481,7 @@ class Worker:
     async def expire_idle(self) -> None:
         """A pass of the idle sweep over this worker's nodes: their kept series with no point for
         [state] series_idle_s let go, their idle references forgotten (collector/idle.py; counted in
-        the node's summary too, `dc`); idle.STEP series a step, the loop let go between steps."""
+        the node's summary too, `counters`); idle.STEP series a step, the loop let go between steps."""
         now, looked = time.monotonic_ns(), 0
         for node in list(self.nodes.values()):
             series, refs = idle.expire_latest(node, now, self.idle_ns)
