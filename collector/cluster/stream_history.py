@@ -18,6 +18,7 @@ from nats.js import api
 
 from xpusense.v1 import telemetry_pb2 as pb
 
+from ..series import read_labels, series_key
 from .seq_marks import SeqWindow
 from .subjects import KIND, node_filter, partition, stream_of
 
@@ -33,7 +34,7 @@ async def read_history(js, ncfg: Any, node_id: str, name: str, labels: dict[str,
                              inactive_threshold=30.0, mem_storage=True, num_replicas=1,
                              opt_start_time=_rfc3339(time.time() - window_s))
     sub = await js.pull_subscribe(node_filter(ncfg.prefix, part, node_id), durable=None, stream=stream, config=cfg)
-    want = tuple(sorted(labels.items()))
+    want = series_key(name, labels)
     points: list[tuple[int, float]] = []
     unit = None
     windows: dict[str, SeqWindow] = {}
@@ -62,7 +63,7 @@ async def read_history(js, ncfg: Any, node_id: str, name: str, labels: dict[str,
                     key = (b.boot_id, s.series_ref)
                     hit = refs.get(key) if s.series_ref else None
                     if hit is None:
-                        hit = s.name == name and tuple(sorted(s.labels.items())) == want
+                        hit = s.name == name and series_key(name, read_labels(s.labels)) == want
                         if s.series_ref:
                             refs[key] = hit
                     if hit:
