@@ -55,7 +55,8 @@ class PendingWindow:
     async def wait(self) -> None:
         """Wait for room; `on_full` is told which bound was reached (its limits key)."""
         if self.on_full is not None:
-            self.on_full("max_stream_pending_bytes" if self.bytes >= self.max_bytes else "max_stream_pending_batches")
+            self.on_full("max_stream_pending_bytes" if self.bytes >= self.max_bytes
+                         else "max_stream_pending_batches")
         await self._room.wait()
 
 
@@ -72,6 +73,7 @@ class Sink:
         """Awaited before the Welcome goes out."""
 
     def take_now(self, b: Any, wire: bytes | None) -> pb.Ack | Violation:
+        """A batch read (`wire`: its bytes as received, or None), kept: its Ack, or a Violation."""
         raise NotImplementedError
 
     async def take(self, b: Any, wire: bytes | None, size: int) -> Any:
@@ -91,6 +93,7 @@ class Sink:
 
 
 def _wrong_node(b: Any, node_id: str) -> Violation:
+    """An earlier boot's batches may come again (the agent's spool after a restart); another node's never."""
     return Violation(grpc.StatusCode.PERMISSION_DENIED,
                      f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}")
 
@@ -161,7 +164,7 @@ class IngestSession(pb_grpc.IngestServicer):
             # Reading and acknowledging are pipelined: a reader task takes messages as they come,
             # and this task acknowledges them in order once each is kept.
             pending = asyncio.Queue()
-            reader = asyncio.create_task(self._read(request_iterator, context, sink, node_id, pending, window))
+            reader = asyncio.create_task(self._read(request_iterator, sink, node_id, pending, window))
             await sink.ready()
             yield pb.CollectorMessage(welcome=sink.welcome)
             while True:
@@ -211,7 +214,7 @@ class IngestSession(pb_grpc.IngestServicer):
         finally:   # an abort's traceback keeps this frame alive (a cycle): let go of the messages now
             request_iterator = msg = got = b = wire = None
 
-    async def _read(self, request_iterator, context, sink: Sink, node_id: str, pending: asyncio.Queue,
+    async def _read(self, request_iterator, sink: Sink, node_id: str, pending: asyncio.Queue,
                     window: PendingWindow) -> None:
         try:
             async for msg in request_iterator:

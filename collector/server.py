@@ -146,8 +146,9 @@ class IngestServicer(IngestSession):
     async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
         max_streams = self.limits.max_streams if self.limits is not None else LIMITS["max_streams"]
         if self.open_streams >= max_streams:
-            v = Violation(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the collector has limits.max_streams = {max_streams} "
-                          f"streams open; retry later", "max_streams")
+            v = Violation(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the collector has limits.max_streams = {max_streams} streams open; retry later",
+                          "max_streams")
             self.refuse(v, context.peer())
             await context.abort(v.code, v.message)
         self.open_streams += 1
@@ -170,13 +171,15 @@ class IngestServicer(IngestSession):
             return v
         max_nodes = self.limits.max_nodes
         if node_id not in self.state.nodes and len(self.state.nodes) >= max_nodes:
-            return Violation(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the collector holds limits.max_nodes = {max_nodes} "
-                             f"nodes; node {node_id[:128]!r} is not taken", "max_nodes")
+            return Violation(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"the collector holds limits.max_nodes = {max_nodes} nodes; node {node_id[:128]!r} "
+                             f"is not taken", "max_nodes")
         if node_id not in self.state.nodes and self.state.full():
             self.state.counters["state.max_memory.nodes_refused"] += 1
-            return Violation(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the collector's fleet state is at its memory budget "
-                             f"([state] max_memory) with its history at its shortest; node {node_id[:128]!r} is not "
-                             f"taken (raise max_memory, or lower min_history_points or history_s)", "max_memory")
+            return Violation(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"the collector's fleet state is at its memory budget ([state] max_memory) with its "
+                             f"history at its shortest; node {node_id[:128]!r} is not taken (raise max_memory, or "
+                             f"lower min_history_points or history_s)", "max_memory")
         return None
 
     async def open(self, hello: pb.Hello, peer: str, context) -> FleetStream:

@@ -242,13 +242,14 @@ class GatewayStream(Sink):
         if high is None:   # an earlier boot's batches, resent from the spool
             high = self.seen[b.boot_id] = await gw.marks.get(node_id, b.boot_id)
         payload = wire if wire is not None else b.SerializeToString()
-        if self.limits is not None and (why := self.limits.check(node_id, b, self.stored, refs=refs_of(b, payload))):
+        if self.limits is not None and (why := self.limits.check(node_id, b, self.stored,
+                                                                 refs=refs_of(b, payload))):
             return why
         if b.seq <= high:
             return b, None, None
         self.seen[b.boot_id] = b.seq
-        again = (self.subject, payload, {MSG_ID: msg_id(node_id, b.boot_id, b.seq), RECEIVED: str(time.time_ns())},
-                 time.monotonic())
+        headers = {MSG_ID: msg_id(node_id, b.boot_id, b.seq), RECEIVED: str(time.time_ns())}
+        again = (self.subject, payload, headers, time.monotonic())
         return b, await gw.publish_nowait(*again[:3]), again
 
     async def inventory(self, inv: pb.Inventory):
@@ -313,8 +314,8 @@ class ClusterIngestServicer(IngestSession):
         subject = gw.subject(node_id, hello.inventory)
         try:
             mark = await gw.marks.get(node_id, boot_id)
-            await gw.publish(subject, hello.SerializeToString(), {KIND: "hello", "Xps-Session": session,
-                                                                  "Xps-Peer": peer[:200], RECEIVED: str(time.time_ns())})
+            await gw.publish(subject, hello.SerializeToString(), {
+                KIND: "hello", "Xps-Session": session, "Xps-Peer": peer[:200], RECEIVED: str(time.time_ns())})
         except (PublishFailed, nats.errors.Error) as e:
             log.warning("node %s: cannot reach JetStream for the Hello: %s", node_id, e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the cluster is not answering: {e}")
