@@ -312,35 +312,24 @@ class MirrorNode:
 
     def __init__(self, d: dict, revision: int = 0, now_ns: int | None = None):
         self.node_id: str = d["node"]
-        self.boot_id: str = d.get("boot", "")
-        self.streams: int = d.get("streams", 0)
-        self.last_seen_ns: int = seen_at(d.get("last_seen_ns", 0), time.time_ns() if now_ns is None else now_ns)
-        self.peer: str = d.get("peer", "")
         self.inventory = pb.Inventory.FromString(d.get("inventory") or b"")
-        self.stored_up_to: dict[str, int] = dict(d.get("stored_up_to") or {})
-        self.batches_stored: int = d.get("batches_stored", 0)
-        self.batches_duplicate: int = d.get("batches_duplicate", 0)
+        self.events = [event_of(e) for e in d.get("events") or ()]
+        self.last_seen_ns = 0
         self.series: dict[tuple, MirrorSeries] = {}
         self.series_list: list[MirrorSeries] = []
         self.layout = -1
-        self.set_series(d)
-        self.events = [event_of(e) for e in d.get("events") or ()]
-        self.revision = revision
-        self.written_ns: int = d.get("written_ns", 0)
-        self.worker: str = d.get("worker", "")
         self._diagnosis_rows: Any = None
-        self.diagnoses: collections.OrderedDict[str, pb.Event] = collections.OrderedDict()
-        self.diagnosis_counts: dict[str, int] = {}
-        self.diagnoses_opened: dict[str, int] = {}
-        self.set_diagnoses(d)
+        self.update(d, revision, time.time_ns() if now_ns is None else now_ns)
 
     def update(self, d: dict, revision: int, now_ns: int) -> None:
-        """A newer summary of this node (its series in place where their layout is the same); its
-        inventory and events are the caller's to compare."""
+        """The node as summary `d` says (its series in place where their layout is the same); its
+        inventory and events: the caller's to compare, when it is a newer summary of the node."""
         self.revision, self.written_ns, self.worker = revision, d.get("written_ns", 0), d.get("worker", "")
-        self.boot_id, self.streams, self.peer = d.get("boot", ""), d.get("streams", 0), d.get("peer", "")
+        self.boot_id: str = d.get("boot", "")
+        self.streams: int = d.get("streams", 0)
+        self.peer: str = d.get("peer", "")
         self.last_seen_ns = max(self.last_seen_ns, seen_at(d.get("last_seen_ns", 0), now_ns))
-        self.stored_up_to = dict(d.get("stored_up_to") or {})
+        self.stored_up_to: dict[str, int] = dict(d.get("stored_up_to") or {})
         self.batches_stored, self.batches_duplicate = d.get("batches_stored", 0), d.get("batches_duplicate", 0)
         self.set_series(d)
         self.set_diagnoses(d)
@@ -351,8 +340,8 @@ class MirrorNode:
         rows = d.get("diagnoses") or []
         if rows != self._diagnosis_rows:   # decoded again only when they changed
             self._diagnosis_rows, self.diagnoses = rows, diagnoses_of(rows)
-        self.diagnosis_counts = d.get("counters") or {}
-        self.diagnoses_opened = d.get("diagnoses_opened") or {}
+        self.diagnosis_counts: dict[str, int] = d.get("counters") or {}
+        self.diagnoses_opened: dict[str, int] = d.get("diagnoses_opened") or {}
 
     def set_series(self, d: dict) -> list[MirrorSeries]:
         """The summary's series into this node: in place when the layout is the one it has (the
