@@ -18,7 +18,7 @@ from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from .limits import MalformedRequest, Violation, short_boot
-from .wire import batch_wire
+from .wire import batch_payload
 
 
 class PendingWindow:
@@ -62,9 +62,10 @@ class PendingWindow:
 
 class Sink:
     """What one stream does with its messages once the session checked that they are its node's.
-    `window` None: each batch is settled as it is read, in the handler's own task (`take_now`);
-    else a reader task takes them ahead (`take`) and the handler settles them in order (`settle`)."""
+    `window` None: each batch is kept as it is read, in the handler's own task (`take_now`); else a
+    reader task takes them ahead (`take`) and the handler settles them in order (`settle`)."""
 
+    node_id: str
     welcome: pb.Welcome
     window: PendingWindow | None = None
     stopped = False   # set by `take`: the message it returned is the last one to read
@@ -72,20 +73,20 @@ class Sink:
     async def ready(self) -> None:
         """Awaited before the Welcome goes out."""
 
-    def take_now(self, b: Any, wire: bytes | None) -> pb.Ack | Violation:
-        """A batch read (`wire`: its bytes as received, or None), kept: its Ack, or a Violation."""
+    def take_now(self, b: Any, payload: bytes) -> pb.Ack | Violation:
+        """A batch read (`payload`: its bytes), kept: its Ack, or why it is refused."""
         raise NotImplementedError
 
-    async def take(self, b: Any, wire: bytes | None, size: int) -> Any:
-        """A batch read (`size`: its bytes on the wire): what `settle` later acknowledges, or a Violation."""
+    async def take(self, b: Any, payload: bytes, size: int) -> Any:
+        """A batch read (`size`: its bytes on the wire): what `settle` acknowledges, or a Violation."""
         raise NotImplementedError
 
     async def inventory(self, inv: pb.Inventory) -> Any:
-        """An inventory sent after the Hello: None once taken, something to settle, or a Violation."""
+        """An inventory sent after the Hello, within the limits: None once kept, or what to settle."""
         raise NotImplementedError
 
     async def settle(self, item: Any, context: grpc.aio.ServicerContext) -> pb.Ack | None:
-        """Wait until `item` is kept (aborting the call when it cannot be); its Ack (None: nothing to ack)."""
+        """Wait until `item` is kept (aborting the call when it cannot be); its Ack, if it has one."""
         raise NotImplementedError
 
     def close(self, unsettled: list) -> None:
@@ -126,14 +127,19 @@ class IngestSession(pb_grpc.IngestServicer):
         self.security = security   # collector/auth.py: who may report as which node
         self.limits = limits       # collector/limits.py: what one agent may send
 
-    def refuse(self, v: Violation, peer: str) -> None:
-        if self.limits is not None:
+    def refused(self, v: Violation | None, peer: str) -> Violation | None:
+        """`v`, counted and logged (None passes)."""
+        if v is not None and self.limits is not None:
             self.limits.count(v)
             self.limits.log.warning("refused stream from %s: %s", peer, v.message)
+        return v
+
+    def inventory_refused(self, inv: pb.Inventory) -> Violation | None:
+        return self.limits.check_inventory(inv) if self.limits is not None else None
 
     def admit(self, node_id: str, inventory: pb.Inventory) -> Violation | None:
         """Why a node's stream is refused at its Hello, or None."""
-        return self.limits.check_inventory(inventory) if self.limits is not None else None
+        return self.inventory_refused(inventory)
 
     async def open(self, hello: pb.Hello, peer: str, context: grpc.aio.ServicerContext) -> Sink:
         raise NotImplementedError
@@ -143,34 +149,27 @@ class IngestSession(pb_grpc.IngestServicer):
         hello = await read_hello(request_iterator, context, self.security)
         if hello is None:
             return
-        node_id = hello.node_id
-        if (v := self.admit(node_id, hello.inventory)) is not None:
-            self.refuse(v, peer)
+        if (v := self.refused(self.admit(hello.node_id, hello.inventory), peer)) is not None:
             await context.abort(v.code, v.message)
         sink = await self.open(hello, peer, context)
-        self.log.info("node %s connected from %s (boot %s, stored up to %d)", node_id, peer,
+        self.log.info("node %s connected from %s (boot %s, stored up to %d)", sink.node_id, peer,
                       short_boot(hello.boot_id), sink.welcome.stored_up_to)
         window = sink.window
         reader: asyncio.Task | None = None
-        pending: asyncio.Queue | None = None
+        pending: asyncio.Queue = asyncio.Queue()
         item = None
         try:
-            if window is None:
-                await sink.ready()
-                yield pb.CollectorMessage(welcome=sink.welcome)
-                async for ack in self._inline(request_iterator, context, sink, node_id):
-                    yield ack
-                return
-            # Reading and acknowledging are pipelined: a reader task takes messages as they come,
-            # and this task acknowledges them in order once each is kept.
-            pending = asyncio.Queue()
-            reader = asyncio.create_task(self._read(request_iterator, sink, node_id, pending, window))
+            if window is not None:
+                # Reading and acknowledging are pipelined: a reader task takes messages as they
+                # come, and this task acknowledges them in order once each is kept.
+                reader = asyncio.create_task(self._read(request_iterator, sink, peer, pending, window))
             await sink.ready()
             yield pb.CollectorMessage(welcome=sink.welcome)
-            while True:
-                item = await pending.get()
-                if item is None:
-                    break
+            if window is None or reader is None:
+                async for ack in self._inline(request_iterator, context, sink, peer):
+                    yield ack
+                return
+            while (item := await pending.get()) is not None:
                 if item.__class__ is Violation:   # aborted here, in the handler's own task
                     await context.abort(item.code, item.message)
                 ack = await sink.settle(item, context)
@@ -181,28 +180,30 @@ class IngestSession(pb_grpc.IngestServicer):
             await reader   # re-raises the reader's abort, if any
         finally:
             unsettled = [item] if item is not None else []
-            if reader is not None and pending is not None:
+            if reader is not None:
                 reader.cancel()
                 while not pending.empty():
                     unsettled.append(pending.get_nowait())
             sink.close(unsettled)
-            self.log.info("node %s disconnected", node_id)
+            self.log.info("node %s disconnected", sink.node_id)
             # An abort's traceback keeps this frame alive (a cycle): let go of the messages now.
             request_iterator = hello = item = None
             unsettled.clear()
 
-    async def _inline(self, request_iterator, context, sink: Sink, node_id: str):
-        """Each batch settled as it is read, in the stream's one task: no reader task to hand
-        batches over to, which would cost the loop a task switch and a future a batch."""
+    async def _inline(self, request_iterator, context, sink: Sink, peer: str):
+        """Each batch kept as it is read, in the stream's one task: no reader task to hand batches
+        over to, which would cost the loop a task switch and a future a batch."""
+        node_id = sink.node_id
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("msg")
                 if kind == "batch":
-                    wire = batch_wire(msg)   # first: before anything here awaits (wire.py)
+                    payload = batch_payload(msg)   # first: before anything here awaits (wire.py)
                     b = msg.batch
-                    got = sink.take_now(b, wire) if b.node_id == node_id else _wrong_node(b, node_id)
+                    got = sink.take_now(b, payload) if b.node_id == node_id else _wrong_node(b, node_id)
                 elif kind == "inventory":
-                    got = await sink.inventory(msg.inventory)
+                    inv = msg.inventory
+                    got = self.refused(self.inventory_refused(inv), peer) or await sink.inventory(inv)
                 else:
                     got = _unexpected(kind)
                 if got.__class__ is Violation:
@@ -212,20 +213,24 @@ class IngestSession(pb_grpc.IngestServicer):
         except MalformedRequest as e:
             await context.abort(e.violation.code, e.violation.message)
         finally:   # an abort's traceback keeps this frame alive (a cycle): let go of the messages now
-            request_iterator = msg = got = b = wire = None
+            request_iterator = msg = got = b = None
+            payload = b""
 
-    async def _read(self, request_iterator, sink: Sink, node_id: str, pending: asyncio.Queue,
+    async def _read(self, request_iterator, sink: Sink, peer: str, pending: asyncio.Queue,
                     window: PendingWindow) -> None:
+        node_id = sink.node_id
         try:
             async for msg in request_iterator:
                 size = getattr(request_iterator, "wire_bytes", 0)   # limits.GuardedRequests
                 kind = msg.WhichOneof("msg")
                 if kind == "batch":
-                    wire = batch_wire(msg)   # first: before anything here awaits (wire.py)
+                    payload = batch_payload(msg)   # first: before anything here awaits (wire.py)
                     b = msg.batch
-                    got = await sink.take(b, wire, size) if b.node_id == node_id else _wrong_node(b, node_id)
+                    got = (await sink.take(b, payload, size) if b.node_id == node_id
+                           else _wrong_node(b, node_id))
                 elif kind == "inventory":
-                    got = await sink.inventory(msg.inventory)
+                    inv = msg.inventory
+                    got = self.refused(self.inventory_refused(inv), peer) or await sink.inventory(inv)
                 else:
                     got = _unexpected(kind)
                 if got is None:
@@ -239,4 +244,5 @@ class IngestSession(pb_grpc.IngestServicer):
             pending.put_nowait(e.violation)
         finally:
             pending.put_nowait(None)
-            msg = b = wire = got = None
+            msg = b = got = None
+            payload = b""

@@ -42,9 +42,9 @@ class FleetStream(Sink):
     acknowledged in order once fsync'ed, then applied: batches that arrive together share a group
     commit (a spool draining after an outage is not held to one fsync per batch)."""
 
-    def __init__(self, ingest: IngestServicer, node_id: str, boot_id: str, peer: str, welcome: pb.Welcome):
+    def __init__(self, ingest: IngestServicer, node_id: str, boot_id: str, welcome: pb.Welcome):
         self.ingest, self.state, self.store, self.limits = ingest, ingest.state, ingest.store, ingest.limits
-        self.node_id, self.boot_id, self.peer, self.welcome = node_id, boot_id, peer, welcome
+        self.node_id, self.boot_id, self.welcome = node_id, boot_id, welcome
         if self.store is not None:   # read and not yet acknowledged, per stream
             lim = self.limits
             self.window = PendingWindow(
@@ -52,8 +52,8 @@ class FleetStream(Sink):
                 int(lim.max_stream_pending_bytes if lim else LIMITS["max_stream_pending_bytes"]),
                 lim.hit if lim else None)
 
-    def take_now(self, b, wire: bytes | None) -> pb.Ack | Violation:
-        rows = BatchRows(b, wire)   # read once, for the limits and the state
+    def take_now(self, b, payload: bytes) -> pb.Ack | Violation:
+        rows = BatchRows(b, payload)   # read once, for the limits and the state
         if self.limits is not None and (why := self.limits.check(self.node_id, b, self.state, rows.refs)):
             return why
         previous = self.state.accept(b)
@@ -61,8 +61,8 @@ class FleetStream(Sink):
             self.state.apply(b, rows)
         return pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=previous is None)
 
-    async def take(self, b, wire: bytes | None, size: int):
-        rows = BatchRows(b, wire)
+    async def take(self, b, payload: bytes, size: int):
+        rows = BatchRows(b, payload)
         if self.limits is not None and (why := self.limits.check(self.node_id, b, self.state, rows.refs)):
             return why
         store = self.store
@@ -72,7 +72,7 @@ class FleetStream(Sink):
         if previous is None:   # a resend: acknowledged once what it resends is durable
             durable = store.barrier()
         else:
-            durable = store.submit(["b", wire if wire is not None else b.SerializeToString()])
+            durable = store.submit(["b", payload])
             store.track(durable, self.node_id, b.boot_id, b.seq)
             key = (self.node_id, b.boot_id)
             undurable = self.ingest.undurable
@@ -82,11 +82,8 @@ class FleetStream(Sink):
             self.stopped = True   # refused: nothing after it may be stored before it (settle ends the stream)
         return b, previous, durable, rows
 
-    async def inventory(self, inv: pb.Inventory) -> Violation | None:
-        """The node's accelerators changed: kept and stored, or refused."""
-        if self.limits is not None and (v := self.limits.check_inventory(inv)):
-            self.ingest.refuse(v, self.peer)
-            return v
+    async def inventory(self, inv: pb.Inventory) -> None:
+        """The node's accelerators changed: kept and stored."""
         self.state.set_inventory(self.node_id, inv)
         if self.store is not None:
             self.store.append_nowait(["i", self.node_id, self.boot_id, inv.SerializeToString()])
@@ -149,7 +146,7 @@ class IngestServicer(IngestSession):
             v = Violation(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"the collector has limits.max_streams = {max_streams} streams open; retry later",
                           "max_streams")
-            self.refuse(v, context.peer())
+            self.refused(v, context.peer())
             await context.abort(v.code, v.message)
         self.open_streams += 1
         aborted = False
@@ -186,7 +183,7 @@ class IngestServicer(IngestSession):
         welcome = self.state.hello(hello, peer)
         if self.store is not None:
             self.store.append_nowait(["i", hello.node_id, hello.boot_id, hello.inventory.SerializeToString()])
-        return FleetStream(self, hello.node_id, hello.boot_id, peer, welcome)
+        return FleetStream(self, hello.node_id, hello.boot_id, welcome)
 
     def settled(self, key: tuple[str, str], durable: asyncio.Future) -> None:
         if self.undurable.get(key, 0) > 1:

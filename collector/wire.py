@@ -139,6 +139,8 @@ def batch_wire(msg: pb.AgentMessage | LeanMessage) -> bytes | None:
 
 def batch_payload(msg: pb.AgentMessage | LeanMessage) -> bytes:
     """The Batch of `msg` encoded: batch_wire's bytes, or serialized again."""
+    if msg.__class__ is LeanMessage:   # the usual batch
+        return msg.batch.wire
     wire = batch_wire(msg)
     return wire if wire is not None else msg.batch.SerializeToString()
 

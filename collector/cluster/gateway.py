@@ -224,10 +224,10 @@ class GatewayStream(Sink):
     (StreamStored): the seq bound counts from the boot's mark, so a forged seq is refused and never
     raises it. At most `Gateway.max_inflight` messages of a stream wait for their publish acks."""
 
-    def __init__(self, ingest: ClusterIngestServicer, node_id: str, boot_id: str, peer: str, session: str,
-                 subject: str, mark: int):
-        self.ingest, self.gw, self.limits = ingest, ingest.gw, ingest.limits
-        self.node_id, self.peer, self.session, self.subject = node_id, peer, session, subject
+    def __init__(self, ingest: ClusterIngestServicer, node_id: str, boot_id: str, session: str, subject: str,
+                 mark: int):
+        self.gw, self.limits = ingest.gw, ingest.limits
+        self.node_id, self.session, self.subject = node_id, session, subject
         self.welcome = pb.Welcome(boot_id=boot_id, stored_up_to=mark)
         self.seen: dict[str, int] = {boot_id: mark}   # per boot on this stream: the highest seq taken
         self.stored = StreamStored(self.gw.marks, getattr(self.limits, "series_idle_s", 3600.0))
@@ -236,14 +236,13 @@ class GatewayStream(Sink):
     def _waits(self, _key: str) -> None:
         self.gw.inflight_waits += 1
 
-    async def take(self, b, wire: bytes | None, size: int):
+    async def take(self, b, payload: bytes, size: int):
         gw, node_id = self.gw, self.node_id
         high = self.seen.get(b.boot_id)
         if high is None:   # an earlier boot's batches, resent from the spool
             high = self.seen[b.boot_id] = await gw.marks.get(node_id, b.boot_id)
-        payload = wire if wire is not None else b.SerializeToString()
-        if self.limits is not None and (why := self.limits.check(node_id, b, self.stored,
-                                                                 refs=refs_of(b, payload))):
+        limits = self.limits
+        if limits is not None and (why := limits.check(node_id, b, self.stored, refs=refs_of(b, payload))):
             return why
         if b.seq <= high:
             return b, None, None
@@ -253,9 +252,6 @@ class GatewayStream(Sink):
         return b, await gw.publish_nowait(*again[:3]), again
 
     async def inventory(self, inv: pb.Inventory):
-        if self.limits is not None and (v := self.limits.check_inventory(inv)) is not None:
-            self.ingest.refuse(v, self.peer)
-            return v
         self.subject = self.gw.subject(self.node_id, inv)
         again = (self.subject, inv.SerializeToString(), {KIND: "inventory", "Xps-Session": self.session},
                  time.monotonic())
@@ -319,4 +315,4 @@ class ClusterIngestServicer(IngestSession):
         except (PublishFailed, nats.errors.Error) as e:
             log.warning("node %s: cannot reach JetStream for the Hello: %s", node_id, e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the cluster is not answering: {e}")
-        return GatewayStream(self, node_id, boot_id, peer, session, subject, mark)
+        return GatewayStream(self, node_id, boot_id, session, subject, mark)
