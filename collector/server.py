@@ -87,7 +87,6 @@ class FleetStream(Sink):
         self.state.set_inventory(self.node_id, inv)
         if self.store is not None:
             self.store.append_nowait(["i", self.node_id, self.boot_id, inv.SerializeToString()])
-        return None
 
     async def ready(self) -> None:
         if self.store is not None and self.ingest.undurable.get((self.node_id, self.boot_id)):
