@@ -34,7 +34,7 @@ from .scheduler.service import add_place_parser, place_command
 from .server import BindError, check_bind, serve
 from .state import FleetState
 from .store import Store, StoreError
-from .store.snapshotter import Snapshotter
+from .store.snapshot_taker import Snapshotter
 from .views import PagingError, fetch_all, node_to_dict, render_table
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -169,7 +169,7 @@ def _serve(args) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        if snapshots is not None:   # store/snapshotter.py: a restart replays only the log after the last one
+        if snapshots is not None:   # store/snapshot_taker.py: a restart replays only the log after the last one
             TASKS.task("store-snapshots", lambda: snapshots.run(stop), stop)
         await serve(cfg.listen, state, cfg.max_message_bytes, stop, cfg, store=store,
                     credentials=security.server_credentials(), security=security, limits=limits)
