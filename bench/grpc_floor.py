@@ -18,7 +18,7 @@ choose_engine(POLLING_LISTENER)   # before grpc is imported, as xpusense-collect
 
 import grpc  # noqa: E402
 
-from xpusense.collector.server import SERVER_OPTIONS  # noqa: E402
+from xpusense.collector.grpc_server import SERVER_OPTIONS  # noqa: E402
 from xpusense.collector.wire import _wire_rows  # noqa: E402  (None where it was not built)
 from xpusense.v1 import telemetry_pb2 as pb  # noqa: E402
 

@@ -29,9 +29,10 @@ from .cluster.cli import add_parsers as add_cluster_parsers
 from .config import load_collector
 from .exporters import Exporters
 from .gc_policy import freeze_long_lived, reclaim_pending
+from .grpc_server import BindError, check_bind
 from .limits import Limits
 from .scheduler.service import add_place_parser, place_command
-from .server import BindError, check_bind, serve
+from .server import serve
 from .state import FleetState
 from .store import Store, StoreError
 from .store.snapshot_taker import Snapshotter

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 
+from .grpc_server import BindError
 from .inventory_book import InventoryBook
 from .otlp_export import MemoryQueue, OtlpExport, StoreQueue
 from .prometheus import PrometheusEndpoint
-from .server import BindError
 
 log = logging.getLogger("xpusense.collector.export")
 
@@ -38,7 +38,7 @@ class Exporters:
             self.otlp_queue = StoreQueue(store)
 
     def start(self) -> None:
-        """Raises server.BindError when the Prometheus port cannot be had."""
+        """Raises grpc_server.BindError when the Prometheus port cannot be had."""
         e = self.cfg.export
         if e.otlp.enabled:
             if self.otlp_queue is None:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, MutableMapping
 
 from xpusense.v1 import telemetry_pb2 as pb
 
-from .fleet_view import FleetNode
+from .fleet_interface import FleetNode
 
 
 def list_nodes(nodes: Mapping[str, FleetNode], request: pb.ListNodesRequest, max_bytes: int = 0,

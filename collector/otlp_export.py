@@ -25,7 +25,7 @@ from xpusense.common.otlp import (
     resource_attributes,
 )
 
-from .fleet_view import Fleet
+from .fleet_interface import Fleet
 from .inventory_book import InventoryBook
 from .store import StoreReader
 

@@ -19,7 +19,7 @@ from xpusense.common.config import split_host_port
 from xpusense.v1 import telemetry_pb2 as pb
 
 from . import diagnoses as dg
-from .fleet_view import Fleet
+from .fleet_interface import Fleet
 from .inventory_book import InventoryBook
 from .prom_names import REASONS, Families, Tally, prom_labels, prom_name
 

@@ -17,9 +17,11 @@ import grpc
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
-from .fleet_view import FleetNode
+from .fleet_interface import FleetNode
 from .limits import DEFAULTS as LIMITS
 from .node_pages import list_nodes
+
+QUERY_SERVICE = pb.DESCRIPTOR.services_by_name["Query"].full_name
 
 if TYPE_CHECKING:
     from .state import FleetState

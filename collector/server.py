@@ -6,25 +6,23 @@ port, on one asyncio event loop that owns the fleet state.
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import logging
-import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from xpusense.common.config import split_host_port
 from xpusense.common.supervise import TASKS
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from . import gc_policy
 from .batch_rows import BatchRows
+from .grpc_server import bind, grpc_server
 from .ingest_session import IngestSession, PendingWindow, Sink
 from .limits import DEFAULTS as LIMITS
 from .limits import Violation
-from .query import state_query
+from .query import QUERY_SERVICE, state_query
 from .scheduler.service import SCHEDULER_SERVICE
 from .scheduler.service import add_to_server as add_scheduler
 from .state import FleetState
@@ -33,7 +31,6 @@ from .wire import INGEST_SERVICE, add_ingest
 
 log = logging.getLogger("xpusense.collector")
 
-QUERY_SERVICE = pb.DESCRIPTOR.services_by_name["Query"].full_name
 
 
 class FleetStream(Sink):
@@ -214,54 +211,17 @@ def counters(ingest: IngestServicer) -> dict[str, int]:
     return out
 
 
-class BindError(Exception):
-    pass
-
-
-def check_bind(listen: str) -> None:
-    """Bind the address once ourselves, so a busy port gives one clear line, not gRPC's log."""
-    host, port = split_host_port(listen)
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise BindError(f"cannot listen on {listen}: host {host!r} does not resolve ({e.strerror})") from None
-    family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(addr)
-        except OSError as e:
-            hint = "is another collector running? " if e.errno == errno.EADDRINUSE else ""
-            raise BindError(f"cannot listen on {listen}: {e.strerror}; {hint}choose another address with --listen") from None
-
-
-# Every collector-side gRPC server's options (the single collector, cluster gateways and scheduler
-# replicas, bench/grpc_floor.py), beside its message size bound.
-SERVER_OPTIONS = [
-    ("grpc.so_reuseport", 0),   # a second collector on the same port must fail, not share it
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_ping_strikes", 0),
-]
-
-
 async def start_server(listen: str, state: FleetState, max_message_bytes: int = 16 * 1024 * 1024,
                        credentials: grpc.ServerCredentials | None = None, security=None,
                        limits=None, config=None, store=None) -> grpc.aio.Server:
-    # security.interceptors(): with per-node tokens, Query and the rest need a valid token too;
-    # limits.interceptors(): a message that does not parse ends its call with INVALID_ARGUMENT.
-    interceptors = [*(security.interceptors() if security is not None else ()),
-                    *(limits.interceptors() if limits is not None else ())]
-    server = grpc.aio.server(interceptors=interceptors or None,
-                             options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_message_bytes)])
+    server = grpc_server(security, limits, max_message_bytes)
     ingest = IngestServicer(state, security, limits, store)
     if limits is not None:
         state.max_series_per_node = limits.max_series_per_node
-    if config is not None:   # [state] series_idle_s: idle series and references let go (collector/idle.py)
+    if config is not None:   # [state]: idle series let go (collector/idle.py), the memory budget
         state.series_idle_ns = int(config.state.series_idle_s * 1e9)
         if limits is not None:
             limits.series_idle_s = float(config.state.series_idle_s)
-    if config is not None and hasattr(state, "configure"):   # [state]: the memory budget
         state.configure(config.state.max_memory, config.state.min_history_points,
                         config.state.max_open_diagnoses_per_node, config.state.max_clock_offset_s)
     add_ingest(ingest, server)   # a batch is stored in the bytes it came in (wire.py)
@@ -270,16 +230,7 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
     server.scheduler = add_scheduler(server, state, config)   # config None: the defaults
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    check_bind(listen)
-    try:
-        port = (server.add_secure_port(listen, credentials) if credentials is not None
-                else server.add_insecure_port(listen))
-    except RuntimeError as e:
-        raise BindError(f"cannot listen on {listen}: {e}; is another collector running? "
-                        f"choose another address with --listen") from None
-    if port == 0:
-        raise BindError(f"cannot listen on {listen}: address in use or not local; "
-                        f"choose another address with --listen")
+    bind(server, listen, credentials)
     await server.start()
     for svc in ("", INGEST_SERVICE, QUERY_SERVICE, SCHEDULER_SERVICE):
         await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)

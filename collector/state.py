@@ -71,7 +71,7 @@ class NodeState(NodeSeries):
 
 
 class FleetState:
-    readings_with_inventory = False   # a node's latest values come with its batches (fleet_view.Fleet)
+    readings_with_inventory = False   # a node's latest values come with its batches (fleet_interface.Fleet)
 
     def __init__(self, history_s: float = 900.0, events_kept: int = 200, clock=time.time_ns):
         self.history_ns = int(history_s * 1e9)

@@ -79,7 +79,7 @@ def wants_cluster(args) -> bool:
 
 def run_cluster(args) -> int:
     """serve (as a gateway), worker or scheduler; exit 0, 1 (cluster unreachable, port busy) or 2."""
-    from ..server import BindError, check_bind
+    from ..grpc_server import BindError, check_bind
     from .engine import ClusterUnavailable
     try:
         cfg = load_config(args.config or os.environ.get("XPUSENSE_COLLECTOR_CONFIG"), _flags(args))

@@ -15,7 +15,7 @@ import nats.js.errors
 from xpusense.v1 import telemetry_pb2 as pb
 
 from .. import node_pages
-from ..fleet_view import Fleet, FleetNode
+from ..fleet_interface import Fleet, FleetNode
 from ..query import QueryServicer, Unavailable
 from .engine import list_bucket
 from .stream_history import read_history

@@ -1,5 +1,5 @@
 """Scheduler replicas (`xpusense-collector scheduler --nats URLS`): the scheduler core fed from the
-`fleet` bucket, listed then watched (as Kubernetes informers do) into a FleetIndex, a fleet_view.Fleet
+`fleet` bucket, listed then watched (as Kubernetes informers do) into a FleetIndex, a fleet_interface.Fleet
 like the collector's FleetState. Each replica answers Place, Query and /metrics from its own index."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class _Opened:
 
 
 class FleetIndex:
-    """The `fleet` bucket as a fleet_view.Fleet for the scheduler core, the Query API and Prometheus.
+    """The `fleet` bucket as a fleet_interface.Fleet for the scheduler core, the Query API and Prometheus.
     A node whose inventory is unchanged is updated in place (its series keep their identity, so the
     core's per-device references stay valid); a new inventory rebuilds it in the core."""
 
@@ -239,14 +239,14 @@ async def add_scheduler(server, js, kv, cfg: Any) -> ClusterScheduler:
 
 async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credentials=None) -> None:
     """`xpusense-collector scheduler`: Place and Query from the watched index, on cfg.listen."""
-    from grpc_health.v1 import health, health_pb2_grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
-    from ..server import QUERY_SERVICE
+    from ..grpc_server import bind, grpc_server
+    from ..query import QUERY_SERVICE
     from .engine import connect, disconnect, ensure
     from .query import cluster_query
-    from .rpc import SERVING, bind, grpc_server
     ncfg = cfg.nats
     nc = await connect(ncfg, "xpusense-scheduler", role="scheduler")
     # The replica publishes nothing: its JetStream API calls (the watch's consumer info, the list)
@@ -263,7 +263,7 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
     bind(server, cfg.listen, credentials)
     await server.start()
     for svc in ("", SCHEDULER_SERVICE, QUERY_SERVICE):
-        await hs.set(svc, SERVING)
+        await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
     log.info("scheduler listening on %s, %d nodes in its index from the NATS cluster at %s", cfg.listen,
              len(sched.index.nodes), ",".join(ncfg.urls))
     try:
@@ -282,9 +282,9 @@ def _prometheus(cfg: Any, index: FleetIndex):
     summaries keep) at /metrics, as one collector serves them (collector/prometheus.py)."""
     if not cfg.export.prometheus.enabled:
         return None
+    from ..grpc_server import BindError
     from ..inventory_book import InventoryBook
     from ..prometheus import PrometheusEndpoint
-    from ..server import BindError
     book = InventoryBook().watch(index)
     for n in list(index.nodes.values()):   # listed before the book was watching
         book._on_change(n, None)

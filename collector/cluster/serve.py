@@ -13,20 +13,21 @@ import logging
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from xpusense.common.supervise import TASKS
 from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from ..gc_policy import freeze_long_lived
-from ..server import QUERY_SERVICE
+from ..grpc_server import bind, grpc_server
+from ..query import QUERY_SERVICE
 from ..wire import INGEST_SERVICE, add_ingest
 from .engine import connect, disconnect, ensure
 from .gateway import ClusterIngestServicer, Gateway
-from .rpc import NOT_SERVING, SERVING, bind, grpc_server
 
 log = logging.getLogger("xpusense.collector.cluster")
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 # A gateway's frozen garbage cycles (an aborted stream's frame and its exception: no reclaim runs
 # here as in the single collector) wait at most this long for the sweep that frees them.
 GATEWAY_SWEEP_S = 300.0

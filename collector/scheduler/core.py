@@ -10,7 +10,7 @@ from typing import Any
 
 from xpusense.v1 import scheduler_pb2 as spb
 
-from ..fleet_view import Fleet
+from ..fleet_interface import Fleet
 from .config import PlaceError, Settings, resolve_weights
 from .explain import fill_reply
 from .fleet import FleetView

@@ -1,4 +1,4 @@
-"""Following the fleet (fleet_view.Fleet): one NodeSummary per node, kept up to date by a watcher
+"""Following the fleet (fleet_interface.Fleet): one NodeSummary per node, kept up to date by a watcher
 called after every Hello, inventory and stored batch, and filed in the index (index.py). A stored
 batch only marks its node dirty; dirty nodes are refreshed in bulk off the ingest path, and before
 every decision (catch_up), so that a Place answer never misses a batch stored more than `refresh_ns`
@@ -18,7 +18,7 @@ from xpusense.v1 import scheduler_pb2 as spb
 
 from .. import diagnoses as dg
 from ..clock import events_received
-from ..fleet_view import Fleet, FleetNode
+from ..fleet_interface import Fleet, FleetNode
 from .config import Settings
 from .index import (
     ACCEL_TYPES,

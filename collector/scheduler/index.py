@@ -11,7 +11,7 @@ from typing import Any
 
 from xpusense.v1 import scheduler_pb2 as spb
 
-from ..fleet_view import FleetNode
+from ..fleet_interface import FleetNode
 from .ranked import Ranked
 from .scoring import NO_READINGS_FREE, UNKNOWN_VALUE_NORM, value_norm, value_per_price
 

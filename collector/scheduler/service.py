@@ -16,7 +16,7 @@ from xpusense.v1 import scheduler_pb2 as spb
 from xpusense.v1 import scheduler_pb2_grpc as spb_grpc
 
 from ..config import load_collector
-from ..fleet_view import Fleet
+from ..fleet_interface import Fleet
 from .config import DIMENSIONS, PlaceError
 from .core import Scheduler
 from .inventory import parse_memory

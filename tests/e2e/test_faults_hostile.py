@@ -266,7 +266,7 @@ def test_a_client_that_never_reads_its_acks_is_held_back(procs, tmp_path, durabl
     assert peak[0] < before + 150, f"RSS grew from {before} to {peak[0]} MB"
 
 
-def test_series_without_references_are_bounded_and_the_fleet_view_still_reads(procs, tmp_path):
+def test_series_without_references_are_bounded_and_the_fleet_interface_still_reads(procs, tmp_path):
     limit = 50_000
     coll = Collector(procs, tmp_path, f"[limits]\nmax_series_per_node = {limit}\n")
     start_agent(procs, tmp_path, coll.addr, "bystander")
