@@ -85,3 +85,33 @@ def test_figures_page_is_what_the_generator_writes():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "figures.py"), "--check"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr or r.stdout
+
+
+def test_readme_layout_names_every_module():
+    """README's Layout block lists each package folder's modules by name: none missing, none gone."""
+    block = re.search(r"^## Layout\n.*?^```\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
+    assert block, "README.md has no Layout code block"
+    listed: dict[str, set[str]] = {}
+    folder = ""
+    for line in block.group(1).splitlines():
+        m = re.match(r"(\S+/)\s+(.*)", line)
+        if m:
+            folder = m.group(1)
+            words = m.group(2).rpartition(": ")[2]   # "what the folder is: module module ..."
+        elif line.startswith(" ") and folder:
+            words = line
+        else:
+            continue
+        listed.setdefault(folder, set()).update(words.split())
+    wrong = []
+    for folder in ("agent/", "agent/spool/", "client/", "collector/", "collector/store/", "collector/scheduler/",
+                   "collector/cluster/"):
+        have = {p.stem for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"}
+        assert folder in listed, f"README Layout has no row for {folder}"
+        missing = have - listed[folder]
+        if missing:
+            wrong.append(f"{folder}: not listed {sorted(missing)}")
+        gone = {w for w in listed[folder] if w not in have and not w.endswith(".c")}
+        if gone:
+            wrong.append(f"{folder}: listed but no such module {sorted(gone)}")
+    assert not wrong, "; ".join(wrong)
