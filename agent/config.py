@@ -132,6 +132,16 @@ AGENT_SCHEMA: dict[str, Any] = {
                                     help="kubelet pod-resources API (device assignments); empty: not used"),
         "metadata_dirs": Key(list, list(_POD_METADATA_DIRS), help="container runtimes' state dirs (pod names)"),
         "refresh_s": Key((int, float), 10.0, positive, help="pod-resources and cache refresh period"),
+        # Node labels as a Node Feature Discovery feature file (agent/nfd_labels.py, docs/kubernetes.md).
+        "nfd_feature_file": Key(str, "", help="write this node's labels here in NFD's feature-file format (the "
+                                              "DaemonSet: /etc/kubernetes/node-feature-discovery/features.d/xpusense); "
+                                              "empty: not written. Works without `enabled`"),
+        "nfd_expiry_s": Key((int, float), 600.0, between(60.0, 604_800.0),
+                            help="the file's # +expiry-time: NFD drops the labels this long after the last write "
+                                 "(an agent gone); rewritten when half of it has passed"),
+        "nfd_check_s": Key((int, float), 60.0, positive,
+                           help="how often the inventory is compared with the labels written (health readings "
+                                "and events are seen at once); the file is written only when they differ"),
     },
     # The agent's own OTLP export (agent/otlp_export.py); usually the collector exports instead.
     "export": {"otlp": otlp_schema(collector=False)},

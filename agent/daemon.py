@@ -19,6 +19,7 @@ from xpusense.v1 import telemetry_pb2 as pb
 from .diagnosis.base import Context
 from .diagnosis.registry import build_diagnoser
 from .hbm_watch import HbmWatch, Rule
+from .nfd_labels import build_nfd_writer
 from .otlp_export import build_agent_exporter
 from .pods import build_pod_labeler
 from .sdnotify import Watchdog
@@ -173,6 +174,7 @@ class Agent:
         if startup_events:
             self.stream.put([], startup_events)
         self.pods = build_pod_labeler(cfg, lambda: inventory(cfg, self.states)["resources"])   # [k8s]
+        self.nfd = build_nfd_writer(cfg, lambda: inventory(cfg, self.states)["resources"])   # [k8s] nfd_*
         self.otlp = build_agent_exporter(cfg, lambda: inventory_to_proto(inventory(cfg, self.states)))
         tiers = {t for src in sources for t in src.tiers} | set(self.loop.tiers_in_use())
         self.watchdog = Watchdog(lambda: sum(self.loop.rounds.values()),   # systemd READY=1 / WATCHDOG=1
@@ -225,6 +227,8 @@ class Agent:
                     found = [self.pods.label_event(e) for e in found]
                 events = events + found
             self.inventory_watch.check(events)
+            if self.nfd is not None:
+                self.nfd.observe(samples, events)
         if self.otlp is not None:
             self.otlp.put(samples)
             if self.otlp.only:   # [export.otlp] only: no collector stream

@@ -29,6 +29,7 @@ def identify(nv: Any, g: Gpu, driver: str) -> None:
     with MIG on and no monitor capability even the memory size is refused)."""
     h = g.handle
     g.name = text(nv.nvmlDeviceGetName(h))
+    g.info["product"] = "-".join(g.name.split())   # NVML's name, as GPU feature discovery labels it
     g.info["uuid"] = text(nv.nvmlDeviceGetUUID(h))
     g.info["pci_bus_id"] = text(nv.nvmlDeviceGetPciInfo(h).busId)
     g.info["driver"] = driver

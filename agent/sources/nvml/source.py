@@ -124,6 +124,7 @@ class NvmlSource(Source):
         mem = ask(g, "memory", lambda: self._memory().read(h))
         if mem is not None:
             g.info["memory"] = f"{round(mem.total / 2**30)}GB"
+            g.info["memory_mib"] = str(mem.total // 2**20)   # as GPU feature discovery labels it
         cc = ask(g, "compute_capability", lambda: nv.nvmlDeviceGetCudaComputeCapability(h))
         g.info["compute_capability"] = f"{cc[0]}.{cc[1]}" if cc else ""
         g.arch = ask(g, "architecture", lambda: nv.nvmlDeviceGetArchitecture(h))
