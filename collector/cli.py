@@ -28,6 +28,8 @@ from .cluster.cli import add_nats_flag, run_cluster, wants_cluster
 from .cluster.cli import add_parsers as add_cluster_parsers
 from .config import load_collector
 from .exporters import Exporters
+from .extender_http import add_extender_flag, extender_flags
+from .extender_http import check_section as check_extender
 from .gc_policy import freeze_long_lived, reclaim_pending
 from .grpc_server import BindError, check_bind
 from .limits import Limits
@@ -50,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", metavar="HOST:PORT", help=f"listen address (default {DEFAULT_ADDRESS})")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     s.add_argument("--data-dir", metavar="DIR", help="durable store: batches are acknowledged once written here")
+    add_extender_flag(s)
     add_nats_flag(s)   # cluster mode: a gateway to NATS JetStream (collector/cluster/, docs/scale.md)
     for name, helptext in (("nodes", "fleet state: every node and its latest values"),
                            ("top", "a live terminal view of the fleet (Ctrl-C to leave)")):
@@ -131,8 +134,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args) -> int:
     cfg = load_collector(args.config or os.environ.get("XPUSENSE_COLLECTOR_CONFIG"),
-                         {"listen": args.listen, "log_level": args.log_level, "data_dir": args.data_dir})
+                         {"listen": args.listen, "log_level": args.log_level, "data_dir": args.data_dir,
+                          **extender_flags(args)})
     security = Security.from_config(cfg, args.config or "configuration")   # ConfigError: exit 2, names the key
+    check_extender(cfg, args.config or "configuration")
     limits = Limits.from_config(cfg.limits)
     try:
         check_bind(cfg.listen)   # a busy port is one clear line, before anything else is said or opened

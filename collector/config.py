@@ -93,6 +93,20 @@ COLLECTOR_SCHEMA = {
         "max_inventory_bytes": Key(int, 2**20, positive, help="one node's inventory"),
         "max_reply_bytes": Key(int, 4_000_000, positive, help="one ListNodes page (nodes/top read every page)"),
     },
+    # kube-scheduler's extender (collector/extender_http.py, docs/kubernetes.md).
+    "kubernetes": {
+        "extender": {
+            "enabled": Key(bool, False, help="serve kube-scheduler's extender (POST /filter, /prioritize) on listen"),
+            "listen": Key(str, "127.0.0.1:9471", host_port, help="HOST:PORT of the extender (--extender-listen)"),
+            "max_request_bytes": Key(int, 32 * 2**20, positive,
+                                     help="an ExtenderArgs body over this is refused (413, counted); Nodes of "
+                                          "5,000 nodes take ~25 MB, NodeNames (nodeCacheCapable) ~0.1 MB"),
+            "max_connections": Key(int, 64, positive, help="requests served at once; past it 503, counted"),
+            "timeout_s": Key((int, float), 5.0, positive,
+                             help="a connection silent this long is closed; a decision not made within it is "
+                                  "answered 503, counted"),
+        },
+    },
     # Exporters (collector/otlp_export.py, collector/prometheus.py; docs/export.md).
     "export": {
         "otlp": OTLP_EXPORT_SCHEMA,

@@ -18,6 +18,7 @@ from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from . import gc_policy
 from .batch_rows import BatchRows
+from .extender_http import start_extender
 from .grpc_server import bind, grpc_server
 from .ingest_session import IngestSession, PendingWindow, Sink
 from .limits import DEFAULTS as LIMITS
@@ -257,6 +258,15 @@ async def serve(listen: str, state: FleetState, max_message_bytes: int, stop: as
                 limits=None) -> None:
     server = await start_server(listen, state, max_message_bytes, config=config, store=store,
                                 credentials=credentials, security=security, limits=limits)
+    try:   # kube-scheduler's extender over the same core, its bounds counted with the state's counters
+        extender = start_extender(config, server.scheduler, security, state.counters)
+    except BaseException:
+        await server.stop(grace=None)
+        raise
     log.info("collector listening on %s", listen)
-    await stop.wait()
+    try:
+        await stop.wait()
+    finally:
+        if extender is not None:
+            extender.stop()
     await server.stop(grace=2.0)

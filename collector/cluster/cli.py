@@ -49,6 +49,8 @@ def add_parsers(sub) -> None:
         add_nats_flag(q)
         q.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     s.add_argument("--listen", metavar="HOST:PORT", help="where to serve Place and Query (default: the config's listen)")
+    from ..extender_http import add_extender_flag
+    add_extender_flag(s)
 
 
 def add_nats_flag(p) -> None:
@@ -63,7 +65,8 @@ def _flags(args) -> dict:
     urls = getattr(args, "nats", None) or os.environ.get("XPUSENSE_NATS")
     if urls:
         flags["nats.urls"] = split_urls(urls)
-    return flags
+    from ..extender_http import extender_flags
+    return {**flags, **extender_flags(args)}
 
 
 def wants_cluster(args) -> bool:
@@ -91,6 +94,11 @@ def run_cluster(args) -> int:
         role_files(cfg.nats, ROLE_OF[args.cmd], args.config or "configuration")   # its NATS identity's files
         from ..auth import Security
         security = Security.from_config(cfg, args.config or "configuration")
+        from ..extender_http import check_section
+        if getattr(args, "extender_listen", None) and args.cmd == "serve":
+            raise ConfigError("in cluster mode kube-scheduler's extender is served by the scheduler replicas: give "
+                              "--extender-listen (or [kubernetes.extender]) to `xpusense-collector scheduler`")
+        check_section(cfg, args.config or "configuration")
         if args.cmd in ("serve", "scheduler"):
             check_bind(cfg.listen)
     except (ConfigError, ValueError) as e:

@@ -262,6 +262,12 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     bind(server, cfg.listen, credentials)
     await server.start()
+    from ..extender_http import start_extender
+    try:
+        extender = start_extender(cfg, sched.core, security)   # kube-scheduler's extender over this replica's core
+    except BaseException:
+        await server.stop(grace=None)
+        raise
     for svc in ("", SCHEDULER_SERVICE, QUERY_SERVICE):
         await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
     log.info("scheduler listening on %s, %d nodes in its index from the NATS cluster at %s", cfg.listen,
@@ -271,6 +277,8 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
     finally:
         if prometheus is not None:
             prometheus.stop()
+        if extender is not None:
+            extender.stop()
         await server.stop(grace=2.0)
         collections_held.cancel()
         await sched.close()

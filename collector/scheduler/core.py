@@ -1,6 +1,6 @@
 """The scheduler core: Scheduler(fleet, section, stale_s) follows the fleet (fleet.py) with the loaded
 [scheduler] config section; place(request) decides (search.py) and answers with the ranking and its
-reasons (explain.py)."""
+reasons (explain.py); judge(request, nodes) gives a verdict per named node (verdicts.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .explain import fill_reply
 from .fleet import FleetView
 from .index import CMAX, TYPE_INDEX
 from .search import Query, scan, search
+from .verdicts import Verdict, judge
 
 
 class Scheduler:
@@ -47,8 +48,19 @@ class Scheduler:
         finally:
             gc.enable()
 
-    def _place(self, req: spb.PlaceRequest, full_scan: bool) -> spb.PlaceReply:
-        t0 = time.perf_counter_ns()
+    def judge(self, req: spb.PlaceRequest, node_ids: list[str]) -> list[Verdict]:
+        """Whether each of the named nodes can take the request, with its score (as Place ranks it)
+        or the reason it cannot (verdicts.py). On the loop thread that owns the state, in one go."""
+        if not gc.isenabled():
+            return judge(self.view, self._query(req)[0], node_ids)
+        gc.disable()
+        try:
+            return judge(self.view, self._query(req)[0], node_ids)
+        finally:
+            gc.enable()
+
+    def _query(self, req: spb.PlaceRequest) -> tuple[Query, dict[str, float]]:
+        """The request checked and made a Query, with the index caught up to now."""
         weights = self.weights if not req.HasField("weights") else resolve_weights(self.weights, req.weights)
         if req.residency == spb.RESIDENCY_REGION and not req.data_region:
             raise PlaceError("residency REGION needs the data region (data_region, --data-region)")
@@ -64,6 +76,12 @@ class Scheduler:
             view.expire(now)
         view.latency.expire(now)   # measured figures past measured_latency_max_age_s (those due only)
         q = Query(req, weights, type_index, now, self.settings.stale_ns, self.settings.regions, view.latency)
+        return q, weights
+
+    def _place(self, req: spb.PlaceRequest, full_scan: bool) -> spb.PlaceReply:
+        t0 = time.perf_counter_ns()
+        q, weights = self._query(req)
+        view, now = self.view, q.now
         if full_scan or q.count > CMAX:
             scan(view, q)
         else:
