@@ -1,0 +1,223 @@
+"""The extender's parts: a pod made a Place request, the per-node verdicts against Place's own answer
+over random fleets, the 0-10 scores, and the HTTP endpoint's TLS, tokens and bounds (in-process,
+the endpoint's thread and the core's loop real)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import ssl
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+from helpers import free_port
+from sched_sim import GiB, inventory, readings
+
+from xpusense.collector.certs import make_certs, make_tokens
+from xpusense.collector.config import load_collector
+from xpusense.collector.extender_http import ExtenderServer, check_section
+from xpusense.collector.scheduler.core import Scheduler
+from xpusense.collector.scheduler.extender import ExtenderError, filter_result, place_request, priorities
+from xpusense.collector.state import FleetState
+from xpusense.common.config import ConfigError
+from xpusense.v1 import scheduler_pb2 as spb
+from xpusense.v1 import telemetry_pb2 as pb
+
+
+def pod(resources=None, annotations=None, init=None) -> dict:
+    c = {"name": "main", "image": "x"}
+    if resources:
+        c["resources"] = {"limits": resources, "requests": resources}
+    spec = {"containers": [c, {"name": "side", "image": "y", "resources": {"requests": {"cpu": "1"}}}]}
+    if init:
+        spec["initContainers"] = [{"name": "init", "image": "z", "resources": {"limits": init}}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "ns",
+                                                            "annotations": annotations or {}}, "spec": spec}
+
+
+def test_a_pod_becomes_a_place_request():
+    assert place_request(pod({"cpu": "4", "memory": "1Gi"})) is None   # no accelerator: untouched
+    r = place_request(pod({"nvidia.com/gpu": "4"}, {
+        "xpusense.io/memory-per-device": "40GB", "xpusense.io/regions": "cn-beijing, cn-shanghai",
+        "xpusense.io/data-region": "cn-beijing", "xpusense.io/same-domain": "true",
+        "xpusense.io/replica-zones": "bj-a,sh-b", "xpusense.io/residency": "region",
+        "xpusense.io/require-encryption": "yes", "other.io/x": "ignored"}))
+    assert r == spb.PlaceRequest(accelerator=spb.ACCELERATOR_GPU, count=4, memory_bytes=40 * GiB, same_domain=True,
+                                 allowed_regions=["cn-beijing", "cn-shanghai"], data_region="cn-beijing",
+                                 replica_zones=["bj-a", "sh-b"], residency=spb.RESIDENCY_REGION,
+                                 require_encryption=True)
+    for name in ("huawei.com/Ascend910", "huawei.com/Ascend910B", "huawei.com/Ascend310P"):
+        assert place_request(pod({name: "2"})) == spb.PlaceRequest(accelerator=spb.ACCELERATOR_NPU, count=2)
+    # an init container runs alone: the larger of it and the containers' sum counts
+    assert place_request(pod({"nvidia.com/gpu": "1"}, init={"nvidia.com/gpu": "2"})).count == 2
+
+
+@pytest.mark.parametrize("p, words", [
+    (pod({"nvidia.com/gpu": "1"}, {"xpusense.io/memory": "40GB"}), "unknown annotation xpusense.io/memory"),
+    (pod({"nvidia.com/gpu": "1"}, {"xpusense.io/memory-per-device": "lots"}), "xpusense.io/memory-per-device: 'lots'"),
+    (pod({"nvidia.com/gpu": "1"}, {"xpusense.io/same-domain": "maybe"}), "'maybe' is not true or false"),
+    (pod({"nvidia.com/gpu": "1"}, {"xpusense.io/residency": "city"}), "'city' is not none, region or province"),
+    (pod({"nvidia.com/gpu": "1.5"}), "nvidia.com/gpu = '1.5' is not a whole number"),
+    (pod({"nvidia.com/gpu": "1", "huawei.com/Ascend910": "1"}), "both GPUs and NPUs"),
+    ("a pod", "must be a v1 Pod"),
+])
+def test_a_pod_the_extender_cannot_read_is_named(p, words):
+    with pytest.raises(ExtenderError) as e:
+        place_request(p)
+    assert words in str(e.value)
+
+
+def random_fleet(rng: random.Random) -> tuple[Scheduler, list[str], set[str]]:
+    """60 nodes of GPUs, NPUs or neither, some busy, some with no readings since their Hello: stale."""
+    clock = [10**18]
+    st = FleetState(clock=lambda: clock[0])
+    core = Scheduler(st, load_collector(None, env={}).scheduler, 10.0)
+    ids = []
+    for i in range(60):
+        kind = rng.choice(["a100", "910b", "910b4", "a100pcie"])
+        nid = f"n{i:02d}"
+        labels = {"region": rng.choice(["r1", "r2"]), "price": rng.choice(["1", "3"])}
+        if rng.random() < 0.3:
+            labels["encryption"] = "tdx"
+        inv = inventory(kind, rng.choice((4, 8)), **labels) if rng.random() > 0.05 else pb.Inventory(hostname="cpu")
+        st.hello(pb.Hello(node_id=nid, boot_id="b", inventory=inv))
+        ids.append(nid)
+    clock[0] += 12 * 10**9   # past stale_s: the nodes that send nothing now are stale
+    quiet = set()
+    for nid in ids:
+        inv = st.nodes[nid].inventory
+        if rng.random() < 0.1:
+            quiet.add(nid)
+        else:
+            devices = sum(1 for r in inv.resources if r.type in ("GPU", "NPU"))
+            kind = {"A100-SXM4-80GB": "a100", "A100-PCIE-40GB": "a100pcie", "Ascend-910B": "910b"}.get(
+                inv.resources[0].model if devices else "", "910b4")
+            st.ingest(pb.Batch(node_id=nid, boot_id="b", seq=1, samples=readings(
+                kind, devices, util={d: rng.random() for d in range(devices)},
+                used_gib={d: rng.choice((1, 30, 60)) for d in range(devices)}, t_ns=clock[0])))
+    return core, ids, quiet
+
+
+def test_verdicts_are_places_own_answer_node_by_node():
+    """Over random fleets and requests: a node the extender passes is one of Place's candidates with
+    the same score; one it fails is one Place leaves out, with Place's reason (or `type`, which Place
+    counts and does not list, or `stale` for such a node that is silent)."""
+    rng = random.Random(3)
+    for _ in range(4):
+        core, ids, quiet = random_fleet(rng)
+        for _ in range(20):
+            req = spb.PlaceRequest(accelerator=rng.choice([spb.ACCELERATOR_ANY, spb.ACCELERATOR_GPU, spb.ACCELERATOR_NPU]),
+                                   count=rng.choice((1, 2, 4, 8)), memory_bytes=rng.choice((0, 20, 40, 70)) * GiB,
+                                   same_domain=rng.random() < 0.3, require_encryption=rng.random() < 0.2,
+                                   limit=1000, max_excluded=1000)
+            reply = core.place(req, scan=True)
+            cands = {c.node_id: c.score for c in reply.candidates}
+            excluded = {e.node_id: e.reason for e in reply.excluded}
+            asked = ids + ["not-in-fleet"]
+            for v in core.judge(req, asked):
+                if v.fits:
+                    assert v.score == pytest.approx(cands.pop(v.node_id), abs=1e-12), (req, v)
+                elif v.node_id == "not-in-fleet":
+                    assert v.reason == "unknown"
+                elif v.node_id in excluded:
+                    assert v.reason == excluded[v.node_id], (req, v)
+                else:   # counted by Place as without the type: the extender says stale first
+                    assert v.reason == ("stale" if v.node_id in quiet else "type"), (req, v)
+            assert cands == {}   # every candidate was passed
+
+
+def test_filter_and_prioritize_answer_in_the_extenders_json():
+    core, ids, _ = random_fleet(random.Random(5))
+    p = pod({"nvidia.com/gpu": "2"}, {"xpusense.io/memory-per-device": "20GB"})
+    names = ids[:30]
+    r = filter_result(core, {"Pod": p, "NodeNames": names})
+    assert set(r) == {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
+    assert r["Nodes"] is None and r["Error"] == ""
+    assert sorted(r["NodeNames"] + list(r["FailedNodes"]) + list(r["FailedAndUnresolvableNodes"])) == sorted(names)
+    assert all(m.startswith("xpusense ") for m in {**r["FailedNodes"], **r["FailedAndUnresolvableNodes"]}.values())
+    # Go's encoding/json reads field names in any case: so does the extender; the full Nodes form
+    nodes = {"apiVersion": "v1", "kind": "NodeList", "metadata": {}, "items": [{"metadata": {"name": n}} for n in names]}
+    r2 = filter_result(core, {"pod": p, "nodes": nodes})
+    assert r2["NodeNames"] is None and [n["metadata"]["name"] for n in r2["Nodes"]["items"]] == r["NodeNames"]
+    prios = priorities(core, {"Pod": p, "NodeNames": names})
+    assert [h["Host"] for h in prios] == names and all(0 <= h["Score"] <= 10 for h in prios)
+    assert max(h["Score"] for h in prios) == 10
+    assert {h["Host"] for h in prios if h["Score"] > 0} <= set(r["NodeNames"])
+    assert filter_result(core, {"Pod": p})["Error"] == "ExtenderArgs has neither Nodes nor NodeNames"
+
+
+class Endpoint:
+    """ExtenderServer over a small fleet, its core's loop on a thread of its own."""
+
+    def __init__(self, tmp_path, extra: str = "", top: str = ""):
+        self.port = free_port()
+        (tmp_path / "c.toml").write_text(f'{top}[kubernetes.extender]\nenabled = true\nlisten = "127.0.0.1:{self.port}"\n'
+                                         f'max_request_bytes = 4096\n{extra}')
+        cfg = load_collector(str(tmp_path / "c.toml"), env={})
+        st = FleetState()
+        st.hello(pb.Hello(node_id="g1", boot_id="b", inventory=inventory("a100", 8)))
+        st.ingest(pb.Batch(node_id="g1", boot_id="b", seq=1, samples=readings("a100")))
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        from xpusense.collector.auth import Security
+        self.security = Security.from_config(cfg)
+        self.ext = ExtenderServer(Scheduler(st, cfg.scheduler, cfg.stale_s), cfg, self.security)
+        self.ext.start(self.loop)
+
+    def post(self, body: bytes, headers=None, context=None, scheme="http"):
+        req = urllib.request.Request(f"{scheme}://localhost:{self.port}/filter", data=body, headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=10, context=context) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def close(self):
+        self.ext.stop()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+BODY = json.dumps({"Pod": pod({"nvidia.com/gpu": "1"}), "NodeNames": ["g1", "g2"]}).encode()
+
+
+def test_endpoint_bounds_and_tokens(tmp_path):
+    toks = make_tokens(str(tmp_path / "t"), ["kube-scheduler"])
+    e = Endpoint(tmp_path, top=f'tokens_file = "{toks["tokens_file"]}"\n')
+    try:
+        token = open(toks["nodes"]["kube-scheduler"]).read().strip()
+        status, why = e.post(BODY)
+        assert status == 401 and "bearer token" in why
+        status, r = e.post(BODY, {"Authorization": f"Bearer {token}"})
+        assert status == 200 and r["NodeNames"] == ["g1"] and "unknown" in r["FailedAndUnresolvableNodes"]["g2"]
+        status, why = e.post(b"{" * 5000, {"Authorization": f"Bearer {token}"})
+        assert status == 413 and "max_request_bytes = 4096" in why
+        assert e.ext.counters["kubernetes.extender.max_request_bytes"] == 1
+        status, why = e.post(b"{not json", {"Authorization": f"Bearer {token}"})
+        assert status == 400 and "not JSON" in why
+    finally:
+        e.close()
+
+
+def test_endpoint_serves_mtls_with_the_fleets_ca(tmp_path):
+    certs = make_certs(str(tmp_path / "pki"), ["kube-scheduler"])
+    e = Endpoint(tmp_path, f'[tls]\nca = "{certs["ca"]}"\ncert = "{certs["collector"]["cert"]}"\n'
+                           f'key = "{certs["collector"]["key"]}"\n')
+    try:
+        ctx = ssl.create_default_context(cafile=certs["ca"])
+        with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError)):
+            e.post(BODY, context=ctx, scheme="https")   # no client certificate
+        me = certs["nodes"]["kube-scheduler"]
+        ctx.load_cert_chain(me["cert"], me["key"])
+        status, r = e.post(BODY, context=ctx, scheme="https")
+        assert status == 200 and r["NodeNames"] == ["g1"]
+    finally:
+        e.close()
+
+
+def test_plaintext_extender_off_loopback_is_refused(tmp_path):
+    (tmp_path / "c.toml").write_text('[kubernetes.extender]\nenabled = true\nlisten = "0.0.0.0:9471"\n')
+    with pytest.raises(ConfigError, match="'kubernetes.extender.listen' = '0.0.0.0:9471' is not a loopback"):
+        check_section(load_collector(str(tmp_path / "c.toml"), env={}), "c.toml")
