@@ -14,9 +14,8 @@ import urllib.request
 
 import pytest
 from cluster_support import cluster_config, module_cmd, nats_cluster, start_gateway  # noqa: F401
-from helpers import BIN, ROOT, free_port, nodes_json, wait_until
-
 from fakes.nvml import fakenvml
+from helpers import BIN, ROOT, free_port, nodes_json, wait_until
 
 k8s = pytest.importorskip("kubernetes.client")
 
