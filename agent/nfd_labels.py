@@ -93,7 +93,7 @@ def render(labels: dict[str, str], expires: datetime) -> str:
 
 class NfdFeatureFile:
     """Keeps the feature file at `path` in step with the node: fed every round's samples and events
-    (health readings change the labels at once; events and every `check_s` make it read the inventory
+    (health readings and health events change the labels at once; events and every `check_s` make it read the inventory
     again), it writes only when the labels differ from the file's or half of `expiry_s` has passed."""
 
     def __init__(self, path: str, resources: Callable[[], list[dict]], expiry_s: float = 600.0,
@@ -107,13 +107,12 @@ class NfdFeatureFile:
         self._health_changed = True
 
     def observe(self, samples: Iterable[Sample], events: list[Event]) -> None:
-        for s in samples:
+        for s in samples:   # the sources' health readings (offline tier)...
             if s.name == HEALTH_METRIC and (dev := s.labels.get("device")):
-                ok = s.value >= 1.0
-                if (dev in self.healthy) != ok or (dev in self.unhealthy) == ok:
-                    self._health_changed = True
-                    (self.healthy if ok else self.unhealthy).add(dev)
-                    (self.unhealthy if ok else self.healthy).discard(dev)
+                self._health(dev, s.value >= 1.0)
+        for e in events:    # ...and their health events, sent as soon as a device changes
+            if e.type == "health" and e.device:
+                self._health(e.device, e.attributes.get("status", "").strip().lower() == "ok")
         now = self.clock()
         if not (events or self._health_changed or now - self._checked >= self.check_s or now >= self._refresh_at):
             return
@@ -123,6 +122,12 @@ class NfdFeatureFile:
             self.write(labels, now)
         else:
             log.debug("NFD feature file %s: %d labels unchanged", self.path, len(labels))
+
+    def _health(self, dev: str, ok: bool) -> None:
+        if (dev in self.healthy) != ok or (dev in self.unhealthy) == ok:
+            self._health_changed = True
+            (self.healthy if ok else self.unhealthy).add(dev)
+            (self.unhealthy if ok else self.healthy).discard(dev)
 
     def write(self, labels: dict[str, str], now: float) -> bool:
         """The file replaced by a dot file in the same folder (which NFD ignores), fsync'd and renamed."""

@@ -11,7 +11,7 @@ from nfd_format import feature_file_problems, feature_labels
 
 from xpusense.agent.config import load_agent
 from xpusense.agent.nfd_labels import NfdFeatureFile, label_value, render
-from xpusense.agent.sources.base import Sample
+from xpusense.agent.sources.base import Event, Sample
 from xpusense.common.config import ConfigError
 
 T0 = 1_800_000_000.0
@@ -82,14 +82,18 @@ def test_written_only_on_a_change_or_when_half_the_expiry_has_passed(writer):
     inv["resources"] = inv["resources"][:-1]  # a GPU gone: seen at the next check (or with an event)
     w.observe([], [])
     assert w.writes == 2
-    w.observe([], [object()])                  # type: ignore[list-item]
+    w.observe([], [Event("xid", "XID 13", "warning", "gpu0")])
     assert feature_labels(text(w))["nvidia.com/gpu.count"] == "3" and w.writes == 3
+    w.observe([], [Event("health", "gpu2 answers again", "info", "gpu2", {"status": "ok"})])
+    assert feature_labels(text(w))["xpusense.io/gpu.health"] == "ok" and w.writes == 4
+    w.observe([], [Event("health", "gpu1 is lost", "critical", "gpu1", {"status": "lost"})])
+    assert feature_labels(text(w))["xpusense.io/gpu.healthy-count"] == "2" and w.writes == 5
     clock.now += 299
     w.observe([], [])
-    assert w.writes == 3
+    assert w.writes == 5
     clock.now += 1                             # half of the 600 s expiry since the last write
     w.observe([], [])
-    assert w.writes == 4 and feature_file_problems(text(w), datetime.fromtimestamp(clock.now + 299, UTC)) == []
+    assert w.writes == 6 and feature_file_problems(text(w), datetime.fromtimestamp(clock.now + 299, UTC)) == []
 
 
 def test_a_failed_write_is_counted_and_tried_again(writer, tmp_path):
