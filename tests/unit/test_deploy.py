@@ -35,7 +35,9 @@ def documents():
 def test_manifests_validate_against_the_kubernetes_schemas():
     kinds = validate_manifests(documents(), "deploy")
     assert sorted(kinds) == sorted(["Namespace", "ConfigMap", "DaemonSet", "ConfigMap", "PersistentVolumeClaim",
-                                    "Deployment", "Service", "NetworkPolicy", "NetworkPolicy", "NetworkPolicy"])
+                                    "Deployment", "Service", "NetworkPolicy", "NetworkPolicy", "NetworkPolicy",
+                                    "NetworkPolicy", "ServiceAccount", "ClusterRoleBinding", "ClusterRoleBinding",
+                                    "RoleBinding", "Role", "RoleBinding", "ConfigMap", "Deployment"])
 
 
 def test_a_broken_manifest_is_caught():
@@ -117,7 +119,9 @@ def test_configs_in_the_configmaps_load_with_the_real_loaders(tmp_path):
     svc = next(doc for _, doc in documents() if doc["kind"] == "Service")
     ports = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
     assert ports == {"grpc": int(ccfg.listen.rsplit(":", 1)[1]),
-                     "metrics": int(ccfg.export.prometheus.listen.rsplit(":", 1)[1])}
+                     "metrics": int(ccfg.export.prometheus.listen.rsplit(":", 1)[1]),
+                     "extender": int(ccfg.kubernetes.extender.listen.rsplit(":", 1)[1])}
+    assert ccfg.kubernetes.extender.enabled
 
 
 def test_dockerfile_parses_and_installs_the_repo_with_debian_bcc():
@@ -137,9 +141,10 @@ def test_dockerfile_parses_and_installs_the_repo_with_debian_bcc():
     assert {d.split("/")[0] for d in dirs} <= copied, "a package folder is not copied into the image"
     cmd = parser.cmd if hasattr(parser, "cmd") else next(v for k, v in instrs if k == "CMD")
     assert "xpusense-agent" in str(cmd)
-    # The manifests run the image's console scripts.
+    # The manifests run the image's console scripts (the second kube-scheduler runs its own image).
     for _, doc in documents():
-        if doc["kind"] in ("DaemonSet", "Deployment"):
+        if doc["kind"] in ("DaemonSet", "Deployment") and \
+                doc["spec"]["template"]["spec"]["containers"][0]["image"].startswith("xpusense:"):
             command = doc["spec"]["template"]["spec"]["containers"][0]["command"][0]
             assert Path(command).name in pyproject["project"]["scripts"]
 
