@@ -89,13 +89,13 @@ def find(kind: str, name: str) -> dict:
 
 
 def scheduler_config() -> dict:
-    return yaml.safe_load(find("ConfigMap", "xpusense-scheduler")["data"]["config.yaml"])
+    return yaml.safe_load(find("ConfigMap", "xpusense-kube-scheduler")["data"]["config.yaml"])
 
 
 def test_the_scheduler_profile_is_a_valid_kube_scheduler_configuration_with_the_extender():
     cfg = scheduler_config()
     assert kube_scheduler_config_problems(cfg) == []
-    assert [p["schedulerName"] for p in cfg["profiles"]] == ["xpusense-scheduler"]
+    assert [p["schedulerName"] for p in cfg["profiles"]] == ["xpusense-scheduler"]   # pods: spec.schedulerName
     [ext] = cfg["extenders"]
     assert (ext["filterVerb"], ext["prioritizeVerb"], ext["nodeCacheCapable"], ext["ignorable"]) == \
         ("filter", "prioritize", True, False)
@@ -145,18 +145,18 @@ def test_the_extender_url_reaches_the_collectors_extender_through_its_service(tm
     # Only the scheduler's pods may reach that port.
     policy = find("NetworkPolicy", "xpusense-collector-extender")
     assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {
-        "app.kubernetes.io/name": "xpusense-scheduler"}}}], "ports": [{"port": port, "protocol": "TCP"}]}]
+        "app.kubernetes.io/name": "xpusense-kube-scheduler"}}}], "ports": [{"port": port, "protocol": "TCP"}]}]
 
 
 def test_the_scheduler_deployment_mounts_its_config_and_client_certificate_and_has_its_rbac():
-    dep = find("Deployment", "xpusense-scheduler")
+    dep = find("Deployment", "xpusense-kube-scheduler")
     spec = dep["spec"]["template"]["spec"]
     c = spec["containers"][0]
     config_arg = next(a.split("=", 1)[1] for a in c["command"] if a.startswith("--config="))
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     vols = {v["name"]: v for v in spec["volumes"]}
-    assert config_arg.rsplit("/", 1) == ["/etc/xpusense-scheduler", "config.yaml"]
-    assert vols[mounts["/etc/xpusense-scheduler"]]["configMap"]["name"] == "xpusense-scheduler"
+    assert config_arg.rsplit("/", 1) == ["/etc/xpusense-kube-scheduler", "config.yaml"]
+    assert vols[mounts["/etc/xpusense-kube-scheduler"]]["configMap"]["name"] == "xpusense-kube-scheduler"
     tls = scheduler_config()["extenders"][0]["tlsConfig"]
     for f in (tls["caFile"], tls["certFile"], tls["keyFile"]):
         directory = f.rsplit("/", 1)[0]
@@ -167,9 +167,9 @@ def test_the_scheduler_deployment_mounts_its_config_and_client_certificate_and_h
              and {"kind": "ServiceAccount", "name": sa, "namespace": "xpusense"} in b["subjects"]}
     assert {("ClusterRoleBinding", "system:kube-scheduler"), ("ClusterRoleBinding", "system:volume-scheduler"),
             ("RoleBinding", "extension-apiserver-authentication-reader"),
-            ("RoleBinding", "xpusense-scheduler-leader-election")} <= bound
+            ("RoleBinding", "xpusense-kube-scheduler-leader-election")} <= bound
     lease = scheduler_config()["leaderElection"]
-    role = find("Role", "xpusense-scheduler-leader-election")
+    role = find("Role", "xpusense-kube-scheduler-leader-election")
     assert role["metadata"]["namespace"] == lease["resourceNamespace"]
     assert any(lease["resourceName"] in r.get("resourceNames", []) and "update" in r["verbs"] for r in role["rules"])
 
