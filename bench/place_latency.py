@@ -236,6 +236,40 @@ class PlaceCalls:
         return r["latencies_ms"]
 
 
+class Feeder:
+    """Each node's next batch once a second through FleetState.ingest, the nodes spread over the
+    second on a 5 ms tick so that ingest interleaves with decisions; `ingested` counts them and
+    `lag_ms` how late each tick's batches were."""
+
+    def __init__(self, state, fleet: Fleet, rng: random.Random, tick_s: float = 0.005):
+        self.state, self.fleet, self.rng, self.tick_s = state, fleet, rng, tick_s
+        self.ingested = 0
+        self.lag_ms: list[float] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        state, fleet, n = self.state, self.fleet, self.fleet.n
+        phase = [self.rng.random() for _ in range(n)]               # each node's offset within the second
+        order = sorted(range(n), key=lambda i: phase[i])
+        start = time.monotonic()
+        pos, rnd = 0, 0
+        while not stop.is_set():
+            now = time.monotonic()
+            due = (now - start) - rnd   # seconds into the current round
+            burst = 0
+            while pos < n and phase[order[pos]] <= due:
+                state.ingest(fleet.batch(order[pos]))
+                self.ingested += 1
+                pos += 1
+                burst += 1
+                if burst % 25 == 0:      # let decisions and gRPC in, as separate streams would
+                    await asyncio.sleep(0)
+            if pos >= n and due >= 1.0:
+                pos, rnd = 0, rnd + 1
+            target = start + rnd + (phase[order[pos]] if pos < n else 1.0)
+            self.lag_ms.append(max(0.0, now - target) * 1e3 if pos < n and target < now else 0.0)
+            await asyncio.sleep(self.tick_s)
+
+
 async def run_size(n: int, seconds: float, warmup_s: float, interval_ms: float, seed: int,
                    identical: int = 0, client_kind: str = "c") -> dict:
     """One fleet size: a FleetState with the scheduler core attached (following the state through its
@@ -276,33 +310,6 @@ async def run_size(n: int, seconds: float, warmup_s: float, interval_ms: float, 
             await asyncio.sleep(0)
     setup_s = time.perf_counter() - t_setup
 
-    tick_s = 0.005
-    ingested = 0
-    lag_ms: list[float] = []
-
-    async def feeder():
-        nonlocal ingested
-        phase = [rng.random() for _ in range(n)]               # each node's offset within the second
-        order = sorted(range(n), key=lambda i: phase[i])
-        start = time.monotonic()
-        pos, rnd = 0, 0
-        while not stop.is_set():
-            now = time.monotonic()
-            due = (now - start) - rnd   # seconds into the current round
-            burst = 0
-            while pos < n and phase[order[pos]] <= due:
-                state.ingest(fleet.batch(order[pos]))
-                ingested += 1
-                pos += 1
-                burst += 1
-                if burst % 25 == 0:      # let decisions and gRPC in, as separate streams would
-                    await asyncio.sleep(0)
-            if pos >= n and due >= 1.0:
-                pos, rnd = 0, rnd + 1
-            target = start + rnd + (phase[order[pos]] if pos < n else 1.0)
-            lag_ms.append(max(0.0, now - target) * 1e3 if pos < n and target < now else 0.0)
-            await asyncio.sleep(tick_s)
-
     reqs = requests()
     inproc: list[float] = []
     inproc_cpu: list[float] = []
@@ -322,16 +329,17 @@ async def run_size(n: int, seconds: float, warmup_s: float, interval_ms: float, 
             i += 1
             await asyncio.sleep(interval_ms / 1000)
 
-    feed = asyncio.create_task(feeder())
+    feeder = Feeder(state, fleet, rng)
+    feed = asyncio.create_task(feeder.run(stop))
     await asyncio.sleep(warmup_s)
-    ingested_at_start, t0 = ingested, time.monotonic()
-    lag_ms.clear()
+    ingested_at_start, t0 = feeder.ingested, time.monotonic()
+    feeder.lag_ms.clear()
     client = PlaceCalls(client_kind, addr, seconds, interval_ms / 1000)
     dec = asyncio.create_task(decider())
     await asyncio.sleep(seconds)
     stop.set()
     window_s = time.monotonic() - t0
-    batches_s = (ingested - ingested_at_start) / window_s
+    batches_s = (feeder.ingested - ingested_at_start) / window_s
     await asyncio.gather(feed, dec)
     over_grpc = await asyncio.get_running_loop().run_in_executor(None, lambda: client.latencies(60.0))
     await server.stop(0)
@@ -340,7 +348,7 @@ async def run_size(n: int, seconds: float, warmup_s: float, interval_ms: float, 
     return {
         "nodes": n - identical, "identical": identical, "devices": n * DEVICES, "setup_s": round(setup_s, 2),
         "ingest_target_batches_s": n, "ingest_batches_s": round(batches_s, 1),
-        "ingest_lag_p99_ms": round(pct(lag_ms, 0.99), 2),
+        "ingest_lag_p99_ms": round(pct(feeder.lag_ms, 0.99), 2),
         "inproc": summary(inproc_steady), "inproc_cpu": summary(cpu_steady), "grpc": summary(over_grpc),
         "first_round": {str(k): v for k, v in counts.items()},
     }

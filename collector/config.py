@@ -101,10 +101,10 @@ COLLECTOR_SCHEMA = {
             "max_request_bytes": Key(int, 32 * 2**20, positive,
                                      help="an ExtenderArgs body over this is refused (413, counted); Nodes of "
                                           "5,000 nodes take ~25 MB, NodeNames (nodeCacheCapable) ~0.1 MB"),
-            "max_connections": Key(int, 64, positive, help="requests served at once; past it 503, counted"),
+            "max_connections": Key(int, 64, positive, help="connections open at once; past it 503, counted"),
             "timeout_s": Key((int, float), 5.0, positive,
-                             help="a connection silent this long is closed; a decision not made within it is "
-                                  "answered 503, counted"),
+                             help="a connection that takes longer than this over its TLS handshake, a request's "
+                                  "head or its body is closed"),
         },
     },
     # Exporters (collector/otlp_export.py, collector/prometheus.py; docs/export.md).

@@ -1,17 +1,16 @@
 """The HTTP endpoint of kube-scheduler's extender (`[kubernetes.extender]`, `--extender-listen`): POST
-/filter and /prioritize, served from a thread (bodies read and JSON parsed off the event loop); the
-decision itself runs on the loop that owns the fleet state, in one go, as Place does. TLS and the
-fleet's tokens as on the gRPC port; bounded bodies and connections, each bound counted."""
+/filter and /prioritize on the event loop that owns the fleet state (as the gRPC server is: no
+thread contends with it for the interpreter), each decision in one go as Place's. TLS and the
+fleet's tokens as on the gRPC port; bounded heads, bodies and connections, each bound counted."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import socket
 import ssl
-import threading
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from xpusense.common.config import ConfigError, split_host_port
@@ -19,12 +18,14 @@ from xpusense.common.tls import is_loopback_host
 
 from .grpc_server import BindError
 from .scheduler.core import Scheduler
-from .scheduler.extender import filter_result, priorities
+from .scheduler.extender import Memo, filter_result, priorities
 
 log = logging.getLogger("xpusense.collector.extender")
 
 VERBS = {"/filter": filter_result, "/prioritize": priorities}
 KEY = "kubernetes.extender"
+MAX_HEAD_BYTES = 64 * 1024          # request line and headers
+PARSE_ON_LOOP_BYTES = 1 << 20       # bodies above this are parsed on a thread
 
 
 def check_section(cfg: Any, where: str) -> None:
@@ -38,154 +39,167 @@ def check_section(cfg: Any, where: str) -> None:
 
 
 class ExtenderServer:
-    """The endpoint over a scheduler core. `cfg`: the collector's loaded config; `security`: its
-    collector.auth.Security (tokens) or None; `counters`: where the bounds' hits are counted."""
+    """The endpoint over a scheduler core, on the event loop that owns the fleet state. `cfg`: the
+    collector's loaded config; `security`: its collector.auth.Security (tokens) or None; `counters`:
+    where requests, refusals and the bounds' hits are counted."""
 
     def __init__(self, core: Scheduler, cfg: Any, security: Any = None, counters: Counter | None = None):
         self.core, self.section, self.security = core, cfg.kubernetes.extender, security
         self.tls = cfg.tls
         self.counters: Counter = counters if counters is not None else Counter()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.slots = threading.BoundedSemaphore(int(self.section.max_connections))
-        self.httpd: ThreadingHTTPServer | None = None
+        self.server: asyncio.base_events.Server | None = None
+        self.open = 0   # connections open now (max_connections)
+        self.memo = Memo()   # prioritize reuses the filter's verdicts for the same pod (scheduler/extender.py)
         self.address = ""
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Bind and serve from a thread; decisions run on `loop`. OSError when the address is unusable."""
-        self.loop = loop
+    async def start(self) -> None:
+        """Bind and serve on the running loop. OSError when the address is unusable."""
         host, port = split_host_port(self.section.listen)
-        server = self
-        timeout = float(self.section.timeout_s)
-
-        class Handler(_Handler):
-            ext = server
-
-        Handler.timeout = timeout   # a connection silent this long is closed (socket timeout)
-        httpd = ThreadingHTTPServer((host, port), Handler)
-        httpd.daemon_threads = True
+        ctx = None
         if self.tls.cert:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             ctx.load_cert_chain(self.tls.cert, self.tls.key)
             if self.tls.ca:
                 ctx.load_verify_locations(self.tls.ca)
                 ctx.verify_mode = ssl.CERT_REQUIRED
-            httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True, do_handshake_on_connect=False)
-        self.httpd = httpd
-        self.address = f"{host}:{httpd.server_address[1]}"
-        threading.Thread(target=httpd.serve_forever, name="extender-http", daemon=True).start()
-        log.info("kube-scheduler extender on %s://%s/ (filter, prioritize)", "https" if self.tls.cert else "http",
-                 self.address)
+        self.server = await asyncio.start_server(self._connection, host, port, ssl=ctx, limit=MAX_HEAD_BYTES,
+                                                 ssl_handshake_timeout=float(self.section.timeout_s) if ctx else None)
+        self.address = f"{host}:{self.server.sockets[0].getsockname()[1]}"
+        log.info("kube-scheduler extender on %s://%s/ (filter, prioritize)", "https" if ctx else "http", self.address)
 
-    def stop(self) -> None:
-        if self.httpd is not None:
-            self.httpd.shutdown()
-            self.httpd.server_close()
-            self.httpd = None
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
-    async def _decide(self, verb, doc: Any) -> Any:
-        view = self.core.view
-        view.serve_begin()   # the bulk refresh waits for it, as for a Place call (scheduler/fleet.py)
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            return verb(self.core, doc)
-        finally:
-            view.serve_end()
-
-    def decide(self, verb, doc: Any) -> Any:
-        """Run on the loop thread; TimeoutError past timeout_s."""
-        assert self.loop is not None
-        fut = asyncio.run_coroutine_threadsafe(self._decide(verb, doc), self.loop)
-        try:
-            return fut.result(float(self.section.timeout_s))
-        except TimeoutError:
-            fut.cancel()
-            raise
-
-
-class _Handler(BaseHTTPRequestHandler):
-    ext: ExtenderServer
-    protocol_version = "HTTP/1.1"
-    server_version = "xpusense-extender"
-
-    def log_message(self, format: str, *args: Any) -> None:   # noqa: A002 (the base class's name)
-        log.debug("%s " + format, self.address_string(), *args)
-
-    def _send(self, code: int, body: Any, text: bool = False) -> None:
-        data = (body if text else json.dumps(body, separators=(",", ":"))).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "text/plain; charset=utf-8" if text else "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _refuse(self, code: int, counter: str, why: str) -> None:
-        self.ext.counters[counter] += 1
-        self.close_connection = True
-        self._send(code, why + "\n", text=True)
-
-    def do_GET(self) -> None:
-        self._refuse(405, "kubernetes.extender.refused", "POST /filter or /prioritize (kube-scheduler's extender)")
-
-    def do_POST(self) -> None:
-        ext = self.ext
-        if not ext.slots.acquire(blocking=False):
-            self._refuse(503, f"{KEY}.max_connections", f"{KEY}.max_connections requests in progress; retry")
-            return
-        try:
-            self._post()
-        finally:
-            ext.slots.release()
-
-    def _post(self) -> None:
-        ext, section = self.ext, self.ext.section
-        ext.counters[f"{KEY}.requests"] += 1
-        verb = VERBS.get(self.path.split("?", 1)[0].rstrip("/") or "/")
-        if verb is None:
-            self._refuse(404, f"{KEY}.refused", f"no verb {self.path[:100]!r}: POST /filter or /prioritize")
-            return
-        sec = ext.security
-        if sec is not None and sec.tokens is not None and not sec.mtls:
-            if not sec.token_valid([("authorization", self.headers.get("Authorization", ""))]):
-                sec.refusals += 1
-                self._refuse(401, f"{KEY}.refused", "a valid bearer token of the fleet is needed (Authorization)")
+            if self.open >= self.section.max_connections:
+                self.counters[f"{KEY}.max_connections"] += 1
+                await _respond(writer, 503, f"{KEY}.max_connections connections open; retry\n", False)
                 return
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            self._refuse(411, f"{KEY}.refused", "Content-Length is needed")
-            return
-        if int(length) > section.max_request_bytes:
-            self._refuse(413, f"{KEY}.max_request_bytes",
-                         f"body of {length} bytes is over {KEY}.max_request_bytes = {section.max_request_bytes}")
-            return
-        body = self.rfile.read(int(length))
+            self.open += 1
+            try:
+                while await self._request(reader, writer):
+                    pass
+            finally:
+                self.open -= 1
+        except (ConnectionError, ssl.SSLError, asyncio.IncompleteReadError, TimeoutError):
+            pass   # the peer went away or fell silent: nothing to answer
+        finally:
+            writer.close()
+
+    async def _request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """One request and its answer; False when the connection is to be closed."""
+        timeout = float(self.section.timeout_s)
         try:
-            doc = json.loads(body)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        except asyncio.IncompleteReadError:
+            return False
+        except asyncio.LimitOverrunError:
+            self.counters[f"{KEY}.refused"] += 1
+            await _respond(writer, 431, f"request head over {MAX_HEAD_BYTES} bytes\n", False)
+            return False
+        lines = head.decode("latin-1").split("\r\n")
+        try:
+            method, path, version = lines[0].split(" ", 2)
+        except ValueError:
+            self.counters[f"{KEY}.refused"] += 1
+            await _respond(writer, 400, "not an HTTP request\n", False)
+            return False
+        headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+        keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
+        self.counters[f"{KEY}.requests"] += 1
+        code, body, more = await self._answer(method, path, headers, reader)
+        keep = keep and more
+        view = self.core.view
+        if code == 200:
+            view.serve_begin()   # the bulk refresh waits for the answer to leave, as for a Place call (fleet.py)
+        try:
+            await _respond(writer, code, body, keep)
+        finally:
+            if code == 200:
+                view.serve_end()
+        return keep
+
+    async def _answer(self, method: str, path: str, headers: dict, reader: asyncio.StreamReader,
+                      ) -> tuple[int, Any, bool]:
+        """(status, body: JSON-able, or text ending in a newline, whether the connection can go on)."""
+        verb = VERBS.get(path.split("?", 1)[0].rstrip("/") or "/")
+        if method != "POST" or verb is None:
+            self.counters[f"{KEY}.refused"] += 1
+            return 404 if method == "POST" else 405, "POST /filter or /prioritize (kube-scheduler's extender)\n", False
+        sec = self.security
+        if sec is not None and sec.tokens is not None and not sec.mtls:
+            if not sec.token_valid([("authorization", headers.get("authorization", ""))]):
+                sec.refusals += 1
+                self.counters[f"{KEY}.refused"] += 1
+                return 401, "a valid bearer token of the fleet is needed (Authorization)\n", False
+        length = headers.get("content-length", "")
+        if not length.isdigit():
+            self.counters[f"{KEY}.refused"] += 1
+            return 411, "Content-Length is needed\n", False
+        limit = self.section.max_request_bytes
+        if int(length) > limit:
+            self.counters[f"{KEY}.max_request_bytes"] += 1
+            await _discard(reader, int(length), float(self.section.timeout_s))   # so that the sender reads the 413
+            return 413, f"body of {length} bytes is over {KEY}.max_request_bytes = {limit}\n", False
+        body = await asyncio.wait_for(reader.readexactly(int(length)), float(self.section.timeout_s))
+        try:   # a large body (the Nodes form) is parsed off the loop
+            doc = (json.loads(body) if len(body) <= PARSE_ON_LOOP_BYTES
+                   else await asyncio.get_running_loop().run_in_executor(None, json.loads, body))
         except (ValueError, RecursionError) as e:
-            ext.counters[f"{KEY}.errors"] += 1
-            self._send(400, f"the body is not JSON ({e})\n", text=True)
-            return
+            self.counters[f"{KEY}.errors"] += 1
+            return 400, f"the body is not JSON ({e})\n", True
         try:
-            out = ext.decide(verb, doc)
-        except TimeoutError:
-            self._refuse(503, f"{KEY}.timeout_s", f"no decision within {KEY}.timeout_s = {section.timeout_s:g} s")
-            return
+            out = verb(self.core, doc, self.memo)   # on the loop that owns the state, in one go
         except ValueError as e:   # prioritize's unreadable request, ExtenderError or the core's PlaceError
-            ext.counters[f"{KEY}.errors"] += 1
-            self._send(400, f"{e}\n", text=True)
-            return
+            self.counters[f"{KEY}.errors"] += 1
+            return 400, f"{e}\n", True
         if isinstance(out, dict) and out.get("Error"):
-            ext.counters[f"{KEY}.errors"] += 1
-        self._send(200, out)
+            self.counters[f"{KEY}.errors"] += 1
+        return 200, out, True
 
 
-def start_extender(cfg: Any, core: Scheduler, security: Any = None, counters: Counter | None = None,
-                   ) -> ExtenderServer | None:
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+           411: "Length Required", 413: "Content Too Large", 431: "Request Header Fields Too Large",
+           503: "Service Unavailable"}
+
+
+async def _discard(reader: asyncio.StreamReader, n: int, timeout_s: float) -> None:
+    """Read and drop up to `n` bytes, for at most `timeout_s` (nothing is kept)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while n > 0 and (chunk := await reader.read(min(n, 1 << 16))):
+                n -= len(chunk)
+    except TimeoutError:
+        pass
+
+
+async def _respond(writer: asyncio.StreamWriter, code: int, body: Any, keep: bool) -> None:
+    """The status line, headers and body in one write."""
+    text = isinstance(body, str)
+    data = (body if text else json.dumps(body, separators=(",", ":"))).encode()
+    close = "" if keep else "Connection: close\r\n"
+    head = (f"HTTP/1.1 {code} {REASONS.get(code, '')}\r\nServer: xpusense-extender\r\n"
+            f"Content-Type: {'text/plain; charset=utf-8' if text else 'application/json'}\r\n"
+            f"Content-Length: {len(data)}\r\n{close}\r\n")
+    writer.write(head.encode() + data)
+    await writer.drain()
+
+
+async def start_extender(cfg: Any, core: Scheduler, security: Any = None, counters: Counter | None = None,
+                         ) -> ExtenderServer | None:
     """The extender over `core` when `[kubernetes.extender] enabled` (on the running loop); None
     when off. BindError (collector/grpc_server.py) when its address cannot be bound."""
     if cfg is None or not cfg.kubernetes.extender.enabled:
         return None
     ext = ExtenderServer(core, cfg, security, counters)
     try:
-        ext.start(asyncio.get_running_loop())
+        await ext.start()
     except OSError as e:
         raise BindError(f"cannot serve the extender on {KEY}.listen = {cfg.kubernetes.extender.listen!r} "
                         f"({e.strerror or e}); free it or set --extender-listen") from None

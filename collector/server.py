@@ -259,7 +259,7 @@ async def serve(listen: str, state: FleetState, max_message_bytes: int, stop: as
     server = await start_server(listen, state, max_message_bytes, config=config, store=store,
                                 credentials=credentials, security=security, limits=limits)
     try:   # kube-scheduler's extender over the same core, its bounds counted with the state's counters
-        extender = start_extender(config, server.scheduler, security, state.counters)
+        extender = await start_extender(config, server.scheduler, security, state.counters)
     except BaseException:
         await server.stop(grace=None)
         raise
@@ -268,5 +268,5 @@ async def serve(listen: str, state: FleetState, max_message_bytes: int, stop: as
         await stop.wait()
     finally:
         if extender is not None:
-            extender.stop()
+            await extender.stop()
     await server.stop(grace=2.0)

@@ -264,7 +264,7 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
     await server.start()
     from ..extender_http import start_extender
     try:
-        extender = start_extender(cfg, sched.core, security)   # kube-scheduler's extender over this replica's core
+        extender = await start_extender(cfg, sched.core, security)   # kube-scheduler's extender over this replica's core
     except BaseException:
         await server.stop(grace=None)
         raise
@@ -278,7 +278,7 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
         if prometheus is not None:
             prometheus.stop()
         if extender is not None:
-            extender.stop()
+            await extender.stop()
         await server.stop(grace=2.0)
         collections_held.cancel()
         await sched.close()

@@ -5,6 +5,7 @@ and the filter and prioritize answers in the extender's JSON. docs/kubernetes.md
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from xpusense.v1 import scheduler_pb2 as spb
@@ -133,7 +134,7 @@ def parse_args(doc: Any) -> tuple[Any, list[str], list[dict] | None, dict | None
         raise ExtenderError("ExtenderArgs has no Pod")
     names, node_list = _field(doc, "NodeNames"), _field(doc, "Nodes")
     if names is not None:
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        if not isinstance(names, list) or not set(map(type, names)) <= {str}:
             raise ExtenderError("ExtenderArgs.NodeNames must be a list of node names")
         return pod, names, None, None
     if node_list is None:
@@ -151,21 +152,54 @@ def parse_args(doc: Any) -> tuple[Any, list[str], list[dict] | None, dict | None
 def fleet_ids(core: Scheduler, names: list[str]) -> list[str]:
     """The fleet node of each Kubernetes node name: the one whose inventory label `k8s_node` names
     it, else the node of that id."""
-    by_label = {s.labels["k8s_node"]: nid for nid, s in core.view.summaries.items() if "k8s_node" in s.labels}
-    return [by_label.get(n, n) for n in names]
+    by_label = core.view.k8s_nodes
+    return [by_label.get(n, n) for n in names] if by_label else names
 
 
-def _verdicts(core: Scheduler, req: spb.PlaceRequest, names: list[str]) -> list[Verdict]:
-    return core.judge(req, fleet_ids(core, names))
+class Memo:
+    """The verdicts of the last few filter calls by request, so that prioritize, which kube-scheduler
+    calls for the same pod right after filter, reuses them while they are within the index's own bound
+    on age ([scheduler] index_refresh_ms; 0: never reused)."""
+
+    def __init__(self, keep: int = 16):
+        self.keep = keep
+        self.items: dict[bytes, tuple[int, dict[str, Verdict]]] = {}
+        self.reused = 0
+
+    def put(self, req: spb.PlaceRequest, verdicts: list[Verdict]) -> None:
+        if len(self.items) >= self.keep:
+            del self.items[next(iter(self.items))]
+        self.items[req.SerializeToString(deterministic=True)] = (time.monotonic_ns(), {v.node_id: v for v in verdicts})
+
+    def get(self, core: Scheduler, req: spb.PlaceRequest, ids: list[str]) -> list[Verdict] | None:
+        hit = self.items.get(req.SerializeToString(deterministic=True))
+        if hit is None or time.monotonic_ns() - hit[0] > core.view.refresh_ns:
+            return None
+        by_id = hit[1]
+        if not all(i in by_id for i in ids):
+            return None
+        self.reused += 1
+        return [by_id[i] for i in ids]
 
 
-def filter_result(core: Scheduler, doc: Any) -> dict:
+def _verdicts(core: Scheduler, req: spb.PlaceRequest, names: list[str], memo: Memo | None,
+              reuse: bool) -> list[Verdict]:
+    ids = fleet_ids(core, names)
+    if reuse and memo is not None and (known := memo.get(core, req, ids)) is not None:
+        return known
+    verdicts = core.judge(req, ids)
+    if memo is not None and not reuse:
+        memo.put(req, verdicts)
+    return verdicts
+
+
+def filter_result(core: Scheduler, doc: Any, memo: Memo | None = None) -> dict:
     """ExtenderFilterResult for an ExtenderArgs document; a request it cannot read answers with
     Error set (kube-scheduler then reports it on the pod)."""
     try:
         pod, names, items, node_list = parse_args(doc)
         req = place_request(pod)
-        verdicts = None if req is None else _verdicts(core, req, names)
+        verdicts = None if req is None else _verdicts(core, req, names, memo, reuse=False)
     except ValueError as e:   # ExtenderError, or the core's PlaceError
         return {"Nodes": None, "NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": str(e)}
     failed: dict[str, str] = {}
@@ -176,8 +210,10 @@ def filter_result(core: Scheduler, doc: Any) -> dict:
         for i, (name, v) in enumerate(zip(names, verdicts)):
             if v.fits:
                 passed.append(i)
+            elif v.reason in UNRESOLVABLE:
+                unresolvable[name] = f"xpusense {v.reason}: {v.detail}"
             else:
-                (unresolvable if v.reason in UNRESOLVABLE else failed)[name] = f"xpusense {v.reason}: {v.detail}"
+                failed[name] = f"xpusense {v.reason}: {v.detail}"
     out: dict[str, Any] = {"Nodes": None, "NodeNames": None, "FailedNodes": failed,
                            "FailedAndUnresolvableNodes": unresolvable, "Error": ""}
     if items is not None:
@@ -188,15 +224,15 @@ def filter_result(core: Scheduler, doc: Any) -> dict:
     return out
 
 
-def priorities(core: Scheduler, doc: Any) -> list[dict]:
+def priorities(core: Scheduler, doc: Any, memo: Memo | None = None) -> list[dict]:
     """HostPriorityList: Place's score of each node that can take the pod, 0-10 relative to the best
     of them (10); 0 for the others, and for every node when the pod asks for no accelerator.
-    ExtenderError / PlaceError when the request cannot be read."""
+    ExtenderError / PlaceError when the request cannot be read. `memo`: the filter's verdicts."""
     pod, names, _, _ = parse_args(doc)
     req = place_request(pod)
     if req is None:
         return [{"Host": n, "Score": 0} for n in names]
-    verdicts = _verdicts(core, req, names)
+    verdicts = _verdicts(core, req, names, memo, reuse=True)
     best = max((v.score for v in verdicts if v.fits), default=0.0)
     return [{"Host": n, "Score": round(MAX_PRIORITY * v.score / best) if v.fits and best > 0 else 0}
             for n, v in zip(names, verdicts)]

@@ -87,6 +87,7 @@ class FleetView:
         self.stale_ns = settings.stale_ns
         self.peak_tflops = PeakTflops(settings.peak_tflops)
         self.summaries: dict[str, NodeSummary] = {}
+        self.k8s_nodes: dict[str, str] = {}   # inventory label k8s_node -> node id (kube-scheduler's extender)
         self.pools: tuple[Pool, ...] = tuple(Pool(counted=i < len(ACCEL_TYPES)) for i in range(POOLS))
         self.seen_heap: list[tuple[int, str]] = []   # (last seen ns, node), see _seen
         self.seen_pushed: dict[str, int] = {}        # node -> time of its live entry in seen_heap
@@ -290,8 +291,13 @@ class FleetView:
     def _rebuild(self, s: NodeSummary, initial: bool = False) -> None:
         """A new inventory: labels, devices, domains; then the readings."""
         inv = s.state.inventory
-        region = s.region
+        region, k8s_node = s.region, s.labels.get("k8s_node")
         self._read_labels(s, dict(inv.labels))
+        if s.labels.get("k8s_node") != k8s_node:
+            if k8s_node is not None and self.k8s_nodes.get(k8s_node) == s.node_id:
+                del self.k8s_nodes[k8s_node]
+            if "k8s_node" in s.labels:
+                self.k8s_nodes[s.labels["k8s_node"]] = s.node_id
         if s.region != region:   # its measured figures belong to another region pair now
             for remote, w in s.rtt.items():
                 self.latency.set(s.node_id, s.region, remote,

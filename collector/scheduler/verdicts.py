@@ -22,37 +22,51 @@ class Verdict(NamedTuple):
 
 
 def judge(view: FleetView, q: Query, node_ids: list[str]) -> list[Verdict]:
-    """The verdict on each of `node_ids`, in their order (a Query made by Scheduler._query)."""
+    """The verdict on each of `node_ids`, in their order (a Query made by Scheduler._query). The
+    filters and the key's part of the score are worked out once per placement key; a one-group node
+    whose best `count` devices fit is scored in place (search.group_score's first case)."""
     pool = view.pools[q.pool_index]
     types = TYPE_NAMES[q.type_index]
-    summaries, entries, cut = view.summaries, pool.entries, q.cut
+    summaries, entries, cut, now = view.summaries, pool.entries, q.cut, q.now
+    count, mem, w_compute = q.count, q.mem, q.w_compute
+    by_key: dict[tuple, tuple[str | None, float, str]] = {}   # placement key -> (filter reason, key part, its detail)
+    no_type = f"no {' or '.join(types)} on the node"
     out: list[Verdict] = []
+    add = out.append
     for nid in node_ids:
-        s = summaries.get(nid)
+        e = entries.get(nid)
+        s = summaries.get(nid) if e is None else e.summary
         if s is None:
-            out.append(Verdict(nid, False, 0.0, "unknown", "no agent reports as this node"))
+            add(Verdict(nid, False, 0.0, "unknown", "no agent reports as this node"))
             continue
         if s.state.last_seen_ns < cut:
-            out.append(Verdict(nid, False, 0.0, "stale", exclusion_detail(view, s, "stale", q.now, types, q)))
+            add(Verdict(nid, False, 0.0, "stale", exclusion_detail(view, s, "stale", now, types, q)))
             continue
-        e = entries.get(nid)
         if e is None:
-            out.append(Verdict(nid, False, 0.0, "type", f"no {' or '.join(types)} on the node"))
+            add(Verdict(nid, False, 0.0, "type", no_type))
             continue
-        why = hard_filter(e.key, q.req, q.allowed)
+        known = by_key.get(e.key)
+        if known is None:   # a filter's detail reads only what the key holds (region, province, capabilities)
+            why = hard_filter(e.key, q.req, q.allowed)
+            known = by_key[e.key] = (why, 0.0, exclusion_detail(view, s, why, now, types, q)) if why else (
+                None, q.key_part(e.key), "")
+        why, key_part, detail = known
         if why is not None:
-            out.append(Verdict(nid, False, 0.0, why, exclusion_detail(view, s, why, q.now, types, q)))
+            add(Verdict(nid, False, 0.0, why, detail))
             continue
-        key_part = q.key_part(e.key)
-        if e.group is not None:
-            fits = q.fits(e.group)
-            score = group_score(q, e.group, key_part) if fits else 0.0
+        g = e.group
+        if g is not None:
+            if count < len(g.min_free) and g.min_free[count] >= mem:
+                add(Verdict(nid, True, (key_part + w_compute * g.compute[count]) * g.penalty[count], "", ""))
+                continue
+            fits = g.fits(count, mem)
+            score = group_score(q, g, key_part) if fits else 0.0
         else:
             score, group = best_of_groups(q, e, key_part)
             fits = group is not None
         if fits:
-            out.append(Verdict(nid, True, score, "", ""))
+            add(Verdict(nid, True, score, "", ""))
         else:
             reason = classify(s, q)
-            out.append(Verdict(nid, False, 0.0, reason, exclusion_detail(view, s, reason, q.now, types, q)))
+            add(Verdict(nid, False, 0.0, reason, exclusion_detail(view, s, reason, now, types, q)))
     return out

@@ -20,7 +20,7 @@ from xpusense.collector.certs import make_certs, make_tokens
 from xpusense.collector.config import load_collector
 from xpusense.collector.extender_http import ExtenderServer, check_section
 from xpusense.collector.scheduler.core import Scheduler
-from xpusense.collector.scheduler.extender import ExtenderError, filter_result, place_request, priorities
+from xpusense.collector.scheduler.extender import ExtenderError, Memo, filter_result, place_request, priorities
 from xpusense.collector.state import FleetState
 from xpusense.common.config import ConfigError
 from xpusense.v1 import scheduler_pb2 as spb
@@ -143,6 +143,10 @@ def test_filter_and_prioritize_answer_in_the_extenders_json():
     r2 = filter_result(core, {"pod": p, "nodes": nodes})
     assert r2["NodeNames"] is None and [n["metadata"]["name"] for n in r2["Nodes"]["items"]] == r["NodeNames"]
     prios = priorities(core, {"Pod": p, "NodeNames": names})
+    memo = Memo()   # prioritize after filter for the same pod: the filter's verdicts, the same answer
+    filter_result(core, {"Pod": p, "NodeNames": names}, memo)
+    assert priorities(core, {"Pod": p, "NodeNames": r["NodeNames"]}, memo) == [
+        h for h in prios if h["Host"] in r["NodeNames"]] and memo.reused == 1
     assert [h["Host"] for h in prios] == names and all(0 <= h["Score"] <= 10 for h in prios)
     assert max(h["Score"] for h in prios) == 10
     assert {h["Host"] for h in prios if h["Score"] > 0} <= set(r["NodeNames"])
@@ -165,7 +169,7 @@ class Endpoint:
         from xpusense.collector.auth import Security
         self.security = Security.from_config(cfg)
         self.ext = ExtenderServer(Scheduler(st, cfg.scheduler, cfg.stale_s), cfg, self.security)
-        self.ext.start(self.loop)
+        asyncio.run_coroutine_threadsafe(self.ext.start(), self.loop).result(10)
 
     def post(self, body: bytes, headers=None, context=None, scheme="http"):
         req = urllib.request.Request(f"{scheme}://localhost:{self.port}/filter", data=body, headers=headers or {})
@@ -176,7 +180,7 @@ class Endpoint:
             return e.code, e.read().decode()
 
     def close(self):
-        self.ext.stop()
+        asyncio.run_coroutine_threadsafe(self.ext.stop(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
