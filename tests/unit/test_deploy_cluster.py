@@ -114,7 +114,11 @@ def test_roles_run_the_console_script_with_the_shared_config(tmp_path):
     assert roles["xpusense-gateway"][1] == "serve" and roles["xpusense-worker"][1] == "worker"
     assert roles["xpusense-scheduler"][1] == "scheduler"
     for command in roles.values():
-        assert command[0].endswith("/xpusense-collector") and command[2:] == ["--config", "/etc/xpusense/collector.toml"]
+        assert command[0].endswith("/xpusense-collector") and command[2:4] == ["--config", "/etc/xpusense/collector.toml"]
+    # Only the scheduler replicas serve kube-scheduler's extender, on their Service's extender port.
+    assert [c[4:] for c in roles.values() if c[4:]] == [["--extender-listen", "0.0.0.0:9471"]]
+    ext = {p["name"]: p["port"] for p in by_kind("Service")["xpusense-scheduler"]["spec"]["ports"]}["extender"]
+    assert roles["xpusense-scheduler"][5] == f"0.0.0.0:{ext}"
     assert deps["xpusense-gateway"]["spec"]["replicas"] == 3
     port = int(cfg.listen.rsplit(":", 1)[1])
     for svc in ("xpusense-gateway", "xpusense-gateway-pods", "xpusense-scheduler"):

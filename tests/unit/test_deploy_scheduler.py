@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import re
 import tomllib
+from argparse import Namespace
 
 import yaml
 from helpers import ROOT
+from manifest_checks import selects
 
 from xpusense.agent.config import load_agent
 from xpusense.collector.config import load_collector
-from xpusense.collector.extender_http import VERBS
+from xpusense.collector.extender_http import VERBS, check_section, extender_flags
 from xpusense.collector.scheduler.extender import GPU_RESOURCES, NPU_PREFIX
 
 DEPLOY = ROOT / "deploy"
@@ -190,3 +192,25 @@ def test_the_daemonset_gives_the_agent_nfds_features_folder_and_the_node_name(tm
     assert vol["hostPath"] == {"path": folder, "type": "DirectoryOrCreate"}   # where nfd-worker reads
     env = {e["name"]: e for e in agent["env"]}
     assert env["XPUSENSE_K8S_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+
+def test_in_cluster_mode_the_scheduler_replicas_serve_the_extender_to_the_kube_scheduler_pods(tmp_path):
+    cluster = [d for path in sorted((DEPLOY / "cluster").glob("*.yaml")) for d in yaml.safe_load_all(path.read_text())
+               if d]
+    dep = next(d for d in cluster if d["kind"] == "Deployment" and d["metadata"]["name"] == "xpusense-scheduler")
+    command = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    listen = command[command.index("--extender-listen") + 1]
+    toml = tmp_path / "collector.toml"
+    toml.write_text(next(d for d in cluster if d["kind"] == "ConfigMap"
+                         and d["metadata"]["name"] == "xpusense-cluster")["data"]["collector.toml"])
+    cfg = load_collector(str(toml), env={}, flags=extender_flags(Namespace(extender_listen=listen)))
+    check_section(cfg, "deploy/cluster")   # HTTPS: the replicas' certificate, not plaintext
+    assert cfg.kubernetes.extender.enabled and cfg.tls.cert and cfg.tls.ca
+    port = int(listen.rsplit(":", 1)[1])
+    rules = next(d for d in cluster if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "xpusense-scheduler")
+    [rule] = [r for r in rules["spec"]["ingress"] if r["ports"] == [{"port": port, "protocol": "TCP"}]]
+    kube_scheduler = find("Deployment", "xpusense-kube-scheduler")
+    [peer] = rule["from"]
+    assert selects(peer["podSelector"], kube_scheduler["spec"]["template"]["metadata"]["labels"])
+    assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name":
+                                                        kube_scheduler["metadata"]["namespace"]}
