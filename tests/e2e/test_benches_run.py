@@ -26,6 +26,12 @@ def test_agent_overhead_bench_measures_an_agent_that_streamed():
     assert got["peak_rss_mb"] > 0 and got["series"] > 0, got
 
 
+def test_extender_bench_measures_both_paths_on_its_fleet():
+    got = _summary("extender_latency.py", "--nodes", "300", "--seconds", "1", "--warmup-s", "0.5")
+    assert got["bench"] == "extender_latency" and got["extender_pair"]["n"] > 0 and got["grpc_place"]["n"] > 0, got
+    assert got["passed_per_pod"] == [100, 100, 25, 50], got   # the seeded fleet's nodes that fit each pod
+
+
 def test_nvml_round_bench_reads_every_gpu_of_its_scenario():
     got = _summary("nvml_round.py", "--rounds", "3", "--gap-s", "0.15")
     assert got["bench"] == "nvml_round" and got["rounds"] == 3, got
