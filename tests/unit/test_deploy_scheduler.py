@@ -5,18 +5,31 @@ cover it), and each of its references against the manifests it points at."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
+import shutil
+import socket
+import ssl
+import threading
 import tomllib
+import urllib.error
+import urllib.request
 from argparse import Namespace
 
+import pytest
 import yaml
-from helpers import ROOT
+from helpers import ROOT, free_port
 from manifest_checks import selects
 
 from xpusense.agent.config import load_agent
+from xpusense.collector.auth import Security
+from xpusense.collector.certs import make_certs
 from xpusense.collector.config import load_collector
-from xpusense.collector.extender_http import VERBS, check_section, extender_flags
+from xpusense.collector.extender_http import VERBS, ExtenderServer, check_section, extender_flags
+from xpusense.collector.scheduler.core import Scheduler
 from xpusense.collector.scheduler.extender import GPU_RESOURCES, NPU_PREFIX
+from xpusense.collector.state import FleetState
 
 DEPLOY = ROOT / "deploy"
 DURATION = re.compile(r"(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+")
@@ -214,3 +227,56 @@ def test_in_cluster_mode_the_scheduler_replicas_serve_the_extender_to_the_kube_s
     assert selects(peer["podSelector"], kube_scheduler["spec"]["template"]["metadata"]["labels"])
     assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name":
                                                         kube_scheduler["metadata"]["namespace"]}
+
+
+def test_the_kube_scheduler_reaches_the_collectors_extender_over_https_with_the_documented_pair(tmp_path):
+    """The pair made and put in its Secret as docs/kubernetes.md says, the tlsConfig of the profile,
+    and the collector's ConfigMap with the collector's Secret: a real HTTPS POST /filter on loopback."""
+    doc = (ROOT / "docs/kubernetes.md").read_text().split("## Deploying the extender", 1)[1]
+    security = (ROOT / "docs/security.md").read_text().split("### Kubernetes", 1)[1]
+    hosts = re.findall(r"--collector-host (\S+)", security)
+    pki = tmp_path / "pki"
+    make_certs(str(pki), ["xpusense-probe", "kube-scheduler"], hosts, days=2)
+    secret = tmp_path / "xpusense-kube-scheduler-tls"    # kubectl create secret ... --from-file=pki/F
+    secret.mkdir()
+    line = next(ln for ln in doc.split("```sh", 1)[1].split("```")[0].split("kubectl") if "xpusense-kube-scheduler-tls" in ln)
+    for f in re.findall(r"--from-file=pki/(\S+)", line):
+        shutil.copy(pki / f, secret / f)
+    tls = scheduler_config()["extenders"][0]["tlsConfig"]
+    mount = "/etc/xpusense-tls"
+    ctx = ssl.create_default_context(cafile=tls["caFile"].replace(mount, str(secret)))
+    port = free_port()
+    text = find("ConfigMap", "xpusense-collector")["data"]["collector.toml"]
+    for key, src in {"ca.pem": "ca.pem", "collector.pem": "collector.pem", "collector.key": "collector.key"}.items():
+        text = text.replace(f"{mount}/{key}", str(pki / src))
+    (tmp_path / "collector.toml").write_text(text.replace('listen = "0.0.0.0:9471"', f'listen = "127.0.0.1:{port}"'))
+    cfg = load_collector(str(tmp_path / "collector.toml"), env={})
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    ext = ExtenderServer(Scheduler(FleetState(), cfg.scheduler, cfg.stale_s), cfg, Security.from_config(cfg))
+    asyncio.run_coroutine_threadsafe(ext.start(), loop).result(10)
+    body = json.dumps({"Pod": {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "ml"},
+                               "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}},
+                       "NodeNames": ["n1"]}).encode()
+
+    def post(context):
+        req = urllib.request.Request(f"https://127.0.0.1:{port}/{scheduler_config()['extenders'][0]['filterVerb']}",
+                                     data=body)
+        with urllib.request.urlopen(req, timeout=10, context=context) as r:
+            return json.loads(r.read())
+    try:
+        ctx.check_hostname = False    # the name is checked below, as kube-scheduler's serverName does
+        with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError)):
+            post(ctx)                 # no client certificate
+        ctx.load_cert_chain(tls["certFile"].replace(mount, str(secret)), tls["keyFile"].replace(mount, str(secret)))
+        reply = post(ctx)
+        assert reply["NodeNames"] == [] and "unknown" in reply["FailedAndUnresolvableNodes"]["n1"]
+        # The collector's certificate carries the serverName the profile checks.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            strict = ssl.create_default_context(cafile=str(secret / "ca.pem"))
+            strict.load_cert_chain(str(secret / "kube-scheduler.pem"), str(secret / "kube-scheduler.key"))
+            with strict.wrap_socket(raw, server_hostname=tls["serverName"]) as s:
+                assert s.version()
+    finally:
+        asyncio.run_coroutine_threadsafe(ext.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
