@@ -160,7 +160,7 @@ class Agent:
                 s.backoff_initial_s, min(s.backoff_max_s, s.reconnect_max_s), connect_timeout_s=5.0))
                 for a in addresses(cfg.collector.address)])
         self.stream.resume(spooled)
-        self_state, _ = setup_sources([AgentSelfSource(self.stream.status)])
+        self_state, _ = setup_sources([AgentSelfSource(self.stream.status, self._nfd_status)])
         self.states = self.states + self_state
         w = cfg.hbm_watch
         self.watch = HbmWatch(watch_rules(w), lambda: process_map(self.states), actions=w.actions,
@@ -184,6 +184,11 @@ class Agent:
             self.watchdog.watch("delivery", self.stream.progress, stall_s=max(5.0, 10 * s.flush_s))
         if setup_in_background:
             self._setup_in_background(sources)
+
+    def _nfd_status(self) -> dict | None:
+        """The NFD feature file's counters for the agent's own metrics (None: not written)."""
+        nfd = getattr(self, "nfd", None)   # built after the agent's own source
+        return nfd.describe() if nfd is not None else None
 
     def _setup_in_background(self, sources: list[Source]) -> None:
         """Every source's setup in a thread of its own; waits up to STARTUP_WAIT_S for them all."""

@@ -43,8 +43,8 @@ class AgentSelfSource(Source):
     name = "agent"
     tiers = (NEARLINE,)
 
-    def __init__(self, stream_status: Callable[[], dict]):
-        self.stream_status = stream_status
+    def __init__(self, stream_status: Callable[[], dict], nfd_status: Callable[[], dict | None] = lambda: None):
+        self.stream_status, self.nfd_status = stream_status, nfd_status
         self._proc = psutil.Process()
         try:
             exe = self._proc.exe()
@@ -73,7 +73,16 @@ class AgentSelfSource(Source):
             Sample("xpusense.agent.stream.impossible_acks", float(st["impossible_acks"]), "{message}", {}, COUNTER),
             Sample("xpusense.agent.spool.usage", float(st["spool_bytes"]), "By"),
             *self._spool(st.get("spool")),
+            *self._nfd(self.nfd_status()),
         ]
+
+    @staticmethod
+    def _nfd(nfd: dict | None) -> list[Sample]:
+        """The NFD feature file's writes, failed writes and files over NFD's size limit ([k8s] nfd_*)."""
+        if nfd is None:
+            return []
+        return [Sample(f"xpusense.agent.nfd.{k}", float(nfd[k]), "{write}", {}, COUNTER)
+                for k in ("writes", "write_failures", "oversized")]
 
     @staticmethod
     def _spool(sp: dict | None) -> list[Sample]:

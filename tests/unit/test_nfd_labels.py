@@ -11,6 +11,7 @@ from nfd_format import feature_file_problems, feature_labels
 
 from xpusense.agent.config import load_agent
 from xpusense.agent.nfd_labels import NfdFeatureFile, label_value, render
+from xpusense.agent.sources.agent_self import AgentSelfSource
 from xpusense.agent.sources.base import Event, Sample
 from xpusense.common.config import ConfigError
 
@@ -107,6 +108,10 @@ def test_a_failed_write_is_counted_and_tried_again(writer, tmp_path):
     assert w.writes == 1 and feature_labels(text(w))["xpusense.io/gpu.health"] == "unknown"
     big = {f"xpusense.io/l{i}": "v" * 63 for i in range(1000)}
     assert not w.write(big, clock.now) and w.oversized == 1
+    # The agent's own metrics carry the counters.
+    counted = {s.name: s.value for s in AgentSelfSource._nfd(w.describe())}
+    assert counted == {"xpusense.agent.nfd.writes": 1.0, "xpusense.agent.nfd.write_failures": 1.0,
+                       "xpusense.agent.nfd.oversized": 1.0}
 
 
 def test_values_become_label_values():
