@@ -102,6 +102,9 @@ COLLECTOR_SCHEMA = {
                                      help="an ExtenderArgs body over this is refused (413, counted); Nodes of "
                                           "5,000 nodes take ~25 MB, NodeNames (nodeCacheCapable) ~0.1 MB"),
             "max_connections": Key(int, 64, positive, help="connections open at once; past it 503, counted"),
+            "verdict_shapes": Key(int, 16, positive,
+                                  help="request shapes whose verdicts on every node are kept up to date; past it "
+                                       "the least recently asked is dropped, counted"),
             "timeout_s": Key((int, float), 5.0, positive,
                              help="a connection that takes longer than this over its TLS handshake, a request's "
                                   "head or its body is closed"),

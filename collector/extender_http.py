@@ -18,7 +18,8 @@ from xpusense.common.tls import is_loopback_host
 
 from .grpc_server import BindError
 from .scheduler.core import Scheduler
-from .scheduler.extender import Memo, filter_result, priorities
+from .scheduler.extender import filter_result, priorities
+from .scheduler.verdict_cache import VerdictCache
 
 log = logging.getLogger("xpusense.collector.extender")
 
@@ -49,7 +50,8 @@ class ExtenderServer:
         self.counters: Counter = counters if counters is not None else Counter()
         self.server: asyncio.base_events.Server | None = None
         self.open = 0   # connections open now (max_connections)
-        self.memo = Memo()   # prioritize reuses the filter's verdicts for the same pod (scheduler/extender.py)
+        # every node's verdict per request shape, kept up to date (scheduler/verdict_cache.py)
+        self.cache = VerdictCache(self.section.verdict_shapes, self.counters)
         self.address = ""
 
     async def start(self) -> None:
@@ -155,7 +157,7 @@ class ExtenderServer:
             self.counters[f"{KEY}.errors"] += 1
             return 400, f"the body is not JSON ({e})\n", True
         try:
-            out = verb(self.core, doc, self.memo)   # on the loop that owns the state, in one go
+            out = verb(self.core, doc, self.cache)   # on the loop that owns the state, in one go
         except ValueError as e:   # prioritize's unreadable request, ExtenderError or the core's PlaceError
             self.counters[f"{KEY}.errors"] += 1
             return 400, f"{e}\n", True

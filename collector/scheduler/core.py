@@ -1,6 +1,7 @@
 """The scheduler core: Scheduler(fleet, section, stale_s) follows the fleet (fleet.py) with the loaded
 [scheduler] config section; place(request) decides (search.py) and answers with the ranking and its
-reasons (explain.py); judge(request, nodes) gives a verdict per named node (verdicts.py)."""
+reasons (explain.py); judge(request, nodes) gives a verdict per named node (verdicts.py), judge_kept
+the same from the verdicts kept per request shape (verdict_cache.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .explain import fill_reply
 from .fleet import FleetView
 from .index import CMAX, TYPE_INDEX
 from .search import Query, scan, search
+from .verdict_cache import VerdictCache
 from .verdicts import Verdict, judge
 
 
@@ -56,6 +58,16 @@ class Scheduler:
         gc.disable()
         try:
             return judge(self.view, self._query(req)[0], node_ids)
+        finally:
+            gc.enable()
+
+    def judge_kept(self, req: spb.PlaceRequest, node_ids: list[str], cache: VerdictCache) -> list[Verdict]:
+        """judge(req, node_ids), from the verdicts `cache` keeps for the request's shape."""
+        if not gc.isenabled():
+            return cache.verdicts(self.view, self._query(req)[0], node_ids)
+        gc.disable()
+        try:
+            return cache.verdicts(self.view, self._query(req)[0], node_ids)
         finally:
             gc.enable()
 

@@ -5,13 +5,15 @@ and the filter and prioritize answers in the extender's JSON. docs/kubernetes.md
 
 from __future__ import annotations
 
-import time
+from itertools import compress
+from operator import attrgetter, not_
 from typing import Any
 
 from xpusense.v1 import scheduler_pb2 as spb
 
 from .core import Scheduler
 from .inventory import parse_memory
+from .verdict_cache import VerdictCache
 from .verdicts import Verdict
 
 MAX_PRIORITY = 10   # extenderv1.MaxExtenderPriority
@@ -20,6 +22,7 @@ NPU_PREFIX = "huawei.com/ascend"   # huawei.com/Ascend910, Ascend910B, Ascend310
 PREFIX = "xpusense.io/"
 # Place's reasons that no preemption on the node can change: FailedAndUnresolvableNodes.
 UNRESOLVABLE = frozenset({"unknown", "type", "count", "region", "residency", "encryption", "attestation"})
+_FITS = attrgetter("fits")
 TRUE, FALSE = ("true", "yes", "1"), ("false", "no", "0", "")
 
 
@@ -153,86 +156,49 @@ def fleet_ids(core: Scheduler, names: list[str]) -> list[str]:
     """The fleet node of each Kubernetes node name: the one whose inventory label `k8s_node` names
     it, else the node of that id."""
     by_label = core.view.k8s_nodes
-    return [by_label.get(n, n) for n in names] if by_label else names
+    return list(map(by_label.get, names, names)) if by_label else names
 
 
-class Memo:
-    """The verdicts of the last few filter calls by request, so that prioritize, which kube-scheduler
-    calls for the same pod right after filter, reuses them while they are within the index's own bound
-    on age ([scheduler] index_refresh_ms; 0: never reused)."""
-
-    def __init__(self, keep: int = 16):
-        self.keep = keep
-        self.items: dict[bytes, tuple[int, dict[str, Verdict]]] = {}
-        self.reused = 0
-
-    def put(self, req: spb.PlaceRequest, verdicts: list[Verdict]) -> None:
-        if len(self.items) >= self.keep:
-            del self.items[next(iter(self.items))]
-        self.items[req.SerializeToString(deterministic=True)] = (time.monotonic_ns(), {v.node_id: v for v in verdicts})
-
-    def get(self, core: Scheduler, req: spb.PlaceRequest, ids: list[str]) -> list[Verdict] | None:
-        hit = self.items.get(req.SerializeToString(deterministic=True))
-        if hit is None or time.monotonic_ns() - hit[0] > core.view.refresh_ns:
-            return None
-        by_id = hit[1]
-        if not all(i in by_id for i in ids):
-            return None
-        self.reused += 1
-        return [by_id[i] for i in ids]
-
-
-def _verdicts(core: Scheduler, req: spb.PlaceRequest, names: list[str], memo: Memo | None,
-              reuse: bool) -> list[Verdict]:
+def _verdicts(core: Scheduler, req: spb.PlaceRequest, names: list[str], cache: VerdictCache | None) -> list[Verdict]:
     ids = fleet_ids(core, names)
-    if reuse and memo is not None and (known := memo.get(core, req, ids)) is not None:
-        return known
-    verdicts = core.judge(req, ids)
-    if memo is not None and not reuse:
-        memo.put(req, verdicts)
-    return verdicts
+    return core.judge(req, ids) if cache is None else core.judge_kept(req, ids, cache)
 
 
-def filter_result(core: Scheduler, doc: Any, memo: Memo | None = None) -> dict:
+def filter_result(core: Scheduler, doc: Any, cache: VerdictCache | None = None) -> dict:
     """ExtenderFilterResult for an ExtenderArgs document; a request it cannot read answers with
     Error set (kube-scheduler then reports it on the pod)."""
     try:
         pod, names, items, node_list = parse_args(doc)
         req = place_request(pod)
-        verdicts = None if req is None else _verdicts(core, req, names, memo, reuse=False)
+        verdicts = None if req is None else _verdicts(core, req, names, cache)
     except ValueError as e:   # ExtenderError, or the core's PlaceError
         return {"Nodes": None, "NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": str(e)}
     failed: dict[str, str] = {}
     unresolvable: dict[str, str] = {}
-    passed = list(range(len(names)))
-    if verdicts is not None:
-        passed = []
-        for i, (name, v) in enumerate(zip(names, verdicts)):
-            if v.fits:
-                passed.append(i)
-            elif v.reason in UNRESOLVABLE:
-                unresolvable[name] = f"xpusense {v.reason}: {v.detail}"
-            else:
-                failed[name] = f"xpusense {v.reason}: {v.detail}"
+    fits = [True] * len(names) if verdicts is None else list(map(_FITS, verdicts))
+    for i in compress(range(len(names)), map(not_, fits)):
+        v = verdicts[i]   # type: ignore[index]
+        (unresolvable if v.reason in UNRESOLVABLE else failed)[names[i]] = f"xpusense {v.reason}: {v.detail}"
     out: dict[str, Any] = {"Nodes": None, "NodeNames": None, "FailedNodes": failed,
                            "FailedAndUnresolvableNodes": unresolvable, "Error": ""}
     if items is not None:
         out["Nodes"] = {**{k: v for k, v in (node_list or {}).items() if k != "items"},
-                        "items": [items[i] for i in passed]}
+                        "items": list(compress(items, fits))}
     else:
-        out["NodeNames"] = [names[i] for i in passed]
+        out["NodeNames"] = list(compress(names, fits))
     return out
 
 
-def priorities(core: Scheduler, doc: Any, memo: Memo | None = None) -> list[dict]:
+def priorities(core: Scheduler, doc: Any, cache: VerdictCache | None = None) -> list[dict]:
     """HostPriorityList: Place's score of each node that can take the pod, 0-10 relative to the best
     of them (10); 0 for the others, and for every node when the pod asks for no accelerator.
-    ExtenderError / PlaceError when the request cannot be read. `memo`: the filter's verdicts."""
+    ExtenderError / PlaceError when the request cannot be read. `cache`: the verdicts kept per
+    request shape (verdict_cache.py), else judged anew."""
     pod, names, _, _ = parse_args(doc)
     req = place_request(pod)
     if req is None:
         return [{"Host": n, "Score": 0} for n in names]
-    verdicts = _verdicts(core, req, names, memo, reuse=True)
+    verdicts = _verdicts(core, req, names, cache)
     best = max((v.score for v in verdicts if v.fits), default=0.0)
     return [{"Host": n, "Score": round(MAX_PRIORITY * v.score / best) if v.fits and best > 0 else 0}
             for n, v in zip(names, verdicts)]

@@ -88,6 +88,9 @@ class FleetView:
         self.peak_tflops = PeakTflops(settings.peak_tflops)
         self.summaries: dict[str, NodeSummary] = {}
         self.k8s_nodes: dict[str, str] = {}   # inventory label k8s_node -> node id (kube-scheduler's extender)
+        # node -> `changes` at its last refiling or staleness change, oldest first (verdict_cache.py)
+        self.journal: dict[str, int] = {}
+        self.changes = 0
         self.pools: tuple[Pool, ...] = tuple(Pool(counted=i < len(ACCEL_TYPES)) for i in range(POOLS))
         self.seen_heap: list[tuple[int, str]] = []   # (last seen ns, node), see _seen
         self.seen_pushed: dict[str, int] = {}        # node -> time of its live entry in seen_heap
@@ -242,6 +245,7 @@ class FleetView:
     def _filed(self, s: NodeSummary, now: int) -> None:
         """File the node's groups in the index; a node filed by id is noted busy as of `now`."""
         nid = s.node_id
+        self._journal(nid)
         self.busy.pop(nid, None)
         if file_node(self.pools, s):
             self.busy[nid] = now
@@ -352,7 +356,7 @@ class FleetView:
         nid = node.node_id
         back = self.stale_known.pop(nid, None)
         if back is not None:
-            mark_stale(self.pools, back, False)
+            self._mark_stale(back, False)
         t = node.last_seen_ns
         pushed = self.seen_pushed.get(nid)
         if pushed is None or t - pushed > self.stale_ns // 2:
@@ -380,7 +384,7 @@ class FleetView:
             if seen < cut:
                 known[nid] = s
                 del pushed[nid]
-                mark_stale(self.pools, s, True)
+                self._mark_stale(s, True)
             else:                 # heard from since: follow it on from there
                 heapq.heappush(heap, (seen, nid))
                 pushed[nid] = seen
@@ -389,7 +393,16 @@ class FleetView:
             del known[nid]
             heapq.heappush(heap, (s.state.last_seen_ns, nid))
             pushed[nid] = s.state.last_seen_ns
-            mark_stale(self.pools, s, False)
+            self._mark_stale(s, False)
+
+    def _mark_stale(self, s: NodeSummary, stale: bool) -> None:
+        mark_stale(self.pools, s, stale)
+        self._journal(s.node_id)
+
+    def _journal(self, nid: str) -> None:
+        self.changes += 1
+        self.journal.pop(nid, None)
+        self.journal[nid] = self.changes
 
     # -- readings and events ---------------------------------------------------------------------------
     def _map_series(self, s: NodeSummary) -> None:

@@ -5,22 +5,25 @@ the endpoint's thread and the core's loop real)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import ssl
 import threading
 import urllib.error
 import urllib.request
+from collections import Counter
 
 import pytest
 from helpers import free_port
-from sched_sim import GiB, inventory, readings
+from sched_sim import GiB, event, inventory, readings
 
 from xpusense.collector.certs import make_certs, make_tokens
 from xpusense.collector.config import load_collector
 from xpusense.collector.extender_http import ExtenderServer, check_section
 from xpusense.collector.scheduler.core import Scheduler
-from xpusense.collector.scheduler.extender import ExtenderError, Memo, filter_result, place_request, priorities
+from xpusense.collector.scheduler.extender import ExtenderError, filter_result, place_request, priorities
+from xpusense.collector.scheduler.verdict_cache import VerdictCache
 from xpusense.collector.state import FleetState
 from xpusense.common.config import ConfigError
 from xpusense.v1 import scheduler_pb2 as spb
@@ -70,9 +73,10 @@ def test_a_pod_the_extender_cannot_read_is_named(p, words):
     assert words in str(e.value)
 
 
-def random_fleet(rng: random.Random) -> tuple[Scheduler, list[str], set[str]]:
-    """60 nodes of GPUs, NPUs or neither, some busy, some with no readings since their Hello: stale."""
-    clock = [10**18]
+def random_fleet(rng: random.Random, clock: list[int] | None = None) -> tuple[Scheduler, list[str], set[str]]:
+    """60 nodes of GPUs, NPUs or neither, some busy, some with no readings since their Hello: stale.
+    `clock`: [now in ns], the fleet's clock (moved on by the caller)."""
+    clock = clock or [10**18]
     st = FleetState(clock=lambda: clock[0])
     core = Scheduler(st, load_collector(None, env={}).scheduler, 10.0)
     ids = []
@@ -143,14 +147,83 @@ def test_filter_and_prioritize_answer_in_the_extenders_json():
     r2 = filter_result(core, {"pod": p, "nodes": nodes})
     assert r2["NodeNames"] is None and [n["metadata"]["name"] for n in r2["Nodes"]["items"]] == r["NodeNames"]
     prios = priorities(core, {"Pod": p, "NodeNames": names})
-    memo = Memo()   # prioritize after filter for the same pod: the filter's verdicts, the same answer
-    filter_result(core, {"Pod": p, "NodeNames": names}, memo)
-    assert priorities(core, {"Pod": p, "NodeNames": r["NodeNames"]}, memo) == [
-        h for h in prios if h["Host"] in r["NodeNames"]] and memo.reused == 1
+    cache = VerdictCache()   # the kept verdicts: the same answers
+    assert filter_result(core, {"Pod": p, "NodeNames": names}, cache) == r
+    assert priorities(core, {"Pod": p, "NodeNames": r["NodeNames"]}, cache) == [
+        h for h in prios if h["Host"] in r["NodeNames"]] and cache.full == 1
     assert [h["Host"] for h in prios] == names and all(0 <= h["Score"] <= 10 for h in prios)
     assert max(h["Score"] for h in prios) == 10
     assert {h["Host"] for h in prios if h["Score"] > 0} <= set(r["NodeNames"])
     assert filter_result(core, {"Pod": p})["Error"] == "ExtenderArgs has neither Nodes nor NodeNames"
+
+
+def test_kept_verdicts_are_judges_own_as_the_index_changes():
+    """The verdicts kept per request shape are judge()'s at every ask while the fleet changes under
+    them (GPUs filling up and freed, nodes going silent and back, an XID, a new node, a node moved
+    to another region), judging again only the nodes changed; the least recently asked shape is
+    dropped past `keep`, counted."""
+    clock = [10**18]
+    core, ids, quiet = random_fleet(random.Random(11), clock)
+    st, seq = core.state, itertools.count(2)
+    counters: Counter = Counter()
+    cache = VerdictCache(keep=3, counters=counters)
+    reqs = [spb.PlaceRequest(accelerator=spb.ACCELERATOR_GPU, count=2, memory_bytes=20 * GiB,
+                             allowed_regions=["r1", "r2"]),
+            spb.PlaceRequest(accelerator=spb.ACCELERATOR_ANY, count=4, memory_bytes=40 * GiB, same_domain=True),
+            spb.PlaceRequest(accelerator=spb.ACCELERATOR_NPU, count=1)]
+    asked = ids + ["n-new", "not-in-fleet"]
+
+    def send(nid, used_gib=0.0, events=()):
+        st.ingest(pb.Batch(node_id=nid, boot_id="b", seq=next(seq), events=list(events),
+                           samples=readings("a100", 8, used_gib=used_gib, t_ns=clock[0])))
+
+    def same(where):   # every shape asked; the last one's verdicts by node
+        kept = []
+        for req in reqs:
+            kept = core.judge_kept(req, asked, cache)
+            assert kept == core.judge(req, asked), where
+        return {v.node_id: v for v in kept}
+
+    same("first asks")
+    assert cache.full == 3
+    gpu = [n for n in ids if n not in quiet and st.nodes[n].inventory.resources
+           and st.nodes[n].inventory.resources[0].model == "A100-SXM4-80GB"]
+    a, b = gpu[0], gpu[1]
+    send(a)   # idle
+    judged = cache.judged
+    same("idle")
+    # again per shape: only the node changed, and the stale nodes (their detail says for how long)
+    assert 0 < cache.judged - judged <= 3 * (1 + len(core.view.stale_known)) < len(ids)
+    assert core.judge_kept(reqs[0], [a], cache)[0].fits
+    send(a, used_gib=79.0)   # its GPUs fill up: the next ask says so
+    same("full")
+    v = core.judge_kept(reqs[0], [a], cache)[0]
+    assert not v.fits and v.reason == "memory"
+    send(a, events=[event("xid", "gpu0", t_ns=clock[0], xid="79")])
+    same("xid")
+    clock[0] += 6 * 10**9
+    for n in gpu[2:]:
+        send(n, used_gib=1.0)
+    clock[0] += 5 * 10**9   # b and the others not sent to: stale now
+    kept = same("stale")
+    assert kept[b].reason == "stale"
+    clock[0] += 3 * 10**9   # their detail says for how long
+    same("stale, later")
+    send(b)
+    assert same("back")[b].reason != "stale"
+    st.hello(pb.Hello(node_id="n-new", boot_id="b", inventory=inventory("a100", 8, region="r1")))
+    send("n-new")
+    assert same("new node")["n-new"].reason != "unknown"
+    st.hello(pb.Hello(node_id=gpu[2], boot_id="b", inventory=inventory("a100", 8, region="r9")))
+    send(gpu[2])
+    same("moved")
+    assert core.judge_kept(reqs[0], [gpu[2]], cache)[0].reason == "region"
+    assert counters["kubernetes.extender.verdict_shapes"] == 0
+    full = cache.full
+    core.judge_kept(spb.PlaceRequest(accelerator=spb.ACCELERATOR_GPU, count=8), asked, cache)
+    assert counters["kubernetes.extender.verdict_shapes"] == 1 and len(cache.shapes) == 3
+    assert cache.full == full + 1
+    same("the first shape again, after it was dropped")
 
 
 class Endpoint:
