@@ -97,8 +97,9 @@ class ExtenderServer:
     async def _request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """One request and its answer; False when the connection is to be closed."""
         timeout = float(self.section.timeout_s)
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        try:   # asyncio.timeout, not wait_for: no task of its own, no extra loop turns behind the ingest
+            async with asyncio.timeout(timeout):
+                head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError:
             return False
         except asyncio.LimitOverrunError:
@@ -115,16 +116,14 @@ class ExtenderServer:
         headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
         keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
         self.counters[f"{KEY}.requests"] += 1
-        code, body, more = await self._answer(method, path, headers, reader)
-        keep = keep and more
         view = self.core.view
-        if code == 200:
-            view.serve_begin()   # the bulk refresh waits for the answer to leave, as for a Place call (fleet.py)
+        view.serve_begin()   # the bulk refresh waits until the answer has left, as for a Place call (fleet.py)
         try:
+            code, body, more = await self._answer(method, path, headers, reader)
+            keep = keep and more
             await _respond(writer, code, body, keep)
         finally:
-            if code == 200:
-                view.serve_end()
+            view.serve_end()
         return keep
 
     async def _answer(self, method: str, path: str, headers: dict, reader: asyncio.StreamReader,
@@ -149,7 +148,8 @@ class ExtenderServer:
             self.counters[f"{KEY}.max_request_bytes"] += 1
             await _discard(reader, int(length), float(self.section.timeout_s))   # so that the sender reads the 413
             return 413, f"body of {length} bytes is over {KEY}.max_request_bytes = {limit}\n", False
-        body = await asyncio.wait_for(reader.readexactly(int(length)), float(self.section.timeout_s))
+        async with asyncio.timeout(float(self.section.timeout_s)):
+            body = await reader.readexactly(int(length))
         try:   # a large body (the Nodes form) is parsed off the loop
             doc = (json.loads(body) if len(body) <= PARSE_ON_LOOP_BYTES
                    else await asyncio.get_running_loop().run_in_executor(None, json.loads, body))
