@@ -116,14 +116,16 @@ class ExtenderServer:
         headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
         keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
         self.counters[f"{KEY}.requests"] += 1
+        code, body, more = await self._answer(method, path, headers, reader)
+        keep = keep and more
         view = self.core.view
-        view.serve_begin()   # the bulk refresh waits until the answer has left, as for a Place call (fleet.py)
+        if code == 200:
+            view.serve_begin()   # the bulk refresh waits for the answer to leave, as for a Place call (fleet.py)
         try:
-            code, body, more = await self._answer(method, path, headers, reader)
-            keep = keep and more
             await _respond(writer, code, body, keep)
         finally:
-            view.serve_end()
+            if code == 200:
+                view.serve_end()
         return keep
 
     async def _answer(self, method: str, path: str, headers: dict, reader: asyncio.StreamReader,
