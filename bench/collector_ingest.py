@@ -392,11 +392,13 @@ def restart_figures(prefix: list[str], data_dir: str, cfg_path: str, tmp: str) -
 def list_bench_nodes(address: str) -> list:
     import grpc
 
+    from xpusense.collector.views import fetch_all
     from xpusense.v1 import telemetry_pb2 as pb
     from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
     with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 256 * 1024 * 1024)]) as ch:
-        # A prefix no series has: node figures without every series' latest value.
-        reply = pb_grpc.QueryStub(ch).ListNodes(pb.ListNodesRequest(name_prefix="\x00none"), timeout=60)
+        stub = pb_grpc.QueryStub(ch)
+        # Every page; a prefix no series has: node figures without every series' latest value.
+        reply = fetch_all(lambda req: stub.ListNodes(req, timeout=60), pb.ListNodesRequest(name_prefix="\x00none"))
     return [n for n in reply.nodes if n.node_id.startswith(NODE_PREFIX)]
 
 
@@ -703,7 +705,9 @@ def main(argv: list[str] | None = None) -> int:
                "p90_ms": round(p90, 2), "p99_ms": round(p99, 2), "max_ms": round(pmax, 2),
                "collector_cpu_pct": round(col_pct, 1), "collector_cpu_us_per_batch": round(cpu_us),
                "generator_cpu_pct": round(gen_pct, 1), "steal_pct": round(stolen, 1),
-               "acked": acked, "collector_batches_stored": stored, "cross_check_ok": acked == stored,
+               "acked": acked, "collector_batches_stored": stored, "nodes_listed": len(nodes),
+               "node_events": sum(len(n.events) for n in nodes),
+               "node_diagnoses": sum(len(n.diagnoses) for n in nodes), "cross_check_ok": acked == stored,
                "connect_s": round(connect_s, 1), "connect_retries": connect_retries, "errors": len(fails),
                "goal_batches_met": rate_s >= goal_rate, "goal_p99_met": p99 <= GOAL_P99_MS,
                "warmup_p99_ms": round(startup_p99, 2), "p99_settled_s": settled,
