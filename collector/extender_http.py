@@ -19,12 +19,12 @@ from xpusense.common.tls import is_loopback_host
 
 from .grpc_server import BindError
 from .scheduler.core import Scheduler
-from .scheduler.extender import filter_result, priorities
+from .scheduler.extender import NO_ERROR, filter_reply, priorities_reply
 from .scheduler.verdict_cache import VerdictCache
 
 log = logging.getLogger("xpusense.collector.extender")
 
-VERBS = {"/filter": filter_result, "/prioritize": priorities}
+VERBS = {"/filter": filter_reply, "/prioritize": priorities_reply}
 KEY = "kubernetes.extender"
 MAX_HEAD_BYTES = 64 * 1024          # request line and headers
 PARSE_ON_LOOP_BYTES = 1 << 20       # bodies above this are parsed on a thread
@@ -92,8 +92,8 @@ class ExtenderServer:
             return 411, "Content-Length is needed\n"
         return None
 
-    def answer(self, path: str, body: bytes, doc: Any = None) -> tuple[int, Any]:
-        """(status, body: JSON-able, or text ending in a newline) of a request that passed refusal().
+    def answer(self, path: str, body: bytes, doc: Any = None) -> tuple[int, str | bytes]:
+        """(status, body: JSON as bytes, or text ending in a newline) of a request that passed refusal().
         `doc`: the body already parsed (or the error parsing it raised), else parsed here."""
         verb = VERBS[path.split("?", 1)[0].rstrip("/") or "/"]
         try:
@@ -109,9 +109,9 @@ class ExtenderServer:
         except ValueError as e:   # prioritize's unreadable request, ExtenderError or the core's PlaceError
             self.counters[f"{KEY}.errors"] += 1
             return 400, f"{e}\n"
-        if isinstance(out, dict) and out.get("Error"):
+        if out.startswith("{") and not out.endswith(NO_ERROR):   # a filter reply with Error set
             self.counters[f"{KEY}.errors"] += 1
-        return 200, out
+        return 200, out.encode()
 
 
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
@@ -119,10 +119,10 @@ REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
            503: "Service Unavailable"}
 
 
-def _response(code: int, body: Any, keep: bool) -> bytes:
-    """The status line, headers and body of one answer."""
+def _response(code: int, body: str | bytes, keep: bool) -> bytes:
+    """The status line, headers and body of one answer: `body` text, or JSON as bytes."""
     text = isinstance(body, str)
-    data = (body if text else json.dumps(body, separators=(",", ":"))).encode()
+    data = body.encode() if isinstance(body, str) else body
     close = "" if keep else "Connection: close\r\n"
     head = (f"HTTP/1.1 {code} {REASONS.get(code, '')}\r\nServer: xpusense-extender\r\n"
             f"Content-Type: {'text/plain; charset=utf-8' if text else 'application/json'}\r\n"
@@ -266,7 +266,7 @@ class _Connection(asyncio.Protocol):
         while not self.busy and not self.transport.is_closing() and self._step():
             pass
 
-    def _finish(self, answer: tuple[int, Any], keep: bool) -> None:
+    def _finish(self, answer: tuple[int, str | bytes], keep: bool) -> None:
         code, out = answer
         if code != 200:
             self._respond(code, out, keep)
@@ -284,7 +284,7 @@ class _Connection(asyncio.Protocol):
         length, limit = self.need, self.srv.section.max_request_bytes
         self._respond(413, f"body of {length} bytes is over {KEY}.max_request_bytes = {limit}\n", False)
 
-    def _respond(self, code: int, body: Any, keep: bool) -> None:
+    def _respond(self, code: int, body: str | bytes, keep: bool) -> None:
         """The status line, headers and body in one write; the connection closed after it unless `keep`."""
         if self.transport.is_closing():
             return

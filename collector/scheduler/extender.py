@@ -1,11 +1,15 @@
 """kube-scheduler's extender (k8s.io/kube-scheduler/extender/v1) over the scheduler core: a pod made
 a Place request (accelerators from its containers' resources, the rest from `xpusense.io/`
 annotations), Kubernetes nodes matched to fleet nodes (inventory label `k8s_node`, else node id),
-and the filter and prioritize answers in the extender's JSON. docs/kubernetes.md is the user's side."""
+and the filter and prioritize answers in the extender's JSON, joined from each verdict's encoded
+entry. docs/kubernetes.md is the user's side."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from itertools import compress
+from json import dumps, loads
+from json.encoder import encode_basestring_ascii as _json
 from operator import attrgetter, not_
 from typing import Any
 
@@ -22,8 +26,12 @@ NPU_PREFIX = "huawei.com/ascend"   # huawei.com/Ascend910, Ascend910B, Ascend310
 PREFIX = "xpusense.io/"
 # Place's reasons that no preemption on the node can change: FailedAndUnresolvableNodes.
 UNRESOLVABLE = frozenset({"unknown", "type", "count", "region", "residency", "encryption", "attestation"})
-_FITS = attrgetter("fits")
+_FITS, _ENTRY, _REASON = attrgetter("fits"), attrgetter("entry"), attrgetter("reason")
 TRUE, FALSE = ("true", "yes", "1"), ("false", "no", "0", "")
+SEP = (",", ":")
+NO_ERROR = '"Error":""}'   # how a filter reply without Error ends
+_HOST = '{"Host":'
+_SCORES = [f',"Score":{k}}}' for k in range(MAX_PRIORITY + 1)]   # each score's end of a HostPriority
 
 
 class ExtenderError(ValueError):
@@ -164,41 +172,59 @@ def _verdicts(core: Scheduler, req: spb.PlaceRequest, names: list[str], cache: V
     return core.judge(req, ids) if cache is None else core.judge_kept(req, ids, cache)
 
 
-def filter_result(core: Scheduler, doc: Any, cache: VerdictCache | None = None) -> dict:
-    """ExtenderFilterResult for an ExtenderArgs document; a request it cannot read answers with
-    Error set (kube-scheduler then reports it on the pod)."""
+def filter_reply(core: Scheduler, doc: Any, cache: VerdictCache | None = None) -> str:
+    """ExtenderFilterResult's JSON for an ExtenderArgs document, joined from pieces: each failing
+    node's entry as its verdict encoded it when it was made, the passing names encoded as they are.
+    A request it cannot read answers with Error set (kube-scheduler then reports it on the pod)."""
     try:
         pod, names, items, node_list = parse_args(doc)
         req = place_request(pod)
         verdicts = None if req is None else _verdicts(core, req, names, cache)
     except ValueError as e:   # ExtenderError, or the core's PlaceError
-        return {"Nodes": None, "NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": str(e)}
-    failed: dict[str, str] = {}
-    unresolvable: dict[str, str] = {}
-    fits = [True] * len(names) if verdicts is None else list(map(_FITS, verdicts))
-    for i in compress(range(len(names)), map(not_, fits)):
-        v = verdicts[i]   # type: ignore[index]
-        (unresolvable if v.reason in UNRESOLVABLE else failed)[names[i]] = f"xpusense {v.reason}: {v.detail}"
-    out: dict[str, Any] = {"Nodes": None, "NodeNames": None, "FailedNodes": failed,
-                           "FailedAndUnresolvableNodes": unresolvable, "Error": ""}
+        return dumps({"Nodes": None, "NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {},
+                      "Error": str(e)}, separators=SEP)
+    failed: Iterable[str] = ()
+    unresolvable: Iterable[str] = ()
+    if verdicts is None:
+        fits = [True] * len(names)
+    else:   # map and compress: no Python-level step per node
+        fits = list(map(_FITS, verdicts))
+        fails = list(map(not_, fits))
+        failing = list(compress(verdicts, fails))
+        entries = list(map(str.__add__, map(_json, compress(names, fails)), map(_ENTRY, failing)))
+        hopeless = list(map(UNRESOLVABLE.__contains__, map(_REASON, failing)))
+        failed, unresolvable = compress(entries, map(not_, hopeless)), compress(entries, hopeless)
     if items is not None:
-        out["Nodes"] = {**{k: v for k, v in (node_list or {}).items() if k != "items"},
-                        "items": list(compress(items, fits))}
+        nodes = {**{k: v for k, v in (node_list or {}).items() if k != "items"}, "items": list(compress(items, fits))}
+        passing = '{"Nodes":' + dumps(nodes, separators=SEP) + ',"NodeNames":null'
     else:
-        out["NodeNames"] = list(compress(names, fits))
-    return out
+        passing = '{"Nodes":null,"NodeNames":[' + ",".join(map(_json, compress(names, fits))) + "]"
+    return (passing + ',"FailedNodes":{' + ",".join(failed) + '},"FailedAndUnresolvableNodes":{'
+            + ",".join(unresolvable) + "}," + NO_ERROR)
 
 
-def priorities(core: Scheduler, doc: Any, cache: VerdictCache | None = None) -> list[dict]:
-    """HostPriorityList: Place's score of each node that can take the pod, 0-10 relative to the best
-    of them (10); 0 for the others, and for every node when the pod asks for no accelerator.
+def filter_result(core: Scheduler, doc: Any, cache: VerdictCache | None = None) -> dict:
+    """filter_reply() as the object it encodes."""
+    return loads(filter_reply(core, doc, cache))
+
+
+def priorities_reply(core: Scheduler, doc: Any, cache: VerdictCache | None = None) -> str:
+    """HostPriorityList's JSON: Place's score of each node that can take the pod, 0-10 relative to
+    the best of them (10); 0 for the others, and for every node when the pod asks for no accelerator.
     ExtenderError / PlaceError when the request cannot be read. `cache`: the verdicts kept per
     request shape (verdict_cache.py), else judged anew."""
     pod, names, _, _ = parse_args(doc)
     req = place_request(pod)
     if req is None:
-        return [{"Host": n, "Score": 0} for n in names]
-    verdicts = _verdicts(core, req, names, cache)
-    best = max((v.score for v in verdicts if v.fits), default=0.0)
-    return [{"Host": n, "Score": round(MAX_PRIORITY * v.score / best) if v.fits and best > 0 else 0}
-            for n, v in zip(names, verdicts)]
+        tails = [_SCORES[0]] * len(names)
+    else:
+        verdicts = _verdicts(core, req, names, cache)
+        best = max((v.score for v in verdicts if v.fits), default=0.0)
+        tails = [_SCORES[max(0, round(MAX_PRIORITY * v.score / best))] if v.fits and best > 0 else _SCORES[0]
+                 for v in verdicts]
+    return "[" + ",".join(map(str.__add__, map(_HOST.__add__, map(_json, names)), tails)) + "]"
+
+
+def priorities(core: Scheduler, doc: Any, cache: VerdictCache | None = None) -> list[dict]:
+    """priorities_reply() as the list it encodes."""
+    return loads(priorities_reply(core, doc, cache))

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from .fleet import FleetView
 from .search import Query
-from .verdicts import Verdict, judge
+from .verdicts import Verdict, failed, judge
 
 FULL_SHARE = 0.5   # more nodes than this share of the fleet changed: all judged again (no journal walk)
 
@@ -23,7 +23,7 @@ class Shape(NamedTuple):
 
 
 def unknown(nid: str) -> Verdict:
-    return Verdict(nid, False, 0.0, "unknown", "no agent reports as this node")
+    return failed(nid, "unknown", "no agent reports as this node")
 
 
 class VerdictCache:

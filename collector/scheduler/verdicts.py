@@ -5,6 +5,7 @@ accelerator type asked for)."""
 
 from __future__ import annotations
 
+from json.encoder import encode_basestring_ascii as _json
 from typing import NamedTuple
 
 from .explain import exclusion_detail
@@ -19,6 +20,12 @@ class Verdict(NamedTuple):
     score: float    # Place's score when it fits, else 0
     reason: str     # "" when it fits; else unknown | type | one of Place's exclusion reasons
     detail: str
+    entry: str = ""   # failing: ':"xpusense reason: detail"', the JSON of its reply entry's value, made once
+
+
+def failed(nid: str, reason: str, detail: str) -> Verdict:
+    """A failing verdict, its reply entry encoded as it is made (not at every ask that reads it)."""
+    return Verdict(nid, False, 0.0, reason, detail, ":" + _json(f"xpusense {reason}: {detail}"))
 
 
 def judge(view: FleetView, q: Query, node_ids: list[str]) -> list[Verdict]:
@@ -29,30 +36,31 @@ def judge(view: FleetView, q: Query, node_ids: list[str]) -> list[Verdict]:
     types = TYPE_NAMES[q.type_index]
     summaries, entries, cut, now = view.summaries, pool.entries, q.cut, q.now
     count, mem, w_compute = q.count, q.mem, q.w_compute
-    by_key: dict[tuple, tuple[str | None, float, str]] = {}   # placement key -> (filter reason, key part, its detail)
-    no_type = f"no {' or '.join(types)} on the node"
+    by_key: dict[tuple, tuple[Verdict | None, float]] = {}   # placement key -> (its filter's verdict, key part)
+    no_type = failed("", "type", f"no {' or '.join(types)} on the node")
+    unknown = failed("", "unknown", "no agent reports as this node")
     out: list[Verdict] = []
     add = out.append
     for nid in node_ids:
         e = entries.get(nid)
         s = summaries.get(nid) if e is None else e.summary
         if s is None:
-            add(Verdict(nid, False, 0.0, "unknown", "no agent reports as this node"))
+            add(Verdict(nid, False, 0.0, *unknown[3:]))
             continue
         if s.state.last_seen_ns < cut:
-            add(Verdict(nid, False, 0.0, "stale", exclusion_detail(view, s, "stale", now, types, q)))
+            add(failed(nid, "stale", exclusion_detail(view, s, "stale", now, types, q)))
             continue
         if e is None:
-            add(Verdict(nid, False, 0.0, "type", no_type))
+            add(Verdict(nid, False, 0.0, *no_type[3:]))
             continue
         known = by_key.get(e.key)
         if known is None:   # a filter's detail reads only what the key holds (region, province, capabilities)
             why = hard_filter(e.key, q.req, q.allowed)
-            known = by_key[e.key] = (why, 0.0, exclusion_detail(view, s, why, now, types, q)) if why else (
-                None, q.key_part(e.key), "")
-        why, key_part, detail = known
-        if why is not None:
-            add(Verdict(nid, False, 0.0, why, detail))
+            known = by_key[e.key] = (failed("", why, exclusion_detail(view, s, why, now, types, q)), 0.0) if why \
+                else (None, q.key_part(e.key))
+        filtered, key_part = known
+        if filtered is not None:
+            add(Verdict(nid, False, 0.0, *filtered[3:]))
             continue
         g = e.group
         if g is not None:
@@ -68,5 +76,5 @@ def judge(view: FleetView, q: Query, node_ids: list[str]) -> list[Verdict]:
             add(Verdict(nid, True, score, "", ""))
         else:
             reason = classify(s, q)
-            add(Verdict(nid, False, 0.0, reason, exclusion_detail(view, s, reason, now, types, q)))
+            add(failed(nid, reason, exclusion_detail(view, s, reason, now, types, q)))
     return out

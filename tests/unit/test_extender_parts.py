@@ -23,7 +23,16 @@ from xpusense.collector.certs import make_certs, make_tokens
 from xpusense.collector.config import load_collector
 from xpusense.collector.extender_http import ExtenderServer, check_section
 from xpusense.collector.scheduler.core import Scheduler
-from xpusense.collector.scheduler.extender import ExtenderError, filter_result, place_request, priorities
+from xpusense.collector.scheduler.extender import (
+    UNRESOLVABLE,
+    ExtenderError,
+    filter_reply,
+    filter_result,
+    fleet_ids,
+    place_request,
+    priorities,
+    priorities_reply,
+)
 from xpusense.collector.scheduler.verdict_cache import VerdictCache
 from xpusense.collector.state import FleetState
 from xpusense.common.config import ConfigError
@@ -355,3 +364,44 @@ def test_endpoint_answers_in_the_loop_turn_its_request_arrives(tmp_path):
         assert json.loads(data.split(b"\r\n\r\n", 1)[1])["NodeNames"] == ["g1"]
         # turn 1: the bytes read and answered; turn 2: the tick sees the answer
         assert turns_taken <= 2, f"answered {turns_taken - 1} turns after its bytes were read"
+
+
+def test_replies_are_the_json_of_each_verdict_joined_from_kept_pieces():
+    """filter and prioritize answer with exactly the JSON the verdicts encode (json.dumps' own text,
+    names and reasons escaped as it escapes them), joined from pieces: each failing node's entry is
+    encoded once, when its verdict is made. A node known by its `k8s_node` label and names that
+    need escaping included; the NodeNames and Nodes forms, judged anew and from kept verdicts."""
+    core, ids, _ = random_fleet(random.Random(7))
+    st = core.state
+    for nid, labels in (('n-"odd"\\é', {}), ("n-labelled", {"k8s_node": "k8s-ü-1"})):
+        st.hello(pb.Hello(node_id=nid, boot_id="b", inventory=inventory("a100", 8, region="r1", **labels)))
+        st.ingest(pb.Batch(node_id=nid, boot_id="b", seq=1, samples=readings("a100", used_gib={0: 79})))
+    names = ids + ['n-"odd"\\é', "k8s-ü-1", "not-in-fleet-\u2603"]
+    nodes = {"apiVersion": "v1", "kind": "NodeList", "metadata": {"resourceVersion": "7"},
+             "items": [{"metadata": {"name": n, "labels": {"x": "ü"}}} for n in names]}
+    cache = VerdictCache()
+    for p in (pod({"nvidia.com/gpu": "8"}), pod({"nvidia.com/gpu": "2"}, {"xpusense.io/memory-per-device": "20GB"}),
+              pod({"huawei.com/Ascend910": "1"}, {"xpusense.io/regions": "r2"}), pod({"cpu": "1"})):
+        req = place_request(p)
+        verdicts = core.judge(req, fleet_ids(core, names)) if req else [None] * len(names)
+        ok = [n for n, v in zip(names, verdicts) if v is None or v.fits]
+        why = {n: (v.reason, f"xpusense {v.reason}: {v.detail}") for n, v in zip(names, verdicts) if v and not v.fits}
+        want = {"Nodes": None, "NodeNames": ok,
+                "FailedNodes": {n: m for n, (r, m) in why.items() if r not in UNRESOLVABLE},
+                "FailedAndUnresolvableNodes": {n: m for n, (r, m) in why.items() if r in UNRESOLVABLE}, "Error": ""}
+        if req:
+            assert want["FailedNodes"] and want["FailedAndUnresolvableNodes"] and ok
+        for v in verdicts:
+            if v and not v.fits:   # the entry made with the verdict
+                assert v.entry == ":" + json.dumps(f"xpusense {v.reason}: {v.detail}")
+        for c in (None, cache, cache):
+            assert filter_reply(core, {"Pod": p, "NodeNames": names}, c) == json.dumps(want, separators=(",", ":"))
+            got = json.loads(filter_reply(core, {"Pod": p, "Nodes": nodes}, c))
+            assert got == {**want, "NodeNames": None, "Nodes": {**nodes, "items": [
+                i for i in nodes["items"] if i["metadata"]["name"] in ok]}}
+            best = max((v.score for v in verdicts if v and v.fits), default=0.0)
+            prios = [{"Host": n, "Score": round(10 * v.score / best) if v and v.fits and best > 0 else 0}
+                     for n, v in zip(names, verdicts)]
+            assert priorities_reply(core, {"Pod": p, "NodeNames": names}, c) == json.dumps(prios, separators=(",", ":"))
+    bad = json.loads(filter_reply(core, {"Pod": pod({"nvidia.com/gpu": "x"}), "NodeNames": names}))
+    assert "is not a whole number" in bad["Error"] and bad["NodeNames"] is None and bad["FailedNodes"] == {}
