@@ -33,7 +33,6 @@ from .wire import INGEST_SERVICE, add_ingest
 log = logging.getLogger("xpusense.collector")
 
 
-
 class FleetStream(Sink):
     """One agent stream into the fleet state. Without a store each batch is accepted, applied and
     acknowledged as it is read. With one, batches are written to the store as they come and

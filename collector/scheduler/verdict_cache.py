@@ -7,7 +7,7 @@ answer is judge()'s over the index as it is now."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from .fleet import FleetView
 from .search import Query
@@ -16,9 +16,10 @@ from .verdicts import Verdict, failed, judge
 FULL_SHARE = 0.5   # more nodes than this share of the fleet changed: all judged again (no journal walk)
 
 
-class Shape(NamedTuple):
+@dataclass(slots=True)
+class Shape:
     by_id: dict[str, Verdict]   # every fleet node's verdict
-    seen: list[int]             # [FleetView.changes when it was last brought up to date]
+    seen: int                   # FleetView.changes when it was last brought up to date
     key_parts: dict[tuple, float]
 
 
@@ -45,19 +46,19 @@ class VerdictCache:
         pool = view.pools[q.pool_index]
         parts = {k: q.key_part(k) for k in pool.buckets}
         shape = self.shapes.pop(key, None)
-        if shape is not None and (view.changes - shape.seen[0] > FULL_SHARE * len(view.summaries)
+        if shape is not None and (view.changes - shape.seen > FULL_SHARE * len(view.summaries)
                                   or any(shape.key_parts.get(k, v) != v for k, v in parts.items())):
             shape = None
         if shape is None:
             if len(self.shapes) >= self.keep:
                 del self.shapes[next(iter(self.shapes))]
                 self.counters["kubernetes.extender.verdict_shapes"] += 1
-            shape = Shape({v.node_id: v for v in judge(view, q, list(view.summaries))}, [view.changes], parts)
+            shape = Shape({v.node_id: v for v in judge(view, q, list(view.summaries))}, view.changes, parts)
             self.full += 1
         else:
             shape.key_parts.update(parts)
             again = list(view.stale_known)
-            seen = shape.seen[0]
+            seen = shape.seen
             for nid, n in reversed(view.journal.items()):
                 if n <= seen:
                     break
@@ -65,7 +66,7 @@ class VerdictCache:
             if again:
                 self.judged += len(again)
                 shape.by_id.update((v.node_id, v) for v in judge(view, q, again))
-            shape.seen[0] = view.changes
+            shape.seen = view.changes
         self.shapes[key] = shape
         out = list(map(shape.by_id.get, node_ids))
         if None in out:   # not a fleet node
