@@ -84,22 +84,38 @@ async def connect(ncfg: Any, name: str, on_state=None, timeout_s: float = 10.0, 
 
 async def disconnect(nc: Any) -> None:
     """A stopping process's last word to the cluster: drain the connection (its subscriptions and
-    the publishes in flight finish, then it closes; nats-py bounds that by its drain_timeout), or,
-    when there is no server to drain to (reconnecting: the cluster is down) or the drain fails,
-    close it at once. nats-py's drain() refuses a reconnecting connection, which was then left open
-    to the event loop's teardown."""
+    the publishes in flight finish, then it closes), or, when there is no server to drain to
+    (reconnecting: the cluster is down) or the drain fails, close it at once. nats-py's drain()
+    refuses a reconnecting connection; and its close can wait for ever on a socket whose TLS
+    handshake a dying server cut short. Each step is bounded by the drain timeout ([nats]
+    publish_timeout_s); past it the socket is dropped."""
     if nc.is_closed:
         return
+    bound_s = float(nc.options.get("drain_timeout") or 5.0)
     if nc.is_connected and not nc.is_draining:
         try:
-            await nc.drain()
+            await asyncio.wait_for(nc.drain(), 2 * bound_s)
             return
-        except Exception as e:
-            log.debug("nats: drain: %s; closing instead", e)
+        except Exception as e:   # TimeoutError included
+            log.debug("nats: drain: %s; closing instead", type(e).__name__)
+    if nc.is_closed:
+        return
     try:
-        await nc.close()
+        await asyncio.wait_for(nc.close(), bound_s)
+    except TimeoutError:
+        log.warning("nats: the connection did not close within %.0f s; its socket is dropped", bound_s)
+        _drop_socket(nc)
     except Exception as e:
         log.debug("nats: close: %s", e)
+
+
+def _drop_socket(nc: Any) -> None:
+    """Abort the socket under a nats-py client whose close is stuck (its status is CLOSED by then),
+    if it still has one: nats-py keeps it as `_transport._io_writer`, an asyncio StreamWriter."""
+    writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
+    transport = getattr(writer, "transport", None)
+    if transport is not None:
+        transport.abort()
 
 
 class ClusterUnavailable(Exception):
