@@ -167,8 +167,12 @@ def device_plugin_ids(resources: Iterable[dict]) -> dict[str, str]:
 
 
 def our_device(plugin_id: str, ids: dict[str, str]) -> str:
+    """Our device id for a device plugin's; NVIDIA's time-slicing replicas `<uuid>::<n>` are the GPU's."""
     if plugin_id in ids:
         return ids[plugin_id]
+    base, sep, _ = plugin_id.partition("::")
+    if sep and base in ids:
+        return ids[base]
     m = _ASCEND_PLUGIN_ID.fullmatch(plugin_id)
     if m:
         return ids.get(f"ascend:{m.group(1)}", "")
@@ -196,6 +200,7 @@ class PodLabeler:
         self._by_device: dict[str, dict] = {}        # our device id -> names of the one container it is assigned to
         self._assigned: list[tuple[str, Assignment, str]] = []
         self._assigned_new = False
+        self._sent: set[tuple] = set()               # the assignments last sent, as label items
         self.last_error = ""
         self.refreshes = 0
         self._stop = threading.Event()
@@ -331,13 +336,17 @@ class PodLabeler:
         if self._assigned_new:
             with self._lock:
                 self._assigned_new = False
-                assigned = list(self._assigned)
+                current = {tuple({"device": dev or pid_, "device_plugin_id": pid_, "resource": a.resource,
+                                  POD_NAME: a.pod, NAMESPACE: a.namespace, CONTAINER: a.container}.items()): 1.0
+                           for pid_, a, dev in self._assigned}
+                # An assignment gone since the last refresh is sent once more as 0: readers of the
+                # latest refresh (the dashboards' pod labels, collector/compat_pods.py) see it end.
+                for key in self._sent - current.keys():
+                    current[key] = 0.0
+                self._sent = {k for k, v in current.items() if v}
             now = time.time_ns()
-            for pid_, a, dev in assigned:
-                samples.append(Sample("xpusense.k8s.device.assigned", 1.0, "1",
-                                      {"device": dev or pid_, "device_plugin_id": pid_, "resource": a.resource,
-                                       POD_NAME: a.pod, NAMESPACE: a.namespace, CONTAINER: a.container},
-                                      GAUGE, now))
+            for key, value in current.items():
+                samples.append(Sample("xpusense.k8s.device.assigned", value, "1", dict(key), GAUGE, now))
         return samples
 
 

@@ -182,6 +182,30 @@ def test_labels_from_cgroups_metadata_and_pod_resources(kubelet):
     assert p.assignments()[0]["device"] == "gpu0"
 
 
+def test_time_sliced_replicas_and_an_assignment_that_ends(kubelet):
+    fake, sock = kubelet
+    assert pods.our_device(f"{GPU0_UUID}::3", pods.device_plugin_ids(RESOURCES)) == "gpu0"
+    assert pods.our_device("GPU-unknown::3", pods.device_plugin_ids(RESOURCES)) == ""
+    share = lambda pod, ctr, replica: api_pb2.PodResources(name=pod, namespace="ml", containers=[
+        api_pb2.ContainerResources(name=ctr, devices=[api_pb2.ContainerDevices(
+            resource_name="nvidia.com/gpu", device_ids=[f"{GPU0_UUID}::{replica}"])])])
+    fake.pods = [share("a-0", "main", 0), share("b-0", "main", 1)]   # NVIDIA's time-slicing: one GPU, two pods
+    p = pods.PodLabeler(procfs=str(FIX / "proc"), pod_resources_socket=sock, metadata_dirs=META,
+                        resources=lambda: RESOURCES)
+    p.refresh()
+    sent = lambda: {(s.labels["device"], s.labels[pods.POD_NAME], s.value) for s in p.label([])
+                    if s.name == "xpusense.k8s.device.assigned"}
+    assert sent() == {("gpu0", "a-0", 1.0), ("gpu0", "b-0", 1.0)}
+    fake.pods = fake.pods[1:]   # a-0 ended: its assignment is sent once more as 0, then no more
+    p.refresh()
+    assert sent() == {("gpu0", "a-0", 0.0), ("gpu0", "b-0", 1.0)}
+    p.refresh()
+    assert sent() == {("gpu0", "b-0", 1.0)}
+    fake.pods = []
+    p.refresh()
+    assert sent() == {("gpu0", "b-0", 0.0)}
+
+
 def test_namespaced_cgroup_path_and_conmon(tmp_path):
     p = pods.PodLabeler(procfs=str(FIX / "proc"), pod_resources_socket="", metadata_dirs=META)
     l6 = p.label([sample("a", pid="1006")])[0].labels
