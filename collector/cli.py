@@ -39,6 +39,7 @@ from .state import FleetState
 from .store import Store, StoreError
 from .store.snapshot_taker import Snapshotter
 from .views import PagingError, fetch_all, node_to_dict, render_table
+from .web_config import add_web_config_flag, web_config_flags
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 log = logging.getLogger("xpusense.collector")
@@ -53,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     s.add_argument("--data-dir", metavar="DIR", help="durable store: batches are acknowledged once written here")
     add_extender_flag(s)
+    add_web_config_flag(s)   # TLS and basic auth for /metrics (collector/web_config.py)
     add_nats_flag(s)   # cluster mode: a gateway to NATS JetStream (collector/cluster/, docs/scale.md)
     for name, helptext in (("nodes", "fleet state: every node and its latest values"),
                            ("top", "a live terminal view of the fleet (Ctrl-C to leave)")):
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args) -> int:
     cfg = load_collector(args.config or os.environ.get("XPUSENSE_COLLECTOR_CONFIG"),
                          {"listen": args.listen, "log_level": args.log_level, "data_dir": args.data_dir,
-                          **extender_flags(args)})
+                          **extender_flags(args), **web_config_flags(args)})
     security = Security.from_config(cfg, args.config or "configuration")   # ConfigError: exit 2, names the key
     check_extender(cfg, args.config or "configuration")
     limits = Limits.from_config(cfg.limits)

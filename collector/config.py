@@ -7,6 +7,7 @@ from xpusense.common.otlp import otlp_schema
 
 from .cluster.config import NATS_SCHEMA, check_nats
 from .scheduler.config import SCHEDULER_SCHEMA, check_config
+from .web_config import check_file
 
 OTLP_EXPORT_SCHEMA = otlp_schema(collector=True)
 
@@ -119,6 +120,12 @@ COLLECTOR_SCHEMA = {
             "compat_names": Key(bool, False, help="also write dcgm-exporter (DCGM_FI_*) and npu-exporter "
                                                   "(npu_chip_info_*) names for the signals that have one"),
             "max_age_s": Key((int, float), 900.0, positive, help="series older than this are left out"),
+            "web_config_file": Key(str, "", check_file,
+                                   help="TLS and basic auth for /metrics: a Prometheus web-config file "
+                                        "(exporter-toolkit's format; --web-config-file); empty: plain HTTP, open"),
+            "timeout_s": Key((int, float), 10.0, positive,
+                             help="a /metrics connection silent this long in its TLS handshake or request head "
+                                  "is closed (counted)"),
         },
     },
 }

@@ -51,6 +51,8 @@ def add_parsers(sub) -> None:
     s.add_argument("--listen", metavar="HOST:PORT", help="where to serve Place and Query (default: the config's listen)")
     from ..extender_http import add_extender_flag
     add_extender_flag(s)
+    from ..web_config import add_web_config_flag
+    add_web_config_flag(s)   # TLS and basic auth for the replica's /metrics ([export.prometheus])
 
 
 def add_nats_flag(p) -> None:
@@ -66,7 +68,8 @@ def _flags(args) -> dict:
     if urls:
         flags["nats.urls"] = split_urls(urls)
     from ..extender_http import extender_flags
-    return {**flags, **extender_flags(args)}
+    from ..web_config import web_config_flags
+    return {**flags, **extender_flags(args), **web_config_flags(args)}
 
 
 def wants_cluster(args) -> bool:
