@@ -7,7 +7,6 @@ behind them, each TLS handshake on the connection's own thread within `timeout_s
 from __future__ import annotations
 
 import base64
-import binascii
 import dataclasses
 import hashlib
 import hmac
@@ -71,7 +70,10 @@ class WebConfig:
         if known is not None and hmac.compare_digest(known, digest):
             return True
         hashed = self.users.get(user)
-        ok = bcrypt.checkpw(password.encode(), hashed if hashed is not None else DUMMY_HASH) and hashed is not None
+        try:
+            ok = bcrypt.checkpw(password.encode(), hashed if hashed is not None else DUMMY_HASH) and hashed is not None
+        except ValueError:   # over bcrypt's 72 bytes
+            return False
         if ok:   # one entry per user of the file: bounded by the file
             self.verified[user] = digest
         return ok
@@ -97,7 +99,7 @@ class WebConfig:
             return False
         try:
             user, sep, password = base64.b64decode(value.strip(), validate=True).decode().partition(":")
-        except (binascii.Error, UnicodeDecodeError):
+        except ValueError:   # not base64 (binascii.Error), not ASCII, not UTF-8
             return False
         return bool(sep) and self.check_user(user, password)
 

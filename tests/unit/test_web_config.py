@@ -119,16 +119,17 @@ def test_basic_auth_answers_401_and_bcrypts_a_good_password_once(monkeypatch):
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [b"metrics\n"]
     app = web.guard(metrics)
-    for auth in (None, "Bearer x", "Basic !!!", "Basic " + base64.b64encode(b"no-colon").decode(),
+    for auth in (None, "Bearer x", "Basic !!!", "Basic \u00e9t\u00e9", "Basic " + base64.b64encode(b"no-colon").decode(),
+                 "Basic " + base64.b64encode(b"alice:\xff").decode(), basic("alice", "x" * 73),
                  basic("alice", "wrong"), basic("bob", "pw")):
         status, headers, body = call(app, auth)
         assert status.startswith("401") and headers["WWW-Authenticate"].startswith("Basic "), auth
         assert headers["X-Frame-Options"] == "deny" and b"metrics" not in body
-    assert len(calls) == 2   # the wrong password and the unknown user (against a dummy hash) both cost bcrypt
-    assert web.refused["unauthorized"] == 6
+    assert len(calls) == 3   # too long, the wrong password and the unknown user (against a dummy hash) reach bcrypt
+    assert web.refused["unauthorized"] == 9
     for _ in range(3):
         status, headers, body = call(app, basic("alice", "pw"))
         assert status.startswith("200") and body == b"metrics\n" and headers["X-Frame-Options"] == "deny"
-    assert len(calls) == 3   # bcrypt once, then the remembered digest
+    assert len(calls) == 4   # bcrypt once, then the remembered digest
     assert call(app, basic("alice", "pw2"))[0].startswith("401")   # a remembered password is no other's
-    assert len(calls) == 4
+    assert len(calls) == 5
