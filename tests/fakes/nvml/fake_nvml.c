@@ -148,6 +148,7 @@ static const int series_step[S_COUNT] = { SERIES(X_STEP) };
 typedef struct { int n; double *t, *v; } series_t;
 typedef struct { unsigned gi; unsigned long long total, used; char profile[32]; int noci; } mig_t;
 typedef struct { unsigned pid; unsigned long long used; char name[64]; } proc_t;
+typedef struct { unsigned pid, v[6]; double from, to; } putil_t;   /* sm mem enc dec jpg ofa %, FROM <= t < TO */
 typedef struct { char fn[64]; nvmlReturn_t code; double from, to; } err_t;
 typedef struct { double t; int gpu; unsigned long long type, data; unsigned gi, ci; } event_t;
 typedef struct { unsigned id; double from, to; } gpm_nan_t;
@@ -175,6 +176,9 @@ typedef struct {
     int n_field_types; unsigned field_type_id[MAX_IDS], field_type[MAX_IDS];
     int n_gpm_nan; gpm_nan_t gpm_nan[MAX_IDS];
     int n_procs; proc_t procs[MAX_PROCS];
+    int n_putil; putil_t putil[MAX_PROCS];
+    double putil_period_ms;   /* the driver's per-process sampling period */
+    int mig_process_util;     /* MIG device handles answer the per-process utilisation calls */
 } gpu_t;
 
 static struct {
@@ -508,6 +512,7 @@ static int set_gpu_key(gpu_t *g, int idx, const char *key, char *val)
     UINT("ecc_mode", ecc_mode) UINT("event_types", event_types)
     DBL("lost_at", lost_at) DBL("repeat", repeat) DBL("energy_start_mj", energy_start_mj)
     DBL("gpm_min_interval_ms", gpm_min_interval_ms) DBL("gpm_short_value", gpm_short_value)
+    DBL("process_util_period_ms", putil_period_ms)
 #undef STR
 #undef UINT
 #undef DBL
@@ -519,6 +524,25 @@ static int set_gpu_key(gpu_t *g, int idx, const char *key, char *val)
     }
     if (!strcmp(key, "gpm")) return parse_bool(val, &g->gpm) ? perr("gpm wants yes/no") : 0;
     if (!strcmp(key, "mig_monitor")) return parse_bool(val, &g->mig_monitor) ? perr("mig_monitor wants yes/no") : 0;
+    if (!strcmp(key, "mig_process_util"))
+        return parse_bool(val, &g->mig_process_util) ? perr("mig_process_util wants yes/no") : 0;
+    if (!strcmp(key, "process_util")) {   /* process_util = PID SM MEM ENC DEC [FROM_T [TO_T]] */
+        double x[7] = {0, 0, 0, 0, 0, -INFINITY, INFINITY};
+        int k = 0;
+        char *save = NULL;
+        for (char *tok = strtok_r(val, " \t", &save); tok; tok = strtok_r(NULL, " \t", &save), k++)
+            if (k >= 7 || parse_num(tok, &x[k])) return perr("process_util = PID SM MEM ENC DEC [FROM_T [TO_T]]");
+        if (k < 5) return perr("process_util = PID SM MEM ENC DEC [FROM_T [TO_T]]");
+        for (int i = 1; i < 5; i++)
+            if (x[i] < 0 || x[i] > 100) return perr("process_util: utilisation must be 0-100 %%");
+        if (g->n_putil >= MAX_PROCS) return perr("at most %d process_util lines per GPU", MAX_PROCS);
+        putil_t *p = &g->putil[g->n_putil++];
+        memset(p, 0, sizeof *p);
+        p->pid = (unsigned)x[0];
+        for (int i = 0; i < 4; i++) p->v[i] = (unsigned)x[i + 1];
+        p->from = x[5]; p->to = x[6];
+        return 0;
+    }
     if (!strcmp(key, "mig")) {          /* mig = GI_ID MEMORY_TOTAL [MEMORY_USED] [PROFILE] [noci] */
         char *save = NULL, *a = strtok_r(val, " \t", &save), *b = strtok_r(NULL, " \t", &save);
         unsigned long long gi, tot, used = 0;
@@ -722,6 +746,7 @@ static void defaults(void)
         g->ecc_mode = 1;
         g->mig_monitor = 1;
         g->gpm_min_interval_ms = 100;   /* nvml.h: "should be greater than 100ms" (DCGM: a hard limit) */
+        g->putil_period_ms = 1000.0 / 6;   /* as the encoder/decoder sampling period (167 ms) */
         g->event_types = EV_DEFAULT_TYPES;
         g->lost_at = INFINITY;
         g->nvlink_speed_mbps = 26562;
@@ -1633,6 +1658,117 @@ API nvmlReturn_t nvmlDeviceGetConfComputeMemSizeInfo(nvmlDevice_t h, void *info)
 {
     ENTER("nvmlDeviceGetConfComputeMemSizeInfo"); DEV(h, 0); OUT(info);
     LEAVE(NVML_ERROR_NOT_SUPPORTED);
+}
+
+/* ---------------------------------------------------------------- per-process utilisation */
+typedef struct {                                          /* c_nvmlProcessUtilizationSample_t */
+    unsigned int pid;
+    unsigned long long timeStamp;
+    unsigned int smUtil, memUtil, encUtil, decUtil;
+} nvmlProcessUtilizationSample_t;
+typedef struct {                                          /* c_nvmlProcessUtilizationInfo_v1_t */
+    unsigned long long timeStamp;
+    unsigned int pid, smUtil, memUtil, encUtil, decUtil, jpgUtil, ofaUtil;
+} nvmlProcessUtilizationInfo_v1_t;
+typedef struct {                                          /* c_nvmlProcessesUtilizationInfo_v1_t */
+    unsigned int version, processSamplesCount;
+    unsigned long long lastSeenTimeStamp;
+    nvmlProcessUtilizationInfo_v1_t *procUtilArray;
+} nvmlProcessesUtilizationInfo_t;
+#define nvmlProcessesUtilizationInfo_v1 ((unsigned)(sizeof(nvmlProcessesUtilizationInfo_t) | (1u << 24)))  /* 0x1000018 */
+_Static_assert(sizeof(nvmlProcessUtilizationSample_t) == 32, "c_nvmlProcessUtilizationSample_t");
+_Static_assert(sizeof(nvmlProcessUtilizationInfo_v1_t) == 40, "c_nvmlProcessUtilizationInfo_v1_t");
+
+typedef struct { unsigned pid; unsigned long long ts; unsigned v[6]; } putil_sample_t;
+
+static const putil_t *putil_of(const gpu_t *g, unsigned pid)
+{
+    for (int i = g->n_putil - 1; i >= 0; i--) if (g->putil[i].pid == pid) return &g->putil[i];
+    return NULL;
+}
+
+/* The samples newer than last_seen (wall-clock us) of the processes a handle lists. The driver samples
+ * every process_util_period_ms (sample k at t = k x period); a process's values come from its
+ * process_util line while FROM <= t < TO, else it shares the GPU's gpu_util, mem_util, enc_util and
+ * dec_util equally with the handle's other processes without a line. One sample per process (its
+ * newest), and only one with some non-zero value, as nvml.h says. */
+static int putil_samples(const gpu_t *g, int mig, double t, unsigned long long last_seen, putil_sample_t *out)
+{
+    nvmlProcessInfo_t procs[256];
+    int np = collect_procs(g, (int)(g - S.gpu), mig, procs, 256), shared = 0, n = 0;
+    if (np > 256) np = 256;
+    for (int i = 0; i < np; i++) shared += putil_of(g, procs[i].pid) == NULL;
+    double period = g->putil_period_ms / 1000.0, newest = floor(t / period) * period;
+    for (int i = 0; i < np; i++) {
+        const putil_t *u = putil_of(g, procs[i].pid);
+        double at = newest;
+        unsigned v[6] = {0, 0, 0, 0, 0, 0};
+        if (u) {
+            if (at >= u->to) at = (ceil(u->to / period) - 1) * period;   /* the last sample before TO */
+            if (at < u->from) continue;
+            memcpy(v, u->v, sizeof v);
+        } else {
+            static const int ids[4] = {S_GPU_UTIL, S_MEM_UTIL, S_ENC_UTIL, S_DEC_UTIL};
+            for (int k = 0; k < 4; k++) v[k] = (unsigned)(gv(g, ids[k], at) / shared);
+        }
+        unsigned long long ts = (unsigned long long)llround((T0 + at) * 1e6);
+        if (ts <= last_seen || !(v[0] | v[1] | v[2] | v[3] | v[4] | v[5])) continue;
+        out[n].pid = procs[i].pid; out[n].ts = ts;
+        memcpy(out[n].v, v, sizeof v);
+        n++;
+    }
+    return n;
+}
+
+/* nvml.h: "On MIG-enabled GPUs, querying process utilization is not currently supported" (both calls);
+ * mig_process_util = yes makes a MIG device handle answer for its own instance's processes. */
+static int putil_refused(const gpu_t *g, int mig, double t)
+{
+    return mig_on(g, t) && (mig < 0 || !g->mig_process_util);
+}
+
+API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t h, nvmlProcessUtilizationSample_t *utilization,
+                                                 unsigned int *processSamplesCount, unsigned long long lastSeenTimeStamp)
+{
+    ENTER("nvmlDeviceGetProcessUtilization"); DEV(h, 1); OUT(processSamplesCount);
+    if (putil_refused(g, mig, t)) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+    putil_sample_t tmp[256];
+    int n = putil_samples(g, mig, t, lastSeenTimeStamp, tmp);
+    if (n == 0) LEAVE(NVML_ERROR_NOT_FOUND);          /* no sample since lastSeenTimeStamp */
+    if (!utilization || *processSamplesCount < (unsigned)n) {
+        *processSamplesCount = (unsigned)n;
+        LEAVE(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    for (int i = 0; i < n; i++) {
+        nvmlProcessUtilizationSample_t *o = &utilization[i];
+        o->pid = tmp[i].pid; o->timeStamp = tmp[i].ts;
+        o->smUtil = tmp[i].v[0]; o->memUtil = tmp[i].v[1]; o->encUtil = tmp[i].v[2]; o->decUtil = tmp[i].v[3];
+    }
+    *processSamplesCount = (unsigned)n;
+    LEAVE(NVML_SUCCESS);
+}
+
+/* R550 and newer: the versioned call, with JPEG and OFA utilisation. */
+API nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t h, nvmlProcessesUtilizationInfo_t *info)
+{
+    ENTER("nvmlDeviceGetProcessesUtilizationInfo"); DEV(h, 1); OUT(info);
+    if (info->version != nvmlProcessesUtilizationInfo_v1) LEAVE(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    if (putil_refused(g, mig, t)) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+    putil_sample_t tmp[256];
+    int n = putil_samples(g, mig, t, info->lastSeenTimeStamp, tmp);
+    if (n == 0) LEAVE(NVML_ERROR_NOT_FOUND);
+    if (!info->procUtilArray || info->processSamplesCount < (unsigned)n) {
+        info->processSamplesCount = (unsigned)n;
+        LEAVE(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    for (int i = 0; i < n; i++) {
+        nvmlProcessUtilizationInfo_v1_t *o = &info->procUtilArray[i];
+        o->timeStamp = tmp[i].ts; o->pid = tmp[i].pid;
+        o->smUtil = tmp[i].v[0]; o->memUtil = tmp[i].v[1]; o->encUtil = tmp[i].v[2]; o->decUtil = tmp[i].v[3];
+        o->jpgUtil = tmp[i].v[4]; o->ofaUtil = tmp[i].v[5];
+    }
+    info->processSamplesCount = (unsigned)n;
+    LEAVE(NVML_SUCCESS);
 }
 
 /* ---------------------------------------------------------------- GPM */
