@@ -14,7 +14,7 @@ import uuid
 
 import grpc
 import pytest
-from helpers import BIN, HOST_SOURCES_ONLY, free_port, wait_until
+from helpers import BIN, HOST_SOURCES_ONLY, free_port, nodes_json, wait_until
 
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
@@ -57,6 +57,9 @@ def test_agent_retires_references_of_idle_series_and_stores_a_returning_one(netn
         add_pair(ns, a, b)
     addr = f"127.0.0.1:{free_port()}"
     procs([str(BIN / "xpusense-collector"), "serve", "--listen", addr], "collector")
+    # Answering before the agent and the query channel start: a channel that finds no server backs
+    # off (gRPC's 1 s doubling by 1.6 to 120 s) and might not try again within the waits below.
+    wait_until(lambda: nodes_json(addr) is not None, 60, what="the collector to answer")
     cfg = tmp_path / "agent.toml"
     # Every tier within the idle bound, so a live series is never retired; 2 s of no sample is.
     cfg.write_text(f"""[tiers]
@@ -85,8 +88,10 @@ netns = "{ns}"
                60, what="every interface's series and the agent's figures stored")
     per_interface = sum(1 for s in series() if s.labels.get("device") == names[0][0])
     assert per_interface >= 2   # its counters and `up`
-    wait_until(lambda: (s := value("xpusense.agent.stream.series")) and s.time_unix_nano > time.time_ns() - 10**9, 30,
-               what="a fresh reading of the agent's references")
+    # A reading taken after every interface's series had references (the first rounds' read fewer).
+    stored_at = time.time_ns()
+    wait_until(lambda: (s := value("xpusense.agent.stream.series")) and s.time_unix_nano > stored_at
+               and s.value >= 2 * PAIRS * per_interface, 30, what="a reading of the agent's references")
     held = value("xpusense.agent.stream.series").value
     gone = 2 * (PAIRS - 1) * per_interface
 
