@@ -5,9 +5,13 @@ remembers a verified password, so only the first scrape pays for bcrypt."""
 from __future__ import annotations
 
 import base64
+import socket
+import ssl
+import urllib.request
 
 import bcrypt
 import pytest
+from helpers import free_port, wait_until
 
 from xpusense.collector import web_config
 from xpusense.collector.certs import make_certs
@@ -89,7 +93,6 @@ def test_a_good_file_gives_tls_users_and_headers(tmp_path, certs):
                     + f"http_server_config:\n  http2: false\n  headers:\n    X-Frame-Options: deny\n"
                       f"basic_auth_users:\n  alice: '{HASH}'\n")
     web = web_config.load(str(path))
-    import ssl
     assert web.ssl_context is not None and web.ssl_context.verify_mode == ssl.CERT_REQUIRED
     assert web.ssl_context.minimum_version == ssl.TLSVersion.TLSv1_3
     assert web.users == {"alice": HASH.encode()} and web.headers == {"X-Frame-Options": "deny"}
@@ -133,3 +136,27 @@ def test_basic_auth_answers_401_and_bcrypts_a_good_password_once(monkeypatch):
     assert len(calls) == 4   # bcrypt once, then the remembered digest
     assert call(app, basic("alice", "pw2"))[0].startswith("401")   # a remembered password is no other's
     assert len(calls) == 5
+
+
+def test_a_silent_client_holds_up_no_scrape_and_is_closed_after_timeout_s(tmp_path, certs):
+    path = tmp_path / "web.yml"
+    path.write_text(tls(certs))
+    web = web_config.load(str(path))
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok\n"]
+    port = free_port()
+    httpd, _ = web_config.serve("127.0.0.1", port, app, web, timeout_s=1.0)
+    silent = socket.create_connection(("127.0.0.1", port))   # connects, never says hello
+    try:
+        ctx = ssl.create_default_context(cafile=certs["ca"])
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", timeout=10, context=ctx) as r:
+            assert r.read() == b"ok\n"   # answered while the silent one waits in its own thread
+        wait_until(lambda: web.refused["tls"] == 1, 30, what="the silent connection closed after timeout_s")
+        silent.settimeout(10)
+        assert silent.recv(1) == b""   # closed by the server
+    finally:
+        silent.close()
+        httpd.shutdown()
+        httpd.server_close()
