@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import signal
 import socket
@@ -284,7 +285,13 @@ class Agent:
                 self.spool.close()
 
     def install_signal_handlers(self) -> None:
+        agent_pid = os.getpid()
+
         def on_signal(signum, _frame):
+            if os.getpid() != agent_pid:   # a child a library forked (pyroute2's netns helper): die as told
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
             log.info("received %s, stopping", signal.Signals(signum).name)
             self.stop_event.set()
         signal.signal(signal.SIGTERM, on_signal)
