@@ -19,6 +19,7 @@ from xpusense.common.config import split_host_port
 from xpusense.v1 import telemetry_pb2 as pb
 
 from . import diagnoses as dg
+from .compat_pods import DevicePods
 from .fleet_interface import Fleet
 from .inventory_book import InventoryBook
 from .prom_names import REASONS, Families, Tally, prom_labels, prom_name
@@ -79,8 +80,8 @@ DCGM: dict[_SeriesKey, tuple[str, float, str, str]] = {
 # npu-exporter's names (Ascend/ascend-npu-exporter collector/npu_collector.go; MindX DL docs: % for
 # utilisation, MB for memory, W, Celsius, health 1 healthy / 0 unhealthy). Labels: `id` (the chip's
 # physical id), `model_name`, and, as its newer versions write them, `container_name`, `namespace`,
-# `pod_name` (empty here: pod attribution is on the process series), plus `node` (our node id; one
-# collector serves many nodes where npu-exporter runs per node).
+# `pod_name` (the pod's the chip is assigned to, else empty: collector/compat_pods.py), plus `node`
+# (our node id; one collector serves many nodes where npu-exporter runs per node).
 NPU: dict[_SeriesKey, tuple[str, float, str]] = {
     (m.GPU_UTILIZATION, ()): ("npu_chip_info_utilization", 100.0, "the ai core utilization"),
     (m.VECTOR_UTILIZATION, ()):
@@ -144,7 +145,9 @@ class FleetCollector:
             host = inv.hostname if inv is not None else ""
             resources = {r.id: r for r in inv.resources} if inv is not None else {}
             npus = [r.id for r in resources.values() if r.type == "NPU"]
-            for ser in list(n.series.values()):
+            all_series = list(n.series.values())
+            pods = DevicePods(all_series, cutoff) if self.compat_names else None
+            for ser in all_series:
                 t, value = ser.recv_ns, ser.value   # its age: since it arrived (collector/clock.py)
                 if t < cutoff or math.isnan(value):
                     continue
@@ -167,7 +170,7 @@ class FleetCollector:
                 if self.compat_names and "device" in ser.labels:
                     dev = ser.labels["device"]
                     self._compat(compat, ser, value, n.node_id, host, resources.get(dev),
-                                 npus.index(dev) if dev in npus else 0)
+                                 npus.index(dev) if dev in npus else 0, pods)
         yield up
         yield from families.metrics.values()
         yield from self._diagnoses()
@@ -222,7 +225,7 @@ class FleetCollector:
             opened.add_sample("xpusense_diagnoses_opened_total", {"rule": rule}, float(k))
         yield opened
 
-    def _compat(self, emit, ser, value, node_id, host, res, npu_idx) -> None:
+    def _compat(self, emit, ser, value, node_id, host, res, npu_idx, pods: DevicePods | None = None) -> None:
         vendor = ser.labels.get("vendor", res.vendor if res is not None else "")
         extra = tuple((k, v) for k, v in ser.labels.items() if k in ("sensor", "clock", "type"))
         if vendor == "nvidia":
@@ -237,6 +240,7 @@ class FleetCollector:
                       "Hostname": host or node_id}
             if "mig_instance" in ser.labels:
                 labels["GPU_I_ID"] = ser.labels["mig_instance"]
+            pod_keys = ("pod", "namespace", "container")   # dcgm-exporter's Kubernetes labels
         elif vendor == "huawei":
             npu_spec = NPU.get((ser.name, extra))
             if npu_spec is None:
@@ -245,11 +249,19 @@ class FleetCollector:
             kind = "gauge"
             labels = {"id": npu_id(res, npu_idx), "model_name": res.model if res is not None else "",
                       "container_name": "", "namespace": "", "pod_name": "", "node": node_id}
+            pod_keys = ("pod_name", "namespace", "container_name")
         else:
             return
         if kind == "counter":
             kind = "unknown"   # dcgm-exporter writes its counters without `_total`: keep the exact name
-        emit(name, kind, help_, labels, value * scale)
+        dev, mig = ser.labels["device"], ser.labels.get("mig_instance", "")
+        on = pods.pods(dev, mig) if pods is not None else []
+        if not on:   # no pod: the labels as without Kubernetes
+            emit(name, kind, help_, labels, value * scale)
+            return
+        for pod in on:   # one series per pod on the device (compat_pods.py)
+            own = pods.share(ser.name, dev, mig, pod) if pods is not None and len(on) > 1 else None
+            emit(name, kind, help_, {**labels, **dict(zip(pod_keys, pod))}, (value if own is None else own) * scale)
 
 
 def _le(bound: float) -> str:
