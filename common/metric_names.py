@@ -37,6 +37,7 @@ PCIE_LINK_CAPACITY = "xpusense.accelerator.pcie.link.capacity"   # per direction
 NUMA_NODE = "xpusense.accelerator.numa.node"        # the GPU's NUMA node (its number is the value)
 
 # Per process and per pod (labels pid / k8s.pod.name, k8s.namespace.name, k8s.container.name).
+PROCESS_UTILIZATION = "xpusense.accelerator.process.utilization"   # label engine
 PROCESS_MEMORY_USAGE = "xpusense.accelerator.process.memory.usage"
 POD_UTILIZATION = "xpusense.accelerator.pod.utilization"     # label engine; sum of the pod's processes, capped at 1
 POD_MEMORY_USAGE = "xpusense.accelerator.pod.memory.usage"

@@ -1,8 +1,10 @@
 """One GPU's round: the readings of readings.py plus those that need code (GPM, NVLink counters,
-throttle reasons, remapped rows, energy efficiency, MIG instances, processes), as samples."""
+throttle reasons, remapped rows, energy efficiency, MIG instances, processes and their utilisation),
+as samples."""
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -13,15 +15,18 @@ from . import gpm, library, readings, topology
 from .ask import Asker
 from .device import Gpu
 from .mig import MigInstance
+from .process_util import ENGINES, ProcessUtilReader
 from .processes import ProcessReader
 
+UTIL_LEFT_OUT = "xpusense.nvml.process_utilization.left_out"   # processes over [sources.nvml] max_process_samples
 GPM_WHAT = {mid: f"gpm_metric_{mid}" for mid in (*gpm.GPM_METRICS, *gpm.GPM_NVLINK)}   # each reading's state name
 
 
 class GpuRound:
     def __init__(self, nv: Any, ask: Asker, calls: dict[str, readings.Call], memory: readings.MemoryReader,
-                 procs: ProcessReader):
+                 procs: ProcessReader, util: ProcessUtilReader):
         self.nv = nv
+        self.util = util
         self.ask = ask
         self.calls = calls
         self.memory = memory
@@ -53,6 +58,7 @@ class GpuRound:
                     self.ask.states.unsupported(g.id, "nvlink")))
             out += self.nvlink(g)
             out += self.mig(g)
+            out += self.process_utilization(g)
         elif tier == OFFLINE:
             out += self.remapped(g)
             out += efficiency(g, cache.get("energy"))
@@ -162,6 +168,23 @@ class GpuRound:
             return lists
         procs = self.read_processes(g, g.handle, g.id)
         return [] if procs is None else [(None, procs)]
+
+    def process_utilization(self, g: Gpu) -> list[Sample]:
+        """Each process's share of each engine since the last round: one call per GPU (with MIG on,
+        per MIG device handle: nvml.h calls it unsupported on MIG-enabled GPUs, so it is mostly absent)."""
+        if g.mig:
+            targets = [(inst.id, inst.labels, h) for inst in g.migs for h in inst.handles]
+        else:
+            targets = [(g.id, g.labels, g.handle)]
+        out = []
+        for dev, labels, h in targets:
+            for p in self.ask(g, "process_utilization", functools.partial(self.util.read, h), dev) or ():
+                out += [Sample(m.PROCESS_UTILIZATION, share, "1", {**labels, "pid": str(p.pid), "engine": engine})
+                        for engine, share in zip(ENGINES, p.shares)]
+            left_out = self.util.left_out.get(library.handle_key(h))
+            if left_out:     # from the first time the bound was hit
+                out.append(Sample(UTIL_LEFT_OUT, float(left_out), "{process}", dict(labels), COUNTER))
+        return out
 
     def read_processes(self, g: Gpu, handle: Any, dev: str) -> Any:
         return self.ask(g, "processes", lambda: self.procs.read(handle), dev)

@@ -18,6 +18,7 @@ from .collect import GpuRound
 from .device import Gpu
 from .events import EventWatcher
 from .health import Health
+from .process_util import ProcessUtilReader
 from .processes import ProcessReader
 from .states import ReadingStates
 
@@ -32,6 +33,9 @@ SCHEMA = {
     "event_wait_ms": Key(int, 1000, positive,
                          help="longest nvmlEventSetWait; events come at once whatever it is, stop waits up to it"),
     "sysfs": Key(str, "/sys", help="where each GPU's NUMA node is read (bus/pci/devices/ADDRESS/numa_node)"),
+    "max_process_samples": Key(int, 64, positive,
+                               help="processes whose utilisation is kept per GPU (or MIG device) and round; the "
+                                    "busiest kept, the rest counted (xpusense.nvml.process_utilization.left_out)"),
 }
 
 
@@ -48,8 +52,10 @@ class NvmlSource(Source):
     name = "nvml"
     tiers = (REALTIME, NEARLINE, OFFLINE)
 
-    def __init__(self, events: bool = True, event_wait_ms: int = 1000, gpm: bool = True, sysfs: str = "/sys"):
+    def __init__(self, events: bool = True, event_wait_ms: int = 1000, gpm: bool = True, sysfs: str = "/sys",
+                 max_process_samples: int = 64):
         self.sysfs = sysfs
+        self.max_process_samples = max_process_samples
         self.topology_reason = ""
         self.want_events = events
         self.event_wait_ms = event_wait_ms
@@ -65,6 +71,7 @@ class NvmlSource(Source):
         self._watcher: EventWatcher | None = None
         self.memory: readings.MemoryReader | None = None
         self.procs: ProcessReader | None = None
+        self.util: ProcessUtilReader | None = None
         self.ask: Asker | None = None
         self.round: GpuRound | None = None
         self.fallbacks: dict[str, readings.Fallback] = {}
@@ -80,9 +87,11 @@ class NvmlSource(Source):
         self.nv = nv
         self.memory = readings.MemoryReader(nv)
         self.procs = ProcessReader(nv)
+        self.util = ProcessUtilReader(nv, self.max_process_samples)
         self.ask = Asker(nv, self.states, self.health)
         self.fallbacks = readings.fallbacks(nv)
-        self.round = GpuRound(nv, self.ask, readings.calls(nv, self.memory, self.fallbacks), self.memory, self.procs)
+        self.round = GpuRound(nv, self.ask, readings.calls(nv, self.memory, self.fallbacks), self.memory, self.procs,
+                              self.util)
         try:
             self.driver = library.text(nv.nvmlSystemGetDriverVersion())
             self.nvml_version = library.text(nv.nvmlSystemGetNVMLVersion())
@@ -293,6 +302,7 @@ class NvmlSource(Source):
             "calls": {k: f.using for k, f in sorted(self.fallbacks.items())},
             "process_list": (f"{self.procs.describe()}, {self.procs.dropped} impossible pid(s) left out"
                              if self.procs is not None else ""),
+            "process_utilization": self.util.describe() if self.util is not None else "",
             "gpm_rounds_too_soon": {g.id: g.gpm_stream.too_soon for g in self.gpus
                                     if g.gpm_stream is not None and g.gpm_stream.too_soon},
         }
@@ -315,7 +325,8 @@ class NvmlSource(Source):
 
 
 def build(table: Any) -> list[Source]:
-    return [NvmlSource(events=table.events, event_wait_ms=table.event_wait_ms, gpm=table.gpm, sysfs=table.sysfs)]
+    return [NvmlSource(events=table.events, event_wait_ms=table.event_wait_ms, gpm=table.gpm, sysfs=table.sysfs,
+                       max_process_samples=table.max_process_samples)]
 
 
 FAMILY = SourceFamily("nvml", SCHEMA, build)

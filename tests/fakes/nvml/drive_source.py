@@ -2,7 +2,7 @@
 print what it saw as one JSON document: inventory, describe(), and the samples of each round.
 
     python drive_source.py ROUNDS [--gap-s 0.25] [--until-event TYPE] [--until-t T] [--deadline-s 15]
-                                  [--no-gpm] [--no-events]
+                                  [--no-gpm] [--no-events] [--max-process-samples N]
 
 ROUNDS is a comma list of tiers (realtime, nearline, offline) run in order, `gap-s` apart (main())."""
 
@@ -42,8 +42,10 @@ def main():
     p.add_argument("--no-gpm", action="store_true")
     p.add_argument("--no-events", action="store_true")
     p.add_argument("--sysfs", default="/sys")
+    p.add_argument("--max-process-samples", type=int, default=64)
     a = p.parse_args()
-    src = NvmlSource(event_wait_ms=50, gpm=not a.no_gpm, events=not a.no_events, sysfs=a.sysfs)
+    src = NvmlSource(event_wait_ms=50, gpm=not a.no_gpm, events=not a.no_events, sysfs=a.sysfs,
+                     max_process_samples=a.max_process_samples)
     src.setup()
     out = {"inventory": src.inventory(), "rounds": [], "events": [], "errors": []}
 
