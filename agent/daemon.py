@@ -22,6 +22,7 @@ from .diagnosis.registry import build_diagnoser
 from .hbm_watch import HbmWatch, Rule
 from .nfd_labels import build_nfd_writer
 from .otlp_export import build_agent_exporter
+from .pod_rollup import pod_rollups
 from .pods import build_pod_labeler
 from .sdnotify import Watchdog
 from .sources.agent_self import AgentSelfSource
@@ -223,7 +224,9 @@ class Agent:
 
     def _sink(self, samples, events) -> None:
         """Tier loop -> HBM watch -> stream (called from the sources' worker threads)."""
-        samples = self.pods.label(samples) if self.pods is not None else samples   # [k8s] enabled
+        if self.pods is not None:   # [k8s] enabled: pod labels, and per-pod sums of the process series
+            samples = self.pods.label(samples)
+            samples += pod_rollups(samples)
         with self._sink_lock:
             if self.watch is not None:
                 events = events + self.watch.observe(samples)

@@ -1,0 +1,187 @@
+"""Each pod's use of a shared GPU, end to end: the agent on the fake NVML (two pods' processes on
+GPU 0 under time-slicing, one pod's on GPU 1) with `[k8s]` on, naming pods from the recorded host
+view in tests/fixtures/cgroup and a fake kubelet's pod-resources on a unix socket; the collector's
+roll-ups, and Debian's real `prometheus` scraping them under the native names and dcgm-exporter's
+(labels pod, namespace, container), where dcgm-exporter's Grafana dashboard queries still answer."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+import signal
+import sys
+import urllib.parse
+import urllib.request
+
+import grpc
+import pytest
+from helpers import BIN, ROOT, free_port, nodes_json, series, wait_until
+
+from xpusense.podresources.v1 import api_pb2, api_pb2_grpc
+
+sys.path.insert(0, str(ROOT / "tests/fakes/nvml"))
+from driving import h100s, write_scenario  # noqa: E402
+from fakes.nvml import fakenvml  # noqa: E402
+
+FIX = ROOT / "tests/fixtures/cgroup"
+# The fixture's processes and the pods their runtime metadata names (tests/unit/test_pods.py).
+TRAIN = ("llama-train-0", "ml-research", "trainer")   # pid 1001
+SERVE = ("vllm-7b-5d9c", "serving", "server")           # pid 1004
+BENCH = ("nccl-test", "default", "bench")               # pid 1003
+UUID = "GPU-fa4e0000-0000-4000-8000-{:012x}"             # the fake's GPU UUIDs
+SCENARIO = """
+[gpu 0]
+process = 1001 6GiB python3
+process = 1004 3GiB python3
+process_util = 1001 60 20 0 0
+process_util = 1004 30 10 0 0
+[gpu 1]
+process = 1003 4GiB python3
+process_util = 1003 50 25 0 0
+"""
+AGENT = f"""
+[tiers]
+realtime_s = 1.0
+nearline_s = 1.0
+offline_s = 10.0
+timeout_ratio = 1.0
+[stream]
+flush_s = 0.05
+[sources.host]
+enabled = false
+[sources.ebpf]
+enabled = false
+[k8s]
+enabled = true
+procfs = "{FIX / 'proc'}"
+metadata_dirs = ["{FIX / 'run/containerd/io.containerd.runtime.v2.task/k8s.io'}",
+                 "{FIX / 'run/containers/storage/overlay-containers'}", "{FIX / 'var/lib/docker/containers'}"]
+refresh_s = 1.0
+pod_resources_socket = "{{socket}}"
+"""
+GIB = 2**30
+
+
+class Kubelet(api_pb2_grpc.PodResourcesListerServicer):
+    """pod-resources List: GPU 0 time-sliced between two pods (NVIDIA's `<uuid>::<n>` replicas), GPU 1 whole."""
+
+    def List(self, request, context):
+        def pod(names, device_id):
+            name, namespace, container = names
+            return api_pb2.PodResources(name=name, namespace=namespace, containers=[api_pb2.ContainerResources(
+                name=container, devices=[api_pb2.ContainerDevices(resource_name="nvidia.com/gpu",
+                                                                  device_ids=[device_id])])])
+        return api_pb2.ListPodResourcesResponse(pod_resources=[
+            pod(TRAIN, UUID.format(0) + "::0"), pod(SERVE, UUID.format(0) + "::1"), pod(BENCH, UUID.format(1))])
+
+
+@pytest.fixture
+def kubelet(tmp_path):
+    sock = tmp_path / "pod-resources" / "kubelet.sock"
+    sock.parent.mkdir()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+    api_pb2_grpc.add_PodResourcesListerServicer_to_server(Kubelet(), server)
+    assert server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    yield sock
+    server.stop(grace=None)
+
+
+def query(prom: str, q: str) -> list[dict]:
+    url = f"http://{prom}/api/v1/query?" + urllib.parse.urlencode({"query": q})
+    with urllib.request.urlopen(url, timeout=5) as r:
+        body = json.load(r)
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def by_pod(prom: str, q: str, key: str = "pod") -> dict[str, float]:
+    return {r["metric"].get(key, ""): float(r["value"][1]) for r in query(prom, q)}
+
+
+def pod_labels(names) -> dict[str, str]:
+    return dict(zip(("k8s.pod.name", "k8s.namespace.name", "k8s.container.name"), names))
+
+
+def test_each_pods_share_of_a_gpu_at_the_collector_and_in_prometheus(procs, tmp_path, libdir, kubelet):
+    prometheus_bin = shutil.which("prometheus")
+    if not prometheus_bin:
+        pytest.skip("Debian's prometheus is not installed (scripts/setup.sh installs it)")
+    addr, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    ccfg = tmp_path / "collector.toml"
+    ccfg.write_text(f'[export.prometheus]\nenabled = true\nlisten = "{metrics}"\ncompat_names = true\n')
+    procs([str(BIN / "xpusense-collector"), "serve", "--config", str(ccfg), "--listen", addr], "collector")
+    wait_until(lambda: nodes_json(addr) is not None, what="collector to answer")
+    acfg = tmp_path / "agent.toml"
+    acfg.write_text(AGENT.format(socket=kubelet))
+    scn = write_scenario(tmp_path, h100s(2) + SCENARIO)
+    agent = procs([str(BIN / "xpusense-agent"), "run", "--config", str(acfg), "--collector", addr,
+                   "--node-id", "pod-node", "--npu-smi", "/nonexistent"], "agent", env=fakenvml.env(libdir, scn))
+
+    # Each pod's roll-ups on each GPU: sm and memory utilisation (NVML's percent / 100) and memory.
+    want = {("gpu0", TRAIN): (0.6, 0.2, 6 * GIB), ("gpu0", SERVE): (0.3, 0.1, 3 * GIB),
+            ("gpu1", BENCH): (0.5, 0.25, 4 * GIB)}
+
+    seen: dict = {}
+
+    def rollups() -> dict | None:
+        node = next((n for n in nodes_json(addr)["nodes"] if n["node_id"] == "pod-node"), None)
+        if node is None:
+            return None
+        got = {}
+        for (dev, pod) in want:
+            lb = {"device": dev, **pod_labels(pod)}
+            got[(dev, pod)] = tuple(s[0]["value"] if len(s) == 1 else None for s in (
+                series(node, "xpusense.accelerator.pod.utilization", engine="sm", **lb),
+                series(node, "xpusense.accelerator.pod.utilization", engine="memory", **lb),
+                series(node, "xpusense.accelerator.pod.memory.usage", **lb)))
+        # The kubelet's assignments named by our device ids (the inventory may come after the first List).
+        assigned = sorted((s["labels"]["device"], s["labels"]["k8s.pod.name"]) for s in node["series"]
+                          if s["name"] == "xpusense.k8s.device.assigned" and s["value"] == 1.0)
+        seen.update(rollups=got, assigned=assigned)
+        return node if got == want and assigned == [("gpu0", TRAIN[0]), ("gpu0", SERVE[0]), ("gpu1", BENCH[0])] else None
+    node = wait_until(rollups, timeout_s=120, what=lambda: f"the pods' roll-ups and assignments at the collector "
+                                                          f"(want {want}, seen {seen})")
+    agent.kill(signal.SIGTERM)   # the collector's latest values stand still from here on
+
+    prom = f"127.0.0.1:{free_port()}"
+    pcfg = tmp_path / "prometheus.yml"
+    pcfg.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                    f"scrape_configs:\n  - job_name: xpusense\n    static_configs:\n      - targets: ['{metrics}']\n")
+    procs([prometheus_bin, f"--config.file={pcfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+           f"--web.listen-address={prom}", "--log.level=warn"], "prometheus")
+    wait_until(lambda: query(prom, "DCGM_FI_DEV_GPU_UTIL{pod!=''}"), timeout_s=120,
+               what="Prometheus to scrape the pods' series")
+
+    # Native names: the roll-ups with their pod labels.
+    assert by_pod(prom, 'xpusense_accelerator_pod_utilization_ratio{engine="sm"}', "k8s_pod_name") == {
+        TRAIN[0]: 0.6, SERVE[0]: 0.3, BENCH[0]: 0.5}
+    assert by_pod(prom, "xpusense_accelerator_pod_memory_usage_bytes", "k8s_pod_name") == {
+        TRAIN[0]: 6 * GIB, SERVE[0]: 3 * GIB, BENCH[0]: 4 * GIB}
+    # dcgm-exporter's names: the shared GPU once per pod, each with its own utilisation and memory...
+    assert by_pod(prom, 'DCGM_FI_DEV_GPU_UTIL{gpu="0"}') == {TRAIN[0]: 60.0, SERVE[0]: 30.0}
+    assert by_pod(prom, 'DCGM_FI_DEV_MEM_COPY_UTIL{gpu="0"}') == {TRAIN[0]: 20.0, SERVE[0]: 10.0}
+    assert by_pod(prom, 'DCGM_FI_DEV_FB_USED{gpu="0"}') == {TRAIN[0]: 6144.0, SERVE[0]: 3072.0}
+    one = query(prom, f'DCGM_FI_DEV_GPU_UTIL{{pod="{TRAIN[0]}"}}')[0]["metric"]
+    assert (one["namespace"], one["container"], one["UUID"], one["Hostname"]) == (
+        TRAIN[1], TRAIN[2], UUID.format(0), node["inventory"]["hostname"])
+    # ...the rest the device's value in each, as dcgm-exporter's time-slicing mode; the whole GPU its own.
+    power = series(node, "hw.power", device="gpu0")[0]["value"]
+    assert by_pod(prom, 'DCGM_FI_DEV_POWER_USAGE{gpu="0"}') == {TRAIN[0]: power, SERVE[0]: power}
+    util1 = series(node, "hw.gpu.utilization", device="gpu1")[0]["value"]
+    assert by_pod(prom, 'DCGM_FI_DEV_GPU_UTIL{gpu="1"}') == {BENCH[0]: util1 * 100.0}
+
+    # dcgm-exporter's Grafana dashboard (grafana/dcgm-exporter-dashboard.json): its variables and
+    # panels, with the variables as the dashboard fills them; and the per-pod panels people add.
+    inst = f'instance=~"{metrics}", gpu=~"0|1"'
+    assert sorted(r["metric"]["gpu"] for r in query(prom, "group by (gpu) (DCGM_FI_DEV_GPU_UTIL)")) == ["0", "1"]
+    for q in (f"DCGM_FI_DEV_GPU_TEMP{{{inst}}}", f"avg(DCGM_FI_DEV_GPU_TEMP{{{inst}}})",
+              f"DCGM_FI_DEV_POWER_USAGE{{{inst}}}", f"sum(DCGM_FI_DEV_POWER_USAGE{{{inst}}})",
+              f"DCGM_FI_DEV_SM_CLOCK{{{inst}}} * 1000000", f"DCGM_FI_DEV_MEM_CLOCK{{{inst}}} * 1000000",
+              f"DCGM_FI_DEV_MEMORY_TEMP{{{inst}}}", f"DCGM_FI_DEV_GPU_UTIL{{{inst}}}",
+              f"sum(DCGM_FI_DEV_FB_USED{{{inst}}})", f"DCGM_FI_PROF_DRAM_ACTIVE{{{inst}}}"):
+        assert query(prom, q), f"the dashboard's {q} has no answer"
+    assert by_pod(prom, "sum by (pod) (DCGM_FI_DEV_GPU_UTIL)") == {TRAIN[0]: 60.0, SERVE[0]: 30.0,
+                                                                  BENCH[0]: util1 * 100.0}
+    assert by_pod(prom, f'sum by (pod) (DCGM_FI_DEV_FB_USED{{namespace="{SERVE[1]}"}})') == {SERVE[0]: 3072.0}
