@@ -64,6 +64,8 @@ DCGM: dict[_SeriesKey, tuple[str, float, str, str]] = {
         ("DCGM_FI_PROF_SM_ACTIVE", 1.0, "gauge", "The ratio of cycles an SM has at least 1 warp assigned."),
     (m.CUBE_UTILIZATION, ()):
         ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", 1.0, "gauge", "Ratio of cycles the tensor (HMMA) pipe is active."),
+    (m.GRAPHICS_UTILIZATION, ()):
+        ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", 1.0, "gauge", "Ratio of time the graphics engine is active."),
     (m.CLOCK_FREQUENCY, (("clock", "sm"),)):
         ("DCGM_FI_DEV_SM_CLOCK", 1e-6, "gauge", "SM clock frequency (in MHz)."),
     (m.CLOCK_FREQUENCY, (("clock", "memory"),)):

@@ -23,6 +23,7 @@ TEMPERATURE_LIMIT = "hw.temperature.limit"          # labels sensor, limit = shu
 HBM_BANDWIDTH_UTILIZATION = "xpusense.accelerator.hbm.bandwidth.utilization"
 MEMORY_CONTROLLER_UTILIZATION = "xpusense.accelerator.memory_controller.utilization"
 SM_UTILIZATION = "xpusense.accelerator.sm.utilization"
+GRAPHICS_UTILIZATION = "xpusense.accelerator.graphics.utilization"   # NVML GPM GRAPHICS_UTIL (Hopper and newer)
 CUBE_UTILIZATION = "xpusense.accelerator.cube.utilization"
 VECTOR_UTILIZATION = "xpusense.accelerator.vector.utilization"
 MEMORY_FREE = "xpusense.accelerator.memory.free"

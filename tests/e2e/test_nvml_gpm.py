@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT / "tests/fakes/nvml"))
 from driving import drive, fakenvml, h100s, pick, write_scenario  # noqa: E402
 
 BW = "xpusense.accelerator.hbm.bandwidth.utilization"
+GRAPHICS = "xpusense.accelerator.graphics.utilization"
 
 
 def test_a_failing_gpm_call_costs_that_gpu_only(libdir, tmp_path):
@@ -117,3 +118,26 @@ def test_two_samples_per_gpu_take_turns_and_are_freed_on_close(libdir, tmp_path)
     n = fakenvml.read_calls(calls)
     assert n["nvmlGpmSampleGet"] >= len(with_bw) + 2          # a sample per GPU and round, however many
     assert n["nvmlGpmSampleAlloc"] == 4 and n["nvmlGpmSampleFree"] == 4, n
+
+
+def test_graphics_engine_utilisation_where_gpm_answers_for_it(libdir, tmp_path):
+    """GPM's GRAPHICS_UTIL (percent) as a ratio; a GPU without GPM (before Hopper) has none, as DCGM
+    has no GR_ENGINE_ACTIVE for it, and a GPU whose driver refuses that one metric keeps the others."""
+    scn = write_scenario(tmp_path, h100s(3) + """
+[gpu 0]
+gpm_graphics_util = 75
+[gpu 1]
+name = NVIDIA A100-SXM4-80GB
+arch = 7
+gpm = no
+[gpu 2]
+unsupported = gpm:1
+""")
+    out = drive(libdir, scn, "realtime", gap_s=0.15, until_t=1.5)
+    assert out["errors"] == []
+    with_gr = [pick(r, GRAPHICS) for r in out["rounds"] if pick(r, GRAPHICS)]
+    assert len(with_gr) >= 3 and all(gr == {"gpu0": 0.75} for gr in with_gr), with_gr
+    sm = [pick(r, "xpusense.accelerator.sm.utilization") for r in out["rounds"]]
+    assert any("gpu2" in x for x in sm) and not any("gpu1" in x for x in sm)   # gpu2's other GPM metrics stay
+    d = out["describe"]["unavailable_readings"]
+    assert "Not Supported" in d["gpu2/gpm_metric_1"] and "Hopper or newer" in d["gpu1/hbm_bandwidth"]

@@ -16,6 +16,7 @@ from driving import drive, h100s, write_scenario  # noqa: E402
 
 GiB = 2**30
 BW = "xpusense.accelerator.hbm.bandwidth.utilization"
+GRAPHICS = "xpusense.accelerator.graphics.utilization"
 
 
 def by_instance(r: dict, name: str, device: str) -> dict:
@@ -53,6 +54,7 @@ event = 2 mig_config
         assert by_instance(r, "xpusense.accelerator.mig.instances", "gpu0") == {"": 2.0}
     for r in realtime[1:]:
         assert by_instance(r, BW, "gpu0") == {"1": 0.5, "2": 0.5}     # nvmlGpmMigSampleGet per instance
+        assert by_instance(r, GRAPHICS, "gpu0") == {"1": 0.9, "2": 0.9}   # GRAPHICS_UTIL (the fake: gpu_util)
     nearline = [r for r in out["rounds"] if r["tier"] == "nearline"]
     for r in nearline:
         mem = {(s["labels"]["pid"], s["labels"].get("mig_instance")): s["value"] for s in r["samples"]

@@ -169,6 +169,8 @@ def test_prometheus_scrapes_native_and_dashboard_names(procs, tmp_path, promethe
         g, "xpusense.accelerator.clock.frequency", device="gpu0", clock="sm")[0]["value"] * 1e-6
     assert one(prom, 'DCGM_FI_PROF_DRAM_ACTIVE{gpu="0"}') == series(
         g, "xpusense.accelerator.hbm.bandwidth.utilization", device="gpu0")[0]["value"]
+    assert one(prom, 'DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0"}') == series(   # GPM, from the same round
+        g, "xpusense.accelerator.graphics.utilization", device="gpu0")[0]["value"]
     assert len(query(prom, "DCGM_FI_DEV_GPU_UTIL")) == 8
 
     # npu-exporter's names (%, MB, W, C, health 1/0) and labels (id, model_name, ...).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import shutil
 import signal
 import sys
@@ -88,6 +89,73 @@ def kubelet(tmp_path):
     server.stop(grace=None)
 
 
+GRAPHICS = "xpusense.accelerator.graphics.utilization"
+# NVIDIA's dcgm-exporter Grafana dashboard (NVIDIA/dcgm-exporter grafana/dcgm-exporter-dashboard.json):
+# each panel's query as written there, and the labels of the answer for one device.
+DASH_GR_ENGINE = ('max(DCGM_FI_PROF_GR_ENGINE_ACTIVE{Hostname=~"$Hostname", gpu=~"$gpu"}) '
+                  'by (Hostname, gpu, GPU_I_ID, GPU_I_PROFILE)')
+DASH_POWER_TOTAL = 'sum(max(DCGM_FI_DEV_POWER_USAGE{Hostname=~"$Hostname", gpu=~"$gpu"}) by (gpu))'
+DASH_FB_USED = 'max(DCGM_FI_DEV_FB_USED{Hostname=~"$Hostname", gpu=~"$gpu"}) by (Hostname, gpu, GPU_I_ID, GPU_I_PROFILE)'
+
+# The series behind them (name, labels), per device.
+DASHBOARD_SOURCES = (("hw.temperature", {"sensor": "chip"}), ("hw.power", {}), ("xpusense.accelerator.memory.free", {}),
+                     ("xpusense.accelerator.clock.frequency", {"clock": "sm"}), (GRAPHICS, {}),
+                     ("xpusense.accelerator.cube.utilization", {}), ("hw.gpu.memory.usage", {}))
+
+
+def _by_host_gpu(host: str, gpu: str, pod: str = "") -> tuple:
+    return tuple(sorted({"Hostname": host, "gpu": gpu, **({"pod": pod} if pod else {})}.items()))
+
+
+def _by_uuid(host: str, gpu: str, pod: str = "") -> tuple:
+    return tuple(sorted((*_by_host_gpu(host, gpu, pod), ("UUID", UUID.format(int(gpu))))))
+
+
+def _whole(host: str, gpu: str, pod: str = "") -> tuple:
+    return ()   # one answer over every device chosen
+
+
+DASHBOARD = {
+    'max(DCGM_FI_DEV_GPU_TEMP{Hostname=~"$Hostname", gpu=~"$gpu"}) by (Hostname, gpu, uuid)': _by_host_gpu,
+    'avg(DCGM_FI_DEV_GPU_TEMP{Hostname=~"$Hostname", gpu=~"$gpu"})': _whole,
+    'max(DCGM_FI_DEV_POWER_USAGE{Hostname=~"$Hostname", gpu=~"$gpu"}) by (Hostname, gpu, uuid)': _by_host_gpu,
+    DASH_POWER_TOTAL: _whole,
+    'max(DCGM_FI_DEV_SM_CLOCK{Hostname=~"$Hostname", gpu=~"$gpu"} * 1000000) by (Hostname, UUID, gpu)': _by_uuid,
+    DASH_GR_ENGINE: _by_host_gpu,
+    'max(DCGM_FI_PROF_PIPE_TENSOR_ACTIVE{Hostname=~"$Hostname", gpu=~"$gpu"}) '
+    'by (Hostname, gpu, GPU_I_ID, GPU_I_PROFILE)': _by_host_gpu,
+    DASH_FB_USED: _by_host_gpu,
+}
+
+
+def fill(expr: str, pod: str = "") -> str:
+    """A dashboard query as Grafana sends it with "All" chosen; with `pod`, that pod's panel (its
+    selector narrowed to the pod and `pod` in its `by`)."""
+    expr = expr.replace("$Hostname", ".*").replace("$gpu", ".*")
+    if pod:
+        expr = expr.replace('gpu=~".*"}', f'gpu=~".*", pod=~"{pod}"}}')
+        expr = re.sub(r"by \(([^)]*)\)", r"by (\1, pod)", expr)
+    return expr
+
+
+def labelsets(result: list[dict]) -> set[tuple]:
+    """The label sets of a query's answer (a vector: each set once)."""
+    return {tuple(sorted(r["metric"].items())) for r in result}
+
+
+def by_gpu(prom: str, q: str) -> dict[str, float]:
+    return {r["metric"].get("gpu", ""): float(r["value"][1]) for r in query(prom, q)}
+
+
+def label_values(prom: str, label: str, selector: str) -> list[str]:
+    """Grafana's label_values(SELECTOR, LABEL) variable query."""
+    url = f"http://{prom}/api/v1/label/{label}/values?" + urllib.parse.urlencode({"match[]": selector})
+    with urllib.request.urlopen(url, timeout=5) as r:
+        body = json.load(r)
+    assert body["status"] == "success", body
+    return sorted(body["data"])
+
+
 def query(prom: str, q: str) -> list[dict]:
     url = f"http://{prom}/api/v1/query?" + urllib.parse.urlencode({"query": q})
     with urllib.request.urlopen(url, timeout=5) as r:
@@ -139,8 +207,12 @@ def test_each_pods_share_of_a_gpu_at_the_collector_and_in_prometheus(procs, tmp_
         # The kubelet's assignments named by our device ids (the inventory may come after the first List).
         assigned = sorted((s["labels"]["device"], s["labels"]["k8s.pod.name"]) for s in node["series"]
                           if s["name"] == "xpusense.k8s.device.assigned" and s["value"] == 1.0)
-        seen.update(rollups=got, assigned=assigned)
-        return node if got == want and assigned == [("gpu0", TRAIN[0]), ("gpu0", SERVE[0]), ("gpu1", BENCH[0])] else None
+        # What the dashboard's panels read, on both GPUs (GPM's graphics utilisation from the second round on).
+        dashboard = sorted(name for name, lb in DASHBOARD_SOURCES
+                           if {s["labels"]["device"] for s in series(node, name, **lb)} != {"gpu0", "gpu1"})
+        seen.update(rollups=got, assigned=assigned, dashboard_missing=dashboard)
+        return node if got == want and not dashboard and assigned == [
+            ("gpu0", TRAIN[0]), ("gpu0", SERVE[0]), ("gpu1", BENCH[0])] else None
     node = wait_until(rollups, timeout_s=120, what=lambda: f"the pods' roll-ups and assignments at the collector "
                                                           f"(want {want}, seen {seen})")
     agent.kill(signal.SIGTERM)   # the collector's latest values stand still from here on
@@ -172,16 +244,26 @@ def test_each_pods_share_of_a_gpu_at_the_collector_and_in_prometheus(procs, tmp_
     util1 = series(node, "hw.gpu.utilization", device="gpu1")[0]["value"]
     assert by_pod(prom, 'DCGM_FI_DEV_GPU_UTIL{gpu="1"}') == {BENCH[0]: util1 * 100.0}
 
-    # dcgm-exporter's Grafana dashboard (grafana/dcgm-exporter-dashboard.json): its variables and
-    # panels, with the variables as the dashboard fills them; and the per-pod panels people add.
-    inst = f'instance=~"{metrics}", gpu=~"0|1"'
-    assert sorted(r["metric"]["gpu"] for r in query(prom, "group by (gpu) (DCGM_FI_DEV_GPU_UTIL)")) == ["0", "1"]
-    for q in (f"DCGM_FI_DEV_GPU_TEMP{{{inst}}}", f"avg(DCGM_FI_DEV_GPU_TEMP{{{inst}}})",
-              f"DCGM_FI_DEV_POWER_USAGE{{{inst}}}", f"sum(DCGM_FI_DEV_POWER_USAGE{{{inst}}})",
-              f"DCGM_FI_DEV_SM_CLOCK{{{inst}}} * 1000000", f"DCGM_FI_DEV_MEM_CLOCK{{{inst}}} * 1000000",
-              f"DCGM_FI_DEV_MEMORY_TEMP{{{inst}}}", f"DCGM_FI_DEV_GPU_UTIL{{{inst}}}",
-              f"sum(DCGM_FI_DEV_FB_USED{{{inst}}})", f"DCGM_FI_PROF_DRAM_ACTIVE{{{inst}}}"):
-        assert query(prom, q), f"the dashboard's {q} has no answer"
+    # dcgm-exporter's Grafana dashboard with "All" chosen: its variables, then every panel's query.
+    host = node["inventory"]["hostname"]
+    assert label_values(prom, "Hostname", "DCGM_FI_DEV_FB_FREE") == [host]
+    assert label_values(prom, "gpu", 'DCGM_FI_DEV_FB_FREE{Hostname=~".*"}') == ["0", "1"]
+    assert label_values(prom, "pod", "DCGM_FI_DEV_FB_FREE") == sorted((TRAIN[0], SERVE[0], BENCH[0]))
+    for expr, labels in DASHBOARD.items():
+        assert labelsets(query(prom, fill(expr))) == {labels(host, gpu) for gpu in ("0", "1")}, expr
+    graphics = {g: series(node, GRAPHICS, device=f"gpu{g}")[0]["value"] for g in ("0", "1")}
+    assert by_gpu(prom, fill(DASH_GR_ENGINE)) == graphics and 0.0 < graphics["0"] <= 1.0
+    watts = [series(node, "hw.power", device=f"gpu{g}")[0]["value"] for g in ("0", "1")]
+    assert float(query(prom, fill(DASH_POWER_TOTAL))[0]["value"][1]) == sum(watts)   # the shared GPU counted once
+    # The same panels per pod: the pod's selector and `pod` in every `by`, one pod's devices each.
+    for pod, gpu in ((TRAIN, "0"), (SERVE, "0"), (BENCH, "1")):
+        for expr, labels in DASHBOARD.items():
+            assert labelsets(query(prom, fill(expr, pod[0]))) == {labels(host, gpu, pod[0])}, (pod, expr)
+        assert by_gpu(prom, fill(DASH_GR_ENGINE, pod[0])) == {gpu: graphics[gpu]}
+        # Memory: the pod's own on the shared GPU, the device's on the GPU the pod has whole.
+        used = (series(node, "xpusense.accelerator.pod.memory.usage", device="gpu0", **pod_labels(pod)) if gpu == "0"
+                else series(node, "hw.gpu.memory.usage", device="gpu1"))[0]["value"]
+        assert by_gpu(prom, fill(DASH_FB_USED, pod[0])) == {gpu: used / 2**20}
     assert by_pod(prom, "sum by (pod) (DCGM_FI_DEV_GPU_UTIL)") == {TRAIN[0]: 60.0, SERVE[0]: 30.0,
                                                                   BENCH[0]: util1 * 100.0}
     assert by_pod(prom, f'sum by (pod) (DCGM_FI_DEV_FB_USED{{namespace="{SERVE[1]}"}})') == {SERVE[0]: 3072.0}

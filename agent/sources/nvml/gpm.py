@@ -1,7 +1,7 @@
-"""HBM (DRAM) bandwidth, SM and tensor utilisation from NVML GPM (GPU Performance Monitoring), Hopper
-and newer only (nvmlGpmQueryDeviceSupport). A GPM metric is computed from two samples: every
-realtime round takes one per GPU (or per MIG GPU instance) and asks for the metrics over the
-interval since the previous one (GpmStream)."""
+"""HBM (DRAM) bandwidth, SM, tensor and graphics engine utilisation from NVML GPM (GPU Performance
+Monitoring), Hopper and newer only (nvmlGpmQueryDeviceSupport). A GPM metric is computed from two
+samples: every realtime round takes one per GPU (or per MIG GPU instance) and asks for the metrics
+over the interval since the previous one (GpmStream)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from typing import Any
 
 MIN_INTERVAL_S = 0.1
 
-DRAM_BW_UTIL, SM_UTIL, ANY_TENSOR_UTIL = 10, 2, 5
+GRAPHICS_UTIL, DRAM_BW_UTIL, SM_UTIL, ANY_TENSOR_UTIL = 1, 10, 2, 5
 NVLINK_TOTAL_RX, NVLINK_TOTAL_TX = 60, 61
 # GPM metric id (pynvml NVML_GPM_METRIC_*) -> (metric name, scale to the reported unit, unit)
 GPM_METRICS = {
     DRAM_BW_UTIL: ("xpusense.accelerator.hbm.bandwidth.utilization", 0.01, "1"),   # percent
     SM_UTIL: ("xpusense.accelerator.sm.utilization", 0.01, "1"),                   # percent
     ANY_TENSOR_UTIL: ("xpusense.accelerator.cube.utilization", 0.01, "1"),         # percent
+    GRAPHICS_UTIL: ("xpusense.accelerator.graphics.utilization", 0.01, "1"),       # percent
 }
 GPM_NVLINK = {NVLINK_TOTAL_RX: "receive", NVLINK_TOTAL_TX: "transmit"}  # MiB/s
 
