@@ -77,6 +77,7 @@ DCGM: dict[_SeriesKey, tuple[str, float, str, str]] = {
          "Number of remapped rows for uncorrectable errors"),
     (m.REMAP_FAILED, ()):
         ("DCGM_FI_DEV_ROW_REMAP_FAILURE", 1.0, "gauge", "Whether remapping of rows has failed"),
+    (m.LAST_XID, ()): ("DCGM_FI_DEV_XID_ERRORS", 1.0, "gauge", "Value of the last XID error encountered."),
 }
 
 # npu-exporter's names (Ascend/ascend-npu-exporter collector/npu_collector.go; MindX DL docs: % for
@@ -97,6 +98,8 @@ NPU: dict[_SeriesKey, tuple[str, float, str]] = {
     (m.TEMPERATURE, (("sensor", "chip"),)): ("npu_chip_info_temperature", 1.0, "the npu temperature"),
     (m.TEMPERATURE, (("sensor", "hbm"),)): ("npu_chip_info_hbm_temperature", 1.0, "the npu hbm temperature"),
     (m.HEALTH, ()): ("npu_chip_info_health_status", 1.0, "the npu health status"),
+    # The first error code npu-smi lists now, as a number (npu-exporter: the first of its code list).
+    (m.NPU_ERROR_CODE, ()): ("npu_chip_info_error_code", 1.0, "the npu error code"),
 }
 
 def npu_id(res, index: int) -> str:

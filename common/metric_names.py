@@ -43,6 +43,11 @@ PROCESS_MEMORY_USAGE = "xpusense.accelerator.process.memory.usage"
 POD_UTILIZATION = "xpusense.accelerator.pod.utilization"     # label engine; sum of the pod's processes, capped at 1
 POD_MEMORY_USAGE = "xpusense.accelerator.pod.memory.usage"
 
+XID_ERRORS = "xpusense.accelerator.xid.errors"     # counter per device and XID code since the agent started
+LAST_XID = "xpusense.accelerator.xid.last"         # the last XID code seen on the device, 0 none
+NPU_ERROR_CODES = "xpusense.accelerator.npu.errors"   # counter per device and npu-smi error code
+NPU_ERROR_CODE = "xpusense.accelerator.npu.error_code"   # the first error code npu-smi lists now, 0 none
+
 # Host.
 CPU_UTILIZATION = "system.cpu.utilization"
 MEMORY_UTILIZATION = "system.memory.utilization"

@@ -246,6 +246,11 @@ METRICS: tuple[Metric, ...] = (
        labels={"type": _l("error.type", {"correctable": "corrected", "uncorrectable": "uncorrected"})}),
     _m("xpusense.accelerator.memory.remap_pending", "1", GAUGE, device=ACCELERATOR, hw=TYPED_GPU),
     _m(n.REMAP_FAILED, "1", GAUGE, device=ACCELERATOR, hw=TYPED_GPU),
+    _m(n.XID_ERRORS, "{error}", COUNTER, device=ACCELERATOR, hw=TYPED_GPU),
+    _m(n.LAST_XID, "{xid}", GAUGE, device=ACCELERATOR, hw=TYPED_GPU),
+    _m(n.NPU_ERROR_CODES, "{error}", COUNTER, device=ACCELERATOR, hw=TYPED_GPU),
+    _m(n.NPU_ERROR_CODE, "{code}", GAUGE, device=ACCELERATOR, hw=TYPED_GPU),
+    _m("xpusense.accelerator.error_codes.over_limit", "{error}", COUNTER, device=ACCELERATOR, hw=TYPED_GPU),
     _m("xpusense.npu_smi.rounds.skipped", "{round}", COUNTER),
     _m("xpusense.npu_smi.calls.oversized", "{call}", COUNTER),
     # -- Kubernetes (agent/pods.py) --------------------------------------------------------------------

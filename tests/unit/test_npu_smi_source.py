@@ -109,6 +109,7 @@ def test_offline_round_power_temperature_health(source):
             ("hw.power",): TABLE_POWER[n],
             ("hw.temperature", "chip"): TABLE_TEMP[n],
             ("xpusense.accelerator.health", "OK"): 1.0,
+            ("xpusense.accelerator.npu.error_code",): 0.0,
         }
     assert skipped(samples) == 0
     assert source.events() == []  # first reading, all OK: nothing changed

@@ -3,8 +3,8 @@
 Setup reads `npu-smi info` once (chips, versions, processes); the realtime tier then runs
 `npu-smi info -t usages -i N` for every NPU at once, the nearline tier `-t common` (AI Core clocks)
 and the offline tier `-t power|temp|health` the same way (runner.py), and a chip's change of
-health becomes an Event. An NPU whose npu-smi says it does not support `-t common` is not asked
-again (said once, listed in describe()).
+health becomes an Event (its error codes also series: error_codes.py). An NPU whose npu-smi
+says it does not support `-t common` is not asked again (said once, listed in describe()).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from xpusense.common.config import Key, positive
 
 from ..base import COUNTER, NEARLINE, OFFLINE, REALTIME, Event, Sample, Source, SourceError, SourceFamily, Unavailable
 from .catalog import informative, inventory_resources
+from .error_codes import ErrorCodes
 from .kv import KvOutput, parse_kv
 from .readings import (
     HBM_BANDWIDTH,
@@ -61,7 +62,8 @@ class NpuSmiSource(Source):
 
     def __init__(self, path: str = "", timeout_s: float = 0.8, max_workers: int = 8, *,
                  nearline_timeout_s: float = 5.0, offline_timeout_s: float = 10.0, setup_timeout_s: float = 15.0,
-                 max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES, search_dirs: Iterable[str] = DEFAULT_SEARCH_DIRS):
+                 max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES, search_dirs: Iterable[str] = DEFAULT_SEARCH_DIRS,
+                 error_codes_per_device: int = 32):
         self.path = path
         self.timeout_s = timeout_s
         self.max_workers = max(1, int(max_workers))
@@ -75,6 +77,7 @@ class NpuSmiSource(Source):
         self._chips: dict[int, list[int]] = {}
         self._names: dict[str, str] = {}
         self._health: dict[str, tuple[str, str]] = {}
+        self._codes = ErrorCodes(error_codes_per_device)   # counted for the agent's whole run
         self._events: list[Event] = []
         self._pids: dict[int, str] = {}
         self._notes: list[str] = []
@@ -217,6 +220,8 @@ class NpuSmiSource(Source):
                 errors.append(str(e))
                 samples += e.partial
         self._note_health(readings)
+        if tier == OFFLINE:
+            samples += self._error_codes(readings)
         if tier == REALTIME:
             self._note_hbm_bandwidth(samples)
         samples.append(Sample(SKIPPED_METRIC, float(self._runner.skipped(tier)), "{round}", {"tier": tier}, COUNTER))
@@ -269,6 +274,11 @@ class NpuSmiSource(Source):
             for x in samples:
                 if x.name == "hw.gpu.utilization":
                     self._hbm_bw[x.labels["device"]] = x.labels["device"] in with_bw
+
+    def _error_codes(self, readings: list[HealthReading]) -> list[Sample]:
+        with self._lock:
+            self._codes.saw(readings)
+            return self._codes.samples(readings)
 
     def _note_health(self, readings: list[HealthReading]) -> None:
         now = time.time_ns()
@@ -362,6 +372,9 @@ SCHEMA = {
     "max_workers": Key(int, 8, positive, help="npu-smi calls run at once"),
     "max_output_bytes": Key(int, DEFAULT_MAX_OUTPUT_BYTES, positive,
                             help="a call printing more is killed and counted (xpusense.npu_smi.calls.oversized)"),
+    "error_codes_per_device": Key(int, 32, positive,
+                                  help="error codes counted apart per chip; further codes count as code `other` "
+                                       "(xpusense.accelerator.error_codes.over_limit)"),
 }
 
 
@@ -369,7 +382,8 @@ def build(table: Any) -> list[Source]:
     """The source of a checked `[sources.npu_smi]` table."""
     return [NpuSmiSource(path=table.path, timeout_s=table.timeout_s, max_workers=table.max_workers,
                          nearline_timeout_s=table.nearline_timeout_s, offline_timeout_s=table.offline_timeout_s,
-                         setup_timeout_s=table.setup_timeout_s, max_output_bytes=table.max_output_bytes)]
+                         setup_timeout_s=table.setup_timeout_s, max_output_bytes=table.max_output_bytes,
+                         error_codes_per_device=table.error_codes_per_device)]
 
 
 FAMILY = SourceFamily("npu_smi", SCHEMA, build)

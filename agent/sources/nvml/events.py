@@ -1,7 +1,8 @@
 """XID errors, double-bit ECC errors and GPU health events from an NVML event set, on a thread.
 
 nvmlEventSetWait blocks, so a thread of its own (EventWatcher) waits on the set and turns what
-arrives into `Event`s on a queue that the source drains every round."""
+arrives into `Event`s on a queue that the source drains every round; each XID is also counted
+per GPU and code (code_counts.py) as it arrives."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from typing import Any
 
 from ..base import Event
+from ..code_counts import CodeCounts
 from .device import VENDOR, Gpu
 from .health import Health
 from .library import GPU_IS_LOST, TIMEOUT, code, handle_key
@@ -44,8 +46,9 @@ class EventWatcher:
     new set without them. Any other failure is logged once per streak and retried with back-off."""
 
     def __init__(self, nv: Any, gpus: list[Gpu], out: queue.Queue[Event], wait_ms: int, states: ReadingStates,
-                 health: Health):
+                 health: Health, xids: CodeCounts | None = None):
         self.nv = nv
+        self.xids = xids
         self.gpus = gpus
         self.out = out
         self.wait_ms = wait_ms
@@ -119,6 +122,8 @@ class EventWatcher:
             if g is not None and data.eventType == MIG_CONFIG_EVENT:
                 g.mig_changed = True          # the next round reads the MIG layout again
                 continue
+            if g is not None and data.eventType == XID_EVENT and self.xids is not None:
+                self.xids.add(g.labels, str(int(data.eventData)))
             self.out.put(event_from(g, data))
 
     def _drop_lost(self, why: str) -> bool:

@@ -8,9 +8,11 @@ import queue
 from typing import Any
 
 from xpusense.common import catalog
+from xpusense.common import metric_names as m
 from xpusense.common.config import Key, positive
 
 from ..base import NEARLINE, OFFLINE, REALTIME, Event, Sample, Source, SourceFamily, Unavailable
+from ..code_counts import CodeCounts
 from . import gpm, inventory, library, mig, readings, topology
 from .ask import Asker, GpuLost
 from .checks import Gate
@@ -32,6 +34,9 @@ SCHEMA = {
     # the thread sees stop() (close waits for it); each timeout is a wake-up of the agent (~0.15 ms).
     "event_wait_ms": Key(int, 1000, positive,
                          help="longest nvmlEventSetWait; events come at once whatever it is, stop waits up to it"),
+    "xid_codes_per_device": Key(int, 32, positive,
+                                help="XID codes counted apart per GPU; further codes count as xid `other` "
+                                     "(xpusense.accelerator.error_codes.over_limit)"),
     "sysfs": Key(str, "/sys", help="where each GPU's NUMA node is read (bus/pci/devices/ADDRESS/numa_node)"),
     "max_process_samples": Key(int, 64, positive,
                                help="processes whose utilisation is kept per GPU (or MIG device) and round; the "
@@ -53,9 +58,10 @@ class NvmlSource(Source):
     tiers = (REALTIME, NEARLINE, OFFLINE)
 
     def __init__(self, events: bool = True, event_wait_ms: int = 1000, gpm: bool = True, sysfs: str = "/sys",
-                 max_process_samples: int = 64):
+                 xid_codes_per_device: int = 32, max_process_samples: int = 64):
         self.sysfs = sysfs
         self.max_process_samples = max_process_samples
+        self.xids = CodeCounts(m.XID_ERRORS, "xid", xid_codes_per_device)   # kept for the agent's whole run
         self.topology_reason = ""
         self.want_events = events
         self.event_wait_ms = event_wait_ms
@@ -108,7 +114,8 @@ class NvmlSource(Source):
             self._open(gpu)
         self._place()
         if self.want_events:
-            self._watcher = EventWatcher(nv, self.gpus, self._events, self.event_wait_ms, self.states, self.health)
+            self._watcher = EventWatcher(nv, self.gpus, self._events, self.event_wait_ms, self.states, self.health,
+                                         self.xids)
             self._watcher.start()
 
     def _ask(self) -> Asker:
@@ -227,7 +234,17 @@ class NvmlSource(Source):
                 self._lose(g, str(e))
         if tier == OFFLINE:
             out += self.health.samples([g for g in self.gpus if g.opened or g.lost])
+        elif tier == REALTIME:
+            out += self.xid_samples()
         return self.gate.admit(out)
+
+    def xid_samples(self) -> list[Sample]:
+        """XIDs counted per GPU and code since the agent started, and the last XID of every GPU whose
+        events are watched (0: none yet); nothing for a GPU whose events are not."""
+        watched = self._watcher.registered if self._watcher is not None else []
+        last = [Sample(m.LAST_XID, float(self.xids.last(g.id) or 0), "{xid}", dict(g.labels))
+                for g in watched if not g.lost]
+        return self.xids.samples() + last
 
     def _lose(self, g: Gpu, why: str) -> None:
         if self.health.lost(g, why):
@@ -326,7 +343,7 @@ class NvmlSource(Source):
 
 def build(table: Any) -> list[Source]:
     return [NvmlSource(events=table.events, event_wait_ms=table.event_wait_ms, gpm=table.gpm, sysfs=table.sysfs,
-                       max_process_samples=table.max_process_samples)]
+                       xid_codes_per_device=table.xid_codes_per_device, max_process_samples=table.max_process_samples)]
 
 
 FAMILY = SourceFamily("nvml", SCHEMA, build)
