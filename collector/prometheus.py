@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from xpusense.common import metric_names as m
-from xpusense.common.config import split_host_port
+from xpusense.common.config import ConfigError, split_host_port
 from xpusense.v1 import telemetry_pb2 as pb
 
 from . import diagnoses as dg
@@ -284,16 +284,25 @@ class PrometheusEndpoint:
 
     def start(self) -> None:
         """Listen on `listen` (HOST:PORT); raises BindError-like OSError with a message to act on."""
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry, make_wsgi_app
+
+        from . import web_config
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.collector)
         host, port = split_host_port(self.cfg.listen)
+        try:   # TLS and basic auth from [export.prometheus] web_config_file (collector/web_config.py)
+            web = web_config.load(self.cfg.web_config_file) if self.cfg.web_config_file else None
+        except ConfigError as e:
+            raise OSError(f"cannot serve Prometheus metrics on {self.cfg.listen}: {e}") from None
+        if web is not None:
+            registry.register(web)
         try:
-            self.server, self.thread = start_http_server(port, addr=host, registry=registry)
+            self.server, self.thread = web_config.serve(host, port, make_wsgi_app(registry), web, self.cfg.timeout_s)
         except OSError as e:
             raise OSError(f"cannot serve Prometheus metrics on {self.cfg.listen}: {e.strerror}; choose another "
                           f"address with [export.prometheus] listen") from None
-        log.info("Prometheus metrics on http://%s/metrics%s", self.cfg.listen,
+        log.info("Prometheus metrics on %s://%s/metrics%s%s", "https" if web and web.ssl_context else "http",
+                 self.cfg.listen, " with basic auth" if web and web.users else "",
                  " (with dcgm-exporter / npu-exporter names)" if self.cfg.compat_names else "")
 
     def stop(self) -> None:
