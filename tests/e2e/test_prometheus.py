@@ -6,7 +6,6 @@ Prometheus would refuse, which must not fail the scrape (promtool reads the same
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import signal
@@ -18,7 +17,9 @@ import urllib.request
 
 import grpc
 import pytest
+import real_prometheus
 from helpers import BIN, FAST_HOST_ONLY, ROOT, free_port, nodes_json, series, wait_until
+from real_prometheus import query
 
 from xpusense.collector.prometheus import prom_labels, prom_name
 from xpusense.v1 import telemetry_pb2 as pb
@@ -52,18 +53,7 @@ KINDS = {"gauge": pb.GAUGE, "counter": pb.COUNTER, "histogram": pb.HISTOGRAM}
 
 @pytest.fixture(scope="module")
 def prometheus_bin():
-    exe = shutil.which("prometheus")
-    if not exe:
-        pytest.skip("Debian's prometheus is not installed (scripts/setup.sh installs it)")
-    return exe
-
-
-def query(prom: str, q: str) -> list[dict]:
-    url = f"http://{prom}/api/v1/query?" + urllib.parse.urlencode({"query": q})
-    with urllib.request.urlopen(url, timeout=5) as r:
-        body = json.load(r)
-    assert body["status"] == "success", body
-    return body["data"]["result"]
+    return real_prometheus.binary()
 
 
 def one(prom: str, q: str) -> float:
@@ -112,15 +102,8 @@ def test_prometheus_scrapes_native_and_dashboard_names(procs, tmp_path, promethe
     npu_agent.kill(signal.SIGTERM)
     nodes = {n["node_id"]: n for n in nodes_json(addr)["nodes"]}
 
-    prom = f"127.0.0.1:{free_port()}"
-    pcfg = tmp_path / "prometheus.yml"
-    pcfg.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-                    f"scrape_configs:\n  - job_name: xpusense\n    static_configs:\n      - targets: ['{metrics}']\n")
-    check = subprocess.run([shutil.which("promtool") or "true", "check", "config", str(pcfg)],
-                           capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout + check.stderr
-    procs([prometheus_bin, f"--config.file={pcfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-           f"--web.listen-address={prom}", "--log.level=warn"], "prometheus")
+    prom = real_prometheus.start(procs, tmp_path, real_prometheus.SCRAPE_1S + "scrape_configs:\n"
+                                  + real_prometheus.scrape_job(metrics))
     wait_until(lambda: one(prom, 'up{job="xpusense"}') == 1.0, timeout_s=120, what="Prometheus to scrape the collector")
     wait_until(lambda: query(prom, "DCGM_FI_DEV_GPU_UTIL") and query(prom, "npu_chip_info_utilization"),
                timeout_s=120, what="the dashboard names in Prometheus")
@@ -258,12 +241,8 @@ def test_one_nodes_names_cannot_fail_the_scrape(procs, tmp_path, prometheus_bin)
     assert check.returncode in (0, 3), said          # 3: lint warnings only; 1: the text does not parse
     assert all(ACCEPTED_LINT.match(line) for line in said.splitlines()), said
 
-    prom = f"127.0.0.1:{free_port()}"
-    pcfg = tmp_path / "prometheus.yml"
-    pcfg.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-                    f"scrape_configs:\n  - job_name: xpusense\n    static_configs:\n      - targets: ['{metrics}']\n")
-    procs([prometheus_bin, f"--config.file={pcfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-           f"--web.listen-address={prom}", "--log.level=warn"], "prometheus")
+    prom = real_prometheus.start(procs, tmp_path, real_prometheus.SCRAPE_1S + "scrape_configs:\n"
+                                  + real_prometheus.scrape_job(metrics))
     up = wait_until(lambda: query(prom, 'up{job="xpusense"}'), timeout_s=120, what="Prometheus to scrape once")
     assert float(up[0]["value"][1]) == 1.0, "Prometheus refused the scrape"
     wait_until(lambda: query(prom, '{node="odd"}'), timeout_s=60, what="the odd node's series in Prometheus")

@@ -7,17 +7,15 @@ roll-ups, and Debian's real `prometheus` scraping them under the native names an
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import re
-import shutil
 import signal
 import sys
-import urllib.parse
-import urllib.request
 
 import grpc
 import pytest
+import real_prometheus
 from helpers import BIN, ROOT, free_port, nodes_json, series, wait_until
+from real_prometheus import label_values, query
 
 from xpusense.podresources.v1 import api_pb2, api_pb2_grpc
 
@@ -147,23 +145,6 @@ def by_gpu(prom: str, q: str) -> dict[str, float]:
     return {r["metric"].get("gpu", ""): float(r["value"][1]) for r in query(prom, q)}
 
 
-def label_values(prom: str, label: str, selector: str) -> list[str]:
-    """Grafana's label_values(SELECTOR, LABEL) variable query."""
-    url = f"http://{prom}/api/v1/label/{label}/values?" + urllib.parse.urlencode({"match[]": selector})
-    with urllib.request.urlopen(url, timeout=5) as r:
-        body = json.load(r)
-    assert body["status"] == "success", body
-    return sorted(body["data"])
-
-
-def query(prom: str, q: str) -> list[dict]:
-    url = f"http://{prom}/api/v1/query?" + urllib.parse.urlencode({"query": q})
-    with urllib.request.urlopen(url, timeout=5) as r:
-        body = json.load(r)
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
 def by_pod(prom: str, q: str, key: str = "pod") -> dict[str, float]:
     return {r["metric"].get(key, ""): float(r["value"][1]) for r in query(prom, q)}
 
@@ -173,9 +154,7 @@ def pod_labels(names) -> dict[str, str]:
 
 
 def test_each_pods_share_of_a_gpu_at_the_collector_and_in_prometheus(procs, tmp_path, libdir, kubelet):
-    prometheus_bin = shutil.which("prometheus")
-    if not prometheus_bin:
-        pytest.skip("Debian's prometheus is not installed (scripts/setup.sh installs it)")
+    real_prometheus.binary()
     addr, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     ccfg = tmp_path / "collector.toml"
     ccfg.write_text(f'[export.prometheus]\nenabled = true\nlisten = "{metrics}"\ncompat_names = true\n')
@@ -217,12 +196,8 @@ def test_each_pods_share_of_a_gpu_at_the_collector_and_in_prometheus(procs, tmp_
                                                           f"(want {want}, seen {seen})")
     agent.kill(signal.SIGTERM)   # the collector's latest values stand still from here on
 
-    prom = f"127.0.0.1:{free_port()}"
-    pcfg = tmp_path / "prometheus.yml"
-    pcfg.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-                    f"scrape_configs:\n  - job_name: xpusense\n    static_configs:\n      - targets: ['{metrics}']\n")
-    procs([prometheus_bin, f"--config.file={pcfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-           f"--web.listen-address={prom}", "--log.level=warn"], "prometheus")
+    prom = real_prometheus.start(procs, tmp_path, real_prometheus.SCRAPE_1S + "scrape_configs:\n"
+                                 + real_prometheus.scrape_job(metrics))
     wait_until(lambda: query(prom, "DCGM_FI_DEV_GPU_UTIL{pod!=''}"), timeout_s=120,
                what="Prometheus to scrape the pods' series")
 

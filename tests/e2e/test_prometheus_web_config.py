@@ -6,18 +6,17 @@ one over plain HTTP gets no answer, and a cluster scheduler replica serves its /
 from __future__ import annotations
 
 import base64
-import json
-import shutil
 import ssl
-import subprocess
 import urllib.error
 import urllib.parse
 import urllib.request
 
 import bcrypt
 import pytest
+import real_prometheus
 from cluster_support import cluster_config, module_cmd, nats_cluster, start_gateway  # noqa: F401
 from helpers import BIN, free_port, nodes_json, wait_until
+from real_prometheus import query
 
 from xpusense.collector.certs import make_certs
 
@@ -63,18 +62,8 @@ def assert_protected(metrics: str, ca: str) -> str:
     return body
 
 
-def query(prom: str, q: str) -> list[dict]:
-    url = f"http://{prom}/api/v1/query?" + urllib.parse.urlencode({"query": q})
-    with urllib.request.urlopen(url, timeout=5) as r:
-        body = json.load(r)
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
 def test_prometheus_scrapes_over_tls_with_basic_auth_and_is_refused_without(procs, tmp_path, web_config):
-    prometheus = shutil.which("prometheus")
-    if not prometheus:
-        pytest.skip("Debian's prometheus is not installed (scripts/setup.sh installs it)")
+    real_prometheus.binary()
     web, ca = web_config
     addr, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     ccfg = tmp_path / "collector.toml"
@@ -88,15 +77,8 @@ def test_prometheus_scrapes_over_tls_with_basic_auth_and_is_refused_without(proc
         return (f"  - job_name: {name}\n    scheme: {scheme}\n    tls_config:\n      ca_file: {ca}\n"
                 f"    basic_auth:\n      username: prometheus\n      password: {password}\n"
                 f"    static_configs:\n      - targets: ['{metrics}']\n")
-    pcfg = tmp_path / "prometheus.yml"
-    pcfg.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
-                    + job("good", "https", PASSWORD) + job("wrong", "https", "not-it") + job("plain", "http", PASSWORD))
-    check = subprocess.run([shutil.which("promtool") or "true", "check", "config", str(pcfg)],
-                           capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout + check.stderr
-    prom = f"127.0.0.1:{free_port()}"
-    procs([prometheus, f"--config.file={pcfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-           f"--web.listen-address={prom}", "--log.level=warn"], "prometheus")
+    prom = real_prometheus.start(procs, tmp_path, real_prometheus.SCRAPE_1S + "scrape_configs:\n" + job("good", "https", PASSWORD)
+                                 + job("wrong", "https", "not-it") + job("plain", "http", PASSWORD))
 
     def up() -> dict[str, str]:
         return {r["metric"]["job"]: r["value"][1] for r in query(prom, "up")}

@@ -6,16 +6,13 @@ DCGM_FI_DEV_XID_ERRORS is the last XID. promtool checks the shipped rules."""
 
 from __future__ import annotations
 
-import json
-import shutil
 import subprocess
 import sys
-import urllib.parse
-import urllib.request
 
-import pytest
+import real_prometheus
 import yaml
 from helpers import BIN, ROOT, free_port, nodes_json, series, wait_until
+from real_prometheus import api, query
 
 from xpusense.common import metric_names as m
 
@@ -63,13 +60,6 @@ event = 0.6 xid 31 1 0    # in GPU instance 1: counted for the GPU
     assert not any(s["name"] in (m.XID_ERRORS, m.LAST_XID) for r in quiet["rounds"] for s in r["samples"])
 
 
-def promtool() -> str:
-    exe = shutil.which("promtool")
-    if not exe:
-        pytest.skip("Debian's prometheus is not installed (scripts/setup.sh installs it)")
-    return exe
-
-
 def test_the_shipped_rules_fire_for_a_new_code_and_a_repeat_not_for_old_counts(tmp_path):
     """promtool's rule tests on the shipped expressions (annotations left out: they are text)."""
     rules = yaml.safe_load(RULES.read_text())
@@ -103,29 +93,21 @@ def test_the_shipped_rules_fire_for_a_new_code_and_a_repeat_not_for_old_counts(t
             expect("12m", "AscendNpuErrorCode"),
         ]}]}
     (tmp_path / "test.yaml").write_text(yaml.safe_dump(test))
-    r = subprocess.run([promtool(), "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    r = subprocess.run([real_prometheus.binary("promtool"), "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
-
-
-def prom_get(prom: str, path: str, **params: str) -> dict:
-    url = f"http://{prom}{path}" + ("?" + urllib.parse.urlencode(params) if params else "")
-    with urllib.request.urlopen(url, timeout=5) as r:
-        body = json.load(r)
-    assert body["status"] == "success", body
-    return body["data"]
 
 
 def firing(prom: str) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
-    for a in prom_get(prom, "/api/v1/alerts")["alerts"]:
+    for a in api(prom, "/api/v1/alerts")["alerts"]:
         if a["state"] == "firing":
             out.setdefault(a["labels"]["alertname"], []).append(a["labels"])
     return out
 
 
 def test_an_xid_from_the_fake_fires_the_shipped_alert_in_prometheus(procs, tmp_path, libdir):
-    tool, prometheus = promtool(), shutil.which("prometheus") or pytest.skip("no prometheus")
-    check = subprocess.run([tool, "check", "rules", str(RULES)], capture_output=True, text=True)
+    real_prometheus.binary()
+    check = subprocess.run([real_prometheus.binary("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True)
     assert check.returncode == 0 and "SUCCESS: 3 rules found" in check.stdout, check.stdout + check.stderr
 
     addr, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
@@ -158,15 +140,8 @@ event = 1 xid 13          # graphics engine exception: the application's
         ("gpu0", "79", 1.0, "counter"), ("gpu1", "13", 1.0, "counter")]
     assert {s["labels"]["device"]: s["value"] for s in series(n, m.LAST_XID)} == {"gpu0": 79.0, "gpu1": 13.0, "gpu2": 0.0}
 
-    prom = f"127.0.0.1:{free_port()}"
-    pcfg = tmp_path / "prometheus.yml"
-    pcfg.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
-                    f"rule_files: ['{RULES}']\n"
-                    f"scrape_configs:\n  - job_name: xpusense\n    static_configs:\n      - targets: ['{metrics}']\n")
-    check = subprocess.run([tool, "check", "config", str(pcfg)], capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout + check.stderr
-    procs([prometheus, f"--config.file={pcfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-           f"--web.listen-address={prom}", "--log.level=warn"], "prometheus")
+    prom = real_prometheus.start(procs, tmp_path, real_prometheus.SCRAPE_1S + f"rule_files: ['{RULES}']\n"
+                                 + "scrape_configs:\n" + real_prometheus.scrape_job(metrics))
 
     def both_firing() -> dict | None:
         f = firing(prom)
@@ -179,7 +154,7 @@ event = 1 xid 13          # graphics engine exception: the application's
     assert "AscendNpuErrorCode" not in alerts
 
     dcgm = {r["metric"]["gpu"]: float(r["value"][1])
-            for r in prom_get(prom, "/api/v1/query", query="DCGM_FI_DEV_XID_ERRORS")["result"]}
+            for r in query(prom, "DCGM_FI_DEV_XID_ERRORS")}
     assert dcgm == {"0": 79.0, "1": 13.0, "2": 0.0}
-    got = prom_get(prom, "/api/v1/query", query='xpusense_accelerator_xid_errors_total{device="gpu0"}')["result"]
+    got = query(prom, 'xpusense_accelerator_xid_errors_total{device="gpu0"}')
     assert [(r["metric"]["xid"], float(r["value"][1])) for r in got] == [("79", 1.0)]
