@@ -44,6 +44,15 @@ def text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def has_function(nv: Any, name: str) -> bool:
+    """Whether the loaded library exports `name` (older drivers lack the newer calls)."""
+    try:
+        nv._nvmlGetFunctionPointer(name)
+        return True
+    except nv.NVMLError:
+        return False
+
+
 def handle_key(handle: Any) -> int:
     """A hashable identity for an NVML device handle (a ctypes pointer)."""
     try:

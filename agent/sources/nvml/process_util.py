@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any
 
-from .library import SUCCESS, Unreadable, code, handle_key
+from .library import SUCCESS, Unreadable, code, handle_key, has_function
 from .processes import INSUFFICIENT_SIZE, pid_max, pid_problem
 
 log = logging.getLogger("xpusense.agent.nvml")
@@ -65,20 +65,13 @@ class ProcessUtilReader:
         self.nv = nv
         self.max_samples = max_samples
         self.limit = pid_max(procfs)
-        self.functions = [f for f in (NEWER, OLDER) if self._has(f)]
+        self.functions = [f for f in (NEWER, OLDER) if has_function(self.nv, f)]
         self.last_seen: dict[int, int] = {}    # handle -> timestamp (us) of the newest sample read from it
         self.older_only: set[int] = set()      # handles that refused the newer call
         self.over_bound = 0                    # reads that found more processes than max_samples
         self.left_out: dict[int, int] = {}     # handle -> processes left out for it, since the start
         self._infos = (_Info * max_samples)()
         self._samples = (_Sample * max_samples)()
-
-    def _has(self, name: str) -> bool:
-        try:
-            self.nv._nvmlGetFunctionPointer(name)
-            return True
-        except self.nv.NVMLError:
-            return False
 
     def describe(self) -> str:
         using = self.functions[0] if self.functions else "neither per-process utilisation call"

@@ -9,7 +9,7 @@ import logging
 import struct
 from typing import Any
 
-from .library import SUCCESS
+from .library import SUCCESS, has_function
 
 log = logging.getLogger("xpusense.agent.nvml")
 
@@ -65,20 +65,16 @@ class ProcessReader:
         self.function, self.size = self._choose()
         self.dropped = 0
 
-    def _has(self, name: str) -> bool:
-        try:
-            self.nv._nvmlGetFunctionPointer(name)
-            return True
-        except self.nv.NVMLError:
-            return False
-
     def _choose(self) -> tuple[str, int]:
         base = "nvmlDeviceGetComputeRunningProcesses"
-        if self._has(base + "_v3"):
-            if self._has("nvmlDeviceGetConfComputeMemSizeInfo") and not self._has("nvmlDeviceGetRunningProcessDetailList"):
+
+        def has(name: str) -> bool:
+            return has_function(self.nv, name)
+        if has(base + "_v3"):
+            if has("nvmlDeviceGetConfComputeMemSizeInfo") and not has("nvmlDeviceGetRunningProcessDetailList"):
                 return base + "_v3", 32      # R535.43-535.86
             return base + "_v3", 24
-        if self._has(base + "_v2"):
+        if has(base + "_v2"):
             return base + "_v2", 24
         return base, 16
 
