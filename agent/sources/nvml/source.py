@@ -28,7 +28,7 @@ log = logging.getLogger("xpusense.agent.nvml")
 
 SCHEMA = {
     "enabled": Key(bool, True),
-    "gpm": Key(bool, True, help="GPM metrics (HBM bandwidth, SM, tensor) on Hopper and newer"),
+    "gpm": Key(bool, True, help="GPM metrics (HBM bandwidth, SM, tensor, graphics engine) on Hopper and newer"),
     "events": Key(bool, True, help="watch XID and ECC events"),
     # How long one nvmlEventSetWait blocks: an event ends the wait at once, so this bounds only how soon
     # the thread sees stop() (close waits for it); each timeout is a wake-up of the agent (~0.15 ms).
