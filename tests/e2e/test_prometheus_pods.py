@@ -206,6 +206,10 @@ def test_each_pods_share_of_a_gpu_at_the_collector_and_in_prometheus(procs, tmp_
         TRAIN[0]: 0.6, SERVE[0]: 0.3, BENCH[0]: 0.5}
     assert by_pod(prom, "xpusense_accelerator_pod_memory_usage_bytes", "k8s_pod_name") == {
         TRAIN[0]: 6 * GIB, SERVE[0]: 3 * GIB, BENCH[0]: 4 * GIB}
+    # ...and each process's own utilisation, with its pod.
+    assert {(r["metric"]["pid"], r["metric"].get("k8s_pod_name")): float(r["value"][1]) for r in
+            query(prom, 'xpusense_accelerator_process_utilization_ratio{engine="sm"}')} == {
+        ("1001", TRAIN[0]): 0.6, ("1004", SERVE[0]): 0.3, ("1003", BENCH[0]): 0.5}
     # dcgm-exporter's names: the shared GPU once per pod, each with its own utilisation and memory...
     assert by_pod(prom, 'DCGM_FI_DEV_GPU_UTIL{gpu="0"}') == {TRAIN[0]: 60.0, SERVE[0]: 30.0}
     assert by_pod(prom, 'DCGM_FI_DEV_MEM_COPY_UTIL{gpu="0"}') == {TRAIN[0]: 20.0, SERVE[0]: 10.0}
