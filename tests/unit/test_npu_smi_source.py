@@ -127,7 +127,7 @@ def test_nearline_round_reads_the_ai_core_clocks_of_every_npu(source, scenario, 
                                                  (CLOCK, "aicore_rated"): 1000e6}
     assert {s.unit for s in samples if s.name == CLOCK} == {"Hz"}
     assert skipped(samples) == 0 and [s.labels for s in samples if s.name == SKIPPED_METRIC] == [{"tier": "nearline"}]
-    assert sorted(calls(tmp_path)[1:]) == sorted(f"info -t common -i {n}" for n in range(8))
+    assert sorted(calls(tmp_path)[1:]) == sorted([*(f"info -t common -i {n}" for n in range(8)), "info"])
 
 
 def test_common_not_supported_is_said_once_and_not_asked_again(source, scenario, tmp_path, caplog):
@@ -370,6 +370,29 @@ def test_910A_host_processes_and_model_from_info_m(scenario, tmp_path):
         pids = src.processes()
         assert len(pids) == 32
         assert pids[37656] == {"npu0-0"} and pids[37671] == {"npu7-0"}
+    finally:
+        src.close()
+
+
+def test_nearline_round_reads_each_processs_memory_from_the_table(scenario, tmp_path):
+    """npu-smi's only per-process figure: `Process memory(MB)` in `npu-smi info`'s table, read
+    again each nearline round (a process that started since setup is there) and labelled with its
+    pid, so agent/pods.py names its pod and agent/pod_rollup.py sums it per pod."""
+    shutil.copyfile(FIXTURES / "info-910A-2.txt", scenario / "info.txt")
+    shutil.copyfile(FIXTURES / "info-m-910A-1.txt", scenario / "info-m.txt")
+    src = NpuSmiSource(path=str(FAKE), timeout_s=GENEROUS_S, offline_timeout_s=GENEROUS_S,
+                       nearline_timeout_s=GENEROUS_S)
+    src.setup()
+    try:
+        (scenario / "info.txt").write_text((scenario / "info.txt").read_text().replace(
+            "| 0       0            | 37656         | hlt_host_devmm_          | 686 ",
+            "| 0       0            | 40001         | trainer                  | 30000"))
+        memory = {(s.labels["device"], s.labels["pid"]): s.value for s in src.collect(NEARLINE)
+                  if s.name == "xpusense.accelerator.process.memory.usage"}
+        assert len(memory) == 32
+        assert memory[("npu0-0", "40001")] == 30000 * MIB and ("npu0-0", "37656") not in memory
+        assert memory[("npu7-0", "37671")] == 686 * MIB
+        assert src.processes()[40001] == {"npu0-0"}
     finally:
         src.close()
 

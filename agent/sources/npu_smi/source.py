@@ -2,10 +2,9 @@
 
 Setup reads `npu-smi info` once (chips, versions, processes); the realtime tier then runs
 `npu-smi info -t usages -i N` for every NPU at once, the nearline tier `-t common` (AI Core clocks)
-and the offline tier `-t power|temp|health` the same way (runner.py), and a chip's change of
-health becomes an Event (its error codes also series: error_codes.py). An NPU whose npu-smi
-says it does not support `-t common` is not asked again (said once, listed in describe()).
-"""
+and `npu-smi info` (each process's memory), the offline tier `-t power|temp|health`, all through
+runner.py; a chip's change of health becomes an Event (its error codes also series:
+error_codes.py). An NPU whose npu-smi says it does not support `-t common` is not asked again."""
 
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from xpusense.common import catalog as common_catalog
+from xpusense.common import metric_names as m
 from xpusense.common.config import Key, positive
 
 from ..base import COUNTER, NEARLINE, OFFLINE, REALTIME, Event, Sample, Source, SourceError, SourceFamily, Unavailable
@@ -38,7 +38,7 @@ from .readings import (
 )
 from .runner import DEFAULT_MAX_OUTPUT_BYTES, CommandFailed, Job, Runner, TimedOut, command_line
 from .table import InfoChip, InfoTable, parse_info
-from .values import VENDOR, FieldError, ParseError, device_id, parse_number
+from .values import MIB, VENDOR, FieldError, ParseError, device_id, parse_number
 
 log = logging.getLogger("xpusense.agent.sources.npu_smi")
 
@@ -49,6 +49,7 @@ SKIPPED_METRIC = "xpusense.npu_smi.rounds.skipped"
 OVERSIZED_METRIC = "xpusense.npu_smi.calls.oversized"   # killed for printing more than max_output_bytes
 OFFLINE_TYPES = ("power", "temp", "health")
 NEARLINE_TYPES = ("common",)
+PROCESS_TABLE = "processes"   # the nearline round's `npu-smi info`, for its process table
 # How npu-smi says a query does not exist on a model ("This device does not support querying common.")
 NOT_SUPPORTED = re.compile(r"(?i)\bnot\s+support")
 
@@ -198,12 +199,17 @@ class NpuSmiSource(Source):
                          OFFLINE: (OFFLINE_TYPES, self.offline_timeout_s)}[tier]
         jobs: list[Job] = [((tier, n, t), args) for n in sorted(chips) for t in types
                            if command_line(args := ["info", "-t", t, "-i", str(n)]) not in unsupported]
+        if tier == NEARLINE:   # the process table, beside the clocks: each process's memory
+            jobs.append(((tier, -1, PROCESS_TABLE), ["info"]))
         finished, _ = self._runner.round(tier, jobs, budget)
         samples: list[Sample] = []
         errors: list[str] = []
         readings: list[HealthReading] = []
         for (_, npu, kind), args, result in finished:
             cmd = command_line(args)
+            if kind == PROCESS_TABLE and not isinstance(result, BaseException):
+                samples += self._process_memory(result, errors)
+                continue
             if kind in NEARLINE_TYPES and self._not_supported(cmd, result):
                 continue
             if isinstance(result, BaseException):
@@ -266,6 +272,20 @@ class NpuSmiSource(Source):
         found = health_readings(out, npu, known)
         readings += found
         return health_samples(found)
+
+    def _process_memory(self, text: str, errors: list[str]) -> list[Sample]:
+        """Each listed process's device memory (npu-smi's table has no per-process utilisation); the
+        pids are kept for the HBM watch as processes() keeps them."""
+        try:
+            table = parse_info(text)
+        except ParseError as e:
+            errors.append(str(e))
+            table = e.partial
+        with self._lock:
+            self._pids = table.pids()
+        return [Sample(m.PROCESS_MEMORY_USAGE, p.memory_mb * MIB, "By",
+                       {"device": p.device, "vendor": VENDOR, "pid": str(p.pid)})
+                for p in table.processes if p.memory_mb is not None]
 
     def _note_hbm_bandwidth(self, samples: list[Sample]) -> None:
         """Remember which chips' usages output has HBM bandwidth (for hbm_watch_coverage)."""
