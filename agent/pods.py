@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 
 import grpc
 
+from xpusense.common.metric_names import DEVICE_ASSIGNED
 from xpusense.common.supervise import TASKS
 from xpusense.podresources.v1 import api_pb2, api_pb2_grpc
 
@@ -346,7 +347,7 @@ class PodLabeler:
                 self._sent = {k for k, v in current.items() if v}
             now = time.time_ns()
             for key, value in current.items():
-                samples.append(Sample("xpusense.k8s.device.assigned", value, "1", dict(key), GAUGE, now))
+                samples.append(Sample(DEVICE_ASSIGNED, value, "1", dict(key), GAUGE, now))
         return samples
 
 

@@ -11,7 +11,7 @@ from xpusense.common import metric_names as m
 
 from .fleet_interface import FleetSeries
 
-ASSIGNED = "xpusense.k8s.device.assigned"
+ASSIGNED = m.DEVICE_ASSIGNED
 POD, NAMESPACE, CONTAINER = "k8s.pod.name", "k8s.namespace.name", "k8s.container.name"
 PodKey = tuple[str, str, str]   # pod, namespace, container
 

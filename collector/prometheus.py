@@ -36,7 +36,8 @@ log = logging.getLogger("xpusense.collector.prometheus")
 SANITIZED = "xpusense_collector_prometheus_sanitized"
 # The families the collector writes itself, by type: a node's series never takes these names.
 OWN = {"xpusense_node_connected": "gauge", "xpusense_diagnoses_open": "gauge",
-       "xpusense_diagnoses_opened": "counter", SANITIZED: "counter"}
+       "xpusense_diagnoses_opened": "counter", SANITIZED: "counter",
+       "xpusense_collector_prometheus_refused": "counter"}   # web_config.py's, with a web-config file
 
 # dcgm-exporter's names (NVIDIA/dcgm-exporter etc/default-counters.csv and etc/dcp-metrics-included.csv;
 # labels gpu, UUID, device, modelName, Hostname, as dcgm-exporter writes them): our series -> (name,

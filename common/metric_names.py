@@ -42,6 +42,7 @@ PROCESS_UTILIZATION = "xpusense.accelerator.process.utilization"   # label engin
 PROCESS_MEMORY_USAGE = "xpusense.accelerator.process.memory.usage"
 POD_UTILIZATION = "xpusense.accelerator.pod.utilization"     # label engine; sum of the pod's processes, capped at 1
 POD_MEMORY_USAGE = "xpusense.accelerator.pod.memory.usage"
+DEVICE_ASSIGNED = "xpusense.k8s.device.assigned"   # 1 while the kubelet assigns the device to the pod's container
 
 XID_ERRORS = "xpusense.accelerator.xid.errors"     # counter per device and XID code since the agent started
 LAST_XID = "xpusense.accelerator.xid.last"         # the last XID code seen on the device, 0 none

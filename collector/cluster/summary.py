@@ -49,11 +49,13 @@ _FORMAT_1_KEYS = {"v": "format", "n": "node", "b": "boot", "t": "last_seen_ns", 
                   "bd": "batches_duplicate", "s": "series", "r": "received_ns", "sk": "series_layout", "e": "events",
                   "dg": "diagnoses", "db": "diagnoses_boot", "dc": "counters", "do": "diagnoses_opened",
                   "w": "worker", "at": "written_ns"}
-# Kept series: the host's CPU, memory and network, and per accelerator utilisation, HBM, power,
-# temperature and health (no per-process or per-MIG-instance series): a few KB a node.
+# Kept series: the host's CPU, memory and network; per accelerator utilisation, HBM, power,
+# temperature, health, XID and error-code counts; per pod its use of each accelerator and the
+# kubelet's assignments (no per-process or per-MIG-instance series): a few KB a node.
 KEPT = frozenset({m.CPU_UTILIZATION, m.MEMORY_UTILIZATION, m.NETWORK_IO, m.GPU_UTILIZATION, m.GPU_MEMORY_USAGE,
                   m.GPU_MEMORY_LIMIT, m.GPU_MEMORY_UTILIZATION, m.HBM_BANDWIDTH_UTILIZATION, m.POWER, m.TEMPERATURE,
-                  m.HEALTH, m.MEMORY_FREE})
+                  m.HEALTH, m.MEMORY_FREE, m.XID_ERRORS, m.LAST_XID, m.NPU_ERROR_CODES, m.NPU_ERROR_CODE,
+                  m.POD_UTILIZATION, m.POD_MEMORY_USAGE, m.DEVICE_ASSIGNED})
 SKIPPED_LABELS = ("pid", "mig_instance")
 MAX_SERIES = 512          # kept series per node in a summary
 EVENTS_KEPT = 16

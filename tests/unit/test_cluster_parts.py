@@ -24,6 +24,7 @@ from xpusense.collector.cluster.subjects import (
     untoken,
 )
 from xpusense.collector.cluster.summary import MirrorNode, NodeLatest, decode
+from xpusense.common import metric_names as m
 from xpusense.v1 import telemetry_pb2 as pb
 
 
@@ -113,6 +114,29 @@ def test_summary_round_trip_and_takeover():
     assert d2["inventory"] == d["inventory"] and [e[0] for e in d2["events"]] == ["e3", "e2", "e1"]
     r.bye("gw/1")
     assert decode(r.encode("w2", 61))["streams"] == 0
+
+
+def test_a_summary_keeps_xid_counts_and_pod_use_for_the_replicas_metrics():
+    """What a scheduler replica's /metrics can alert on and label by pod: the XID and error-code
+    series, the pods' roll-ups and the kubelet's assignments (not the per-process series)."""
+    n = NodeLatest("n1", 0)
+    n.hello(pb.Hello(node_id="n1", boot_id="b1", inventory=pb.Inventory(hostname="h")), "gw/1", "p", 10)
+    b = pb.Batch(node_id="n1", boot_id="b1", seq=1)
+    pod = {"k8s.pod.name": "train-0", "k8s.namespace.name": "ml", "k8s.container.name": "trainer"}
+    for name, kind, labels, value in (
+            (m.XID_ERRORS, pb.COUNTER, {"device": "gpu0", "xid": "79"}, 1.0),
+            (m.LAST_XID, pb.GAUGE, {"device": "gpu0"}, 79.0),
+            (m.NPU_ERROR_CODES, pb.COUNTER, {"device": "npu0-0", "code": "0x80E18401"}, 2.0),
+            (m.NPU_ERROR_CODE, pb.GAUGE, {"device": "npu0-0"}, float(0x80E18401)),
+            (m.POD_UTILIZATION, pb.GAUGE, {"device": "gpu0", "engine": "sm", **pod}, 0.6),
+            (m.POD_MEMORY_USAGE, pb.GAUGE, {"device": "gpu0", **pod}, 6e9),
+            (m.DEVICE_ASSIGNED, pb.GAUGE, {"device": "gpu0", **pod}, 1.0),
+            (m.PROCESS_UTILIZATION, pb.GAUGE, {"device": "gpu0", "engine": "sm", "pid": "7"}, 0.6)):
+        b.samples.add(name=name, unit="1", kind=kind, labels=labels, value=value, time_unix_nano=1_000_000_000)
+    assert n.apply(b, 20)
+    kept = {s.name: s.value for s in MirrorNode(decode(n.encode("w1", 30))).series.values()}
+    assert kept == {m.XID_ERRORS: 1.0, m.LAST_XID: 79.0, m.NPU_ERROR_CODES: 2.0, m.NPU_ERROR_CODE: float(0x80E18401),
+                    m.POD_UTILIZATION: 0.6, m.POD_MEMORY_USAGE: 6e9, m.DEVICE_ASSIGNED: 1.0}
 
 
 def test_a_summary_of_format_1_is_read_as_its_writer_wrote_it():
