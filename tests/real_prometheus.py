@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import BIN, free_port, nodes_json, wait_until
 
 SCRAPE_1S = "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
 
@@ -60,3 +60,14 @@ def query(prom: str, q: str) -> list[dict]:
 def label_values(prom: str, label: str, selector: str) -> list[str]:
     """Grafana's label_values(SELECTOR, LABEL) variable query."""
     return sorted(api(prom, f"/api/v1/label/{label}/values", **{"match[]": selector}))
+
+
+def collector_with_metrics(procs, tmp_path: Path) -> tuple[str, str]:
+    """A collector serving /metrics with the dashboards' names too (compat_names); its gRPC and
+    /metrics addresses, once it answers."""
+    addr, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    ccfg = tmp_path / "collector.toml"
+    ccfg.write_text(f'[export.prometheus]\nenabled = true\nlisten = "{metrics}"\ncompat_names = true\n')
+    procs([str(BIN / "xpusense-collector"), "serve", "--config", str(ccfg), "--listen", addr], "collector")
+    wait_until(lambda: nodes_json(addr) is not None, what="collector to answer")
+    return addr, metrics

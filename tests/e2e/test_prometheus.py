@@ -18,7 +18,7 @@ import urllib.request
 import grpc
 import pytest
 import real_prometheus
-from helpers import BIN, FAST_HOST_ONLY, ROOT, free_port, nodes_json, series, wait_until
+from helpers import BIN, FAST_HOST_ONLY, ROOT, nodes_json, series, wait_until
 from real_prometheus import query
 
 from xpusense.collector.prometheus import prom_labels, prom_name
@@ -63,12 +63,7 @@ def one(prom: str, q: str) -> float:
 
 
 def test_prometheus_scrapes_native_and_dashboard_names(procs, tmp_path, prometheus_bin, libdir):
-    addr = f"127.0.0.1:{free_port()}"
-    metrics = f"127.0.0.1:{free_port()}"
-    ccfg = tmp_path / "collector.toml"
-    ccfg.write_text(f'[export.prometheus]\nenabled = true\nlisten = "{metrics}"\ncompat_names = true\n')
-    procs([str(BIN / "xpusense-collector"), "serve", "--config", str(ccfg), "--listen", addr], "collector")
-    wait_until(lambda: nodes_json(addr) is not None, what="collector to answer")
+    addr, metrics = real_prometheus.collector_with_metrics(procs, tmp_path)
     acfg = tmp_path / "agent.toml"
     acfg.write_text(AGENT)
     npu_dir = tmp_path / "npu-scenario"
@@ -207,12 +202,7 @@ ACCEPTED_LINT = re.compile(r"^\S+ (use base unit \"\w+\" instead of \"\w+\"|metr
 
 
 def test_one_nodes_names_cannot_fail_the_scrape(procs, tmp_path, prometheus_bin):
-    addr = f"127.0.0.1:{free_port()}"
-    metrics = f"127.0.0.1:{free_port()}"
-    ccfg = tmp_path / "collector.toml"
-    ccfg.write_text(f'[export.prometheus]\nenabled = true\nlisten = "{metrics}"\ncompat_names = true\n')
-    procs([str(BIN / "xpusense-collector"), "serve", "--config", str(ccfg), "--listen", addr], "collector")
-    wait_until(lambda: nodes_json(addr) is not None, what="collector to answer")
+    addr, metrics = real_prometheus.collector_with_metrics(procs, tmp_path)
     acfg = tmp_path / "agent.toml"
     acfg.write_text(FAST_HOST_ONLY)
     procs([str(BIN / "xpusense-agent"), "run", "--config", str(acfg), "--collector", addr, "--node-id", "plain"],

@@ -14,7 +14,7 @@ import sys
 import grpc
 import pytest
 import real_prometheus
-from helpers import BIN, ROOT, free_port, nodes_json, series, wait_until
+from helpers import BIN, ROOT, nodes_json, series, wait_until
 from real_prometheus import label_values, query
 
 from xpusense.podresources.v1 import api_pb2, api_pb2_grpc
@@ -155,11 +155,7 @@ def pod_labels(names) -> dict[str, str]:
 
 def test_each_pods_share_of_a_gpu_at_the_collector_and_in_prometheus(procs, tmp_path, libdir, kubelet):
     real_prometheus.binary()
-    addr, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    ccfg = tmp_path / "collector.toml"
-    ccfg.write_text(f'[export.prometheus]\nenabled = true\nlisten = "{metrics}"\ncompat_names = true\n')
-    procs([str(BIN / "xpusense-collector"), "serve", "--config", str(ccfg), "--listen", addr], "collector")
-    wait_until(lambda: nodes_json(addr) is not None, what="collector to answer")
+    addr, metrics = real_prometheus.collector_with_metrics(procs, tmp_path)
     acfg = tmp_path / "agent.toml"
     acfg.write_text(AGENT.format(socket=kubelet))
     scn = write_scenario(tmp_path, h100s(2) + SCENARIO)

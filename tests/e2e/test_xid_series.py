@@ -11,7 +11,7 @@ import sys
 
 import real_prometheus
 import yaml
-from helpers import BIN, ROOT, free_port, nodes_json, series, wait_until
+from helpers import BIN, ROOT, nodes_json, series, wait_until
 from real_prometheus import api, query
 
 from xpusense.common import metric_names as m
@@ -110,11 +110,7 @@ def test_an_xid_from_the_fake_fires_the_shipped_alert_in_prometheus(procs, tmp_p
     check = subprocess.run([real_prometheus.binary("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True)
     assert check.returncode == 0 and "SUCCESS: 3 rules found" in check.stdout, check.stdout + check.stderr
 
-    addr, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    ccfg = tmp_path / "collector.toml"
-    ccfg.write_text(f'[export.prometheus]\nenabled = true\nlisten = "{metrics}"\ncompat_names = true\n')
-    procs([str(BIN / "xpusense-collector"), "serve", "--config", str(ccfg), "--listen", addr], "collector")
-    wait_until(lambda: nodes_json(addr) is not None, what="collector to answer")
+    addr, metrics = real_prometheus.collector_with_metrics(procs, tmp_path)
     acfg = tmp_path / "agent.toml"
     acfg.write_text(AGENT)
     scn = write_scenario(tmp_path, h100s(3) + """
