@@ -46,6 +46,19 @@ backoff_initial_s = 0.05
 backoff_max_s = 0.3
 """ + HOST_SOURCES_ONLY
 
+# An agent on the fake NVML with every tier within 3 s and no eBPF (tests attach probes only to
+# namespaces they create).
+FAST_NO_EBPF = """
+[tiers]
+realtime_s = 1.0
+nearline_s = 2.0
+offline_s = 3.0
+[stream]
+flush_s = 0.1
+[sources.ebpf]
+enabled = false
+"""
+
 
 # Figures of the fault and attack tests (produced, stored, duplicated, dropped, RSS...), printed at
 # the end of the run by tests/conftest.py.

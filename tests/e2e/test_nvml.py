@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import BIN, ROOT, free_port, nodes_json, series, wait_until
+from helpers import BIN, FAST_NO_EBPF, ROOT, free_port, nodes_json, series, wait_until
 
 sys.path.insert(0, str(ROOT / "tests"))
 from fakes.nvml import fakenvml  # noqa: E402
@@ -127,24 +127,13 @@ def test_no_library_means_unavailable_with_the_reason():
     assert rows["nvml"]["state"] == "unavailable" and "libnvidia-ml.so.1 not found" in rows["nvml"]["reason"]
 
 
-FAST = """
-[tiers]
-realtime_s = 1.0
-nearline_s = 2.0
-offline_s = 3.0
-[stream]
-flush_s = 0.1
-[sources.ebpf]
-enabled = false   # tests attach probes only to namespaces they create
-"""
-
 
 def test_agent_and_collector_show_8_gpus_updating(libdir, procs, tmp_path):
     addr = f"127.0.0.1:{free_port()}"
     procs([str(BIN / "xpusense-collector"), "serve", "--listen", addr], "collector")
     wait_until(lambda: nodes_json(addr) is not None, what="collector")
     cfg = tmp_path / "a.toml"
-    cfg.write_text(FAST)
+    cfg.write_text(FAST_NO_EBPF)
     env = fakenvml.env(libdir, fakenvml.scenario("h100x8"))
     procs([str(BIN / "xpusense-agent"), "run", "--config", str(cfg), "--collector", addr, "--node-id", "gpu-node"],
           "agent", env=env)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from helpers import BIN, ROOT, free_port, nodes_json, series, wait_until
+from helpers import BIN, FAST_NO_EBPF, ROOT, free_port, nodes_json, series, wait_until
 
 sys.path.insert(0, str(ROOT / "tests/fakes/nvml"))
 import fakenvml  # noqa: E402
@@ -139,24 +139,13 @@ process_util = 3003 10 5 0 0
                                                      "4 process(es) left out"
 
 
-FAST = """
-[tiers]
-realtime_s = 1.0
-nearline_s = 2.0
-offline_s = 3.0
-[stream]
-flush_s = 0.1
-[sources.ebpf]
-enabled = false
-"""
-
 
 def test_each_process_utilisation_at_a_real_collector(libdir, procs, tmp_path):
     addr = f"127.0.0.1:{free_port()}"
     procs([str(BIN / "xpusense-collector"), "serve", "--listen", addr], "collector")
     wait_until(lambda: nodes_json(addr) is not None, what="collector")
     cfg = tmp_path / "a.toml"
-    cfg.write_text(FAST)
+    cfg.write_text(FAST_NO_EBPF)
     scn = write_scenario(tmp_path, h100s(1) + SHARED)
     procs([str(BIN / "xpusense-agent"), "run", "--config", str(cfg), "--collector", addr, "--node-id", "shared-gpu"],
           "agent", env=fakenvml.env(libdir, scn))
