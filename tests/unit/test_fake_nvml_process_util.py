@@ -3,6 +3,7 @@ samples since a timestamp, NOT_FOUND, the size handshake, the versioned struct, 
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -25,7 +26,9 @@ process_util = 3002 50 20 7 0 0 1    # idle from t = 1
 
 
 def test_samples_since_a_timestamp_not_found_and_the_size_handshake(libdir, tmp_path):
-    t0 = time.time() - 2.1          # scenario second 2.1 now: 3001 and 3003 sampled at t = 2.0, 3002 last at 0.75
+    # Scenario second ~2.06 now: 3001 and 3003 sampled at t = 2.0, 3002 last at 0.75. t0 a whole
+    # sixteenth of a second, so every stamp is a whole microsecond however the fake rounds.
+    t0 = math.floor(time.time() * 16) / 16 - 2.0625
     out = run_py(libdir, write(tmp_path, "u.scn", SCN), """
         nv.nvmlInit()
         h = nv.nvmlDeviceGetHandleByIndex(0)
