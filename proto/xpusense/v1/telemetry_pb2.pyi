@@ -19,14 +19,16 @@ COUNTER: MetricKind
 HISTOGRAM: MetricKind
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "batch", "inventory")
+    __slots__ = ("hello", "batch", "inventory", "series")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    SERIES_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     batch: Batch
     inventory: Inventory
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ...) -> None: ...
+    series: SeriesTable
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., series: _Optional[_Union[SeriesTable, _Mapping]] = ...) -> None: ...
 
 class CollectorMessage(_message.Message):
     __slots__ = ("ack", "welcome")
@@ -37,26 +39,30 @@ class CollectorMessage(_message.Message):
     def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("node_id", "boot_id", "agent_version", "inventory", "time_unix_nano")
+    __slots__ = ("node_id", "boot_id", "agent_version", "inventory", "time_unix_nano", "batch_encodings")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     TIME_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ENCODINGS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     boot_id: str
     agent_version: str
     inventory: Inventory
     time_unix_nano: int
-    def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., time_unix_nano: _Optional[int] = ...) -> None: ...
+    batch_encodings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., time_unix_nano: _Optional[int] = ..., batch_encodings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("boot_id", "stored_up_to")
+    __slots__ = ("boot_id", "stored_up_to", "batch_encoding")
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     STORED_UP_TO_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ENCODING_FIELD_NUMBER: _ClassVar[int]
     boot_id: str
     stored_up_to: int
-    def __init__(self, boot_id: _Optional[str] = ..., stored_up_to: _Optional[int] = ...) -> None: ...
+    batch_encoding: str
+    def __init__(self, boot_id: _Optional[str] = ..., stored_up_to: _Optional[int] = ..., batch_encoding: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("boot_id", "seq", "duplicate")
@@ -133,20 +139,36 @@ class Event(_message.Message):
     def __init__(self, id: _Optional[str] = ..., type: _Optional[str] = ..., severity: _Optional[str] = ..., device: _Optional[str] = ..., message: _Optional[str] = ..., attributes: _Optional[_Mapping[str, str]] = ..., time_unix_nano: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("node_id", "boot_id", "seq", "samples", "events", "sent_unix_nano")
+    __slots__ = ("node_id", "boot_id", "seq", "samples", "events", "sent_unix_nano", "columns")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     boot_id: str
     seq: int
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     events: _containers.RepeatedCompositeFieldContainer[Event]
     sent_unix_nano: int
-    def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., seq: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., sent_unix_nano: _Optional[int] = ...) -> None: ...
+    columns: bytes
+    def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., seq: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., sent_unix_nano: _Optional[int] = ..., columns: _Optional[bytes] = ...) -> None: ...
+
+class SeriesTable(_message.Message):
+    __slots__ = ("boot_id", "defs")
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    DEFS_FIELD_NUMBER: _ClassVar[int]
+    boot_id: str
+    defs: bytes
+    def __init__(self, boot_id: _Optional[str] = ..., defs: _Optional[bytes] = ...) -> None: ...
+
+class SeriesDefs(_message.Message):
+    __slots__ = ("series",)
+    SERIES_FIELD_NUMBER: _ClassVar[int]
+    series: _containers.RepeatedCompositeFieldContainer[Sample]
+    def __init__(self, series: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
 class Interconnect(_message.Message):
     __slots__ = ("type", "bandwidth")
