@@ -1,0 +1,94 @@
+"""The series definitions of the compact encoding (common/compact.py) the collector holds: per node
+and agent boot, each series_ref's name, unit, kind and labels, as the agent's SeriesTables gave
+them. What turns a compact batch back into the samples the Sample encoding would have carried
+(`expand`), for the fleet state, the store's replay and the exporters alike."""
+
+from __future__ import annotations
+
+import collections
+
+from xpusense.common import compact
+from xpusense.v1 import telemetry_pb2 as pb
+
+
+class MissingDefinition(LookupError):
+    """A compact batch uses a series_ref its boot has no definition for."""
+
+    def __init__(self, node_id: str, boot_id: str, ref: int):
+        super().__init__(f"no definition for series_ref {ref} of node {node_id!r} boot {boot_id!r} "
+                         "(the agent sends one before the first batch using it on each stream)")
+        self.node_id, self.boot_id, self.ref = node_id, boot_id, ref
+
+
+class SeriesDictionary:
+    """(node, boot) -> {series_ref: definition}. A boot holds at most `max_per_boot` definitions:
+    past that a table's further ones are dropped and counted (`hits`), and batches using them are
+    refused as missing a definition, never read as something else."""
+
+    def __init__(self, max_per_boot: int = 200_000):
+        self.max_per_boot = max_per_boot
+        self.boots: dict[tuple[str, str], dict[int, pb.Sample]] = {}
+        self.hits: collections.Counter[str] = collections.Counter()
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self.boots.values())
+
+    def add(self, node_id: str, boot_id: str, defs: list[pb.Sample]) -> int:
+        """A SeriesTable's definitions kept (one given again replaces the one held); how many were
+        dropped over the bound is returned and counted. A definition without a ref is ignored."""
+        held = self.boots.setdefault((node_id, boot_id), {})
+        dropped = 0
+        for d in defs:
+            if not d.series_ref:
+                continue
+            if d.series_ref not in held and len(held) >= self.max_per_boot:
+                dropped += 1
+                continue
+            d.ClearField("value")
+            d.ClearField("time_unix_nano")
+            d.ClearField("histogram")
+            held[d.series_ref] = d
+        if dropped:
+            self.hits["limits.max_series_per_boot.definitions_dropped"] += dropped
+        return dropped
+
+    def definitions(self, node_id: str, boot_id: str) -> dict[int, pb.Sample]:
+        return self.boots.get((node_id, boot_id)) or {}
+
+    def check(self, node_id: str, boot_id: str, refs: tuple[int, ...] | list[int]) -> None:
+        """MissingDefinition for the first of `refs` with no definition (0: a sample of its own)."""
+        held = self.boots.get((node_id, boot_id)) or {}
+        for r in refs:
+            if r and r not in held:
+                raise MissingDefinition(node_id, boot_id, r)
+
+    def expand(self, batch: pb.Batch, columns: compact.Columns) -> list[pb.Sample]:
+        """The samples of a compact batch (its columns', then those it carries whole) as the Sample
+        encoding would have carried them; MissingDefinition where a ref has none."""
+        held = self.definitions(batch.node_id, batch.boot_id)
+        out = []
+        hists = columns.histograms
+        for i, row in enumerate(columns.rows()):
+            d = held.get(row[0])
+            if d is None:
+                raise MissingDefinition(batch.node_id, batch.boot_id, row[0])
+            out.append(compact.sample(d, row, hists.get(i)))
+        out.extend(batch.samples)
+        return out
+
+    def forget(self, node_id: str, boot_id: str | None = None) -> None:
+        """A boot's definitions let go (every boot of the node: boot_id None)."""
+        if boot_id is not None:
+            self.boots.pop((node_id, boot_id), None)
+        else:
+            for key in [k for k in self.boots if k[0] == node_id]:
+                del self.boots[key]
+
+    def image(self) -> list[tuple[str, str, bytes]]:
+        """Everything held, as (node, boot, SeriesTable.defs) rows: what a snapshot keeps."""
+        return [(node, boot, compact.encode_defs(held.values())) for (node, boot), held in self.boots.items()]
+
+    def restore(self, image: list, max_bytes: int) -> None:
+        """The rows of `image()` taken back (compact.CompactError where one does not decode)."""
+        for node, boot, defs in image:
+            self.add(node, boot, compact.decode_defs(defs, max_bytes))
