@@ -15,10 +15,12 @@ from . import clock as agent_clock
 from . import columns, idle
 from .batch_rows import BatchRows
 from .diagnoses import Diagnoses
+from .limits import DEFAULTS as LIMITS
 from .limits import seq_ceiling
 from .node_pages import list_nodes
 from .node_series import MAX_REFS, NodeSeries
 from .series import Series, read_labels, series_key
+from .series_dictionary import SeriesDictionary
 from .series_history import POINT_BYTES, points_of
 
 log = logging.getLogger("xpusense.collector")
@@ -90,6 +92,9 @@ class FleetState:
         # the collector sets it to when the store was last written, for seq_ceiling.
         self.restored_at_ns = clock()
         self.max_series_per_node: int | None = None   # set by the server from limits.max_series_per_node
+        # The compact encoding's series definitions per (node, boot) (collector/series_dictionary.py),
+        # bounded per boot as a node's series are (limits.max_series_per_node).
+        self.dictionary = SeriesDictionary(LIMITS["max_series_per_node"])
         self.counters: collections.Counter[str] = collections.Counter()
         # Memory ([state]): the history's points per series now (history_points until a budget cuts it).
         self.history_cap = self.history_points
@@ -216,6 +221,7 @@ class FleetState:
             del n.stored_up_to[old]
             n.mark_at.pop(old, None)
             n.refs.pop(old, None)
+            self.dictionary.forget(n.node_id, old)
 
     def restore_inventory(self, node_id: str, boot_id: str, inv: pb.Inventory) -> None:
         """Replay of the durable store: the node's last inventory, without a live stream."""
