@@ -35,6 +35,7 @@ DEVICES = 8
 # through the environment so that spawned load-generator processes see it too.
 NO_SERIES_REF = os.environ.get("XPUSENSE_BENCH_NO_SERIES_REF") == "1"
 BDP_PROBE = os.environ.get("XPUSENSE_BENCH_BDP_PROBE") == "1"   # --bdp-probe, likewise
+COMPACT = os.environ.get("XPUSENSE_BENCH_COMPACT") == "1"        # --compact, likewise
 # --idle-share: this share of the agents (every agent whose index % 100 is below it x 100) send
 # idle accelerators: their gauges the same every round (utilisation, HBM used, bandwidth...), their
 # counters still counting; the others' gauges move every round (the default: all of them).
@@ -106,8 +107,10 @@ def percentile(sorted_vals: list[float], q: float) -> float:
 # -- one worker process: several simulated agents on one asyncio loop ---------------------------------
 class SimAgent:
     def __init__(self, index: int, vendor: str):
+        from xpusense.common import compact
         from xpusense.v1 import telemetry_pb2 as pb
-        self.pb = pb
+        self.pb, self.compact = pb, compact
+        self.compact_mode = COMPACT
         self.node_id = f"{NODE_PREFIX}{index:05d}"
         self.idle = index % 100 < IDLE_SHARE * 100
         self.boot_id = uuid.uuid4().hex
@@ -139,6 +142,7 @@ class SimAgent:
         self._template(b)
         self.hello = pb.AgentMessage(hello=pb.Hello(
             node_id=self.node_id, boot_id=self.boot_id, agent_version="bench", time_unix_nano=time.time_ns(),
+            batch_encodings=[compact.ENCODING] if self.compact_mode else [],
             inventory=pb.Inventory(hostname=self.node_id, labels={"cloud": "bench"}, resources=[
                 pb.Resource(type="GPU" if vendor == "nvidia" else "NPU", vendor=vendor,
                             model="A100-SXM4-40GB" if vendor == "nvidia" else "Ascend-910B", id=str(d),
@@ -186,6 +190,26 @@ class SimAgent:
         if mine != self.msg.SerializeToString(deterministic=True):
             assert self.pb.AgentMessage.FromString(mine) == self.msg, f"{self.node_id}: bench batch != protobuf's"
 
+    def series_table(self) -> bytes:
+        """AgentMessage{series}: every series' definition, sent first on a compact stream."""
+        defs = []
+        for s in self.msg.batch.samples:
+            d = self.pb.Sample()
+            d.CopyFrom(s)
+            d.ClearField("value")
+            d.ClearField("time_unix_nano")
+            defs.append(d)
+        return self.pb.AgentMessage(series=self.pb.SeriesTable(
+            boot_id=self.boot_id, defs=self.compact.encode_defs(defs))).SerializeToString()
+
+    def _compact_bytes(self, seq: int, now: int) -> bytes:
+        """The batch in the compact encoding: the samples' values in their order (the pieces hold
+        them at 1, 6, 11, ...), refs 1..N, one time."""
+        rows = [(i + 1, now, v) for i, v in enumerate(self.pieces[1::5])]
+        batch = self.pb.Batch(node_id=self.header[0], boot_id=self.header[1], seq=seq, sent_unix_nano=now,
+                              columns=self.compact.encode_columns(rows)).SerializeToString()
+        return b"\x12" + _varint(len(batch)) + batch
+
     def _bytes(self, seq: int, now: int) -> bytes:
         pb, pieces = self.pb, self.pieces
         t = _varint(now)
@@ -209,7 +233,7 @@ class SimAgent:
             pieces[i] += step
         self.sent_ns[self.seq] = now
         self.sent += 1
-        return self._bytes(self.seq, now)
+        return (self._compact_bytes if self.compact_mode else self._bytes)(self.seq, now)
 
 
 def _varint(n: int) -> bytes:
@@ -252,6 +276,10 @@ async def run_agent(ag: SimAgent, address: str, rate: float, window: int, phase_
                     first = await call.read()
                 if first is grpc.aio.EOF or not first.HasField("welcome"):
                     raise RuntimeError(f"no Welcome: {first!r}")
+                if ag.compact_mode:
+                    if first.welcome.batch_encoding != ag.compact.ENCODING:
+                        raise RuntimeError(f"--compact: the collector chose {first.welcome.batch_encoding!r}")
+                    await call.write(ag.series_table())
                 break
             except grpc.aio.AioRpcError as e:
                 call.cancel()
@@ -499,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
                         "and restart replay figures")
     p.add_argument("--data-dir", metavar="DIR",
                    help="the durable store here (implies --durable; DIR must not hold a store yet, and is kept)")
+    p.add_argument("--compact", action="store_true",
+                   help="agents send the compact encoding (series definitions once, then columns)")
     p.add_argument("--no-series-ref", action="store_true",
                    help="send samples without series_ref (the collector then keys every sample by its labels)")
     p.add_argument("--bdp-probe", action="store_true",
@@ -571,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.no_series_ref:
         os.environ["XPUSENSE_BENCH_NO_SERIES_REF"] = "1"
+    if args.compact:
+        os.environ["XPUSENSE_BENCH_COMPACT"] = "1"
     if args.bdp_probe:
         os.environ["XPUSENSE_BENCH_BDP_PROBE"] = "1"
     os.environ["XPUSENSE_BENCH_IDLE_SHARE"] = repr(args.idle_share)

@@ -30,9 +30,10 @@ def build_c(name: str = "ingest_agents") -> str:
                          "or the Python client (--generator / --client python)")
     os.makedirs(os.path.dirname(binary), exist_ok=True)
     tmp = binary + f".{os.getpid()}"
-    r = subprocess.run([cc, "-O2", "-Wall", "-o", tmp, source, "-lnghttp2", "-lm"], capture_output=True, text=True)
+    r = subprocess.run([cc, "-O2", "-Wall", "-o", tmp, source, "-lnghttp2", "-lz", "-lm"], capture_output=True, text=True)
     if r.returncode != 0:
-        hint = " (apt-get install libnghttp2-dev)" if "nghttp2" in r.stderr else ""
+        hint = (" (apt-get install libnghttp2-dev)" if "nghttp2" in r.stderr
+                else " (apt-get install zlib1g-dev)" if "zlib" in r.stderr else "")
         raise SystemExit(f"bench: building {source} failed{hint}, or use the Python client "
                          f"(--generator / --client python):\n{r.stderr}")
     os.replace(tmp, binary)
@@ -54,15 +55,17 @@ def plan_lines(ag) -> list[str]:
     head = pb.Batch(node_id=node_id, boot_id=boot_id).SerializeToString()
     values = ([f"V {offsets[i]} g {ag.pieces[i]!r} {base!r}" for i, base in ag.gauges_at]
               + [f"V {offsets[i]} c {ag.pieces[i]!r} {step!r}" for i, step in ag.counters_at])
+    table = [f"S {ag.series_table().hex()}"] if ag.compact_mode else []
     return [f"A {ag.node_id} {ag.phase_s!r} {int(ag.idle)} {ag.hello.SerializeToString().hex()} {head.hex()} "
-            f"{body.hex()} {len(values)} {len(times)}", *values, "T " + " ".join(str(offsets[i]) for i in ag.time_at)]
+            f"{body.hex()} {len(values)} {len(times)}", *values, "T " + " ".join(str(offsets[i]) for i in ag.time_at),
+            *table]
 
 
 def write_plan(path: str, agents: list, address: str, rate: float, window: int, keepalive_ms: int) -> None:
     host, port = address.rsplit(":", 1)
     with open(path, "w") as f:
         f.write(f"host {host}\nport {port}\nrate {rate!r}\nwindow {window}\nkeepalive_ms {keepalive_ms}\n"
-                f"agents {len(agents)}\n")
+                f"compact {int(bool(agents) and agents[0].compact_mode)}\nagents {len(agents)}\n")
         for ag in agents:
             f.write("\n".join(plan_lines(ag)) + "\n")
 

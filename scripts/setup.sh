@@ -14,7 +14,7 @@ log() { echo "setup: $*"; }
 need=()
 # prometheus: the Prometheus e2e test's real server; systemd: `systemd-analyze verify` of the units;
 # systemd-container + debootstrap: the units under a live systemd (tests/privileged/test_systemd_units.py).
-for p in python3-venv python3-dev gcc libc6-dev libnghttp2-dev iproute2 procps prometheus systemd systemd-container debootstrap; do
+for p in python3-venv python3-dev gcc libc6-dev libnghttp2-dev zlib1g-dev iproute2 procps prometheus systemd systemd-container debootstrap; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || need+=("$p")
 done
 # prometheus-node-exporter and bpftrace: the peers bench/footprint.py measures the agent against (it

@@ -20,6 +20,10 @@
      stdin line:                "go GO T0 T1" (CLOCK_MONOTONIC seconds, as Python's time.monotonic)
                                 or "stop" (the parent gave up)
      stdout line 2:             the results as JSON (the Python worker's out_q dict)
+   With "compact 1" in the plan, the agents speak the compact encoding (common/compact.py): the
+   Hello offers it, the Welcome must choose it, a SeriesTable (the plan's S line) goes first, and a
+   batch's samples are zlib-compressed columns (refs 1..N, one time, the values in sample order),
+   as SimAgent builds them in Python (zlib's compress2 at level 6 = Python's zlib.compress(data, 6)).
    argv: PLAN_FILE --dump K NOW_NS: agent 0's next K batches (AgentMessage bytes, hex, a line each)
    with every time = NOW_NS, for the test that holds them equal to the Python generator's. */
 #define _GNU_SOURCE
@@ -38,6 +42,7 @@
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #define CONNECT_ATTEMPTS 5
 #define CONNECTS_IN_FLIGHT 32
@@ -55,6 +60,9 @@ typedef struct {
     uint8_t *body; size_t body_len;           /* the samples, values and times filled in per batch */
     int nv; size_t *v_off; char *v_kind; double *v_val, *v_arg;   /* g: arg = base; c: arg = step */
     int nt; size_t *t_off;
+    uint8_t *table; size_t table_len;         /* compact: AgentMessage{series} */
+    int *order;                               /* compact: the V entries in sample order */
+    uint8_t *raw, *z; size_t raw_len, z_cap;  /* compact: the columns, and compressed */
     /* connection */
     int fd, state, attempts;
     nghttp2_session *s;
@@ -73,6 +81,7 @@ typedef struct {
 } agent_t;
 
 static agent_t *agents;
+static int compact_mode;
 static int n_agents, window_ = 8, keepalive_ms = 10000, port;
 static double rate;
 static char host[64];
@@ -143,6 +152,11 @@ static void load_plan(const char *path) {
         else if (!strcmp(tok, "rate")) rate = strtod(strtok_r(NULL, " ", &save), NULL);
         else if (!strcmp(tok, "window")) window_ = atoi(strtok_r(NULL, " ", &save));
         else if (!strcmp(tok, "keepalive_ms")) keepalive_ms = atoi(strtok_r(NULL, " ", &save));
+        else if (!strcmp(tok, "compact")) compact_mode = atoi(strtok_r(NULL, " ", &save));
+        else if (!strcmp(tok, "S")) {
+            if (k < 0) die("plan: S line before an agent");
+            agents[k].table = unhex(strtok_r(NULL, " ", &save), &agents[k].table_len);
+        }
         else if (!strcmp(tok, "agents")) { n_agents = atoi(strtok_r(NULL, " ", &save)); agents = calloc(n_agents, sizeof(agent_t)); }
         else if (!strcmp(tok, "A")) {
             if (++k >= n_agents) die("plan: more agents than announced");
@@ -189,10 +203,71 @@ static size_t put_varint(uint8_t *p, uint64_t v) {
     return n;
 }
 
+static const agent_t *sorting;
+static int by_offset(const void *x, const void *y) {
+    size_t a = sorting->v_off[*(const int *)x], b = sorting->v_off[*(const int *)y];
+    return a < b ? -1 : a > b;
+}
+
+static void put_le(uint8_t *p, uint64_t v, int n) { for (int i = 0; i < n; i++) p[i] = (uint8_t)(v >> (8 * i)); }
+
+/* compact: the columns (version 1, n samples, first time, ref deltas, time deltas, values, no
+   histograms) compressed into a->z; returns the compressed length. */
+static size_t compact_columns(agent_t *a, int64_t now, double wobble) {
+    size_t n = a->nv;
+    if (!a->order) {
+        a->order = xmalloc(n * sizeof(int));
+        for (size_t i = 0; i < n; i++) a->order[i] = (int)i;
+        sorting = a;
+        qsort(a->order, n, sizeof(int), by_offset);
+        a->raw_len = 13 + 20 * n + 4;
+        a->raw = calloc(a->raw_len, 1);
+        if (!a->raw) die("out of memory");
+        a->raw[0] = 1;
+        put_le(a->raw + 1, n, 4);
+        for (size_t i = 0; i < n; i++) put_le(a->raw + 13 + 4 * i, 1, 4);   /* refs 1, 2, ... as deltas */
+        a->z_cap = compressBound(a->raw_len);
+        a->z = xmalloc(a->z_cap);
+    }
+    put_le(a->raw + 5, (uint64_t)now, 8);
+    uint8_t *vals = a->raw + 13 + 12 * n;
+    for (size_t k = 0; k < n; k++) {
+        int i = a->order[k];
+        double v = a->v_kind[i] == 'c' ? (a->v_val[i] += a->v_arg[i]) : a->v_arg[i] + wobble;
+        memcpy(vals + 8 * k, &v, 8);
+    }
+    uLongf zl = a->z_cap;
+    if (compress2(a->z, &zl, a->raw, a->raw_len, 6) != Z_OK) die("zlib compress2 failed");
+    return zl;
+}
+
 /* The next batch as a gRPC message (5-byte prefix + AgentMessage{batch}) appended to buf. */
 static void next_batch(agent_t *a, int64_t now, uint8_t **buf, size_t *len, size_t *cap) {
     a->seq++;
     double wobble = a->idle ? 0.0 : (double)(a->seq % 17) / 100.0;
+    if (compact_mode) {
+        size_t zl = compact_columns(a, now, wobble);
+        uint8_t mid[32]; size_t mn = 0;
+        mid[mn++] = 0x18; mn += put_varint(mid + mn, a->seq);          /* Batch.seq = 3 */
+        mid[mn++] = 0x30; mn += put_varint(mid + mn, (uint64_t)now);   /* Batch.sent_unix_nano = 6 */
+        mid[mn++] = 0x3a; mn += put_varint(mid + mn, zl);              /* Batch.columns = 7 */
+        size_t blen = a->head_len + mn + zl;
+        uint8_t pre[12]; size_t pn = 0;
+        pre[pn++] = 0x12; pn += put_varint(pre + pn, blen);
+        size_t mlen = pn + blen;
+        grow(buf, cap, *len + 5 + mlen);
+        uint8_t *p = *buf + *len;
+        p[0] = 0; p[1] = mlen >> 24; p[2] = mlen >> 16; p[3] = mlen >> 8; p[4] = mlen;
+        p += 5;
+        memcpy(p, pre, pn); p += pn;
+        memcpy(p, a->head, a->head_len); p += a->head_len;
+        memcpy(p, mid, mn); p += mn;
+        memcpy(p, a->z, zl);
+        *len += 5 + mlen;
+        a->sent_seq[a->seq % (window_ + 1)] = a->seq;
+        a->sent_ns[a->seq % (window_ + 1)] = now;
+        return;
+    }
     uint8_t t[10];
     size_t tn = put_varint(t, (uint64_t)now);
     if (tn != 9) die("a time that is not a 9-byte varint");
@@ -332,6 +407,15 @@ static void parse_in(agent_t *a) {
             p = qe;
             if (field == 2 && a->state == ST_HELLO) {
                 a->state = ST_READY; handshaking--; ready_n++;
+                if (compact_mode) {   /* the series' definitions before the first batch */
+                    grow(&a->out, &a->out_cap, a->out_len + 5 + a->table_len);
+                    uint8_t *t = a->out + a->out_len;
+                    t[0] = 0; t[1] = a->table_len >> 24; t[2] = a->table_len >> 16; t[3] = a->table_len >> 8;
+                    t[4] = a->table_len;
+                    memcpy(t + 5, a->table, a->table_len);
+                    a->out_len += 5 + a->table_len;
+                    queue_out(a);
+                }
             } else if (field == 1) {
                 uint64_t seq = 0; int dup = 0;
                 while (q < qe) {

@@ -27,12 +27,15 @@ def binary():
         pytest.fail(str(e))
 
 
-@pytest.mark.parametrize("index,vendor,idle", [(0, "nvidia", False), (1, "huawei", False), (37, "nvidia", True)])
-def test_c_agents_send_the_bytes_of_the_python_agent(binary, tmp_path, index, vendor, idle):
+@pytest.mark.parametrize("index,vendor,idle,compact", [(0, "nvidia", False, False), (1, "huawei", False, False),
+                                                     (37, "nvidia", True, False), (0, "nvidia", False, True)])
+def test_c_agents_send_the_bytes_of_the_python_agent(binary, tmp_path, index, vendor, idle, compact):
     """Twenty batches in a row (gauges wobbling with seq, counters counting, times stamped) are
-    byte for byte the Python generator's: the C generator offers the collector what it was measured on."""
+    byte for byte the Python generator's, as Sample messages and in the compact encoding (zlib's
+    own compression on both sides): the C generator offers the collector what it was measured on."""
     ag = SimAgent(index, vendor)
     ag.idle = idle
+    ag.compact_mode = compact
     ag.phase_s = 0.0
     plan = tmp_path / "plan"
     load_agents.write_plan(str(plan), [ag], "127.0.0.1:1", 1.0, 8, 10_000)
@@ -42,6 +45,12 @@ def test_c_agents_send_the_bytes_of_the_python_agent(binary, tmp_path, index, ve
     assert len(out) == 20
     for k, line in enumerate(out):
         assert bytes.fromhex(line) == ag.next_batch(now=now), f"batch {k + 1} of {ag.node_id} differs"
+        if compact:   # the same points as the Sample messages of that batch
+            from xpusense.common.compact import decode_columns
+            from xpusense.v1 import telemetry_pb2 as pb
+            full = pb.AgentMessage.FromString(ag._bytes(ag.seq, now)).batch
+            got = decode_columns(pb.AgentMessage.FromString(bytes.fromhex(line)).batch.columns, 5000)
+            assert got.rows() == [(s.series_ref, s.time_unix_nano, s.value) for s in full.samples]
 
 
 def test_c_agents_name_a_collector_they_cannot_reach(binary):
