@@ -49,6 +49,18 @@ NATS_SCHEMA = {
                          help="a gateway writes a boot's raised mark this long after it rose (a lagging mark only "
                               "means resends that JetStream's duplicate window drops)"),
     "marks_ttl_s": Key((int, float), 7 * 86400.0, positive, help="a boot's mark is forgotten this long after it last rose"),
+    "series_bucket": Key(str, "series", _bucket,
+                         help="KV: the compact encoding's series definitions the gateways write, per node, boot "
+                              "and table (every reader of the streams decodes compact batches with them)"),
+    "series_ttl_s": Key((int, float), 86400.0, positive,
+                        help="a table is let go this long after a gateway last wrote it (a stream's tables are "
+                             "written again past half of it); at least twice retention_s"),
+    "series_max_bytes": Key(int, 2**32, positive,
+                            help="bound of the series bucket (per replica): past it a table is refused and the "
+                                 "agent's stream ends (UNAVAILABLE); ~20 kB a node"),
+    "series_cache_boots": Key(int, 4096, between(1, 10**7),
+                              help="agent boots whose series definitions a worker, exporter or GetHistory "
+                                   "keeps (least recently used let go, counted); a miss loads them from the bucket"),
     "fleet_bucket": Key(str, "fleet", _bucket, help="KV: the per-node summaries the workers write"),
     "leases_bucket": Key(str, "leases", _bucket, help="KV: which worker owns which partition"),
     "summary_s": Key((int, float), 2.0, positive, help="a worker writes each changed node's summary this often"),
@@ -77,6 +89,10 @@ def check_nats(cfg, where: str) -> None:
     if n.lease_s < 2 * n.summary_s:
         raise ConfigError(f"{where}: 'nats.lease_s' ({n.lease_s:g}) must be at least twice 'nats.summary_s' "
                           f"({n.summary_s:g}): a worker renews its leases when it writes summaries")
+    if n.series_ttl_s < 2 * n.retention_s:
+        raise ConfigError(f"{where}: 'nats.series_ttl_s' ({n.series_ttl_s:g}) must be at least twice "
+                          f"'nats.retention_s' ({n.retention_s:g}): every batch the streams keep needs its "
+                          f"series definitions")
     if bool(n.tls_cert) != bool(n.tls_key):
         have, miss = ("tls_cert", "tls_key") if n.tls_cert else ("tls_key", "tls_cert")
         raise ConfigError(f"{where}: 'nats.{have}' is set but 'nats.{miss}' is not: a client certificate needs "

@@ -1,6 +1,6 @@
 """The connection to the NATS JetStream cluster and what cluster mode keeps in it: S streams of
-batches (the history, retention_s), and the KV buckets of marks, fleet summaries and partition
-leases. `ensure()` finds them; a gateway's (`create=True`, the only identity allowed to:
+batches (the history, retention_s), and the KV buckets of marks, fleet summaries, partition
+leases and series definitions. `ensure()` finds them; a gateway's (`create=True`, the only identity allowed to:
 nats_auth.py) also creates what is missing and updates what differs (the same config gives the
 same streams); workers, scheduler replicas and exporters wait for them.
 """
@@ -127,6 +127,7 @@ class Buckets:
     marks: Any
     fleet: Any
     leases: Any
+    series: Any = None   # the compact encoding's series definitions (series_defs.py)
 
 
 async def ensure(js, ncfg: Any, timeout_s: float = 60.0, create: bool = True) -> Buckets:
@@ -178,16 +179,18 @@ async def _ensure(js, ncfg: Any, create: bool) -> Buckets:
             await js.update_stream(want)
     storage = api.StorageType.FILE if ncfg.storage == "file" else api.StorageType.MEMORY
     kvs = []
-    for bucket, ttl, marker in ((ncfg.marks_bucket, ncfg.marks_ttl_s, None),
-                                (ncfg.fleet_bucket, ncfg.node_ttl_s, max(1.0, ncfg.summary_s)),
-                                (ncfg.leases_bucket, ncfg.lease_s, 1.0)):
+    for bucket, ttl, marker, max_bytes in ((ncfg.marks_bucket, ncfg.marks_ttl_s, None, -1),
+                                           (ncfg.fleet_bucket, ncfg.node_ttl_s, max(1.0, ncfg.summary_s), -1),
+                                           (ncfg.leases_bucket, ncfg.lease_s, 1.0, -1),
+                                           (ncfg.series_bucket, ncfg.series_ttl_s, None, ncfg.series_max_bytes)):
         try:
             kv = await js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
             if not create:
                 raise
             kv = await js.create_key_value(bucket=bucket, history=1, ttl=float(ttl), replicas=ncfg.replicas,
-                                           storage=storage, direct=True, limit_marker_ttl=marker)
+                                           storage=storage, direct=True, limit_marker_ttl=marker,
+                                           max_bytes=max_bytes)
         kvs.append(kv)
     return Buckets(*kvs)
 

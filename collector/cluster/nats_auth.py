@@ -66,20 +66,22 @@ def permissions(ncfg: Any) -> dict[str, dict[str, dict[str, list[str]]]]:
     """role -> {"publish": {"allow": [...], "deny": [...]}, "subscribe": {"allow": [...]}} for the
     [nats] table `ncfg` (deny wins over allow):
 
-        gateway    publishes batches, creates the streams and buckets, writes `marks`, reads `fleet`
-                   and the streams (snapshots, GetHistory)
+        gateway    publishes batches, creates the streams and buckets, writes `marks` and `series`,
+                   reads `fleet` and the streams (snapshots, GetHistory)
         worker     consumes the streams through its durable consumers, reads `marks`, writes `fleet`
                    and `leases`
         scheduler  reads `fleet` (list, then watch) and the streams (GetHistory)
         exporter   consumes the streams through its durable consumers, reads `fleet`
+
+    Every reader of the streams also reads `series` (the compact encoding's definitions).
 
     Every client gets replies on its own inbox prefix (`_INBOX.<role>`): one role cannot read what
     was delivered to another. A reader creates ephemeral consumers; a durable consumer is created,
     reset, pulled from and acknowledged only by the role it belongs to. Nobody may delete or purge
     a stream or a consumer."""
     streams = [stream_name(ncfg.prefix, i) for i in range(ncfg.streams)]
-    marks, fleet, leases = ncfg.marks_bucket, ncfg.fleet_bucket, ncfg.leases_bucket
-    kv = {b: f"KV_{b}" for b in (marks, fleet, leases)}
+    marks, fleet, leases, series = ncfg.marks_bucket, ncfg.fleet_bucket, ncfg.leases_bucket, ncfg.series_bucket
+    kv = {b: f"KV_{b}" for b in (marks, fleet, leases, series)}
     info = [f"{API}.INFO"] + [f"{API}.STREAM.INFO.{s}" for s in [*streams, *kv.values()]]   # ensure() looks them up
     read_streams = [x for s in streams for x in _reads(s)]
     owned = durables(ncfg)
@@ -87,11 +89,12 @@ def permissions(ncfg: Any) -> dict[str, dict[str, dict[str, list[str]]]]:
         "gateway": [f"{token(ncfg.prefix)}.*.*.*",
                     *(f"{API}.STREAM.{op}.{s}" for s in streams for op in ("CREATE", "UPDATE")),
                     *(f"{API}.STREAM.CREATE.{s}" for s in kv.values()),
-                    f"$KV.{marks}.>", *_reads(kv[marks]), *_reads(kv[fleet]), *read_streams],
+                    f"$KV.{marks}.>", *_reads(kv[marks]), *_reads(kv[fleet]), *read_streams,
+                    f"$KV.{series}.>", *_reads(kv[series])],
         "worker": [*read_streams, *_reads(kv[marks]), f"$KV.{fleet}.>", *_reads(kv[fleet]),
-                   f"$KV.{leases}.>", *_reads(kv[leases])],
-        "scheduler": [*_reads(kv[fleet]), *read_streams],
-        "exporter": [*read_streams, *_reads(kv[fleet])],
+                   f"$KV.{leases}.>", *_reads(kv[leases]), *_reads(kv[series])],
+        "scheduler": [*_reads(kv[fleet]), *read_streams, *_reads(kv[series])],
+        "exporter": [*read_streams, *_reads(kv[fleet]), *_reads(kv[series])],
     }
     out = {}
     for role in ROLES:

@@ -70,7 +70,7 @@ def test_each_role_is_allowed_only_its_part(tmp_path):
     assert "xpusense.*.*.*" in pub["gateway"] and not any(s.startswith("xpusense.") for r in ROLES if r != "gateway"
                                                           for s in pub[r])
     writes = {r: {s for s in pub[r] if s.startswith("$KV.")} for r in ROLES}
-    assert writes == {"gateway": {"$KV.marks.>"}, "worker": {"$KV.fleet.>", "$KV.leases.>"}, "scheduler": set(),
+    assert writes == {"gateway": {"$KV.marks.>", "$KV.series.>"}, "worker": {"$KV.fleet.>", "$KV.leases.>"}, "scheduler": set(),
                       "exporter": set()}
     creators = {r for r in ROLES if any(".STREAM.CREATE." in s or ".STREAM.UPDATE." in s for s in pub[r])}
     assert creators == {"gateway"}
