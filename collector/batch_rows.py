@@ -2,7 +2,8 @@
 from the bytes the batch came in by a C reader (collector/_wire_rows.c) where it was built, else
 through protobuf's objects (reading those from Python is the costly part of ingest). The usual batch
 (an agent's round: one time, its series in the order of their refs) is held as columns with no
-object per sample, which a frame takes in one call (columns.store_row); any other as rows."""
+object per sample, which a frame takes in one call (columns.store_row); any other as rows. A batch
+in the compact encoding (wire.CompactBatch) gives the columns it was decoded into."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import operator
 from array import array
 from typing import Any
 
-from .wire import WireBatch, _wire_rows
+from .wire import CompactBatch, WireBatch, _wire_rows
 
 # A sample's (series_ref, time_unix_nano, value), read through protobuf's objects.
 _ROW = operator.attrgetter("series_ref", "time_unix_nano", "value")
@@ -20,7 +21,10 @@ _FIRST = operator.itemgetter(0)
 
 def rows(batch: Any, wire: bytes | None = None) -> list[tuple[int, int, float]]:
     """(series_ref, time, value) of each of the batch's samples, in order: from `wire`, the batch's
-    bytes as received, by the C reader where it can (~5x faster), else from `batch`'s objects."""
+    bytes as received, by the C reader where it can (~5x faster), else from `batch`'s objects (a
+    compact batch: from its columns)."""
+    if batch.__class__ is CompactBatch:
+        return batch.rows()
     if wire is not None and _wire_rows is not None:
         got = _wire_rows.rows(wire)
         if got is not None:
@@ -29,9 +33,9 @@ def rows(batch: Any, wire: bytes | None = None) -> list[tuple[int, int, float]]:
 
 
 def _columns(batch: Any, wire: bytes | None) -> tuple[tuple[int, ...], int | None, bytes, bool] | None:
-    """The C reader's columns of the batch (refs, time, values, rising): a WireBatch's, read with
-    it; else read from `wire`; None where it cannot."""
-    if batch.__class__ is WireBatch:
+    """The columns of the batch (refs, time, values, rising): a WireBatch's (the C reader's, read
+    with it) or a CompactBatch's; else read from `wire` by the C reader; None where it cannot."""
+    if batch.__class__ is WireBatch or batch.__class__ is CompactBatch:
         return batch.columns
     return _wire_rows.columns(wire) if wire is not None and _wire_rows is not None else None
 
@@ -53,6 +57,8 @@ class BatchRows:
     def __init__(self, batch: Any, wire: bytes | None = None):
         if batch.__class__ is WireBatch:
             wire = batch.wire
+        elif batch.__class__ is CompactBatch:
+            wire = None   # its bytes are columns the C reader does not read
         self._batch, self._wire = batch, wire
         got = _columns(batch, wire)
         if got is None:

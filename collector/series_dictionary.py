@@ -6,6 +6,9 @@ them. What turns a compact batch back into the samples the Sample encoding would
 from __future__ import annotations
 
 import collections
+from array import array
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 from xpusense.common import compact
 from xpusense.v1 import telemetry_pb2 as pb
@@ -18,6 +21,48 @@ class MissingDefinition(LookupError):
         super().__init__(f"no definition for series_ref {ref} of node {node_id!r} boot {boot_id!r} "
                          "(the agent sends one before the first batch using it on each stream)")
         self.node_id, self.boot_id, self.ref = node_id, boot_id, ref
+
+
+class Expanded(Sequence[pb.Sample]):
+    """A compact batch's samples as the Sample encoding would have carried them, each built only
+    when read (the fleet state reads one for a new series or a histogram): its columns' rows, then
+    the samples it carries whole. `held`: its boot's definitions, one for every ref of the columns."""
+
+    __slots__ = ("held", "columns", "whole", "_values")
+
+    def __init__(self, held: dict[int, pb.Sample], columns: compact.Columns, whole: Sequence[pb.Sample]):
+        self.held, self.columns, self.whole = held, columns, whole
+        self._values: array | None = None
+
+    def __len__(self) -> int:
+        return len(self.columns.refs) + len(self.whole)
+
+    def _row(self, i: int) -> pb.Sample:
+        if self._values is None:
+            self._values = array("d", self.columns.values)
+        ref = self.columns.refs[i]
+        return compact.sample(self.held[ref], (ref, self.columns.times[i], self._values[i]),
+                              self.columns.histograms.get(i))
+
+    @overload
+    def __getitem__(self, i: int) -> pb.Sample: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[pb.Sample]: ...
+
+    def __getitem__(self, i: int | slice) -> pb.Sample | list[pb.Sample]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self.columns.refs)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("sample index out of range")
+        return self._row(i) if i < n else self.whole[i - n]
+
+    def __iter__(self) -> Iterator[pb.Sample]:
+        for i in range(len(self.columns.refs)):
+            yield self._row(i)
+        yield from self.whole
 
 
 class SeriesDictionary:
@@ -49,7 +94,7 @@ class SeriesDictionary:
             d.ClearField("histogram")
             held[d.series_ref] = d
         if dropped:
-            self.hits["limits.max_series_per_boot.definitions_dropped"] += dropped
+            self.hits["limits.max_series_per_node.definitions_dropped"] += dropped
         return dropped
 
     def definitions(self, node_id: str, boot_id: str) -> dict[int, pb.Sample]:
@@ -65,16 +110,8 @@ class SeriesDictionary:
     def expand(self, batch: pb.Batch, columns: compact.Columns) -> list[pb.Sample]:
         """The samples of a compact batch (its columns', then those it carries whole) as the Sample
         encoding would have carried them; MissingDefinition where a ref has none."""
-        held = self.definitions(batch.node_id, batch.boot_id)
-        out = []
-        hists = columns.histograms
-        for i, row in enumerate(columns.rows()):
-            d = held.get(row[0])
-            if d is None:
-                raise MissingDefinition(batch.node_id, batch.boot_id, row[0])
-            out.append(compact.sample(d, row, hists.get(i)))
-        out.extend(batch.samples)
-        return out
+        self.check(batch.node_id, batch.boot_id, columns.refs)
+        return list(Expanded(self.definitions(batch.node_id, batch.boot_id), columns, batch.samples))
 
     def forget(self, node_id: str, boot_id: str | None = None) -> None:
         """A boot's definitions let go (every boot of the node: boot_id None)."""

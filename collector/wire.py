@@ -1,15 +1,21 @@
 """The Ingest stream's requests as they came on the wire: a batch is kept (the single collector's
 durable store) or published (a cluster gateway) in the bytes the agent sent, not serialized again,
-and the usual batch is read by a C reader (`_wire_rows`) rather than parsed by protobuf.
+and the usual batch is read by a C reader (`_wire_rows`) rather than parsed by protobuf; a batch in
+the compact encoding is read from its columns (`compact_batch`).
 """
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import grpc
 
+from xpusense.common import compact
 from xpusense.v1 import telemetry_pb2 as pb
+
+from .limits import DEFAULTS as LIMITS
+from .series_dictionary import Expanded, SeriesDictionary
 
 try:   # built with the package where a C compiler was at hand (pyproject.toml ext-modules)
     from . import _wire_rows
@@ -65,6 +71,51 @@ class WireBatch:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.parsed(), name)
+
+
+class CompactBatch:
+    """A Batch in the compact encoding (`Batch.columns`, common/compact.py) as ingest reads it:
+    node_id, boot_id, seq, sent_unix_nano and events of the Batch; `columns` (refs, time, values,
+    rising, as a WireBatch's) of its samples, the columns' rows then the samples it carries whole;
+    `samples` (series_dictionary.Expanded) each built from its series' definition only when read."""
+    __slots__ = ("batch", "node_id", "boot_id", "seq", "sent_unix_nano", "events", "columns", "samples",
+                 "_decoded")
+
+    def __init__(self, batch: pb.Batch, decoded: compact.Columns, held: dict[int, pb.Sample]) -> None:
+        self.batch, self._decoded = batch, decoded
+        self.node_id, self.boot_id, self.seq = batch.node_id, batch.boot_id, batch.seq
+        self.sent_unix_nano, self.events = batch.sent_unix_nano, batch.events
+        whole = batch.samples
+        self.samples = Expanded(held, decoded, whole)
+        if not whole:
+            self.columns = (decoded.refs, decoded.time, decoded.values, decoded.rising)
+            return
+        refs = decoded.refs + tuple(s.series_ref for s in whole)
+        times = decoded.times + [s.time_unix_nano for s in whole]
+        values = decoded.values + array("d", [s.value for s in whole]).tobytes()
+        one = times[0] if times.count(times[0]) == len(times) else None
+        self.columns = (refs, one, values, all(a < b for a, b in zip(refs, refs[1:])))
+
+    def rows(self) -> list[tuple[int, int, float]]:
+        """(series_ref, time, value) of each sample, in order (`samples`' order)."""
+        return self._decoded.rows() + [(s.series_ref, s.time_unix_nano, s.value) for s in self.batch.samples]
+
+    def SerializeToString(self) -> bytes:   # noqa: N802 (protobuf's name)
+        return self.batch.SerializeToString()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.batch, name)
+
+
+def compact_batch(batch: pb.Batch, dictionary: SeriesDictionary,
+                  max_samples: int = int(LIMITS["max_samples_per_batch"])) -> CompactBatch:
+    """A compact batch (`batch.columns` set) read against its node's and boot's definitions, as
+    ingest, the store's replay and readers take it. compact.CompactError where its columns do not
+    decode (or hold more than `max_samples`); series_dictionary.MissingDefinition where a ref of
+    them has no definition."""
+    decoded = compact.decode_columns(batch.columns, max_samples)
+    dictionary.check(batch.node_id, batch.boot_id, decoded.refs)
+    return CompactBatch(batch, decoded, dictionary.definitions(batch.node_id, batch.boot_id))
 
 
 class LeanMessage:

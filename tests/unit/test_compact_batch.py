@@ -1,0 +1,144 @@
+"""A batch in the compact encoding as the collector reads it (collector/wire.py compact_batch): the
+fleet state holds exactly the points, times and histograms the same samples give as Sample messages;
+a ref with no definition or columns that do not decode are refused, never read as something else."""
+
+from __future__ import annotations
+
+import pytest
+
+from xpusense.collector.batch_rows import BatchRows
+from xpusense.collector.series_dictionary import MissingDefinition, SeriesDictionary
+from xpusense.collector.state import FleetState
+from xpusense.collector.wire import CompactBatch, compact_batch
+from xpusense.common import compact
+from xpusense.v1 import telemetry_pb2 as pb
+
+S = 10**9
+
+
+def definition(s: pb.Sample) -> pb.Sample:
+    d = pb.Sample()
+    d.CopyFrom(s)
+    for f in ("value", "time_unix_nano", "histogram"):
+        d.ClearField(f)
+    return d
+
+
+def as_compact(b: pb.Batch) -> tuple[pb.Batch, list[pb.Sample]]:
+    """`b` as an agent sends it in the compact encoding (rows by ref, ref-0 samples whole), and the
+    definitions its refs need."""
+    with_ref = sorted((s for s in b.samples if s.series_ref), key=lambda s: s.series_ref)
+    rows = [(s.series_ref, s.time_unix_nano, s.value) for s in with_ref]
+    hists = {i: (list(s.histogram.bounds), list(s.histogram.counts))
+             for i, s in enumerate(with_ref) if s.HasField("histogram")}
+    out = pb.Batch(node_id=b.node_id, boot_id=b.boot_id, seq=b.seq, sent_unix_nano=b.sent_unix_nano,
+                   columns=compact.encode_columns(rows, hists), events=b.events,
+                   samples=[s for s in b.samples if not s.series_ref])
+    return out, [definition(s) for s in with_ref]
+
+
+def sample(name: str, ref: int, t: int, v: float, kind=pb.GAUGE, hist=None, **labels) -> pb.Sample:
+    s = pb.Sample(name=name, unit="1", kind=kind, labels=labels, value=v, time_unix_nano=t, series_ref=ref)
+    if hist is not None:
+        s.histogram.bounds.extend(hist[0])
+        s.histogram.counts.extend(hist[1])
+        s.histogram.sum, s.histogram.count = v, hist[1][-1]
+    return s
+
+
+def rounds() -> list[pb.Batch]:
+    """Batches of one boot: one time each (the usual round), several times in one, ref-0 samples,
+    histograms, a series new in a later batch, a value that is not a whole number."""
+    out = []
+    for k in range(6):
+        t = 1_000 * S + k * S + 123
+        ss = [sample("gpu_util", 1 + d, t, 0.25 * d + k / 3, device=str(d)) for d in range(3)]
+        ss.append(sample("power_w", 4, t, 300.5 + k, device="0"))
+        if k % 2:   # a slower tier's sample, at its own time, in the same batch
+            ss.append(sample("temp_c", 5, t - S // 2, 40.0 + k, device="0"))
+        if k >= 3:   # a series that starts later
+            ss.append(sample("mem_used", 6, t, 1e9 * k, device="0"))
+        if k == 2:   # a histogram, and samples without a ref
+            ss.append(sample("tcp_rtt", 7, t, 12.5, pb.HISTOGRAM, ([1.0, 10.0], [1, 3, 5]), peer="a"))
+            ss.append(sample("no_ref", 0, t, 7.0, device="9"))
+            ss.append(sample("no_ref", 0, t + 5, 8.0, device="8"))
+        out.append(pb.Batch(node_id="n1", boot_id="boot-1", seq=k + 1, sent_unix_nano=t, samples=ss))
+    return out
+
+
+def held(st: FleetState) -> dict:
+    """Every series' unit, latest value, time, histogram and whole history."""
+    out = {}
+    for n in st.view().nodes:
+        for s in n.series:
+            key = (n.node_id, s.name, tuple(sorted(s.labels.items())))
+            h = st.history(n.node_id, s.name, dict(s.labels))
+            out[key] = (s.unit, s.kind, s.value, s.time_unix_nano, s.histogram.SerializeToString(),
+                        [(p.time_unix_nano, p.value) for p in h.points])
+    return out
+
+
+def test_compact_batches_hold_exactly_the_points_of_sample_messages():
+    full, small = FleetState(), FleetState()
+    for b in rounds():
+        assert full.ingest(b, wire=b.SerializeToString())
+        cb, defs = as_compact(b)
+        small.dictionary.add("n1", "boot-1", defs)
+        got = compact_batch(cb, small.dictionary)
+        assert got.__class__ is CompactBatch and got.seq == b.seq and got.node_id == "n1"
+        assert small.accept(got) is not None
+        small.apply(got, BatchRows(got, cb.SerializeToString()))
+    want = held(full)
+    assert len(want) == 9 and held(small) == want
+    hist = next(v for k, v in want.items() if k[1] == "tcp_rtt")
+    assert hist[4] and pb.Histogram.FromString(hist[4]).counts == [1, 3, 5]
+
+
+def test_expanded_samples_are_those_the_sample_encoding_carried():
+    d = SeriesDictionary()
+    for b in rounds():
+        cb, defs = as_compact(b)
+        d.add("n1", "boot-1", defs)
+        got = compact_batch(cb, d)
+        want = sorted(b.samples, key=lambda s: (s.series_ref == 0, s.series_ref))
+        assert list(got.samples) == want
+        assert [got.samples[i] for i in range(len(want))] == want and got.samples[-1] == want[-1]
+        assert list(BatchRows(got).rows()) == [(s.series_ref, s.time_unix_nano, s.value) for s in want]
+        assert d.expand(cb, compact.decode_columns(cb.columns, 100)) == want
+
+
+def test_the_usual_round_is_read_as_columns_for_the_fast_path():
+    cb, defs = as_compact(rounds()[0])
+    d = SeriesDictionary()
+    d.add("n1", "boot-1", defs)
+    read = BatchRows(compact_batch(cb, d), cb.SerializeToString())
+    assert read.refs == (1, 2, 3, 4) and read.time == 1_000 * S + 123 and read.rising
+    assert read.rows() == [(r, 1_000 * S + 123, 0.25 * (r - 1)) for r in (1, 2, 3)] + [(4, 1_000 * S + 123, 300.5)]
+
+
+def test_a_ref_without_definition_is_refused_naming_it():
+    b = rounds()[0]
+    cb, defs = as_compact(b)
+    d = SeriesDictionary()
+    d.add("n1", "boot-1", defs[:2])
+    with pytest.raises(MissingDefinition, match="series_ref 3 of node 'n1' boot 'boot-1'"):
+        compact_batch(cb, d)
+    d.add("n1", "other-boot", defs)   # another boot's definitions do not count
+    with pytest.raises(MissingDefinition, match="series_ref 3"):
+        compact_batch(cb, d)
+
+
+def test_columns_that_do_not_decode_are_refused():
+    cb, defs = as_compact(rounds()[0])
+    d = SeriesDictionary()
+    d.add("n1", "boot-1", defs)
+    cb.columns = cb.columns[:-3]
+    with pytest.raises(compact.CompactError, match="cut short"):
+        compact_batch(cb, d)
+    cb.columns = b"not zlib"
+    with pytest.raises(compact.CompactError, match="do not inflate"):
+        compact_batch(cb, d)
+    many = pb.Batch(node_id="n1", boot_id="boot-1", seq=1,
+                    columns=compact.encode_columns([(1, 1, 0.0)] * 11))
+    with pytest.raises(compact.CompactError):
+        compact_batch(many, d, max_samples=10)
