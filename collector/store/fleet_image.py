@@ -12,6 +12,7 @@ import collections
 import math
 from array import array
 
+from xpusense.common import compact
 from xpusense.v1 import telemetry_pb2 as pb
 
 from .. import columns
@@ -19,6 +20,7 @@ from ..node_series import BootRefs
 from ..series import Series, series_key
 from ..series_history import History
 from ..state import FleetState, NodeState
+from .segment_file import MAX_DEFS_BYTES
 
 
 def fleet(state: FleetState) -> list:
@@ -37,12 +39,47 @@ def restore_fleet(state: FleetState, data: list) -> None:
 
 class Base:
     """What a diff is written against: per node its Series and Frames (in order; held, so that `is`
-    tells the same ones) and how many points (rows) each had ever held at capture."""
+    tells the same ones) and how many points (rows) each had ever held at capture; and per node
+    how many series definitions each of its boots had."""
 
-    __slots__ = ("nodes",)
+    __slots__ = ("nodes", "defs")
 
     def __init__(self) -> None:
         self.nodes: dict[str, tuple[tuple[Series, ...], array, tuple[columns.Frame, ...], array]] = {}
+        self.defs: dict[str, tuple[tuple[str, int], ...]] = {}
+
+
+Definitions = list[tuple[str, list[tuple[str, list[pb.Sample]]]]]   # [(node, [(boot, definitions)])]
+
+
+def dictionary(state: FleetState, base: Base | None, into: Base | None) -> Definitions:
+    """The series dictionary's definitions per node, taken on the loop (encoded by `encode_dictionary`
+    elsewhere: a definition is never changed once held). Against a base: only the nodes whose
+    definitions changed since it, with none for a node that has none now."""
+    by_node: dict[str, list[tuple[str, list[pb.Sample]]]] = {}
+    for (node, boot), defs in state.dictionary.boots.items():
+        if defs:
+            by_node.setdefault(node, []).append((boot, list(defs.values())))
+    counts = {node: tuple((boot, len(d)) for boot, d in boots) for node, boots in by_node.items()}
+    if into is not None:
+        into.defs = counts
+    if base is None:
+        return list(by_node.items())
+    return ([(node, boots) for node, boots in by_node.items() if base.defs.get(node) != counts[node]]
+            + [(node, []) for node in base.defs if node not in by_node])
+
+
+def encode_dictionary(rows: Definitions) -> list:
+    """A snapshot's "d" record's data: [[node, [[boot, SeriesTable.defs], ...]], ...]."""
+    return [[node, [[boot, compact.encode_defs(defs)] for boot, defs in boots]] for node, boots in rows]
+
+
+def restore_dictionary(state: FleetState, data: list) -> None:
+    """A "d" record's nodes into the state's series dictionary, each replacing what it held."""
+    for node, boots in data:
+        state.dictionary.forget(node)
+        for boot, defs in boots:
+            state.dictionary.add(node, boot, compact.decode_defs(defs, MAX_DEFS_BYTES))
 
 
 class _Runs:

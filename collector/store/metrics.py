@@ -20,7 +20,10 @@ METRICS = {
     "commits": ("counter", "group commits (one write + fsync each)"),
     "records": ("counter", "records queued for writing"),
     "reader_skipped_ranges": ("counter", "damaged ranges or invalid records exporters' readers skipped"),
+    "reader_unexpanded_batches": ("counter", "compact batches exporters' readers could not expand to samples (a series "
+                                  "definition missing or columns that do not decode): skipped, logged"),
     "replay_batches": ("gauge", "batches replayed at start"),
+    "replay_series_tables": ("gauge", "series definition tables (the compact encoding's) read at start"),
     "replay_ms": ("gauge", "how long the replay at start took, ms"),
     "replay_damaged_ranges": ("gauge", "damaged ranges found at start (skipped, logged, kept aside)"),
     "replay_damaged_bytes": ("gauge", "bytes in those ranges"),

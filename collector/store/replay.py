@@ -14,6 +14,7 @@ import time
 
 from xpusense.v1 import telemetry_pb2 as pb
 
+from .defs import add_table, expanded
 from .segment_file import Segment, Span, parse, record_count, segments
 
 log = logging.getLogger("xpusense.collector.store")
@@ -21,7 +22,8 @@ log = logging.getLogger("xpusense.collector.store")
 LOGGED_RANGES = 20   # per start, one line each; then a summary (the counters stay exact)
 CHUNK = 2**20        # damaged bytes are looked at and copied this much at a time
 FIGURES = ("segments", "batches", "duplicates", "inventories", "marks", "damaged_ranges", "damaged_bytes",
-           "damaged_records", "invalid_records", "legacy_segments", "kept_aside_bytes", "not_kept_bytes")
+           "damaged_records", "invalid_records", "legacy_segments", "kept_aside_bytes", "not_kept_bytes",
+           "series_tables")
 
 
 class Quarantine:
@@ -135,7 +137,11 @@ class Replay:
             b = pb.Batch.FromString(rec[1])
             if not b.node_id or not b.boot_id or b.seq <= 0:
                 raise ValueError(f"batch without node, boot or seq ({b.node_id!r}, {b.boot_id!r}, {b.seq})")
-            if st.ingest(b, now_ns=b.sent_unix_nano or None, wire=rec[1]):
+            if b.columns:   # the compact encoding: its series by the definitions read before it
+                b, wire = expanded(b, st.dictionary), None
+            else:
+                wire = rec[1]
+            if st.ingest(b, now_ns=b.sent_unix_nano or None, wire=wire):
                 fig["batches"] += 1
             else:
                 fig["duplicates"] += 1
@@ -146,6 +152,9 @@ class Replay:
             key = (rec[1], rec[2])
             self.marks[key] = max(self.marks.get(key, 0), rec[3])
             fig["marks"] += 1
+        elif kind == "d":
+            add_table(st.dictionary, rec[1], rec[2])
+            fig["series_tables"] += 1
         else:
             self.seals.append((self._path, rec[1], rec[2]))
 

@@ -21,7 +21,10 @@ SEGMENT_MAGIC = b"XPSSEG\x00\x02"
 RECORD_MAGIC = b"\xc1XR\x02"   # 0xc1: never a msgpack byte, so a bare-msgpack segment cannot look like frames
 MAX_RECORD_BYTES = 2**31          # a length above this is damage, not a record
 SEGMENT_NAME = re.compile(r"^(\d{8,})\.log$")
-RECORD_KINDS = ("b", "i", "m", "s")   # batch, inventory, mark, seal of the segment before
+RECORD_KINDS = ("b", "i", "m", "s", "d")   # batch, inventory, mark, seal of the segment before, series defs
+# A SeriesTable's definitions inflated (common/compact.decode_defs), at most: far above what a boot's
+# bounded definitions take, so only damage passes it.
+MAX_DEFS_BYTES = 2**30
 
 
 class StoreError(Exception):
@@ -128,7 +131,8 @@ def parse(payload: bytes) -> list:
               and isinstance(rec[3], bytes))
           or (kind == "m" and len(rec) == 4 and isinstance(rec[1], str) and isinstance(rec[2], str)
               and isinstance(rec[3], int) and rec[3] >= 0)
-          or (kind == "s" and len(rec) == 3 and all(isinstance(x, int) and x >= 0 for x in rec[1:])))
+          or (kind == "s" and len(rec) == 3 and all(isinstance(x, int) and x >= 0 for x in rec[1:]))
+          or (kind == "d" and len(rec) == 3 and isinstance(rec[1], str) and isinstance(rec[2], bytes)))
     if not ok:
         raise InvalidRecord(f"a {kind!r} record with fields of the wrong type or number")
     return rec

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 from google.protobuf.message import DecodeError
 
-from .fleet_image import restore, restore_fleet, restore_node_v1
+from .fleet_image import restore, restore_dictionary, restore_fleet, restore_node_v1
 from .snapshot_file import TMP_PREFIX, Damaged, Entry, Pos, Reader, SnapshotFile, entries, snapshot_name
 
 log = logging.getLogger("xpusense.collector.store")
@@ -54,6 +54,8 @@ def _apply(reader: Reader, state, recs) -> None:
                     at = restore(state, entry, blob, at)
                 if at != len(blob):
                     raise ValueError(f"{len(blob) - at} bytes of history no node says are its")
+            elif rec[0] == "d":
+                restore_dictionary(state, rec[1])
         except SHAPE_ERRORS as e:
             raise Damaged(f"a {rec[0]!r} record does not fit the fleet state ({e!r:.200})") from None
         finally:
@@ -73,6 +75,7 @@ def reset(state) -> None:
     state.known_marks.clear()
     state.counters.clear()
     state.diagnoses.opened.clear()
+    state.dictionary.boots.clear()
     state.series_total = state.history_slots = state.frame_points = state.frame_rows = 0
 
 

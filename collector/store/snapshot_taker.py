@@ -18,6 +18,7 @@ from .snapshot_file import SnapshotFile
 from .writer import why_failed
 
 DIFF_RATIO = 8
+DICTIONARY_CHUNK = 256   # nodes' series definitions per snapshot record
 
 log = logging.getLogger("xpusense.collector.store")
 
@@ -94,6 +95,11 @@ class Snapshotter:
                 cpu_loop += time.perf_counter() - c0
                 await loop.run_in_executor(self._pool, f.add, ["n", chunk], parts)
                 chunk, parts = [], []
+            c0 = time.perf_counter()
+            defs = fleet_image.dictionary(self.state, base_image, into)
+            cpu_loop += time.perf_counter() - c0
+            for j in range(0, len(defs), DICTIONARY_CHUNK):
+                await loop.run_in_executor(self._pool, self._add_dictionary, f, defs[j:j + DICTIONARY_CHUNK])
             path = await loop.run_in_executor(self._pool, f.finish)
         except Exception as e:   # a full or failing disk: the log is kept; tried again next period
             self.failures += 1
@@ -120,6 +126,10 @@ class Snapshotter:
                  "the event loop)", why, path, f.nodes, f.bytes / 1e6, "full" if full else "a diff", pos[0], pos[1],
                  time.monotonic() - t0, cpu_loop * 1000)
         return path
+
+    @staticmethod
+    def _add_dictionary(f: SnapshotFile, rows: fleet_image.Definitions) -> None:
+        f.add(["d", fleet_image.encode_dictionary(rows)])
 
     def _abort(self, f: SnapshotFile) -> None:
         """Remove what a failed snapshot wrote (here, not in the pool: it may be shut down at stop;

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from xpusense.common.fsync import fsync_dir
 
+from .defs import Tables
 from .replay import Replay
 from .segment_file import SEGMENT_MAGIC, StoreError, frame, segment_name, segments
 from .snapshot_load import Snapshots
@@ -123,6 +124,8 @@ class Store:
         self._io = _Segments(directory, fsync)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-io")
         self._checkpoint: Callable[[], list[tuple]] = lambda: []
+        self.dictionary = None            # the fleet state's series dictionary: a new segment begins with it
+        self._tables = Tables()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: list[tuple[bytes, asyncio.Future | None]] = []   # queued, not yet handed to I/O
         self._pending_bytes = 0
@@ -177,6 +180,7 @@ class Store:
         self.replay.update(self.snapshots.figures)
         self.snapshot_floor = self.snapshots.prune()
         self._checkpoint = state.checkpoint
+        self.dictionary = state.dictionary
         existing = segments(self.dir)
         if existing:
             self._io.seg_id = existing[-1][0]
@@ -214,6 +218,20 @@ class Store:
         except RuntimeError:
             self._loop = None
         self._enqueue(frame(record), None)
+
+    def append_defs(self, node_id: str, table: bytes) -> None:
+        """A SeriesTable of `node_id` as received (its bytes), logged in order with the batches:
+        queued now and durable with the next group, so before any batch submitted after it is
+        acknowledged. StoreError when the store refuses it (closed, or max_pending_bytes held):
+        the stream must end then, as a later batch needing it would be stored without it (the
+        agent sends every definition again on its next stream)."""
+        try:
+            self._loop_now()
+        except RuntimeError:
+            self._loop = None
+        refused = self._enqueue(frame(["d", node_id, table]), None)
+        if refused is not None:
+            raise refused
 
     def barrier(self) -> asyncio.Future:
         """A future that completes once everything queued before it is durable."""
@@ -281,19 +299,20 @@ class Store:
             self._room.append(fut)
             await fut
 
-    def _enqueue(self, data: bytes, fut: asyncio.Future | None) -> None:
+    def _enqueue(self, data: bytes, fut: asyncio.Future | None) -> StoreError | None:
+        """Queue a framed record; the StoreError it was refused with, or None."""
         held = self.held_bytes()
         if self._closed or (held and held + len(data) > self.max_pending_bytes):
-            self._refuse(data, fut, held)
-            return
+            return self._refuse(data, fut, held)
         self._pending.append((data, fut))
         self._pending_bytes += len(data)
         self.records += 1
         self.max_held_bytes = max(self.max_held_bytes, held + len(data))
         if not self._busy and not self.failing and self._loop is not None:
             self._kick()
+        return None
 
-    def _refuse(self, data: bytes, fut: asyncio.Future | None, held: int) -> None:
+    def _refuse(self, data: bytes, fut: asyncio.Future | None, held: int) -> StoreError:
         self.refused_records += 1
         self.refused_bytes += len(data)
         why = "it is closed" if self._closed else (
@@ -303,8 +322,10 @@ class Store:
             self._refusing = True
             log.warning("store %s refuses new records, %s: their streams end with UNAVAILABLE and agents "
                         "resend them later (counted: refused_records)", self.dir, why)
+        err = StoreError(f"the collector's store cannot take more now: {why}; retry later")
         if fut is not None:
-            fut.set_exception(StoreError(f"the collector's store cannot take more now: {why}; retry later"))
+            fut.set_exception(err)
+        return err
 
     def _kick(self) -> None:
         assert self._loop is not None
@@ -369,10 +390,12 @@ class Store:
             self._retry = self._loop.call_later(self.retry_s, self._try_again)
 
     def _roll_records(self) -> bytes:
-        """What a new segment begins with: where the previous one ended, and a checkpoint."""
+        """What a new segment begins with: where the previous one ended, and a checkpoint (every
+        node's inventory and marks, and the series definitions of every boot held)."""
         io = self._io
         seal = [frame(["s", io.seg_id, io.off])] if io.seg_id else []
-        return b"".join(seal + [frame(list(r)) for r in self._checkpoint()])
+        defs: list[list] = self._tables.records(self.dictionary) if self.dictionary is not None else []
+        return b"".join(seal + [frame(list(r)) for r in self._checkpoint()] + [frame(r) for r in defs])
 
     def _try_again(self) -> None:
         self._retry = None
@@ -421,6 +444,7 @@ class Store:
                 "room_waits": self.room_waits,
                 "commits": self.commits, "records": self.records,
                 "reader_skipped_ranges": sum(r.skipped_ranges for r in readers),
+                "reader_unexpanded_batches": sum(r.unexpanded for r in readers),
                 **{(k if k.startswith("snapshot") else f"replay_{k}"): v for k, v in self.replay.items()
                    if k != "replay_s"},
                 "replay_ms": round(self.replay.get("replay_s", 0) * 1000),

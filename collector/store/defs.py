@@ -1,0 +1,61 @@
+"""The compact encoding (common/compact.py) at rest: SeriesTable records ("d") read into a series
+dictionary, the tables that carry a whole dictionary (a new segment's checkpoint), and a stored
+compact batch turned back into the samples it stands for, the same way replay, readers and
+ingest do it (collector/series_dictionary.py)."""
+
+from __future__ import annotations
+
+from xpusense.common import compact
+from xpusense.v1 import telemetry_pb2 as pb
+
+from ..series_dictionary import SeriesDictionary
+from .segment_file import MAX_DEFS_BYTES
+
+# Samples of one stored compact batch, at most (decode_columns' bound; ingest allowed far fewer).
+MAX_STORED_SAMPLES = 1_000_000
+
+
+def add_table(dictionary: SeriesDictionary, node_id: str, table: bytes) -> int:
+    """A "d" record's SeriesTable into `dictionary`; how many definitions it held. ValueError
+    (compact.CompactError, protobuf's DecodeError) where it does not read."""
+    t = pb.SeriesTable.FromString(table)
+    if not t.boot_id:
+        raise ValueError(f"a series table of node {node_id!r} without a boot id")
+    defs = compact.decode_defs(t.defs, MAX_DEFS_BYTES)
+    dictionary.add(node_id, t.boot_id, defs)
+    return len(defs)
+
+
+def expanded(batch: pb.Batch, dictionary: SeriesDictionary) -> pb.Batch:
+    """A stored compact batch as the Sample encoding would have carried it (a batch without columns
+    as it is); series_dictionary.MissingDefinition or compact.CompactError where it cannot be."""
+    if not batch.columns:
+        return batch
+    out = pb.Batch()
+    out.CopyFrom(batch)
+    out.ClearField("columns")
+    del out.samples[:]
+    out.samples.extend(dictionary.expand(batch, compact.decode_columns(batch.columns, MAX_STORED_SAMPLES)))
+    return out
+
+
+class Tables:
+    """Every (node, boot)'s definitions as one SeriesTable each (what a new segment begins with, so
+    older segments can go), encoded again only where a boot's definitions changed since."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, str], tuple[int, bytes]] = {}
+
+    def records(self, dictionary: SeriesDictionary) -> list[list]:
+        out, held = [], {}
+        for (node, boot), defs in dictionary.boots.items():
+            if not defs:
+                continue
+            was = self._held.get((node, boot))
+            if was is None or was[0] != len(defs):
+                was = (len(defs), pb.SeriesTable(boot_id=boot, defs=compact.encode_defs(defs.values()))
+                       .SerializeToString())
+            held[(node, boot)] = was
+            out.append(["d", node, was[1]])
+        self._held = held
+        return out
