@@ -170,11 +170,13 @@ static int valid_utf8(const uint8_t *p, const uint8_t *end)
     return 1;
 }
 
-/* A length-delimited field's bytes: [*p, *p + n) becomes [start, stop), *p moves past it. */
+/* A length-delimited field's bytes: [*p, *p + n) becomes [start, stop), *p moves past it. Protobuf
+ * reads a length as a 32-bit size of at most 5 varint bytes and refuses a longer form, so does this. */
 static int read_len(const uint8_t **p, const uint8_t *end, const uint8_t **start, const uint8_t **stop)
 {
     uint64_t n;
-    if (read_varint64(p, end, &n) < 0 || n > (uint64_t)(end - *p))
+    const uint8_t *first = *p;
+    if (read_varint64(p, end, &n) < 0 || *p - first > 5 || n > (uint64_t)(end - *p))
         return -1;
     *start = *p;
     *stop = *p += n;

@@ -42,6 +42,11 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+def _long(n: int, width: int) -> bytes:
+    """`n` (under 128) as a varint padded to `width` bytes: an overlong form."""
+    return bytes([n | 0x80] + [0x80] * (width - 2) + [0])
+
+
 def _field(number: int, wire_type: int, payload: bytes) -> bytes:
     if wire_type == 2:
         payload = _varint(len(payload)) + payload
@@ -252,6 +257,10 @@ def test_lean_batch_gives_back_what_it_does_not_check_whole():
         "past U+10FFFF in the node id": batch(_field(1, 2, b"\xf4\x90\x80\x80")),
         "a cut UTF-8 sequence in the unit": batch(sample(_field(2, 2, b"ab\xe2\x82"))),
         "a packed count cut short": batch(sample(_field(7, 2, _field(2, 2, b"\x01\x80")))),
+        # a length takes at most 5 varint bytes (a 32-bit size) in protobuf, overlong or not
+        "a label key's length in 6 bytes": batch(sample(_field(4, 2, b"\x0a" + _long(6, 6) + b"device" + _field(2, 2, b"0")))),
+        "the batch's length in 10 bytes": _varint(2 << 3 | 2) + _long(2, 10) + _field(3, 0, b"\x01"),
+        "a sample's length in 7 bytes": batch(_varint(4 << 3 | 2) + _long(2, 7) + _field(8, 0, b"\x07")),
     }
     for what, raw in refused.items():
         assert _wire_rows.lean_batch(raw) is None, what
@@ -273,6 +282,11 @@ def test_lean_batch_gives_back_what_it_does_not_check_whole():
             pb.AgentMessage.FromString(raw)
         except DecodeError:   # protobuf may refuse some: either way not read lean
             pass
+    # A length in 5 varint bytes, overlong: protobuf reads it, and so does lean_batch.
+    raw = batch(_varint(1 << 3 | 2) + _long(2, 5) + b"n5", sample(_field(8, 0, b"\x07")))
+    lean = _wire_rows.lean_batch(raw)
+    assert lean is not None and lean[0] == "n5"
+    _lean_agrees(raw, lean)
     # A label map entry that is only a value, a field given twice: read as protobuf reads them.
     raw = batch(_field(1, 2, b"a"), _field(1, 2, b"n2"), sample(_field(4, 2, _field(2, 2, b"v")), _field(8, 0, b"\x07")))
     lean = _wire_rows.lean_batch(raw)
