@@ -1,7 +1,6 @@
-"""The compact encoding (common/compact.py) at rest: SeriesTable records ("d") read into a series
-dictionary, the tables that carry a whole dictionary (a new segment's checkpoint), and a stored
-compact batch turned back into the samples it stands for, the same way replay, readers and
-ingest do it (collector/series_dictionary.py)."""
+"""The compact encoding (common/compact.py) at rest: SeriesTable records ("d") read back, the
+tables that carry a whole dictionary (a new segment's checkpoint), and a stored compact batch as
+the samples it stands for, for the exporters' readers (series_dictionary.expand)."""
 
 from __future__ import annotations
 
@@ -15,15 +14,13 @@ from .segment_file import MAX_DEFS_BYTES
 MAX_STORED_SAMPLES = 1_000_000
 
 
-def add_table(dictionary: SeriesDictionary, node_id: str, table: bytes) -> int:
-    """A "d" record's SeriesTable into `dictionary`; how many definitions it held. ValueError
-    (compact.CompactError, protobuf's DecodeError) where it does not read."""
+def read_table(node_id: str, table: bytes) -> tuple[str, list[pb.Sample]]:
+    """A "d" record's SeriesTable: its boot and definitions. ValueError (compact.CompactError,
+    protobuf's DecodeError) where it does not read."""
     t = pb.SeriesTable.FromString(table)
     if not t.boot_id:
         raise ValueError(f"a series table of node {node_id!r} without a boot id")
-    defs = compact.decode_defs(t.defs, MAX_DEFS_BYTES)
-    dictionary.add(node_id, t.boot_id, defs)
-    return len(defs)
+    return t.boot_id, compact.decode_defs(t.defs, MAX_DEFS_BYTES)
 
 
 def expanded(batch: pb.Batch, dictionary: SeriesDictionary) -> pb.Batch:

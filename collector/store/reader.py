@@ -18,7 +18,7 @@ from xpusense.common import compact
 from xpusense.v1 import telemetry_pb2 as pb
 
 from ..series_dictionary import MissingDefinition, SeriesDictionary
-from .defs import add_table, expanded
+from .defs import expanded, read_table
 from .segment_file import InvalidRecord, Segment, Span, parse, segments
 
 log = logging.getLogger("xpusense.collector.store")
@@ -39,7 +39,7 @@ def _batch(span: Span, dictionary: SeriesDictionary | None = None) -> pb.Batch |
     rec = parse(span.payload)
     if rec[0] == "d" and dictionary is not None:
         try:
-            add_table(dictionary, rec[1], rec[2])
+            dictionary.add(rec[1], *read_table(rec[1], rec[2]))
         except (ValueError, DecodeError) as e:
             raise InvalidRecord(f"series table does not read ({e})") from None
     if rec[0] != "b":

@@ -14,7 +14,8 @@ import time
 
 from xpusense.v1 import telemetry_pb2 as pb
 
-from .defs import add_table, expanded
+from ..wire import compact_batch
+from .defs import MAX_STORED_SAMPLES, read_table
 from .segment_file import Segment, Span, parse, record_count, segments
 
 log = logging.getLogger("xpusense.collector.store")
@@ -101,6 +102,9 @@ class Replay:
             n.streams = 0
             for boot, seq in n.stored_up_to.items():
                 st.known_marks[(nid, boot)] = max(st.known_marks.get((nid, boot), 0), seq)
+        # Definitions of boots no mark remembers go (an agent sends its boot's again on each stream).
+        for nid, boot in [k for k in st.dictionary.boots if k not in st.known_marks]:
+            st.dictionary.forget(nid, boot)
         if self._logged > LOGGED_RANGES:
             log.warning("store %s: %d more damaged ranges or invalid records not logged one by one",
                         self.dir, self._logged - LOGGED_RANGES)
@@ -138,10 +142,11 @@ class Replay:
             if not b.node_id or not b.boot_id or b.seq <= 0:
                 raise ValueError(f"batch without node, boot or seq ({b.node_id!r}, {b.boot_id!r}, {b.seq})")
             if b.columns:   # the compact encoding: its series by the definitions read before it
-                b, wire = expanded(b, st.dictionary), None
+                got = compact_batch(b, st.dictionary, MAX_STORED_SAMPLES)
+                stored = st.ingest(got, now_ns=b.sent_unix_nano or None)
             else:
-                wire = rec[1]
-            if st.ingest(b, now_ns=b.sent_unix_nano or None, wire=wire):
+                stored = st.ingest(b, now_ns=b.sent_unix_nano or None, wire=rec[1])
+            if stored:
                 fig["batches"] += 1
             else:
                 fig["duplicates"] += 1
@@ -153,7 +158,7 @@ class Replay:
             self.marks[key] = max(self.marks.get(key, 0), rec[3])
             fig["marks"] += 1
         elif kind == "d":
-            add_table(st.dictionary, rec[1], rec[2])
+            st.dictionary.add(rec[1], *read_table(rec[1], rec[2]))
             fig["series_tables"] += 1
         else:
             self.seals.append((self._path, rec[1], rec[2]))

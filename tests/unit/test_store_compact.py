@@ -143,6 +143,17 @@ def test_compact_store_replays_to_the_points_of_sample_messages(tmp_path):
     hist = next(s for s in st_c.view().nodes[0].series if s.name == "h")
     assert list(hist.histogram.counts) == [10, 20, 30] and hist.histogram.sum == 5.0
     assert len(st_c.history("A", "z", {}).points) == 10
+    assert set(st_c.dictionary.boots) == {("A", "a1"), ("B", "b1")}
+    # A table of a boot nothing else of is stored (no mark remembers it) is not kept past a restart.
+    live = Feed(tmp_path / "c")
+
+    async def table_only():
+        live.table("A", "a0", (1, 2))
+        await live.store.barrier()
+    asyncio.run(table_only())
+    live.store.close()
+    fig, st = restart(tmp_path / "c")
+    assert fig["series_tables"] > 3 and set(st.dictionary.boots) == {("A", "a1"), ("B", "b1")}
     # The log holds the compact bytes as received, and fewer of them.
     kept = [b for b in _logged_batches(tmp_path / "c") if b.node_id == "A"]
     assert all(b.columns and len(b.samples) == 1 for b in kept)
