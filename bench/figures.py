@@ -190,6 +190,24 @@ FIGURES: list[dict[str, Any]] = [
      "cols": [("ack p99 ms", "p99_ms"), ("gateway us a batch", "gateway_us_per_batch")],
      "checks": [("p99_ms", "<=", 100.0)]},
 ]
+# bench/wire_bytes.py: the same figures for NVIDIA GPUs and for Ascend NPUs.
+WIRE_COLS = [("points/s", "runs.after.points_per_s"), ("after", "runs.after.encoding"),
+             ("wire B/pt before", "runs.before.wire_bytes_per_point"), ("wire B/pt", "runs.after.wire_bytes_per_point"),
+             ("disk B/pt before", "runs.before.collector_disk_bytes_per_point"),
+             ("disk B/pt", "runs.after.collector_disk_bytes_per_point"),
+             ("spool B/pt", "runs.after.agent_spool_bytes_per_point")]
+WIRE_CHECKS = [("runs.after.wire_bytes_per_point", "<=", 4.0), ("runs.after.collector_disk_bytes_per_point", "<=", 6.0),
+               ("goals.agent spool <= wire per point", "==", True)]
+FIGURES += [
+    {"title": f"Bytes a point, {kind}", "bench": "wire_bytes", "match": {"npu": npu},
+     "what": f"A real agent ({devices} at 1 s, the host, every eBPF probe that runs here) streaming through a "
+             "byte-counting relay, cut once, to a durable collector: bytes on the wire (agent to collector), written "
+             "to the collector's disk (write_bytes) and to the agent's spool, per point the collector serves, with "
+             "Sample messages (before) and the agent's default encoding (after).",
+     "command": f"sudo {PY} bench/wire_bytes.py" + (" --npu" if npu else ""),
+     "goal": "after: wire <= 4, collector disk <= 6 B a point, spool no more than the wire",
+     "cols": WIRE_COLS, "checks": WIRE_CHECKS}
+    for kind, npu, devices in (("NVIDIA", None, "8 fake H100s"), ("Ascend", True, "8 Ascend 910B4s, fake npu-smi"))]
 
 INTRO = """\
 # Figures

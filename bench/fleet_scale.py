@@ -32,7 +32,7 @@ from collector_ingest import SimAgent as LoadAgent
 from place_latency import CLIENTS, Fleet, PlaceCalls, config, pct, requests
 
 GOALS = {"gateway_per_core": 2500, "worker_per_core": 3000, "bytes_per_node": 64 * 1024, "ack_p99_ms": 100.0,
-         "place_inproc_p99_ms": 1.0, "place_grpc_p99_ms": 5.0}
+         "place_inproc_p99_ms": 1.0, "place_grpc_p99_ms": 5.0, "stream_mb_s_per_replica": 100.0}
 TARGET_NODES = 100_000
 UPDATE_PASSES = 5   # the CPU per summary update followed: the median of these passes over the fleet
 
@@ -72,6 +72,27 @@ def cpu_model() -> str:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         return ""
+
+
+def measured_rate(bytes_per_point: float | None) -> tuple[float, float, str] | None:
+    """(bytes a point, points a second a node, from where) for the stream MB/s per replica: the newest
+    line of bench/results/wire_bytes.jsonl (its "after" run, else "before"), `bytes_per_point` in place
+    of its figure when given (points/s: the simulated agents' batch a second where no line is)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "wire_bytes.jsonl")
+    lines: list[dict] = []
+    try:
+        with open(path) as f:
+            lines = [x for x in map(json.loads, filter(str.strip, f)) if not x.get("npu")]
+    except OSError:
+        pass
+    got = max(lines, key=lambda x: str(x.get("date", "")), default={})
+    runs = got.get("runs", {}).get("after") or got.get("runs", {}).get("before") or {}
+    pps = float(runs.get("points_per_s") or DEVICES * len(SERIES))
+    if bytes_per_point is not None:
+        return bytes_per_point, pps, "--bytes-per-point"
+    if "wire_bytes_per_point" in runs:
+        return float(runs["wire_bytes_per_point"]), pps, f"wire_bytes.jsonl, {got.get('date', '')[:10]}"
+    return None
 
 
 def emit(args: argparse.Namespace, cluster, summary: dict) -> None:
@@ -597,6 +618,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nats-open", action="store_true",
                    help="run the NATS cluster plaintext, anonymous and without permissions (default: as deployed, "
                         "TLS with one certificate and its permissions per role), for the cost of TLS as a ratio")
+    p.add_argument("--bytes-per-point", type=float, default=None, metavar="B",
+                   help="bytes a point on the wire for the stream MB/s per replica at 100,000 nodes (default: the "
+                        "newest bench/results/wire_bytes.jsonl run)")
     p.add_argument("--record", metavar="FILE", default="",
                    help="also append the JSON line to FILE (e.g. bench/results/fleet_scale.jsonl)")
     args = p.parse_args(argv)
@@ -661,6 +685,9 @@ def whole_run(args) -> int:
         "scheduler_memory_gb_per_replica": TARGET_NODES * sched_bytes / 1e9,
         "stream_mb_s_per_replica": TARGET_NODES * len(LoadAgent(0, "nvidia").next_batch()) / 1e6,
     }
+    measured = measured_rate(args.bytes_per_point)
+    if measured:
+        proj["stream_mb_s_per_replica_measured"] = TARGET_NODES * measured[0] * measured[1] / 1e6
     rows = [
         ("gateway batches/s per core, R3 acks", f"{gw_per_core:,.0f}", f">= {GOALS['gateway_per_core']:,}",
          gw_per_core >= GOALS["gateway_per_core"]),
@@ -696,6 +723,11 @@ def whole_run(args) -> int:
         ("100k nodes: scheduler memory per replica, GB", f"{proj['scheduler_memory_gb_per_replica']:.1f}", "", None),
         ("100k nodes x 1/s: MB/s into the streams (x3 copies)", f"{proj['stream_mb_s_per_replica']:.0f}", "", None),
     ]
+    if measured:
+        mb_s = proj["stream_mb_s_per_replica_measured"]
+        rows += [("100k nodes: MB/s per stream replica, measured B/point", f"{mb_s:,.1f}", "<= 100",
+                  mb_s <= GOALS["stream_mb_s_per_replica"]),
+                 (f"  (B/point, points/s a node; {measured[2]})", f"{measured[0]:g}, {measured[1]:g}", "", None)]
     mode = "plaintext, no permissions" if args.nats_open else "TLS, a certificate per role"
     print(f"\nfleet scale on {len(cpus)} CPUs: 3 nats-servers R3 on loopback ({mode}), gateway on CPU {gw_cpu}, "
           f"{DEVICES * len(SERIES)} samples a batch")

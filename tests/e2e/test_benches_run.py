@@ -44,6 +44,21 @@ def test_hbm_trigger_bench_sees_each_ramp_asked_to_checkpoint():
     assert got["p50_ms"] >= got["window_s"] * 1e3, got   # never before the window could have passed
 
 
+def test_wire_bytes_bench_counts_the_points_and_bytes_of_an_agent_through_its_relay(tmp_path):
+    """bench/wire_bytes.py, both runs at a small size without eBPF: the relay carried the agent's
+    stream both ways and was cut once (a second connection), every point the collector serves was
+    counted, both processes' disk writes were read, and --record appended the line printed."""
+    record = tmp_path / "wire_bytes.jsonl"
+    got = _summary("wire_bytes.py", "--seconds", "6", "--cut-at", "3", "--no-ebpf", "--record", str(record))
+    assert got["bench"] == "wire_bytes" and set(got["runs"]) == {"before", "after"}, got
+    for run in got["runs"].values():
+        assert run["points"] > 0 and run["series"] > 0 and run["batches"] > 0, run
+        assert run["wire_up_bytes"] > 0 and run["wire_down_bytes"] > 0 and run["reconnects"] >= 1, run
+        assert run["collector_disk_bytes_per_point"] > 0 and run["agent_spool_bytes_per_point"] > 0, run
+    assert got["runs"]["before"]["encoding"] == "samples" and set(got["goals"]) and got["cpu_model"] is not None, got
+    assert [json.loads(line) for line in record.read_text().splitlines()] == [got]
+
+
 def test_grpc_floor_server_is_a_collector_the_ingest_bench_can_measure():
     """bench/grpc_floor.py (the server that only speaks the stream) through collector_ingest.py:
     every batch its agents counted as acknowledged, it says it stored."""
@@ -61,8 +76,9 @@ def test_fleet_scale_bench_runs_each_role_with_its_own_certificate(tmp_path):
     records says the mode, the date and the CPU it ran on."""
     record = tmp_path / "fleet_scale.jsonl"
     got = _summary("fleet_scale.py", "--seconds", "1", "--agents", "2", "--fleet", "20", "--mem-nodes", "20",
-                   "--place-nodes", "200", "--updates-s", "50", "--record", str(record))
+                   "--place-nodes", "200", "--updates-s", "50", "--bytes-per-point", "3", "--record", str(record))
     assert got["nats"] == "tls" and got["errors"] == 0, got
+    assert got["projection"]["stream_mb_s_per_replica_measured"] > 0, got["projection"]
     assert got["gateway_acked_s"] > 0 and got["worker_handled"] > 0 and got["worker_read"][0] > 0 and got["place_nodes"] >= 200, got
     assert got["date"].endswith("+00:00") and isinstance(got["cpu_model"], str), got
     assert [json.loads(line) for line in record.read_text().splitlines()] == [got]
