@@ -7,6 +7,7 @@ import socket
 from types import SimpleNamespace
 from typing import Any
 
+from xpusense.common import compact
 from xpusense.common.config import (
     DEFAULT_ADDRESS,
     ConfigError,
@@ -27,6 +28,10 @@ from xpusense.common.otlp import otlp_schema
 
 from .diagnosis.registry import FAMILIES as RULE_FAMILIES
 from .sources.registry import FAMILIES
+
+
+def _encoding(v: str) -> str | None:
+    return None if v in ("", compact.ENCODING) else f'must be "{compact.ENCODING}" or "" (Sample messages only)'
 
 
 def _rule_keys(default: bool) -> dict[str, Key]:
@@ -97,6 +102,13 @@ AGENT_SCHEMA: dict[str, Any] = {
         "series_idle_s": Key((int, float), 900.0, positive,
                              help="a series with no sample this long has its series reference retired (the table "
                                   "of references does not only grow); one that comes back gets a new number"),
+        "batch_encoding": Key(str, compact.ENCODING, _encoding,
+                              help="batches built as compressed columns, each series defined once per stream "
+                                   "(offered in Hello; a collector that does not choose it gets Sample messages); "
+                                   "\"\": Sample messages only"),
+        "max_series_defs": Key(int, 100_000, positive,
+                               help="series definitions kept per boot for the compact encoding (with the spool, on "
+                                    "disk beside it); past it a new series is sent whole, without a reference, counted"),
     },
     "hbm_watch": {
         "enabled": Key(bool, True),

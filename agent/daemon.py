@@ -17,6 +17,7 @@ from xpusense.common.config import addresses
 from xpusense.common.tls import channel_options, make_channel
 from xpusense.v1 import telemetry_pb2 as pb
 
+from .batch_build import batch_problem
 from .diagnosis.base import Context
 from .diagnosis.registry import build_diagnoser
 from .hbm_watch import HbmWatch, Rule
@@ -29,7 +30,7 @@ from .sources.agent_self import AgentSelfSource
 from .sources.base import Source
 from .sources.registry import FAMILIES
 from .spool import Spool
-from .stream import StreamClient, batch_problem
+from .stream import StreamClient
 from .tiers import SourceState, TierLoop, periods_from_config, setup_source, setup_sources
 
 log = logging.getLogger("xpusense.agent")
@@ -158,6 +159,7 @@ class Agent:
             queue_batches=s.queue_batches, flush_s=s.flush_s, max_samples_per_batch=s.max_samples_per_batch,
             backoff_initial_s=s.backoff_initial_s, backoff_max_s=s.backoff_max_s, agent_version=__version__,
             backoff_reset_s=s.backoff_reset_s, reconnect_max_s=s.reconnect_max_s, series_idle_s=s.series_idle_s,
+            batch_encoding=s.batch_encoding, max_series_defs=s.max_series_defs,
             spool=self.spool, channel=[make_channel(a, cfg.collector, options=channel_options(
                 s.backoff_initial_s, min(s.backoff_max_s, s.reconnect_max_s), connect_timeout_s=5.0))
                 for a in addresses(cfg.collector.address)])

@@ -23,7 +23,7 @@ from xpusense.common.otlp import (
 from xpusense.common.supervise import TASKS
 from xpusense.v1 import telemetry_pb2 as pb
 
-from .stream import sample_to_proto
+from .batch_build import sample_to_proto
 
 log = logging.getLogger("xpusense.otlp")
 

@@ -5,12 +5,15 @@ sample (agent/stream.py builds batches from them)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 from xpusense.v1 import telemetry_pb2 as pb
 
 from .sources.base import COUNTER, GAUGE, HISTOGRAM, Sample
+
+log = logging.getLogger("xpusense.agent.stream")
 
 KINDS = {GAUGE: pb.GAUGE, COUNTER: pb.COUNTER, HISTOGRAM: pb.HISTOGRAM}
 MAX_REF = 0xFFFFFFFF   # series_ref is a uint32
@@ -23,11 +26,13 @@ class SeriesRefs:
     (counted `retired`), so a reference goes between series_idle_s and twice that after its series'
     last sample. A retired series that comes back gets a new number: a number is never given twice
     in a boot (the wire has no message that retires one, and the collector may still map it), and
-    once 2**32 - 1 are spent new series are sent without one (0: the collector reads name and
-    labels). Not thread-safe: StreamClient calls it under its lock."""
+    once 2**32 - 1 (or `max_refs`, the bound of the definitions kept per boot) are spent new series
+    are sent without one (0: the collector reads name and labels). Not thread-safe: StreamClient calls it under its lock."""
 
-    def __init__(self, max_templates: int, idle_s: float = 900.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, max_templates: int, idle_s: float = 900.0, clock: Callable[[], float] = time.monotonic,
+                 max_refs: int = MAX_REF):
         self.max_templates = max_templates
+        self.max_refs = min(max_refs, MAX_REF)   # numbers given per boot; past it new series get 0
         self.idle_s = idle_s
         self.clock = clock
         # Current generation: series (name, sorted labels) -> series_ref, and (name, unit, kind,
@@ -39,6 +44,7 @@ class SeriesRefs:
         self._turn_at = clock() + idle_s
         self._last = 0          # the highest number given in this boot
         self.retired = 0        # references retired (their series had no sample for idle_s or more)
+        self.unnumbered = 0     # new series given 0 because max_refs numbers were given in this boot
 
     def __len__(self) -> int:
         """References held (both generations)."""
@@ -81,6 +87,11 @@ class SeriesRefs:
             ref = self._series_old.pop(series, None)
             if ref is None:
                 self._last += 1
-                ref = self._last if self._last <= MAX_REF else 0
+                ref = self._last if self._last <= self.max_refs else 0
+                if not ref:
+                    self.unnumbered += 1
+                    if self.unnumbered % 1000 == 1:
+                        log.warning("%d series references given in this boot ([stream] max_series_defs): new series "
+                                    "are sent whole, without one (%d so far)", self.max_refs, self.unnumbered)
             self.series[series] = ref
         return ref

@@ -17,18 +17,21 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf.message import DecodeError
 
+from xpusense.common import compact
 from xpusense.common.backoff import backoff_delays
 from xpusense.common.config import addresses, split_host_port
 from xpusense.common.supervise import TASKS
 from xpusense.common.tls import channel_options
 from xpusense.v1 import telemetry_pb2 as pb
 
+from .batch_build import BatchBuilder, batch_problem, event_to_proto, points
+from .batch_send import Connection, Unsendable, encode_message
 from .claims import Claims, ImpossibleClaim
-from .encoded import batch_message, encode_message
 from .grpc_waits import quiet_grpc_waits, wait_connecting
-from .series_refs import KINDS, SeriesRefs
-from .sources.base import HISTOGRAM, Event, Sample
+from .series_refs import SeriesRefs
+from .sources.base import Event, Sample
 from .spool import RecordError
+from .spool.defs import SeriesDefs
 
 log = logging.getLogger("xpusense.agent.stream")
 
@@ -37,41 +40,6 @@ REFUSED = "batch rejected"
 IDLE_TICK_S = 1.0    # the batcher's wake-up while nothing comes: its progress() for the watchdog
 STREAM_METHOD = "/xpusense.v1.Ingest/Stream"
 FRESH_BATCHES = 8    # spooled batches whose bytes are kept until sent (older ones are read back)
-
-def sample_to_proto(s: Sample, series_ref: int = 0) -> pb.Sample:
-    m = pb.Sample(name=s.name, unit=s.unit, kind=KINDS[s.kind], labels=s.labels, value=s.value,
-                  time_unix_nano=s.time_ns, series_ref=series_ref)
-    if s.kind == HISTOGRAM:
-        fill_histogram(m.histogram, s)
-    return m
-
-
-def fill_histogram(h: pb.Histogram, s: Sample) -> None:
-    h.bounds.extend(s.bounds)
-    h.counts.extend(s.counts)
-    h.sum, h.count = s.value, (s.counts[-1] if s.counts else 0)
-
-
-def event_to_proto(e: Event) -> pb.Event:
-    return pb.Event(id=e.id, type=e.type, severity=e.severity, device=e.device, message=e.message,
-                    attributes=e.attributes, time_unix_nano=e.time_ns)
-
-
-def batch_problem(node_id: str) -> Callable[[str, int, bytes], str | None]:
-    """The spool's check of a stored batch: why it must not be sent (it would be refused, or stored
-    as something else), or None."""
-    def check(boot: str, seq: int, data: bytes) -> str | None:
-        try:
-            b = pb.Batch.FromString(data)
-        except DecodeError as e:
-            return f"not a Batch ({e})"
-        if b.node_id != node_id:
-            return f"a batch of node {b.node_id!r}, not {node_id!r}"
-        if (b.boot_id, b.seq) != (boot, seq):
-            return f"batch {(b.boot_id, b.seq)} filed as {(boot, seq)}"
-        return None
-    return check
-
 
 def resolve(address: str) -> None:
     """Raise ValueError with a person-readable reason when a HOST:PORT of `address` (one, or several
@@ -114,7 +82,8 @@ class StreamClient:
                  queue_batches: int = 3600, flush_s: float = 0.2, max_samples_per_batch: int = 5000,
                  backoff_initial_s: float = 0.2, backoff_max_s: float = 10.0, agent_version: str = "",
                  channel: Callable[[], grpc.Channel] | list[Callable[[], grpc.Channel]] | None = None, spool=None,
-                 backoff_reset_s: float = 10.0, reconnect_max_s: float = 1.0, series_idle_s: float = 900.0):
+                 backoff_reset_s: float = 10.0, reconnect_max_s: float = 1.0, series_idle_s: float = 900.0,
+                 batch_encoding: str = "", max_series_defs: int = 100_000):
         self.address = address
         self.addresses = addresses(address)   # several: failed over in turn
         self.node_id = node_id
@@ -160,7 +129,17 @@ class StreamClient:
         self._seq = 0
         self.claims = Claims()   # a collector claiming more than was sent (agent/claims.py)
         # This boot's series references and templates; those of series gone idle retired (agent/series_refs.py).
-        self.refs = SeriesRefs(4 * max_samples_per_batch, series_idle_s)
+        # With the compact encoding (batch_encoding), each boot's series definitions, kept with the
+        # spool when there is one (agent/spool/defs.py); batches built in it (agent/batch_build.py).
+        self.encoding = batch_encoding
+        compact_on = batch_encoding == compact.ENCODING
+        self.refs = SeriesRefs(4 * max_samples_per_batch, series_idle_s,
+                               max_refs=max_series_defs if compact_on else 0xFFFFFFFF)
+        self.defs = SeriesDefs(spool.dir if spool is not None else None, max_series_defs)
+        self.builder = BatchBuilder(self.refs, self.defs if compact_on else None, boot_id, self._unencodable)
+        self._conn: Connection = Connection(self.defs, False)
+        self._welcomed = False    # this connection's Welcome came (batches wait for it when compact is offered)
+        self._conn_no = 0         # connections made: a request generator of an earlier one stops
         self._inventory_dirty = False
         self._stop = threading.Event()
         self._conn_closed = True
@@ -208,35 +187,32 @@ class StreamClient:
             events, self._events = self._events, []
             b = pb.Batch(node_id=self.node_id, boot_id=self.boot_id, seq=self._seq + 1,
                          sent_unix_nano=time.time_ns())
-            add, templates = b.samples.add, self.refs.templates
-            for s in chunk:
-                try:
-                    m = add()
-                    tmpl = templates.get((s.name, s.unit, s.kind, tuple(s.labels.items())))   # as refs.template
-                    m.CopyFrom(tmpl if tmpl is not None else self.refs.template(s))   # name, unit, kind, labels, ref
-                    m.value, m.time_unix_nano = s.value, s.time_ns
-                    if s.kind == HISTOGRAM:
-                        fill_histogram(m.histogram, s)
-                except (TypeError, ValueError, KeyError) as e:   # a source's bug must not take the batch
-                    del b.samples[-1]
-                    self.unencodable_samples += 1
-                    self.dropped_samples += 1
-                    if self.unencodable_samples == 1 or self.unencodable_samples % 1000 == 0:
-                        log.warning("sample %r cannot be encoded (%s): dropped; %d such samples so far", s.name, e,
-                                    self.unencodable_samples)
+            n, top = self.builder.build(b, chunk)
             b.events.extend(event_to_proto(e) for e in events)
-            if not b.samples and not b.events:
+            if not n and not b.events:
                 continue
             self._seq += 1
-            self._keep_locked((self.boot_id, self._seq), b)
+            self._keep_locked((self.boot_id, self._seq), b, n, top)
+        if self.defs.boots.keys() - {self.boot_id}:   # old boots' definitions: kept while they have batches
+            self.defs.retain({k[0] for k in self._pending} | {self.boot_id})
         self._cond.notify_all()
 
-    def _keep_locked(self, key: tuple[str, int], b: pb.Batch) -> None:
+    def _unencodable(self, name: str, e: Exception) -> None:
+        self.unencodable_samples += 1
+        self.dropped_samples += 1
+        if self.unencodable_samples == 1 or self.unencodable_samples % 1000 == 0:
+            log.warning("sample %r cannot be encoded (%s): dropped; %d such samples so far", name, e,
+                        self.unencodable_samples)
+
+    def _keep_locked(self, key: tuple[str, int], b: pb.Batch, n: int, top: int) -> None:
         if self.spool is not None:
-            # On disk before it is sent: survives a collector outage and a killed agent.
+            # On disk before it is sent: survives a collector outage and a killed agent; so do the
+            # definitions of the series it uses (agent/spool/defs.py), before it.
+            self.defs.save()
             data = b.SerializeToString()
-            loc = self.spool.append(key[0], key[1], len(b.samples), data)
+            loc = self.spool.append(key[0], key[1], n, data)
             if loc is not None:
+                loc.top = top
                 self._pending[key] = loc
                 self._unsent.append(key)
                 self._fresh[key] = data
@@ -262,7 +238,7 @@ class StreamClient:
             self._mem.pop(key, None)
             if val is None:
                 continue
-            n = len(val.samples) if isinstance(val, pb.Batch) else val.samples
+            n = points(val) if isinstance(val, pb.Batch) else val.samples
             if key in self._inflight:
                 self._maybe_delivered[key] = n
             else:
@@ -274,9 +250,10 @@ class StreamClient:
         """Write the batches held in memory to the spool, oldest first, until it refuses one (the
         spool hands them back in seq order per boot after a restart, wherever they lie)."""
         assert self.spool is not None
+        self.defs.save()
         for key in list(self._mem):
             b = self._pending[key]
-            loc = self.spool.append(key[0], key[1], len(b.samples), b.SerializeToString())
+            loc = self.spool.append(key[0], key[1], points(b), b.SerializeToString())
             if loc is None:
                 return
             self._pending[key] = loc      # keeps its place in the sending order
@@ -305,6 +282,7 @@ class StreamClient:
             for key, loc in spooled:
                 self._pending[key] = loc
                 self._unsent.append(key)
+            self.defs.load({k[0] for k, _ in spooled}, self.boot_id)
             self.claims.spooled((k for k, _ in spooled), getattr(self.spool, "acked", None) or {})
             self._cond.notify_all()
 
@@ -400,20 +378,23 @@ class StreamClient:
             return -1
         return self.ticks
 
-    def _requests(self):
-        """The agent's half of one connection: Hello, then every batch not yet sent on it."""
+    def _requests(self, no: int) -> Iterator[pb.AgentMessage | bytes]:
+        """The agent's half of connection `no`: Hello, then every batch not yet sent on it."""
         yield pb.AgentMessage(hello=pb.Hello(node_id=self.node_id, boot_id=self.boot_id,
-                                             agent_version=self.agent_version,
-                                             inventory=self.inventory(), time_unix_nano=time.time_ns()))
+                                             agent_version=self.agent_version, inventory=self.inventory(),
+                                             time_unix_nano=time.time_ns(), batch_encodings=[self.encoding] * bool(
+                                                 self.encoding)))
         while True:
-            with self._cond:
-                while not self._conn_closed and not self._inventory_dirty and not self._unsent:
+            with self._cond:   # batches wait for the Welcome where it chooses their encoding
+                while not self._conn_closed and not self._inventory_dirty and not (self._unsent and self._welcomed):
                     self._cond.wait(1.0)
-                if self._conn_closed:
+                if self._conn_closed or no != self._conn_no:
                     return
+                conn = self._conn
                 send_inventory, self._inventory_dirty = self._inventory_dirty, False
-                batch, key, data = None, None, None
-                while self._unsent and batch is None:
+                batch: Any = None
+                key, data = ("", 0), None
+                while self._unsent and self._welcomed and batch is None:
                     key = self._unsent.popleft()
                     batch = self._pending.get(key)     # None: acknowledged or dropped meanwhile
                     data = self._fresh.pop(key, None)
@@ -422,13 +403,15 @@ class StreamClient:
             if send_inventory:
                 yield pb.AgentMessage(inventory=self.inventory())
             if batch is not None:
-                if isinstance(batch, pb.Batch):
-                    yield pb.AgentMessage(batch=batch)
-                    continue
-                if data is None and key is not None:
+                if not isinstance(batch, pb.Batch) and data is None:
                     data = self._load(key, batch)
-                if data is not None:
-                    yield batch_message(data)
+                    if data is None:
+                        continue
+                try:
+                    yield from conn.messages(key[0], batch if data is None else data,
+                                             -1 if isinstance(batch, pb.Batch) else batch.top)
+                except (Unsendable, DecodeError) as e:
+                    self._set_aside(key, batch, str(e))
 
     def _load(self, key: tuple[str, int], loc) -> bytes | None:
         """A spooled batch, read back and checked; None (set aside and counted) when it cannot be sent."""
@@ -441,14 +424,26 @@ class StreamClient:
             why = f"cannot be read back: {e}"
         if why is None:
             return data
+        self._set_aside(key, loc, why)
+        return None
+
+    def _set_aside(self, key: tuple[str, int], val, why: str) -> None:
+        """A batch that cannot be sent as what it stands for: set aside and counted, never sent."""
         with self._cond:
             self._inflight.discard(key)
             if self._pending.pop(key, None) is not None:
+                self._mem.pop(key, None)
                 self.set_aside += 1
-                self.spool.set_aside(key, loc, why)
-                self._count_drop(1, loc.samples, f"batch {key} in the spool {why}: set aside, not sent")
+                if isinstance(val, pb.Batch):
+                    try:
+                        n = points(val)
+                    except compact.CompactError:
+                        n = len(val.samples)
+                else:
+                    n = val.samples
+                    self.spool.set_aside(key, val, why)
+                self._count_drop(1, n, f"batch {key} {why}: set aside, not sent")
             self._cond.notify_all()
-        return None
 
     def _refused(self, why: str) -> None:
         """The collector refused a batch that can never pass its limits (INVALID_ARGUMENT, after the
@@ -464,7 +459,7 @@ class StreamClient:
             self.set_aside += 1
             if self.spool is not None and not isinstance(val, pb.Batch):
                 self.spool.set_aside(key, val, f"refused by the collector: {why}")
-            n = len(val.samples) if isinstance(val, pb.Batch) else val.samples
+            n = points(val) if isinstance(val, pb.Batch) else val.samples
             self._count_drop(1, n, f"batch {key} refused by the collector ({why}): set aside, not sent again")
 
     def _handle(self, msg: pb.CollectorMessage, here: str = "") -> None:
@@ -489,6 +484,8 @@ class StreamClient:
                     if self.spool is not None:
                         self.spool.ack(key[0], key[1], val if not isinstance(val, pb.Batch) else None)
             elif msg.HasField("welcome"):
+                self._conn = Connection(self.defs, bool(self.encoding) and msg.welcome.batch_encoding == self.encoding)
+                self._welcomed = True
                 done = [k for k in self._pending if k[0] == msg.welcome.boot_id and k[1] <= msg.welcome.stored_up_to]
                 for k in done:
                     val = self._pending.pop(k)
@@ -524,8 +521,11 @@ class StreamClient:
                     self._unsent = collections.deque(self._pending)  # resend all not acknowledged, in order
                     self._inflight.clear()
                     self._inventory_dirty = False
+                    self._welcomed = not self.encoding   # nothing offered: Sample messages whatever it says
+                    self._conn = Connection(self.defs, False)
+                    self._conn_no += 1
                 try:
-                    call: _StreamCall = stream(self._requests())
+                    call: _StreamCall = stream(self._requests(self._conn_no))
                     self._call = call
                     for msg in call:
                         if not self.connected:
@@ -591,5 +591,7 @@ class StreamClient:
                 "memory_batches": len(self._mem), "set_aside": self.set_aside,
                 "impossible_acks": self.claims.impossible,
                 "series_refs": self.series_refs(), "series_retired": self.refs.retired,
+                "series_unnumbered": self.refs.unnumbered, "series_defs": len(self.defs),
+                "series_defs_bytes": self.defs.bytes, "series_defs_damaged": self.defs.damaged,
                 "spool_bytes": self.spool.bytes_used() if self.spool is not None else 0,
                 "spool": self.spool.status() if self.spool is not None else None}

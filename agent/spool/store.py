@@ -37,6 +37,7 @@ class Loc:
     offset: int
     length: int          # of the whole record
     samples: int
+    top: int = -1        # the highest series_ref its columns use, when the stream knows it (-1: read it)
 
 
 @dataclasses.dataclass

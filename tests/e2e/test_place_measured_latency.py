@@ -1,6 +1,6 @@
 """Data affinity from measured latency, through the real collector: simulated agents on the real
 Ingest stream send `xpusense.network.tcp.rtt{remote_region}` histograms as the tcp_rtt source makes
-them (agent/sources/ebpf/source.py hist_sample, agent/stream.py sample_to_proto), and Place, over
+them (agent/sources/ebpf/source.py hist_sample, agent/batch_build.py sample_to_proto), and Place, over
 gRPC, uses the measured median RTT of a region pair instead of the configured matrix, says so, and
 goes back to the configured figure once the measurement is older than measured_latency_max_age_s.
 Time moves through the fleet state's clock; no sleeps."""
@@ -13,8 +13,8 @@ from helpers import InProcessCollector, wait_until
 from sched_sim import GiB, readings
 from test_place_grpc import SimAgent
 
+from xpusense.agent.batch_build import sample_to_proto
 from xpusense.agent.sources.ebpf.source import hist_sample
-from xpusense.agent.stream import sample_to_proto
 from xpusense.collector.config import load_collector
 from xpusense.collector.state import FleetState
 from xpusense.common.metric_names import NETWORK_TCP_RTT

@@ -446,7 +446,7 @@ def test_a_series_whose_labels_come_in_another_order_keeps_its_ref_and_its_wire_
 
 
 def test_an_encoded_batch_goes_out_as_the_same_agent_message_at_every_length_prefix_size():
-    from xpusense.agent.encoded import batch_message, encode_message
+    from xpusense.agent.batch_send import batch_message, encode_message
     for n in (0, 1, 120, 127, 128, 16_000, 16_383, 16_384, 2_100_000):
         b = pb.Batch(node_id="n" * n, boot_id="b", seq=n + 1)
         want = pb.AgentMessage(batch=b).SerializeToString()

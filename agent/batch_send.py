@@ -1,0 +1,87 @@
+"""What the stream sends for a batch. Where the collector's Welcome chose the compact encoding: the
+SeriesTable of the series the batch uses that this connection has not had defined yet, then the
+batch as built; elsewhere (an old collector, a cluster gateway) a compact batch expanded to the
+Sample messages it stands for (common/compact.py's `sample`, with the boot's definitions). A
+spooled batch goes as its bytes, without decoding it only for grpc to encode it again."""
+
+from __future__ import annotations
+
+from xpusense.common import compact
+from xpusense.v1 import telemetry_pb2 as pb
+
+from .batch_build import MAX_ROWS
+from .spool.defs import SeriesDefs
+
+TABLE_DEFS = 5000     # definitions per SeriesTable message (the first of a stream may need many)
+
+
+def encode_message(m: pb.AgentMessage | bytes) -> bytes:
+    """The stream's request serializer: a message, or an AgentMessage already encoded."""
+    return m if isinstance(m, bytes) else m.SerializeToString()
+
+
+def batch_message(batch: bytes) -> bytes:
+    """AgentMessage{batch} encoded around an encoded Batch (field 2, length-delimited): what
+    AgentMessage(batch=Batch.FromString(batch)).SerializeToString() would be, without the decoding."""
+    n, head = len(batch), bytearray(b"\x12")
+    while n >= 0x80:
+        head.append(n & 0x7F | 0x80)
+        n >>= 7
+    head.append(n)
+    return bytes(head) + batch
+
+
+class Unsendable(Exception):
+    """A batch that cannot be sent as what it stands for; the message says why."""
+
+
+class Connection:
+    """Per connection: the highest series_ref of each boot whose definition was sent on it (every
+    connection starts from none, so after a reconnect, to whichever collector, each definition a
+    batch needs goes before it on the same stream)."""
+
+    def __init__(self, defs: SeriesDefs, compact_chosen: bool):
+        self.defs = defs
+        self.compact = compact_chosen
+        self.sent: dict[str, int] = {}
+
+    def messages(self, boot: str, batch: pb.Batch | bytes, top: int) -> list[pb.AgentMessage | bytes]:
+        """The messages for one batch of `boot` (a pb.Batch, or a Batch encoded). `top`: the highest
+        series_ref it uses, known for a batch built in this run (whose definitions are all held); -1
+        to read it from the batch, checking that every one of its references has a definition."""
+        whole = batch_message(batch) if isinstance(batch, bytes) else pb.AgentMessage(batch=batch)
+        if top < 0 or not self.compact:
+            b = batch if isinstance(batch, pb.Batch) else pb.Batch.FromString(batch)
+            if not b.columns:
+                return [whole]
+            try:
+                cols = compact.decode_columns(b.columns, MAX_ROWS)
+            except compact.CompactError as e:
+                raise Unsendable(f"its columns do not decode ({e})") from None
+            defs = self.defs.get(boot) or {}
+            if missing := next((r for r in cols.refs if r not in defs), None):
+                raise Unsendable(f"no definition for series_ref {missing} of boot {boot} (its definitions are gone)")
+            if not self.compact:
+                return [pb.AgentMessage(batch=expand(b, cols, defs))]
+            top = max(cols.refs, default=0)
+        out: list[pb.AgentMessage | bytes] = []
+        sent = self.sent.get(boot, 0)
+        if top > sent:
+            defs = self.defs.get(boot) or {}
+            todo = [defs[r] for r in range(sent + 1, top + 1) if r in defs]
+            for i in range(0, len(todo), TABLE_DEFS):
+                out.append(pb.AgentMessage(series=pb.SeriesTable(
+                    boot_id=boot, defs=compact.encode_defs(todo[i:i + TABLE_DEFS]))))
+            self.sent[boot] = top
+        out.append(whole)
+        return out
+
+
+def expand(b: pb.Batch, cols: compact.Columns, defs: dict[int, pb.Sample]) -> pb.Batch:
+    """The batch in Sample messages: its columns' rows, then the samples it carries whole."""
+    out = pb.Batch(node_id=b.node_id, boot_id=b.boot_id, seq=b.seq, sent_unix_nano=b.sent_unix_nano)
+    hists = cols.histograms
+    out.samples.extend(compact.sample(defs[row[0]], row, hists.get(i)) for i, row in enumerate(cols.rows()))
+    out.samples.extend(b.samples)
+    out.events.extend(b.events)
+    return out

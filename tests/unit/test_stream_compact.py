@@ -1,0 +1,304 @@
+"""The agent's side of the compact encoding against a recording Ingest servicer on loopback (real
+gRPC): each series defined once per connection before its first use, batches expanded to Sample
+messages where the Welcome does not choose the encoding, old boots' spooled batches sent with their
+definitions after a restart, and set aside (never sent wrong) when those are gone."""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+from helpers import free_port, wait_until
+
+from xpusense.agent.batch_build import batch_problem
+from xpusense.agent.config import load_agent
+from xpusense.agent.sources.base import COUNTER, HISTOGRAM, Sample
+from xpusense.agent.spool import Spool
+from xpusense.agent.stream import StreamClient
+from xpusense.common import compact
+from xpusense.common.config import ConfigError
+from xpusense.v1 import telemetry_pb2 as pb
+from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
+
+T0 = 1_700_000_000_000_000_000
+
+
+class Recorder(pb_grpc.IngestServicer):
+    """Answers Welcome(batch_encoding=`encoding` when the Hello offers it) and acks every batch;
+    keeps each connection's messages, and reads them as a collector would: a compact batch whose
+    references were not defined before it on the same stream fails the test."""
+
+    def __init__(self, encoding: str):
+        self.encoding = encoding
+        self.streams: list[list[pb.AgentMessage]] = []
+        self.stored: dict[str, int] = {}
+        self.samples: dict[str, list[pb.Sample]] = {}     # by boot, as stored
+        self.abort_at: set[int] = set()                  # batch seqs at which the stream is cut, once
+        self.problems: list[str] = []
+        self.lock = threading.Lock()
+
+    def Stream(self, request_iterator, context):
+        msgs: list[pb.AgentMessage] = []
+        defs: dict[str, dict[int, pb.Sample]] = {}
+        with self.lock:
+            self.streams.append(msgs)
+        chosen = ""
+        for m in request_iterator:
+            with self.lock:
+                msgs.append(m)
+            kind = m.WhichOneof("msg")
+            if kind == "hello":
+                chosen = self.encoding if self.encoding in m.hello.batch_encodings else ""
+                yield pb.CollectorMessage(welcome=pb.Welcome(boot_id=m.hello.boot_id, batch_encoding=chosen,
+                                                             stored_up_to=self.stored.get(m.hello.boot_id, 0)))
+            elif kind == "series":
+                for d in compact.decode_defs(m.series.defs, 1 << 24):
+                    defs.setdefault(m.series.boot_id, {})[d.series_ref] = d
+            elif kind == "batch":
+                b = m.batch
+                if b.seq in self.abort_at:
+                    self.abort_at.discard(b.seq)
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "cut by the test")
+                got = list(b.samples)
+                if b.columns:
+                    if not chosen:
+                        self.problems.append(f"compact batch {b.seq} on a stream that did not choose it")
+                    cols = compact.decode_columns(b.columns, 100_000)
+                    held = defs.get(b.boot_id, {})
+                    if missing := [r for r in cols.refs if r not in held]:
+                        self.problems.append(f"batch {b.seq}: no definition for {missing}")
+                        continue
+                    got = [compact.sample(held[r[0]], r, cols.histograms.get(i)) for i, r in enumerate(cols.rows())]
+                    got += list(b.samples)
+                with self.lock:
+                    if b.seq > self.stored.get(b.boot_id, 0):
+                        self.stored[b.boot_id] = b.seq
+                        self.samples.setdefault(b.boot_id, []).extend(got)
+                yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq))
+
+    def kinds(self, i: int) -> list[str]:
+        with self.lock:
+            return [m.WhichOneof("msg") for m in self.streams[i]]
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(encoding: str, port: int | None = None) -> tuple[Recorder, str]:
+        rec = Recorder(encoding)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pb_grpc.add_IngestServicer_to_server(rec, server)
+        port = server.add_insecure_port(f"127.0.0.1:{port or 0}")
+        server.start()
+        servers.append(server)
+        return rec, f"127.0.0.1:{port}"
+
+    yield start
+    for s in servers:
+        s.stop(0)
+
+
+@pytest.fixture
+def client_factory():
+    made = []
+
+    def make(addr, boot="boot-1", **kw):
+        kw = {"flush_s": 0.02, "backoff_initial_s": 0.02, "backoff_max_s": 0.2, "reconnect_max_s": 0.2,
+              "batch_encoding": compact.ENCODING, **kw}
+        c = StreamClient(addr, "node-a", boot, lambda: pb.Inventory(hostname="h"), **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop(drain_s=0)
+
+
+def round_of(i: int, extra: int = 0) -> list[Sample]:
+    """One round: gauges, a counter, a histogram, a histogram over the columns' bucket bound, and
+    `extra` series more."""
+    t = T0 + i * 1_000_000_000
+    out = [Sample("gpu.util", 0.5 + i, "1", {"gpu": "0", "uuid": "GPU-a"}, time_ns=t),
+           Sample("gpu.util", 0.25 * i, "1", {"uuid": "GPU-b", "gpu": "1"}, time_ns=t + 7),
+           Sample("net.bytes", 1e9 + i, "By", {"device": "eth0"}, kind=COUNTER, time_ns=t + 11),
+           Sample("tcp.rtt", 3.5 * i, "s", {"dst": "10.0.0.1"}, kind=HISTOGRAM, time_ns=t + 13,
+                  bounds=(0.001, 0.01, 0.1), counts=(i, 2 * i, 3 * i, 4 * i)),
+           Sample("big.hist", 2.0, "s", {}, kind=HISTOGRAM, time_ns=t + 17,
+                  bounds=tuple(float(b) for b in range(300)), counts=tuple(range(301)))]
+    out += [Sample(f"extra.{k}", float(k * i), "1", {"k": str(k)}, time_ns=t + 19) for k in range(extra)]
+    return out
+
+
+def norm(s: pb.Sample) -> tuple:
+    h = s.histogram
+    return (s.name, s.unit, s.kind, tuple(sorted(s.labels.items())), s.value, s.time_unix_nano,
+            tuple(h.bounds), tuple(h.counts), h.sum, h.count)
+
+
+def expected(rounds: list[list[Sample]]) -> list[tuple]:
+    """What a Sample-encoding agent's batches carry for these rounds (its own encoder)."""
+    from xpusense.agent.batch_build import sample_to_proto
+    return sorted(norm(sample_to_proto(s)) for r in rounds for s in r)
+
+
+def refs_of(table: pb.SeriesTable) -> list[int]:
+    return [d.series_ref for d in compact.decode_defs(table.defs, 1 << 24)]
+
+
+def test_each_series_is_defined_once_per_connection_before_the_first_batch_using_it(serve, client_factory):
+    rec, addr = serve(compact.ENCODING)
+    client = client_factory(addr)
+    client.start()
+    rounds = [round_of(1), round_of(2, extra=1), round_of(3, extra=1)]
+    client.put(rounds[0])
+    client.flush()
+    wait_until(lambda: client.status()["acked"] == 1, what="the first batch acknowledged")
+    client.put(rounds[1])                  # one new series
+    client.flush()
+    wait_until(lambda: client.status()["acked"] == 2, what="the second batch acknowledged")
+    rec.abort_at.add(3)                    # the third batch's stream is cut: it goes again on a new one
+    client.put(rounds[2])
+    client.flush()
+    wait_until(lambda: client.status()["acked"] == 3 and len(rec.streams) == 2, what="the third batch, resent")
+    assert not rec.problems
+    first, second = rec.streams
+    assert first[0].hello.batch_encodings == [compact.ENCODING]
+    assert rec.kinds(0) == ["hello", "series", "batch", "series", "batch", "batch"]
+    # The first table holds every series the first batch's columns use (big.hist, 5, has more
+    # buckets than they carry and goes whole); the second only those numbered since, up to the new one.
+    assert refs_of(first[1].series) == [1, 2, 3, 4] and first[1].series.boot_id == "boot-1"
+    assert sorted(compact.decode_columns(first[2].batch.columns, 100).refs) == [1, 2, 3, 4]
+    assert [s.name for s in first[2].batch.samples] == ["big.hist"]
+    assert [(d.name, d.series_ref) for d in compact.decode_defs(first[3].series.defs, 1 << 20)] == \
+        [("big.hist", 5), ("extra.0", 6)]
+    # A new connection defines them all again before the resent batch.
+    assert rec.kinds(1) == ["hello", "series", "batch"]
+    assert refs_of(second[1].series) == [1, 2, 3, 4, 5, 6]
+    assert sorted(norm(s) for s in rec.samples["boot-1"]) == expected(rounds)
+    assert all(not m.batch.samples or m.batch.columns for m in first + second if m.HasField("batch"))
+
+
+@pytest.mark.parametrize("agent_encoding", [compact.ENCODING, ""])
+def test_where_the_welcome_does_not_choose_it_batches_go_as_the_sample_messages_of_today(
+        serve, client_factory, agent_encoding):
+    """An old collector or a cluster gateway: the compact batches, expanded, carry exactly what a
+    Sample-encoding agent sends (histograms too); no SeriesTable, no columns."""
+    rec, addr = serve("")
+    client = client_factory(addr, batch_encoding=agent_encoding)
+    client.start()
+    rounds = [round_of(1, extra=2), round_of(2, extra=3)]
+    for r in rounds:
+        client.put(r)
+        client.flush()
+    wait_until(lambda: client.status()["acked"] == 2, what="both batches acknowledged")
+    assert not rec.problems
+    assert "series" not in rec.kinds(0)
+    assert list(rec.streams[0][0].hello.batch_encodings) == ([compact.ENCODING] if agent_encoding else [])
+    assert all(not m.batch.columns for m in rec.streams[0] if m.HasField("batch"))
+    assert sorted(norm(s) for s in rec.samples["boot-1"]) == expected(rounds)
+
+
+def test_past_max_series_defs_new_series_go_whole_counted(serve, client_factory):
+    rec, addr = serve(compact.ENCODING)
+    client = client_factory(addr, max_series_defs=2)
+    client.start()
+    rounds = [round_of(1, extra=2)]
+    client.put(rounds[0])
+    client.flush()
+    wait_until(lambda: client.status()["acked"] == 1, what="the batch acknowledged")
+    batch = rec.streams[0][2].batch
+    assert sorted(compact.decode_columns(batch.columns, 100).refs) == [1, 2]
+    assert {s.series_ref for s in batch.samples} == {0}
+    assert client.status()["series_unnumbered"] == 5 and client.status()["series_defs"] == 2
+    assert sorted(norm(s) for s in rec.samples["boot-1"]) == expected(rounds)
+
+
+def spool_of(directory, node="node-a") -> tuple[Spool, list]:
+    sp = Spool(str(directory), validate=batch_problem(node), fsync_interval_s=0.05)
+    return sp, sp.open()
+
+
+def old_boot_in_the_spool(tmp_path, client_factory) -> list[list[Sample]]:
+    """An agent that never reached a collector: its boot's batches and definitions in the spool."""
+    sp, found = spool_of(tmp_path / "spool")
+    assert found == []
+    client = client_factory(f"127.0.0.1:{free_port()}", boot="boot-old", spool=sp)
+    rounds = [round_of(1), round_of(2, extra=2)]
+    for r in rounds:
+        client.put(r)
+        client.flush()
+    client.stop(drain_s=0)
+    sp.close()
+    assert os.path.exists(tmp_path / "spool" / "series-boot-old.xsd")
+    return rounds
+
+
+@pytest.mark.parametrize("collector_encoding", [compact.ENCODING, ""])
+def test_after_a_restart_an_old_boots_spooled_batches_go_with_their_definitions(
+        tmp_path, serve, client_factory, collector_encoding):
+    rounds = old_boot_in_the_spool(tmp_path, client_factory)
+    sp, found = spool_of(tmp_path / "spool")
+    assert [k for k, _ in found] == [("boot-old", 1), ("boot-old", 2)]
+    rec, addr = serve(collector_encoding)
+    client = client_factory(addr, boot="boot-new", spool=sp)
+    client.resume(found)
+    client.start()
+    client.put(round_of(3))
+    client.flush()
+    wait_until(lambda: client.pending() == 0, what="every batch acknowledged")
+    assert not rec.problems
+    assert sorted(norm(s) for s in rec.samples["boot-old"]) == expected(rounds)
+    assert sorted(norm(s) for s in rec.samples["boot-new"]) == expected([round_of(3)])
+    if collector_encoding:
+        tables = [m.series.boot_id for m in rec.streams[0] if m.HasField("series")]
+        assert tables == ["boot-old", "boot-old", "boot-new"]
+    client.put(round_of(4))     # the next cut lets the old boot's definitions go
+    client.flush()
+    wait_until(lambda: not os.path.exists(tmp_path / "spool" / "series-boot-old.xsd"),
+               what="the old boot's definitions file deleted")
+    assert os.path.exists(tmp_path / "spool" / "series-boot-new.xsd")
+    assert client.status()["set_aside"] == 0
+
+
+@pytest.mark.parametrize("collector_encoding", [compact.ENCODING, ""])
+@pytest.mark.parametrize("harm", ["deleted", "damaged"])
+def test_spooled_batches_whose_definitions_are_gone_are_set_aside_never_sent(
+        tmp_path, serve, client_factory, collector_encoding, harm):
+    old_boot_in_the_spool(tmp_path, client_factory)
+    path = tmp_path / "spool" / "series-boot-old.xsd"
+    if harm == "deleted":
+        path.unlink()
+    else:
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF     # the second frame's definitions (the series new in round 2)
+        path.write_bytes(bytes(data))
+    sp, found = spool_of(tmp_path / "spool")
+    rec, addr = serve(collector_encoding)
+    client = client_factory(addr, boot="boot-new", spool=sp)
+    client.resume(found)
+    client.start()
+    client.put(round_of(3))
+    client.flush()
+    wait_until(lambda: client.pending() == 0, what="the new boot's batch acknowledged, the old ones set aside")
+    assert not rec.problems
+    sent_old = {m.batch.seq for s in rec.streams for m in s if m.HasField("batch") and m.batch.boot_id == "boot-old"}
+    st = client.status()
+    if harm == "deleted":
+        assert sent_old == set() and st["set_aside"] == 2
+    else:   # the first frame holds round 1's definitions: that batch goes, round 2's does not
+        assert sent_old == {1} and st["set_aside"] == 1 and st["series_defs_damaged"] == 1
+    assert st["dropped_batches"] == st["set_aside"]
+    assert sorted(norm(s) for s in rec.samples["boot-new"]) == expected([round_of(3)])
+    assert os.listdir(tmp_path / "spool" / "damaged")    # the set-aside batches' bytes kept
+
+
+def test_batch_encoding_other_than_the_compact_one_or_none_is_a_config_error(tmp_path):
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('[stream]\nbatch_encoding = "zstd"\n')
+    with pytest.raises(ConfigError, match=r"agent.toml: 'stream.batch_encoding' must be \"columns-zlib-1\""):
+        load_agent(str(cfg), env={})
+    assert load_agent(None, env={}).stream.batch_encoding == compact.ENCODING
