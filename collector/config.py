@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from xpusense.common.config import DEFAULT_ADDRESS, Key, host_port, load, log_level, non_negative, positive
+from xpusense.common import compact
+from xpusense.common.config import DEFAULT_ADDRESS, Key, host_port, load, log_level, non_negative, one_of, positive
 from xpusense.common.otlp import otlp_schema
 
 from .cluster.config import NATS_SCHEMA, check_nats
@@ -57,6 +58,13 @@ COLLECTOR_SCHEMA = {
                                        "its send times against their arrival) gets a clock_offset diagnosis; its "
                                        "readings are judged by arrival either way (collector/clock.py)"),
     },
+    # The Ingest stream (collector/ingest_session.py; docs/design.md "The compact encoding").
+    "ingest": {
+        "batch_encodings": Key(list, [compact.ENCODING], one_of(compact.ENCODING),
+                               help="batch encodings chosen in the Welcome when an agent's Hello offers one "
+                                    "(\"columns-zlib-1\": series defined once per stream, samples as compressed "
+                                    "columns); []: agents send Sample messages"),
+    },
     "scheduler": SCHEDULER_SCHEMA,
     # Cluster mode (collector/cluster/, docs/scale.md): with urls set, serve is a gateway to NATS JetStream.
     "nats": NATS_SCHEMA,
@@ -92,6 +100,9 @@ COLLECTOR_SCHEMA = {
                                                                   "is not read (memory only: one at a time)"),
         "max_stream_pending_bytes": Key(int, 8 * 2**20, positive, help="their size on the wire"),
         "max_inventory_bytes": Key(int, 2**20, positive, help="one node's inventory"),
+        "max_series_table_bytes": Key(int, 64 * 2**20, positive,
+                                      help="one SeriesTable's series definitions once inflated (the compact "
+                                           "encoding); past it the stream is refused, INVALID_ARGUMENT"),
         "max_reply_bytes": Key(int, 4_000_000, positive, help="one ListNodes page (nodes/top read every page)"),
     },
     # kube-scheduler's extender (collector/extender_http.py, docs/kubernetes.md).

@@ -1,6 +1,7 @@
 """One agent's Ingest stream, as the single collector and a cluster gateway both serve it: the Hello,
-admission, the Welcome, the batches checked and acknowledged in order, refusals. What a stream does
-with what it is sent (the fleet state and store, or JetStream) is its sink (`Sink`).
+admission, the Welcome (with the batch encoding chosen), the batches and series tables checked and
+acknowledged in order, refusals. What a stream does with what it is sent (the fleet state and
+store, or JetStream) is its sink (`Sink`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from typing import Any
 
 import grpc
 
+from xpusense.common import compact
+from xpusense.common.ids import bad_id
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from .limits import MalformedRequest, Violation, short_boot
-from .wire import batch_payload
+from .wire import WireBatch, batch_payload
 
 
 class PendingWindow:
@@ -85,6 +88,11 @@ class Sink:
         """An inventory sent after the Hello, within the limits: None once kept, or what to settle."""
         raise NotImplementedError
 
+    def series(self, table: pb.SeriesTable) -> Violation | None:
+        """A SeriesTable of the node's (on a stream whose Welcome chose the compact encoding):
+        None once kept, before any later batch of the stream is, or why it is refused."""
+        raise NotImplementedError
+
     async def settle(self, item: Any, context: grpc.aio.ServicerContext) -> pb.Ack | None:
         """Wait until `item` is kept (aborting the call when it cannot be); its Ack, if it has one."""
         raise NotImplementedError
@@ -97,6 +105,21 @@ def _wrong_node(b: Any, node_id: str) -> Violation:
     """An earlier boot's batches may come again (the agent's spool after a restart); another node's never."""
     return Violation(grpc.StatusCode.PERMISSION_DENIED,
                      f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}")
+
+
+def choose_encoding(hello: pb.Hello, allowed: list[str]) -> str:
+    """The batch encoding a Welcome chooses: the compact one where the agent offers it and the
+    configuration (`[ingest] batch_encodings`) allows it; "" (Sample messages) otherwise."""
+    return compact.ENCODING if compact.ENCODING in hello.batch_encodings and compact.ENCODING in allowed else ""
+
+
+def _table_refused(table: pb.SeriesTable, welcome: pb.Welcome) -> Violation | None:
+    if welcome.batch_encoding != compact.ENCODING:
+        return Violation(grpc.StatusCode.INVALID_ARGUMENT, "a SeriesTable on a stream whose Welcome chose "
+                         f"batch encoding {welcome.batch_encoding!r}")
+    if (why := bad_id("SeriesTable boot_id", table.boot_id)) is not None:
+        return Violation(grpc.StatusCode.INVALID_ARGUMENT, why)
+    return None
 
 
 def _unexpected(kind: str | None) -> Violation:
@@ -136,6 +159,16 @@ class IngestSession(pb_grpc.IngestServicer):
 
     def inventory_refused(self, inv: pb.Inventory) -> Violation | None:
         return self.limits.check_inventory(inv) if self.limits is not None else None
+
+    def batch_refused(self, b: Any, node_id: str, welcome: pb.Welcome, peer: str) -> Violation | None:
+        """Another node's batch, or one in the compact encoding where the Welcome did not choose it."""
+        if b.node_id != node_id:
+            return _wrong_node(b, node_id)
+        if b.__class__ is not WireBatch and b.columns and welcome.batch_encoding != compact.ENCODING:
+            return self.refused(Violation(grpc.StatusCode.INVALID_ARGUMENT,
+                                          f"batch {b.seq} in the compact encoding on a stream whose Welcome "
+                                          f"chose {welcome.batch_encoding!r}: send Sample messages"), peer)
+        return None
 
     def admit(self, node_id: str, inventory: pb.Inventory) -> Violation | None:
         """Why a node's stream is refused at its Hello, or None."""
@@ -200,7 +233,10 @@ class IngestSession(pb_grpc.IngestServicer):
                 if kind == "batch":
                     payload = batch_payload(msg)   # first: before anything here awaits (wire.py)
                     b = msg.batch
-                    got = sink.take_now(b, payload) if b.node_id == node_id else _wrong_node(b, node_id)
+                    got = self.batch_refused(b, node_id, sink.welcome, peer) or sink.take_now(b, payload)
+                elif kind == "series":
+                    table = msg.series
+                    got = self.refused(_table_refused(table, sink.welcome) or sink.series(table), peer)
                 elif kind == "inventory":
                     inv = msg.inventory
                     got = self.refused(self.inventory_refused(inv), peer) or await sink.inventory(inv)
@@ -213,7 +249,7 @@ class IngestSession(pb_grpc.IngestServicer):
         except MalformedRequest as e:
             await context.abort(e.violation.code, e.violation.message)
         finally:   # an abort's traceback keeps this frame alive (a cycle): let go of the messages now
-            request_iterator = msg = got = b = None
+            request_iterator = msg = got = b = table = None
             payload = b""
 
     async def _read(self, request_iterator, sink: Sink, peer: str, pending: asyncio.Queue,
@@ -226,8 +262,10 @@ class IngestSession(pb_grpc.IngestServicer):
                 if kind == "batch":
                     payload = batch_payload(msg)   # first: before anything here awaits (wire.py)
                     b = msg.batch
-                    got = (await sink.take(b, payload, size) if b.node_id == node_id
-                           else _wrong_node(b, node_id))
+                    got = self.batch_refused(b, node_id, sink.welcome, peer) or await sink.take(b, payload, size)
+                elif kind == "series":
+                    table = msg.series
+                    got = self.refused(_table_refused(table, sink.welcome) or sink.series(table), peer)
                 elif kind == "inventory":
                     inv = msg.inventory
                     got = self.refused(self.inventory_refused(inv), peer) or await sink.inventory(inv)
@@ -244,5 +282,5 @@ class IngestSession(pb_grpc.IngestServicer):
             pending.put_nowait(e.violation)
         finally:
             pending.put_nowait(None)
-            msg = b = got = None
+            msg = b = got = table = None
             payload = b""

@@ -115,6 +115,7 @@ DEFAULTS = {
     "max_stream_pending_batches": 64,   # durable store: read from one stream, not yet acknowledged...
     "max_stream_pending_bytes": 8 * 2**20,  # ...and their size on the wire: past either, reading waits
     "max_inventory_bytes": 2**20,       # one node's inventory (Hello or Inventory message)
+    "max_series_table_bytes": 64 * 2**20,   # one SeriesTable's definitions, inflated (compact encoding)
     "max_reply_bytes": 4_000_000,       # one ListNodes page (gRPC clients take 4 MiB by default)
 }
 
@@ -142,6 +143,7 @@ class Limits:
     max_stream_pending_batches: int
     max_stream_pending_bytes: int
     max_inventory_bytes: int
+    max_series_table_bytes: int
     max_reply_bytes: int
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, **limits):
@@ -265,13 +267,14 @@ class Limits:
         new: list[int] = []
         unknown: list[pb.Sample] = []     # samples whose series the node may not have yet
         max_buckets = self.max_histogram_buckets
-        for s, ref in zip(samples, refs):
+        for i, ref in enumerate(refs):
             if ref and ref in checked:
                 continue
             if ref and ref in earlier:   # checked in the generation before: in use again
                 earlier.discard(ref)
                 checked.add(ref)
                 continue
+            s = samples[i]   # read only here: a compact batch's sample is built when read
             if (v := self._check_series(s)) is not None:
                 return v
             if s.kind == HISTOGRAM and len(s.histogram.bounds) > max_buckets:

@@ -13,12 +13,14 @@ from typing import overload
 from xpusense.common import compact
 from xpusense.v1 import telemetry_pb2 as pb
 
+from .limits import short_boot
+
 
 class MissingDefinition(LookupError):
     """A compact batch uses a series_ref its boot has no definition for."""
 
     def __init__(self, node_id: str, boot_id: str, ref: int):
-        super().__init__(f"no definition for series_ref {ref} of node {node_id!r} boot {boot_id!r} "
+        super().__init__(f"no definition for series_ref {ref} of node {node_id[:128]!r} boot {short_boot(boot_id)!r} "
                          "(the agent sends one before the first batch using it on each stream)")
         self.node_id, self.boot_id, self.ref = node_id, boot_id, ref
 

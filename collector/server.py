@@ -1,6 +1,7 @@
 """The collector's gRPC server: the Ingest stream from agents (the fleet state and its store as the
-sink of collector/ingest_session.py), the Query API, Scheduler.Place and gRPC health, all on one
-port, on one asyncio event loop that owns the fleet state.
+sink of collector/ingest_session.py; batches in the compact encoding read against the node's series
+definitions), the Query API, Scheduler.Place and gRPC health, all on one port, on one asyncio event
+loop that owns the fleet state.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from xpusense.common import compact
 from xpusense.common.supervise import TASKS
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
@@ -20,15 +22,16 @@ from . import gc_policy
 from .batch_rows import BatchRows
 from .extender_http import start_extender
 from .grpc_server import bind, grpc_server
-from .ingest_session import IngestSession, PendingWindow, Sink
+from .ingest_session import IngestSession, PendingWindow, Sink, choose_encoding
 from .limits import DEFAULTS as LIMITS
-from .limits import Violation
+from .limits import Violation, short_boot
 from .query import QUERY_SERVICE, state_query
 from .scheduler.service import SCHEDULER_SERVICE
 from .scheduler.service import add_to_server as add_scheduler
+from .series_dictionary import MissingDefinition
 from .state import FleetState
 from .store import StoreError
-from .wire import INGEST_SERVICE, add_ingest
+from .wire import INGEST_SERVICE, CompactBatch, WireBatch, add_ingest, compact_batch
 
 log = logging.getLogger("xpusense.collector")
 
@@ -39,9 +42,9 @@ class FleetStream(Sink):
     acknowledged in order once fsync'ed, then applied: batches that arrive together share a group
     commit (a spool draining after an outage is not held to one fsync per batch)."""
 
-    def __init__(self, ingest: IngestServicer, node_id: str, boot_id: str, welcome: pb.Welcome):
+    def __init__(self, ingest: IngestServicer, node_id: str, boot_id: str, welcome: pb.Welcome, peer: str = ""):
         self.ingest, self.state, self.store, self.limits = ingest, ingest.state, ingest.store, ingest.limits
-        self.node_id, self.boot_id, self.welcome = node_id, boot_id, welcome
+        self.node_id, self.boot_id, self.welcome, self.peer = node_id, boot_id, welcome, peer
         if self.store is not None:   # read and not yet acknowledged, per stream
             lim = self.limits
             self.window = PendingWindow(
@@ -50,6 +53,8 @@ class FleetStream(Sink):
                 lim.hit if lim else None)
 
     def take_now(self, b, payload: bytes) -> pb.Ack | Violation:
+        if b.__class__ is not WireBatch and b.columns and (b := self.ingest.decode(b, self.peer)).__class__ is Violation:
+            return b
         rows = BatchRows(b, payload)   # read once, for the limits and the state
         if self.limits is not None and (why := self.limits.check(self.node_id, b, self.state, rows.refs)):
             return why
@@ -59,6 +64,8 @@ class FleetStream(Sink):
         return pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=previous is None)
 
     async def take(self, b, payload: bytes, size: int):
+        if b.__class__ is not WireBatch and b.columns and (b := self.ingest.decode(b, self.peer)).__class__ is Violation:
+            return b
         rows = BatchRows(b, payload)
         if self.limits is not None and (why := self.limits.check(self.node_id, b, self.state, rows.refs)):
             return why
@@ -78,6 +85,29 @@ class FleetStream(Sink):
         if durable.done() and durable.exception() is not None:
             self.stopped = True   # refused: nothing after it may be stored before it (settle ends the stream)
         return b, previous, durable, rows
+
+    def series(self, table: pb.SeriesTable) -> Violation | None:
+        """The node's series definitions for one of its boots: logged in the store (before any later
+        batch of the stream; durable with the next one), then kept in the state's dictionary."""
+        max_bytes = int(self.limits.max_series_table_bytes if self.limits else LIMITS["max_series_table_bytes"])
+        counters = self.state.counters
+        try:
+            defs = compact.decode_defs(table.defs, max_bytes)
+        except compact.CompactError as e:
+            counters["ingest.compact.tables_undecodable"] += 1
+            over = str(e).startswith("series definitions inflate past")
+            return Violation(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"SeriesTable of boot {short_boot(table.boot_id)} refused: {e}"
+                             + (f" (limits.max_series_table_bytes = {max_bytes})" if over else ""),
+                             "max_series_table_bytes" if over else "")
+        if self.store is not None:
+            try:
+                self.store.append_defs(self.node_id, table.SerializeToString())
+            except StoreError as e:   # the agent sends every definition again on its next stream
+                return Violation(grpc.StatusCode.UNAVAILABLE, str(e))
+        self.state.define(self.node_id, table.boot_id, defs)
+        counters["ingest.compact.tables"] += 1
+        return None
 
     async def inventory(self, inv: pb.Inventory) -> None:
         """The node's accelerators changed: kept and stored."""
@@ -124,9 +154,13 @@ class IngestServicer(IngestSession):
     """The single collector's Ingest: agent streams into the fleet state (FleetStream), at most
     `max_streams` open at once and nodes admitted up to `max_nodes` and the state's memory budget."""
 
-    def __init__(self, state: FleetState, security=None, limits=None, store=None):
+    def __init__(self, state: FleetState, security=None, limits=None, store=None,
+                 batch_encodings: list[str] | None = None):
         super().__init__(security, limits)
         self.state = state
+        # [ingest] batch_encodings: what a Welcome may choose when the agent offers it.
+        self.batch_encodings = [compact.ENCODING] if batch_encodings is None else list(batch_encodings)
+        self.max_samples = int(limits.max_samples_per_batch if limits else LIMITS["max_samples_per_batch"])
         # collector/store/: batches are durable there before they are acknowledged (None: memory only).
         self.store = store
         # Batches submitted to the store, not yet durable, per (node, boot): a Welcome waits for them.
@@ -177,9 +211,29 @@ class IngestServicer(IngestSession):
 
     async def open(self, hello: pb.Hello, peer: str, context) -> FleetStream:
         welcome = self.state.hello(hello, peer)
+        welcome.batch_encoding = choose_encoding(hello, self.batch_encodings)
         if self.store is not None:
             self.store.append_nowait(["i", hello.node_id, hello.boot_id, hello.inventory.SerializeToString()])
-        return FleetStream(self, hello.node_id, hello.boot_id, welcome)
+        return FleetStream(self, hello.node_id, hello.boot_id, welcome, peer)
+
+    def decode(self, b: pb.Batch, peer: str) -> CompactBatch | Violation:
+        """A batch in the compact encoding read against its boot's definitions, or why it is refused
+        (counted, logged): INVALID_ARGUMENT where its columns do not decode (never resent),
+        FAILED_PRECONDITION where a ref has no definition (the agent reconnects and sends them)."""
+        counters = self.state.counters
+        try:
+            got = compact_batch(b, self.state.dictionary, self.max_samples)
+        except compact.CompactError as e:
+            counters["ingest.compact.batches_undecodable"] += 1
+            v = Violation(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"batch {b.seq} of boot {short_boot(b.boot_id)} refused: {e}")
+        except MissingDefinition as e:
+            counters["ingest.compact.batches_missing_definition"] += 1
+            v = Violation(grpc.StatusCode.FAILED_PRECONDITION, f"batch {b.seq} refused: {e}")
+        else:
+            counters["ingest.compact.batches"] += 1
+            return got
+        return self.refused(v, peer) or v
 
     def settled(self, key: tuple[str, str], durable: asyncio.Future) -> None:
         if self.undurable.get(key, 0) > 1:
@@ -198,6 +252,7 @@ class IngestServicer(IngestSession):
 def counters(ingest: IngestServicer) -> dict[str, int]:
     """The collector's counters: each bound hit (by its config key), refusals, collections."""
     out: dict[str, int] = dict(ingest.state.counters)
+    out.update(ingest.state.dictionary.hits)
     if ingest.limits is not None:
         out.update(ingest.limits.hits)
     if ingest.security is not None:
@@ -215,9 +270,10 @@ async def start_server(listen: str, state: FleetState, max_message_bytes: int = 
                        credentials: grpc.ServerCredentials | None = None, security=None,
                        limits=None, config=None, store=None) -> grpc.aio.Server:
     server = grpc_server(security, limits, max_message_bytes)
-    ingest = IngestServicer(state, security, limits, store)
+    ingest = IngestServicer(state, security, limits, store,
+                            config.ingest.batch_encodings if config is not None else None)
     if limits is not None:
-        state.max_series_per_node = limits.max_series_per_node
+        state.max_series_per_node = state.dictionary.max_per_boot = limits.max_series_per_node
     if config is not None:   # [state]: idle series let go (collector/idle.py), the memory budget
         state.series_idle_ns = int(config.state.series_idle_s * 1e9)
         if limits is not None:

@@ -94,7 +94,7 @@ class FleetState:
         self.max_series_per_node: int | None = None   # set by the server from limits.max_series_per_node
         # The compact encoding's series definitions per (node, boot) (collector/series_dictionary.py),
         # bounded per boot as a node's series are (limits.max_series_per_node).
-        self.dictionary = SeriesDictionary(LIMITS["max_series_per_node"])
+        self.dictionary = SeriesDictionary(int(LIMITS["max_series_per_node"]))
         self.counters: collections.Counter[str] = collections.Counter()
         # Memory ([state]): the history's points per series now (history_points until a budget cuts it).
         self.history_cap = self.history_points
@@ -222,6 +222,16 @@ class FleetState:
             n.mark_at.pop(old, None)
             n.refs.pop(old, None)
             self.dictionary.forget(n.node_id, old)
+
+    def define(self, node_id: str, boot_id: str, defs: list[pb.Sample]) -> int:
+        """A SeriesTable of one of the node's boots: its definitions kept in `dictionary`, the boot
+        remembered as a batch of it would be (so definitions of made-up boots go as their marks do,
+        _forget_boots). How many definitions were dropped over the bound."""
+        n = self._node(node_id)
+        if boot_id not in n.stored_up_to:
+            n.stored_up_to[boot_id] = self.known_marks.get((node_id, boot_id), 0)
+            self._forget_boots(n, boot_id)
+        return self.dictionary.add(node_id, boot_id, defs)
 
     def restore_inventory(self, node_id: str, boot_id: str, inv: pb.Inventory) -> None:
         """Replay of the durable store: the node's last inventory, without a live stream."""

@@ -5,6 +5,7 @@ a ref with no definition or columns that do not decode are refused, never read a
 from __future__ import annotations
 
 import pytest
+from compact_support import S, as_compact, rounds
 
 from xpusense.collector.batch_rows import BatchRows
 from xpusense.collector.series_dictionary import MissingDefinition, SeriesDictionary
@@ -12,58 +13,6 @@ from xpusense.collector.state import FleetState
 from xpusense.collector.wire import CompactBatch, compact_batch
 from xpusense.common import compact
 from xpusense.v1 import telemetry_pb2 as pb
-
-S = 10**9
-
-
-def definition(s: pb.Sample) -> pb.Sample:
-    d = pb.Sample()
-    d.CopyFrom(s)
-    for f in ("value", "time_unix_nano", "histogram"):
-        d.ClearField(f)
-    return d
-
-
-def as_compact(b: pb.Batch) -> tuple[pb.Batch, list[pb.Sample]]:
-    """`b` as an agent sends it in the compact encoding (rows by ref, ref-0 samples whole), and the
-    definitions its refs need."""
-    with_ref = sorted((s for s in b.samples if s.series_ref), key=lambda s: s.series_ref)
-    rows = [(s.series_ref, s.time_unix_nano, s.value) for s in with_ref]
-    hists = {i: (list(s.histogram.bounds), list(s.histogram.counts))
-             for i, s in enumerate(with_ref) if s.HasField("histogram")}
-    out = pb.Batch(node_id=b.node_id, boot_id=b.boot_id, seq=b.seq, sent_unix_nano=b.sent_unix_nano,
-                   columns=compact.encode_columns(rows, hists), events=b.events,
-                   samples=[s for s in b.samples if not s.series_ref])
-    return out, [definition(s) for s in with_ref]
-
-
-def sample(name: str, ref: int, t: int, v: float, kind=pb.GAUGE, hist=None, **labels) -> pb.Sample:
-    s = pb.Sample(name=name, unit="1", kind=kind, labels=labels, value=v, time_unix_nano=t, series_ref=ref)
-    if hist is not None:
-        s.histogram.bounds.extend(hist[0])
-        s.histogram.counts.extend(hist[1])
-        s.histogram.sum, s.histogram.count = v, hist[1][-1]
-    return s
-
-
-def rounds() -> list[pb.Batch]:
-    """Batches of one boot: one time each (the usual round), several times in one, ref-0 samples,
-    histograms, a series new in a later batch, a value that is not a whole number."""
-    out = []
-    for k in range(6):
-        t = 1_000 * S + k * S + 123
-        ss = [sample("gpu_util", 1 + d, t, 0.25 * d + k / 3, device=str(d)) for d in range(3)]
-        ss.append(sample("power_w", 4, t, 300.5 + k, device="0"))
-        if k % 2:   # a slower tier's sample, at its own time, in the same batch
-            ss.append(sample("temp_c", 5, t - S // 2, 40.0 + k, device="0"))
-        if k >= 3:   # a series that starts later
-            ss.append(sample("mem_used", 6, t, 1e9 * k, device="0"))
-        if k == 2:   # a histogram, and samples without a ref
-            ss.append(sample("tcp_rtt", 7, t, 12.5, pb.HISTOGRAM, ([1.0, 10.0], [1, 3, 5]), peer="a"))
-            ss.append(sample("no_ref", 0, t, 7.0, device="9"))
-            ss.append(sample("no_ref", 0, t + 5, 8.0, device="8"))
-        out.append(pb.Batch(node_id="n1", boot_id="boot-1", seq=k + 1, sent_unix_nano=t, samples=ss))
-    return out
 
 
 def held(st: FleetState) -> dict:
@@ -90,6 +39,7 @@ def test_compact_batches_hold_exactly_the_points_of_sample_messages():
         small.apply(got, BatchRows(got, cb.SerializeToString()))
     want = held(full)
     assert len(want) == 9 and held(small) == want
+    assert [e.id for e in small.nodes["n1"].events if e.type == "health"] == ["e2"]
     hist = next(v for k, v in want.items() if k[1] == "tcp_rtt")
     assert hist[4] and pb.Histogram.FromString(hist[4]).counts == [1, 3, 5]
 
