@@ -8,7 +8,7 @@ from xpusense.common import compact
 from xpusense.v1 import telemetry_pb2 as pb
 
 from ..series_dictionary import SeriesDictionary
-from .segment_file import MAX_DEFS_BYTES
+from .segment_file import MAX_DEFS_BYTES, frame
 
 # Samples of one stored compact batch, at most (decode_columns' bound; ingest allowed far fewer).
 MAX_STORED_SAMPLES = 1_000_000
@@ -37,22 +37,34 @@ def expanded(batch: pb.Batch, dictionary: SeriesDictionary) -> pb.Batch:
 
 
 class Tables:
-    """Every (node, boot)'s definitions as one SeriesTable each (what a new segment begins with, so
-    older segments can go), encoded again only where a boot's definitions changed since."""
+    """Every (node, boot)'s definitions as one "d" record each (what a new segment begins with, so
+    older segments can go), encoded again only where a boot's definitions changed since. `take`
+    runs on the event loop, `records` after it in the store's one I/O thread, never two at once."""
 
     def __init__(self) -> None:
-        self._held: dict[tuple[str, str], tuple[int, bytes]] = {}
+        self._held: dict[tuple[str, str], tuple[int, bytes]] = {}   # (node, boot) -> (definitions, record)
 
-    def records(self, dictionary: SeriesDictionary) -> list[list]:
-        out, held = [], {}
+    def take(self, dictionary: SeriesDictionary) -> list[tuple[str, str, int, list[pb.Sample] | None]]:
+        """(node, boot, how many definitions, the definitions or None where the record held is of
+        as many: a definition is never changed once held)."""
+        out = []
         for (node, boot), defs in dictionary.boots.items():
-            if not defs:
-                continue
-            was = self._held.get((node, boot))
-            if was is None or was[0] != len(defs):
-                was = (len(defs), pb.SeriesTable(boot_id=boot, defs=compact.encode_defs(defs.values()))
-                       .SerializeToString())
-            held[(node, boot)] = was
-            out.append(["d", node, was[1]])
-        self._held = held
+            if defs:
+                was = self._held.get((node, boot))
+                out.append((node, boot, len(defs), None if was is not None and was[0] == len(defs)
+                            else list(defs.values())))
         return out
+
+    def records(self, taken: list[tuple[str, str, int, list[pb.Sample] | None]]) -> bytes:
+        """The framed "d" records of what `take` took; only those records are held after."""
+        held: dict[tuple[str, str], tuple[int, bytes]] = {}
+        for node, boot, count, defs in taken:
+            was = self._held.get((node, boot)) if defs is None else None
+            if was is None:
+                if defs is None:
+                    continue   # never: take and records alternate
+                table = pb.SeriesTable(boot_id=boot, defs=compact.encode_defs(defs)).SerializeToString()
+                was = (count, frame(["d", node, table]))
+            held[(node, boot)] = was
+        self._held = held
+        return b"".join(r for _, r in held.values())

@@ -332,12 +332,12 @@ class Store:
         group, self._pending = self._pending, []
         self._inflight, self._inflight_bytes, self._pending_bytes = group, self._pending_bytes, 0
         io = self._io
-        roll = None
+        roll: tuple[bytes, list] | None = None
         if io.fd < 0 or io.broken or (not self.failing and (
                 io.off > self.segment_bytes or time.monotonic() - io.opened_at > self.segment_s)):
             roll = self._roll_records()
         self._busy = True
-        self._io_task = self._pool.submit(io.write, b"".join(d for d, _ in group), roll)
+        self._io_task = self._pool.submit(self._write, b"".join(d for d, _ in group), roll)
         asyncio.wrap_future(self._io_task, loop=self._loop).add_done_callback(self._done)
 
     def _done(self, task: asyncio.Future) -> None:
@@ -389,13 +389,18 @@ class Store:
             assert self._loop is not None
             self._retry = self._loop.call_later(self.retry_s, self._try_again)
 
-    def _roll_records(self) -> bytes:
+    def _roll_records(self) -> tuple[bytes, list]:
         """What a new segment begins with: where the previous one ended, and a checkpoint (every
-        node's inventory and marks, and the series definitions of every boot held)."""
+        node's inventory and marks; and the series definitions of every boot held, as taken here
+        on the loop, encoded by `_write` in the I/O thread)."""
         io = self._io
         seal = [frame(["s", io.seg_id, io.off])] if io.seg_id else []
-        defs: list[list] = self._tables.records(self.dictionary) if self.dictionary is not None else []
-        return b"".join(seal + [frame(list(r)) for r in self._checkpoint()] + [frame(r) for r in defs])
+        defs: list = self._tables.take(self.dictionary) if self.dictionary is not None else []
+        return b"".join(seal + [frame(list(r)) for r in self._checkpoint()]), defs
+
+    def _write(self, data: bytes, roll: tuple[bytes, list] | None) -> tuple[int, int]:
+        """In the I/O thread (or at close, after it): one write, and a new segment first with `roll`."""
+        return self._io.write(data, None if roll is None else roll[0] + self._tables.records(roll[1]))
 
     def _try_again(self) -> None:
         self._retry = None
@@ -467,8 +472,7 @@ class Store:
         if data:
             io = self._io
             try:
-                roll = self._roll_records() if io.fd < 0 or io.broken else None
-                io.write(data, roll)
+                self._write(data, self._roll_records() if io.fd < 0 or io.broken else None)
             except OSError as e:
                 log.error("store %s closed with %d records (%d bytes) not on disk (%s): they were never "
                           "acknowledged; agents resend them", self.dir, len(left), len(data), why_failed(e))

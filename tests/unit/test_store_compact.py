@@ -12,8 +12,10 @@ import os
 import pytest
 from test_store_snapshot import T0, Live, picture, restart
 
+from xpusense.collector.series_dictionary import SeriesDictionary
 from xpusense.collector.store import StoreError, StoreReader, segments, stored_batches
-from xpusense.collector.store.segment_file import Segment, parse
+from xpusense.collector.store.defs import Tables, read_table
+from xpusense.collector.store.segment_file import Segment, parse, scan
 from xpusense.collector.store.snapshot_load import listed, records
 from xpusense.common import compact
 from xpusense.v1 import telemetry_pb2 as pb
@@ -290,3 +292,35 @@ def test_a_table_is_refused_when_the_store_holds_its_bound(tmp_path):
     live.store.close()
 
 
+
+
+def test_a_checkpoint_encodes_again_only_the_boots_defined_since():
+    """A new segment begins with every boot's definitions: those unchanged since the last one are
+    the same record, not encoded again on the event loop."""
+    d = SeriesDictionary()
+    d.add("A", "a1", defs((1, 2)))
+    d.add("B", "b1", defs((1,)))
+    t = Tables()
+    first = t.records(t.take(d))
+    d.add("A", "a1", defs((4,)))
+    taken = t.take(d)
+    assert [(n, b, c, x is None) for n, b, c, x in taken] == [("A", "a1", 3, False), ("B", "b1", 1, True)]
+    second = t.records(taken)
+    recs = [parse(s.payload) for s in scan(second, 0, len(second))]
+    assert [(r[1], *read_table(r[1], r[2])) for r in recs] == [("A", "a1", defs((1, 2, 4))), ("B", "b1", defs((1,)))]
+    frames = [[buf[s.start:s.end] for s in scan(buf, 0, len(buf))] for buf in (first, second)]
+    assert frames[1][1] == frames[0][1] and frames[1][0] != frames[0][0]
+
+
+def test_snapshots_of_compact_batches_are_no_larger_than_of_sample_messages(tmp_path):
+    """The points are held the same either way; a full snapshot adds only the definitions (as
+    compressed as on the wire), and a diff with no new definition adds nothing."""
+    run(tmp_path / "c", compact_batch, snapshots=[(2, "full"), (4, "diff")])
+    run(tmp_path / "s", sample_batch, snapshots=[(2, "full"), (4, "diff")])
+    sizes = {}
+    for enc in "cs":
+        for _, p in listed(str(tmp_path / enc / "snapshots")):
+            sizes[enc, "-on-" in p] = os.path.getsize(p)
+    tables = len(table("a1", (1, 2, 3))) + len(table("b1", (1, 2)))
+    assert sizes["s", False] < sizes["c", False] <= sizes["s", False] + tables + 64
+    assert abs(sizes["c", True] - sizes["s", True]) <= 16
