@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # All set-up on a fresh Debian machine, as root; idempotent and quick when already done.
-#   Debian packages (compiler for the test fakes, libnghttp2-dev for the benches' C load
+#   Debian packages (compiler for the test fakes and the C reader's sanitizer build: gcc brings
+#   libasan and libubsan; libnghttp2-dev for the benches' C load
 #   generator, iproute2 for network namespaces, prometheus and systemd for the export and unit
 #   tests, bcc and kernel headers via setup-ebpf.sh), the virtualenv in .venv with xpusense and
 #   its test tools, and bcc linked into that virtualenv.
