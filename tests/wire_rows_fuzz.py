@@ -25,6 +25,7 @@ from xpusense.v1 import telemetry_pb2 as pb
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # run as a script: tests/ for its helpers
 from fuzzing import Mutator  # noqa: E402
 
+MIN_INPUTS = 4000
 _libc = ctypes.CDLL(None)
 _libc.malloc.restype = ctypes.c_void_p
 _libc.malloc.argtypes = [ctypes.c_size_t]
@@ -67,6 +68,7 @@ def corpus() -> list[bytes]:
     raw = [x.SerializeToString() for x in batches]
     messages = [pb.AgentMessage(batch=x).SerializeToString() for x in batches]
     messages.append(pb.AgentMessage(hello=pb.Hello(node_id="n", boot_id="b")).SerializeToString())
+    messages.append(pb.AgentMessage(series=pb.SeriesTable(boot_id="b", defs=b"\x78\x9c\x03\x00")).SerializeToString())
     return raw + messages
 
 
@@ -180,7 +182,8 @@ def main(argv: list[str]) -> int:
     try:
         for data in inputs:
             d.check(data)
-        while time.monotonic() < deadline:
+        # the time budget, and at least MIN_INPUTS however slow the machine (when fuzzing the corpus)
+        while time.monotonic() < deadline or (len(argv) <= 5 and d.counts["inputs"] < MIN_INPUTS):
             for _ in range(200):
                 data = mutate()
                 d.check(data)

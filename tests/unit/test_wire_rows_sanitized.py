@@ -83,9 +83,9 @@ def test_mutated_batches_give_no_sanitizer_report_and_what_is_read_whole_protobu
         f"status {r.returncode}, sanitizer reports {reports}; last input {last}\n{r.stderr[-6000:]}")
     counts = json.loads(r.stdout)
     # enough inputs, and enough of them read whole, that the checks were not vacuous
-    assert counts["inputs"] >= 2000, counts
+    assert counts["inputs"] >= 4000, counts
     for read in ("lean_batch", "lean_batch_wire", "rows_checked"):
-        assert counts[read] >= 100, (read, counts)
+        assert counts[read] >= 50, (read, counts)
     assert counts["rows"] > counts["rows_checked"], counts   # some the lenient reader read, protobuf refused
 
 
