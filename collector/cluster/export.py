@@ -1,7 +1,8 @@
 """OTLP export in cluster mode (`xpusense-collector exporter --nats URLS`): the collector's OtlpExport
 with the streams as its queue. One durable consumer per stream acknowledges batches only once the
 backend took them (at least once; any number of exporters share the consumers), and inventories
-come from the stream's hello/inventory messages or the node's summary (docs/scale.md)."""
+come from the stream's hello/inventory messages or the node's summary (docs/scale.md). A compact
+batch is exported as the samples the Sample encoding would have carried (series_defs.py)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,21 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
+from xpusense.common.compact import CompactError
 from xpusense.v1 import telemetry_pb2 as pb
 
 from ..inventory_book import InventoryBook
+from ..limits import DEFAULTS as LIMITS
+from ..limits import RateLimitedLog
+from ..series_dictionary import MissingDefinition
 from .seq_marks import SeqWindow
+from .series_defs import is_compact
+from .stream_history import series_cache
 from .subjects import KIND, node_of_subject, partition, stream_name, token
 from .summary import decode, fleet_key
 
 log = logging.getLogger("xpusense.collector.cluster.export")
+_log = RateLimitedLog(log)
 
 
 class StreamBook(InventoryBook):
@@ -53,6 +61,7 @@ class StreamQueue:
         # duplicate window is not)
         self.windows: dict[tuple[str, str], SeqWindow] = {}
         self.skipped = 0
+        self.series = series_cache(js, ncfg)   # compact batches' definitions
 
     async def open(self) -> None:
         n = self.ncfg
@@ -72,7 +81,8 @@ class StreamQueue:
         asyncio.run_coroutine_threadsafe(self._commit(tok), self.loop).result(self.timeout_s)
 
     def status(self) -> dict:
-        return {"queue": "stream", "held_batches": len(self.held), "skipped_resends": self.skipped}
+        return {"queue": "stream", "held_batches": len(self.held), "skipped_resends": self.skipped,
+                "skipped_undefined": self.series.counters["export.skipped"]}
 
     # -- on the loop ----------------------------------------------------------------------------------
     async def _peek(self, max_points: int):
@@ -112,6 +122,8 @@ class StreamQueue:
         if kind is not None:
             return
         b = pb.Batch.FromString(m.data)
+        if is_compact(b) and (b := await self._expanded(node_id, b)) is None:
+            return
         w = self.windows.get((node_id, b.boot_id))
         if w is None:
             w = self.windows[(node_id, b.boot_id)] = SeqWindow()
@@ -123,6 +135,29 @@ class StreamQueue:
         if b.samples:
             self.held.append(b)
             self.held_points += len(b.samples)
+
+    async def _expanded(self, node_id: str, b: pb.Batch) -> pb.Batch | None:
+        """A compact batch as the Sample encoding would have carried it; None (counted, logged) where
+        it is another node's, its columns do not decode or a ref has no definition in the bucket. The
+        bucket not answering is waited out: a batch taken past is acknowledged with the later ones."""
+        try:
+            if b.node_id != node_id:
+                raise CompactError(f"a batch of node {b.node_id[:128]!r} on the subject of {node_id[:128]!r}")
+            while True:
+                try:
+                    c = await self.series.read(b, int(LIMITS["max_samples_per_batch"]))
+                    break
+                except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as e:
+                    log.info("exporter: node %r: series definitions not read yet: %s", node_id[:128], e)
+                    await asyncio.sleep(0.5)
+        except (MissingDefinition, CompactError) as e:
+            self.series.counters["export.skipped"] += 1
+            _log.warning("exporter: node %r: a batch not exported: %s", node_id[:128], e)
+            return None
+        out = pb.Batch(node_id=b.node_id, boot_id=b.boot_id, seq=b.seq, sent_unix_nano=b.sent_unix_nano)
+        out.events.extend(b.events)
+        out.samples.extend(c.samples)
+        return out
 
     async def _inventory_from_fleet(self, node_id: str) -> None:
         key = fleet_key(partition(node_id, self.ncfg.partitions), token(node_id))

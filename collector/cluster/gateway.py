@@ -6,6 +6,7 @@ agent may move between them at any time.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -19,13 +20,17 @@ import nats.errors
 import nats.js.api
 import nats.js.errors
 
+from xpusense.common import compact
 from xpusense.common.supervise import TASKS
 from xpusense.v1 import telemetry_pb2 as pb
 
 from ..batch_rows import refs_of
-from ..ingest_session import IngestSession, PendingWindow, Sink
+from ..ingest_session import IngestSession, PendingWindow, Sink, choose_encoding
+from ..limits import Violation
 from ..series import read_labels, series_key
+from .config import NATS_SCHEMA
 from .seq_marks import Marks
+from .series_defs import StreamTables, is_compact
 from .subjects import KIND, MSG_ID, RECEIVED, msg_id, node_subject, partition
 
 log = logging.getLogger("xpusense.collector.cluster")
@@ -61,6 +66,7 @@ class Gateway:
         self.retries = 0
         self.timeouts = 0          # first publishes not answered within publish_timeout_s
         self.inflight_waits = 0    # a stream had max_inflight batches waiting for acks
+        self.counts: collections.Counter[str] = collections.Counter()   # series tables (series_defs.py)
         self._acks: dict[bytes, tuple[asyncio.Future, float]] = {}   # reply token -> (future, deadline)
         self._inbox = b""
         self._next = 0
@@ -225,10 +231,12 @@ class GatewayStream(Sink):
     raises it. At most `Gateway.max_inflight` messages of a stream wait for their publish acks."""
 
     def __init__(self, ingest: ClusterIngestServicer, node_id: str, boot_id: str, session: str, subject: str,
-                 mark: int):
+                 mark: int, encoding: str = ""):
         self.gw, self.limits = ingest.gw, ingest.limits
         self.node_id, self.session, self.subject = node_id, session, subject
-        self.welcome = pb.Welcome(boot_id=boot_id, stored_up_to=mark)
+        self.welcome = pb.Welcome(boot_id=boot_id, stored_up_to=mark, batch_encoding=encoding)
+        ttl_s = getattr(self.gw.ncfg, "series_ttl_s", NATS_SCHEMA["series_ttl_s"].default)
+        self.tables = StreamTables(self.gw.buckets.series, node_id, self.limits, ttl_s, self.gw.counts)
         self.seen: dict[str, int] = {boot_id: mark}   # per boot on this stream: the highest seq taken
         self.stored = StreamStored(self.gw.marks, getattr(self.limits, "series_idle_s", 3600.0))
         self.window = PendingWindow(self.gw.max_inflight, on_full=self._waits)
@@ -236,11 +244,20 @@ class GatewayStream(Sink):
     def _waits(self, _key: str) -> None:
         self.gw.inflight_waits += 1
 
+    def series(self, table: pb.SeriesTable) -> Violation | None:
+        """A SeriesTable: checked, and its write to the series bucket started (`take` awaits it
+        before it publishes the next batch)."""
+        return self.tables.add(table)
+
     async def take(self, b, payload: bytes, size: int):
         gw, node_id = self.gw, self.node_id
+        if (why := await self.tables.written()) is not None:
+            return why
         high = self.seen.get(b.boot_id)
         if high is None:   # an earlier boot's batches, resent from the spool
             high = self.seen[b.boot_id] = await gw.marks.get(node_id, b.boot_id)
+        if is_compact(b) and (b := self.tables.batch(b)).__class__ is Violation:   # published as received
+            return b
         limits = self.limits
         if limits is not None and (why := limits.check(node_id, b, self.stored, refs=refs_of(b, payload))):
             return why
@@ -279,6 +296,7 @@ class GatewayStream(Sink):
         return pb.Ack(boot_id=b.boot_id, seq=b.seq, duplicate=duplicate)
 
     def close(self, unsettled: list) -> None:
+        self.tables.close()
         asyncio.get_running_loop().create_task(self._bye(self.welcome.boot_id))
 
     async def _bye(self, boot_id: str) -> None:
@@ -294,13 +312,15 @@ class GatewayStream(Sink):
 class ClusterIngestServicer(IngestSession):
     """A gateway's Ingest: at a Hello, the boot's mark from the `marks` bucket (seq_marks.py) and a
     `hello` message on the node's subject (its inventory, for the workers), then Welcome(stored_up_to
-    = mark); the stream's messages go to JetStream (GatewayStream)."""
+    = mark, the compact encoding where the agent offers it and `batch_encodings` allows); the
+    stream's messages go to JetStream (GatewayStream), its series tables to the series bucket."""
 
     log = log
 
-    def __init__(self, gw: Gateway, security=None, limits=None):
+    def __init__(self, gw: Gateway, security=None, limits=None, batch_encodings: list[str] | None = None):
         super().__init__(security, limits)
         self.gw = gw
+        self.batch_encodings = list(batch_encodings) if batch_encodings is not None else [compact.ENCODING]
 
     async def open(self, hello: pb.Hello, peer: str, context) -> GatewayStream:
         gw = self.gw
@@ -315,4 +335,5 @@ class ClusterIngestServicer(IngestSession):
         except (PublishFailed, nats.errors.Error) as e:
             log.warning("node %s: cannot reach JetStream for the Hello: %s", node_id, e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the cluster is not answering: {e}")
-        return GatewayStream(self, node_id, boot_id, session, subject, mark)
+        return GatewayStream(self, node_id, boot_id, session, subject, mark,
+                             choose_encoding(hello, self.batch_encodings))

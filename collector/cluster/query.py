@@ -18,7 +18,7 @@ from .. import node_pages
 from ..fleet_interface import Fleet, FleetNode
 from ..query import QueryServicer, Unavailable
 from .engine import list_bucket
-from .stream_history import read_history
+from .stream_history import read_history, series_cache
 from .subjects import partition, token
 from .summary import MirrorNode, decode, fleet_key
 
@@ -80,6 +80,7 @@ def list_nodes(nodes: Mapping[str, FleetNode], request: pb.ListNodesRequest, max
 def cluster_query(source: FleetSnapshot | Fleet, js, ncfg, security=None,
                   max_bytes: int = MAX_REPLY_BYTES) -> QueryServicer:
     """Query for a gateway (a FleetSnapshot) or a scheduler replica (its FleetIndex)."""
+    cache = series_cache(js, ncfg)
     async def nodes(node_id: str) -> Mapping[str, FleetNode]:
         if not isinstance(source, FleetSnapshot):
             return source.nodes
@@ -90,7 +91,7 @@ def cluster_query(source: FleetSnapshot | Fleet, js, ncfg, security=None,
 
     async def history(node_id: str, name: str, labels: dict[str, str]) -> pb.HistoryReply | None:
         try:
-            return await read_history(js, ncfg, node_id, name, labels)
+            return await read_history(js, ncfg, node_id, name, labels, cache=cache)
         except (TimeoutError, nats.errors.Error) as e:
             raise Unavailable(f"the stream is not answering: {e}") from None
 

@@ -58,7 +58,8 @@ async def start_gateway(cfg: Any, security=None, limits=None, credentials=None, 
     if limits is not None:   # its series-reference tables forget references idle this long (collector/idle.py)
         limits.series_idle_s = float(cfg.state.series_idle_s)
     server = grpc_server(security, limits, cfg.max_message_bytes)
-    add_ingest(ClusterIngestServicer(gw, security, limits), server)
+    encodings = getattr(getattr(cfg, "ingest", None), "batch_encodings", None)   # [ingest] batch_encodings
+    add_ingest(ClusterIngestServicer(gw, security, limits, encodings), server)
     snapshot = FleetSnapshot(js, buckets.fleet, ncfg.fleet_bucket, ncfg.snapshot_s, ncfg.partitions)
     pb_grpc.add_QueryServicer_to_server(cluster_query(snapshot, js, ncfg, security), server)
     closers: list = []
@@ -89,8 +90,8 @@ async def run_gateway(cfg: Any, stop: asyncio.Event, security=None, limits=None,
     await gc_task
     await server.stop(grace=2.0)
     log.info("gateway %s stopping: %d batches published, %d duplicates, %d publishes sent again (%d not answered "
-             "in time), %d stream waits for in-flight room", gw.id, gw.published, gw.duplicates, gw.retries,
-             gw.timeouts, gw.inflight_waits)
+             "in time), %d stream waits for in-flight room, series tables %s", gw.id, gw.published, gw.duplicates,
+             gw.retries, gw.timeouts, gw.inflight_waits, dict(gw.counts) or "none")
     unwritten = await gw.marks.flush_all(timeout_s=cfg.nats.publish_timeout_s)
     if unwritten:
         log.warning("gateway %s: %d marks not written to the cluster within %g s of stopping: those agents "

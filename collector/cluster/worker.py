@@ -23,6 +23,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import api
 
+from xpusense.common.compact import CompactError
 from xpusense.common.ids import bad_id
 from xpusense.v1 import telemetry_pb2 as pb
 
@@ -31,9 +32,11 @@ from .. import idle
 from ..batch_rows import refs_of
 from ..diagnoses import Diagnoses
 from ..limits import Limits, RateLimitedLog
+from ..series_dictionary import MissingDefinition
 from ..wire import read_batch
 from .config import NATS_SCHEMA
 from .engine import list_bucket
+from .series_defs import SeriesCache, is_compact
 from .subjects import KIND, MSG_ID, RECEIVED, msg_id, node_of_subject, partition, partition_filter, stream_of, token
 from .summary import NodeLatest, decode, fleet_key
 
@@ -134,6 +137,8 @@ class Worker:
         self.skipped = 0                      # messages read and not applied (counters: why)
         self._stored = _NodeStored()
         self._log = RateLimitedLog(log)
+        bucket, boots = (getattr(ncfg, k, NATS_SCHEMA[k].default) for k in ("series_bucket", "series_cache_boots"))
+        self.series = SeriesCache(js, bucket, boots, self.limits.max_series_per_node, counters=self.counters)
 
     # -- leases -----------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -281,10 +286,27 @@ class Worker:
                     break
                 p.next_delivery = d + 1 if d else 0
                 try:
-                    self._handle(p.k, msg)
+                    try:
+                        self._handle(p.k, msg)
+                    except MissingDefinition as e:   # a compact batch of a boot whose tables are not held here
+                        await self._load_series(p, e.node_id, e.boot_id)
+                        self._handle(p.k, msg, loaded=True)
                 except Exception:   # a message that does not parse must not stop the partition
                     log.exception("worker %s: partition %d: cannot handle a message on %s", self.id, p.k, msg.subject)
                 p.last = msg
+
+    async def _load_series(self, p: _Partition, node_id: str, boot_id: str) -> None:
+        """A boot's series definitions from the bucket (series_defs.py), tried again while the
+        cluster does not answer: a batch is never skipped for want of an answer."""
+        while True:
+            try:
+                await self.series.load(node_id, boot_id)
+                return
+            except _TRANSIENT as e:
+                if p.stopping:
+                    raise
+                log.info("worker %s: partition %d: series definitions not read yet: %s", self.id, p.k, e)
+                await asyncio.sleep(0.5)
 
     async def _delivered_again(self, p: _Partition, sub, stream: str, durable: str, got: int):
         """Messages delivered to this worker were lost on the way (a connection the server cut, e.g.
@@ -328,8 +350,12 @@ class Worker:
             if d is not None and d["node"] not in self.nodes:
                 self.nodes[d["node"]] = NodeLatest.restore(d, k)
 
-    def _handle(self, k: int, msg: Msg) -> None:
-        self.messages += 1
+    def _handle(self, k: int, msg: Msg, loaded: bool = False) -> None:
+        """One message of the partition. A compact batch with a ref whose definition is not held:
+        MissingDefinition, before anything is changed (not `loaded`: the caller loads the boot's
+        tables and hands it again), else skipped and counted."""
+        if not loaded:
+            self.messages += 1
         node_id = node_of_subject(msg.subject)
         t = _stream_time_ns(msg.reply)
         headers = msg.headers or {}
@@ -339,8 +365,7 @@ class Worker:
         batch: Any = None
         hello: pb.Hello | None = None
         if kind is None:
-            batch = read_batch(msg.data)
-            why = self._batch_refused(node_id, batch, headers, raw, t, msg.data)
+            batch, why = self._batch_refused(node_id, read_batch(msg.data), headers, raw, t, msg.data, loaded)
         elif kind == "hello":
             hello = pb.Hello.FromString(msg.data)
             why = self._hello_refused(node_id, hello, raw, t)
@@ -384,27 +409,38 @@ class Worker:
         return None
 
     def _batch_refused(self, node_id: str, batch: Any, headers: dict, raw: str, t_ns: int,
-                       data: bytes) -> tuple[str, str] | None:
-        """Why a batch read is not applied, or None: (reason, what was wrong). Refused: a batch whose
-        node is not its subject's, whose `Nats-Msg-Id` is not node:boot:seq of its contents, whose
-        boot id or seq is not one an agent sends, without `Xps-Received` or with one too far from when
-        JetStream stored it, or that collector/limits.py refuses (its seq against `seq_ceiling` on
-        JetStream's clock). Skipped messages are acknowledged with the rest, never applied (_skip)."""
+                       data: bytes, loaded: bool = False) -> tuple[Any, tuple[str, str] | None]:
+        """The batch to apply (a compact one decoded: wire.CompactBatch) and why it is not applied,
+        or None: (reason, what was wrong). Refused: a batch whose node is not its subject's, whose
+        `Nats-Msg-Id` is not node:boot:seq of its contents, whose boot id or seq is not one an agent
+        sends, without `Xps-Received` or with one too far from when JetStream stored it, compact
+        columns that do not decode or use a ref with no definition in the series bucket, or that
+        collector/limits.py refuses (its seq against `seq_ceiling` on JetStream's clock). Skipped
+        messages are acknowledged with the rest, never applied (_skip)."""
         if batch.node_id != node_id:
-            return "node", f"a batch of node {batch.node_id[:128]!r} on the subject of {node_id[:128]!r}"
+            return batch, ("node", f"a batch of node {batch.node_id[:128]!r} on the subject of {node_id[:128]!r}")
         if (why := bad_id("boot_id", batch.boot_id)) or batch.seq < 1:
-            return "ids", why or f"seq {batch.seq}"
+            return batch, ("ids", why or f"seq {batch.seq}")
         if headers.get(MSG_ID) != msg_id(node_id, batch.boot_id, batch.seq):
-            return "msg_id", f"{MSG_ID} {str(headers.get(MSG_ID))[:300]!r} is not the batch's node:boot:seq"
+            return batch, ("msg_id", f"{MSG_ID} {str(headers.get(MSG_ID))[:300]!r} is not the batch's node:boot:seq")
         if (why_recv := self._received_refused(raw, t_ns)) is not None:
-            return why_recv
+            return batch, why_recv
+        if is_compact(batch):
+            try:
+                batch = self.series.decode(batch, self.limits.max_samples_per_batch)
+            except MissingDefinition as e:
+                if not loaded:
+                    raise
+                return batch, ("series_definition", str(e))
+            except CompactError as e:
+                return batch, ("columns", f"compact columns of seq {batch.seq}: {e}")
         stored = self._stored
         stored.node, stored.t_ns = self.nodes.get(node_id), t_ns
         try:
             v = self.limits.check(node_id, batch, stored, refs=refs_of(batch, data), rate=False)
         finally:
             stored.node = None
-        return None if v is None else (f"limits.{v.key or v.code.name}", v.message)
+        return batch, None if v is None else (f"limits.{v.key or v.code.name}", v.message)
 
     def _hello_refused(self, node_id: str, hello: pb.Hello, raw: str, t_ns: int) -> tuple[str, str] | None:
         if hello.node_id != node_id:
