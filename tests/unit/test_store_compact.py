@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 
 import pytest
 from test_store_snapshot import T0, Live, picture, restart
@@ -15,7 +16,7 @@ from test_store_snapshot import T0, Live, picture, restart
 from xpusense.collector.series_dictionary import SeriesDictionary
 from xpusense.collector.store import StoreError, StoreReader, segments, stored_batches
 from xpusense.collector.store.defs import Tables, read_table
-from xpusense.collector.store.segment_file import Segment, parse, scan
+from xpusense.collector.store.segment_file import Segment, frame, parse, scan
 from xpusense.collector.store.snapshot_load import listed, records
 from xpusense.common import compact
 from xpusense.v1 import telemetry_pb2 as pb
@@ -324,3 +325,28 @@ def test_snapshots_of_compact_batches_are_no_larger_than_of_sample_messages(tmp_
     tables = len(table("a1", (1, 2, 3))) + len(table("b1", (1, 2)))
     assert sizes["s", False] < sizes["c", False] <= sizes["s", False] + tables + 64
     assert abs(sizes["c", True] - sizes["s", True]) <= 16
+
+
+def test_a_compact_store_kept_on_disk_replays_and_reads_the_same(tmp_path):
+    """tests/fixtures/ondisk/store-compact: series tables, compact batches in two segments (the
+    second beginning with every boot's definitions), a full snapshot and a diff with the
+    dictionary. Every later release must read it to the points of the Sample encoding."""
+    data = tmp_path / "store"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "fixtures", "ondisk", "store-compact"), data)
+    fig, st = restart(data)
+    assert fig["snapshot_loaded"] == 1 and fig["snapshot_diff_loaded"] == 1
+    assert fig["batches"] == 2 and fig["invalid_records"] == 0 and fig["damaged_ranges"] == 0
+    run(tmp_path / "s", sample_batch)
+    assert picture(st) == picture(restart(tmp_path / "s")[1])
+    kinds = []
+    for _, p in segments(str(data)):
+        with Segment(p) as seg:
+            for span in seg.spans():
+                rec = parse(span.payload)
+                kinds.append(rec[0])
+                assert frame(rec) == seg.buf[span.start:span.end]
+    assert kinds.count("d") == 3 + 2 and kinds.count("b") == 13
+    want = [sample_batch("A", "a1", s, (1, 2, 3) if s < 7 else (1, 2, 3, 4)) for s in range(1, 11)]
+    want += [sample_batch("B", "b1", s, (1, 2)) for s in range(1, 4)]
+    assert sorted(b.SerializeToString() for b in stored_batches(str(data))) == \
+        sorted(b.SerializeToString() for b in want)
