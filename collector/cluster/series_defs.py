@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from typing import Any
 
@@ -17,11 +18,13 @@ from xpusense.common import compact
 from xpusense.v1 import telemetry_pb2 as pb
 
 from ..limits import DEFAULTS as LIMITS
-from ..limits import Violation, short_boot
+from ..limits import RateLimitedLog, Violation, short_boot
 from ..series_dictionary import MissingDefinition, SeriesDictionary
 from ..wire import CompactBatch, WireBatch, compact_batch
 from .engine import list_bucket
 from .subjects import token
+
+_log = RateLimitedLog(logging.getLogger("xpusense.collector.cluster"))
 
 
 def table_key(node_id: str, boot_id: str, high: int) -> str:
@@ -168,6 +171,9 @@ class StreamTables:
         if not failed:
             return None
         self.counts["series.tables_unwritten"] += len(failed)
+        _log.warning("node %r: %d series tables not written to the series bucket: %s %s; ending its stream "
+                     "(the agent sends them again)", self.node_id[:128], len(failed), type(failed[0]).__name__,
+                     failed[0])
         return Violation(grpc.StatusCode.UNAVAILABLE, f"series definitions not written to the cluster's "
                          f"series bucket: {type(failed[0]).__name__} {failed[0]}; send them again")
 
@@ -176,12 +182,13 @@ class StreamTables:
         try:
             return compact_batch(b, self.dictionary, self.max_samples)
         except compact.CompactError as e:
-            self.counts["series.batches_refused"] += 1
-            return Violation(grpc.StatusCode.INVALID_ARGUMENT, f"batch {b.seq} of boot {short_boot(b.boot_id)}: "
-                             f"compact columns refused: {e}")
+            v = Violation(grpc.StatusCode.INVALID_ARGUMENT, f"batch {b.seq} of boot {short_boot(b.boot_id)}: "
+                          f"compact columns refused: {e}")
         except MissingDefinition as e:
-            self.counts["series.batches_refused"] += 1
-            return Violation(grpc.StatusCode.FAILED_PRECONDITION, f"batch {b.seq} refused: {e}")
+            v = Violation(grpc.StatusCode.FAILED_PRECONDITION, f"batch {b.seq} refused: {e}")
+        self.counts["series.batches_refused"] += 1
+        _log.warning("node %r: %s", self.node_id[:128], v.message)
+        return v
 
     def close(self) -> None:
         for t in self.pending:
