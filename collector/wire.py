@@ -113,8 +113,7 @@ def compact_batch(batch: pb.Batch, dictionary: SeriesDictionary,
     ingest, the store's replay and readers take it. compact.CompactError where its columns do not
     decode (or hold more than `max_samples`); series_dictionary.MissingDefinition where a ref of
     them has no definition."""
-    decoded = compact.decode_columns(batch.columns, max_samples)
-    dictionary.check(batch.node_id, batch.boot_id, decoded.refs)
+    decoded = dictionary.columns(batch.node_id, batch.boot_id, batch.columns, max_samples)
     return CompactBatch(batch, decoded, dictionary.definitions(batch.node_id, batch.boot_id))
 
 

@@ -6,6 +6,7 @@ Layout: docs/design.md, "The compact encoding"."""
 from __future__ import annotations
 
 import itertools
+import operator
 import struct
 import sys
 import zlib
@@ -74,15 +75,17 @@ def encode_columns(rows: Sequence[Row], histograms: dict[int, Histogram] | None 
 class Columns:
     """A decoded block: `refs` (absolute, in order), `time` (the one time of every sample, or
     None), `times` (each sample's), `values` (an array('d')'s bytes, in the machine's order, as
-    collector/batch_rows.py takes them), `rising` (references strictly rising) and `histograms`
-    (row index -> (bounds, counts))."""
+    collector/batch_rows.py takes them), `rising` (references strictly rising), `histograms`
+    (row index -> (bounds, counts)) and `ref_deltas` (the references' column as encoded)."""
 
-    __slots__ = ("refs", "time", "times", "values", "rising", "histograms")
+    __slots__ = ("refs", "time", "times", "values", "rising", "histograms", "ref_deltas")
 
-    def __init__(self, refs: tuple[int, ...], times: list[int], values: bytes, histograms: dict[int, Histogram]):
+    def __init__(self, refs: tuple[int, ...], times: list[int], values: bytes, histograms: dict[int, Histogram],
+                 rising: bool | None = None, ref_deltas: bytes = b""):
         self.refs, self.times, self.values, self.histograms = refs, times, values, histograms
         self.time = times[0] if times and times.count(times[0]) == len(times) else None
-        self.rising = all(a < b for a, b in zip(refs, refs[1:]))
+        self.rising = all(map(operator.lt, refs, refs[1:])) if rising is None else rising
+        self.ref_deltas = ref_deltas
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -91,9 +94,30 @@ class Columns:
         return list(zip(self.refs, self.times, array("d", self.values)))
 
 
-def decode_columns(data: bytes, max_samples: int) -> Columns:
+def _refs(deltas: bytes) -> tuple[int, ...]:
+    """The references from their deltas' bytes: sums at C speed, reduced to 32 bits where they pass it."""
+    refs = tuple(itertools.accumulate(_from_le("I", deltas)))
+    if refs and refs[-1] > _U32:   # rising sums: the last is the largest
+        refs = tuple(r & _U32 for r in refs)
+    return refs
+
+
+def _times(t0: int, deltas: memoryview, n: int) -> list[int]:
+    """The times from t0 and their deltas' bytes, at C speed: one time (all deltas 0, an agent's
+    usual round) at once; else each delta's bits read as int64 (the same sum mod 2**64)."""
+    if deltas == bytes(8 * n):
+        return [t0] * n
+    times = list(map(t0.__add__, _from_le("q", deltas)))
+    if max(times) >= 1 << 63 or min(times) < -(1 << 63):   # past int64: wrapped as encoded
+        times = [(t + (1 << 63) & _U64) - (1 << 63) for t in times]
+    return times
+
+
+def decode_columns(data: bytes, max_samples: int, last: Columns | None = None) -> Columns:
     """A block encode_columns made, of at most `max_samples` samples; CompactError otherwise (the
-    decompressed size is bounded by that count before anything is inflated past it)."""
+    decompressed size is bounded by that count before anything is inflated past it). `last`: one
+    decoded before; where this block's references are encoded alike (an agent's next round), its
+    `refs` are this one's, the same tuple."""
     limit = _HEAD.size + 20 * max_samples + 4 + max_samples * (_HIST.size + 16 * MAX_BUCKETS + 8)
     d = zlib.decompressobj()
     try:
@@ -116,9 +140,11 @@ def decode_columns(data: bytes, max_samples: int) -> Columns:
         raise CompactError(f"columns of {len(raw)} bytes, too short for {n} samples")
     view = memoryview(raw)
     p = _HEAD.size
-    refs = tuple(r & _U32 for r in itertools.accumulate(_from_le("I", view[p:p + 4 * n])))
+    ref_deltas = bytes(view[p:p + 4 * n])
+    refs, rising = (last.refs, last.rising) if last is not None and last.ref_deltas == ref_deltas \
+        else (_refs(ref_deltas), None)
     p += 4 * n
-    times = [((t0 + d) + (1 << 63) & _U64) - (1 << 63) for d in _from_le("Q", view[p:p + 8 * n])]
+    times = _times(t0, view[p:p + 8 * n], n)
     p += 8 * n
     values = _from_le("d", view[p:p + 8 * n]).tobytes()
     p += 8 * n
@@ -143,7 +169,7 @@ def decode_columns(data: bytes, max_samples: int) -> Columns:
         histograms[i] = (bounds, counts)
     if p != len(raw):
         raise CompactError(f"{len(raw) - p} bytes after the columns' histograms")
-    return Columns(refs, times, values, histograms)
+    return Columns(refs, times, values, histograms, rising, ref_deltas)
 
 
 def encode_defs(series: Iterable[pb.Sample]) -> bytes:

@@ -92,3 +92,40 @@ def test_columns_that_do_not_decode_are_refused():
                     columns=compact.encode_columns([(1, 1, 0.0)] * 11))
     with pytest.raises(compact.CompactError):
         compact_batch(many, d, max_samples=10)
+
+
+def test_a_round_like_the_last_reuses_its_refs_but_never_past_their_definitions():
+    d = SeriesDictionary()
+    first, defs = as_compact(rounds()[0])
+    later, _ = as_compact(rounds(t0=2_000 * S)[4])   # refs 1-4 and 7: encoded otherwise
+    again, _ = as_compact(rounds(t0=3_000 * S)[0])   # refs 1-4 again, other times and values
+    d.add("n1", "boot-1", defs)
+    a = compact_batch(first, d)
+    b = compact_batch(again, d)
+    assert b.columns[0] is a.columns[0] and b.columns[1] == 3_000 * S   # the same refs, taken as they are
+    assert list(b.samples) == sorted(rounds(t0=3_000 * S)[0].samples, key=lambda s: s.series_ref)
+    with pytest.raises(MissingDefinition, match="series_ref 7"):
+        compact_batch(later, d)
+    d.forget("n1", "boot-1")   # the boot forgotten: its refs are checked again, and refused
+    with pytest.raises(MissingDefinition, match="series_ref 1"):
+        compact_batch(again, d)
+    d.add("n1", "boot-1", defs)
+    compact_batch(first, d)
+    d.boots.clear()   # definitions replaced wholesale (a snapshot loaded): the refs are checked again
+    d.add("n1", "boot-1", defs[:2])
+    with pytest.raises(MissingDefinition, match="series_ref 3"):
+        compact_batch(again, d)
+
+
+def test_decoding_after_another_block_reads_each_block_alone():
+    blocks = [compact.encode_columns(rows) for rows in (
+        [(1, 5, 1.0), (2, 5, 2.0)], [(1, 7, 3.0), (2, 7, 4.0)], [(2, 9, 5.0), (1, 8, 6.0)],
+        [(2**32 - 1, -(2**63), 7.0), (3, 2**63 - 1, 8.0)], [])]
+    for last in blocks:
+        for data in blocks:
+            alone = compact.decode_columns(data, 10)
+            got = compact.decode_columns(data, 10, compact.decode_columns(last, 10))
+            assert (got.refs, got.times, got.values, got.rising, got.time) == \
+                (alone.refs, alone.times, alone.values, alone.rising, alone.time)
+    assert compact.decode_columns(blocks[2], 10).refs == (2, 1)
+    assert compact.decode_columns(blocks[3], 10).times == [-(2**63), 2**63 - 1]
