@@ -335,6 +335,11 @@ class Limits:
         for key in [k for k in self._checked if k[0] == node_id]:
             del self._checked[key]
 
+    def check_definition(self, s: pb.Sample) -> Violation | None:
+        """A series definition (a SeriesTable's, the compact encoding) held to the bounds on a
+        sample's name, unit and labels (not counted here: the caller counts what it refuses)."""
+        return self._check_series(s)
+
     def _check_series(self, s: pb.Sample) -> Violation | None:
         if len(s.name) > self.max_name_len:
             return self._bad(f"a metric name of {len(s.name)} characters", "max_name_len", self.max_name_len)

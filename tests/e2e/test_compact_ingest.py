@@ -128,7 +128,7 @@ def test_compact_batches_hold_exactly_the_points_of_sample_messages(procs, tmp_p
 
 
 def test_what_cannot_be_read_is_refused_and_nothing_of_it_stored(procs, tmp_path):
-    coll = Collector(procs, tmp_path, "[limits]\nmax_series_table_bytes = 2048\n")
+    coll = Collector(procs, tmp_path, "[limits]\nmax_series_table_bytes = 2048\nmax_name_len = 32\n")
     batches = rounds("n")
     first, defs = as_compact(batches[0])   # refs 1-4
 
@@ -161,8 +161,12 @@ def test_what_cannot_be_read_is_refused_and_nothing_of_it_stored(procs, tmp_path
     assert "limits.max_series_table_bytes = 2048" in err.details()
     _, err = stream(coll.addr, [hello("n", True), table(defs, boot="")])
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "SeriesTable boot_id" in err.details(), err
+    _, err = stream(coll.addr, [hello("n", True), table([pb.Sample(name="n" * 33, series_ref=50)])])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err   # a name no sample may have either
+    assert "a metric name of 33 characters, more than the collector's limits.max_name_len = 32" in err.details()
     c = coll.counters()
     assert c["ingest.compact.tables_undecodable"] == 2 and c["limits.max_series_table_bytes"] == 1
+    assert c["ingest.compact.tables_refused"] == 1 and c["limits.max_name_len"] == 1
 
     # An agent that offered nothing gets "" and may send neither.
     replies, err = stream(coll.addr, [hello("old", False), table(defs)])
