@@ -100,9 +100,9 @@ class FleetStream(Sink):
                              f"SeriesTable of boot {short_boot(table.boot_id)} refused: {e}"
                              + (f" (limits.max_series_table_bytes = {max_bytes})" if over else ""),
                              "max_series_table_bytes" if over else "")
-        check = self.limits.check_definition if self.limits is not None else None
-        for d in defs if check is not None else ():   # held as long as the boot: within a sample's bounds
-            if (v := check(d)) is not None:
+        limits = self.limits
+        for d in defs if limits is not None else ():   # held as long as the boot: within a sample's bounds
+            if (v := limits.check_definition(d)) is not None:
                 counters["ingest.compact.tables_refused"] += 1
                 return Violation(v.code, f"SeriesTable of boot {short_boot(table.boot_id)} refused: "
                                  + v.message.removeprefix("batch rejected: "), v.key)
