@@ -9,7 +9,7 @@ from compact_support import S, as_compact, rounds
 
 from xpusense.collector.batch_rows import BatchRows
 from xpusense.collector.series_dictionary import MissingDefinition, SeriesDictionary
-from xpusense.collector.state import FleetState
+from xpusense.collector.state import MAX_BOOTS_REMEMBERED, FleetState
 from xpusense.collector.wire import CompactBatch, compact_batch
 from xpusense.common import compact
 from xpusense.v1 import telemetry_pb2 as pb
@@ -129,3 +129,15 @@ def test_decoding_after_another_block_reads_each_block_alone():
                 (alone.refs, alone.times, alone.values, alone.rising, alone.time)
     assert compact.decode_columns(blocks[2], 10).refs == (2, 1)
     assert compact.decode_columns(blocks[3], 10).times == [-(2**63), 2**63 - 1]
+
+
+def test_tables_of_made_up_boots_are_let_go_as_their_marks_are():
+    st = FleetState()
+    st.hello(pb.Hello(node_id="n1", boot_id="live"))
+    _, defs = as_compact(rounds()[0])
+    for k in range(50):
+        st.define("n1", f"made-up-{k}", defs)
+    st.define("n1", "live", defs)
+    boots = {b for (n, b) in st.dictionary.boots if n == "n1"}
+    assert "live" in boots and "made-up-49" in boots and len(boots) <= MAX_BOOTS_REMEMBERED
+    assert boots <= set(st.nodes["n1"].stored_up_to)
