@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections.abc import Callable
+from operator import itemgetter
 
 from google.protobuf.message import DecodeError
 
@@ -135,16 +136,16 @@ class BatchBuilder:
                     if s.kind == HISTOGRAM:
                         fill_histogram(m.histogram, s)
                     continue
-                rows.append((ref, t, float(v)))
+                rows.append((ref, t, v))
             except (TypeError, ValueError, KeyError, OverflowError) as e:   # a source's bug must not take the batch
                 self.on_unencodable(s.name, e)
         if not rows:
             return len(b.samples), 0
         if hists:
-            order = sorted(range(len(rows)), key=lambda i: rows[i][0])
+            order = sorted(range(len(rows)), key=[r[0] for r in rows].__getitem__)
             hists = {j: hists[i] for j, i in enumerate(order) if i in hists}
             rows = [rows[i] for i in order]
         else:
-            rows.sort(key=lambda r: r[0])
+            rows.sort(key=itemgetter(0))
         b.columns = compact.encode_columns(rows, hists)
         return len(b.samples) + len(rows), rows[-1][0]

@@ -283,6 +283,8 @@ class StreamClient:
                 self._pending[key] = loc
                 self._unsent.append(key)
             self.defs.load({k[0] for k, _ in spooled}, self.boot_id)
+            if self.spool is not None:   # damaged frames of its definitions files: damaged records of the spool
+                self.spool.damaged_records += self.defs.damaged
             self.claims.spooled((k for k, _ in spooled), getattr(self.spool, "acked", None) or {})
             self._cond.notify_all()
 
@@ -592,6 +594,6 @@ class StreamClient:
                 "impossible_acks": self.claims.impossible,
                 "series_refs": self.series_refs(), "series_retired": self.refs.retired,
                 "series_unnumbered": self.refs.unnumbered, "series_defs": len(self.defs),
-                "series_defs_bytes": self.defs.bytes, "series_defs_damaged": self.defs.damaged,
-                "spool_bytes": self.spool.bytes_used() if self.spool is not None else 0,
+                "series_defs_damaged": self.defs.damaged, "encoding": self.encoding if self._conn.compact else "",
+                "spool_bytes": self.spool.bytes_used() + self.defs.bytes if self.spool is not None else 0,
                 "spool": self.spool.status() if self.spool is not None else None}

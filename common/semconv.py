@@ -175,6 +175,7 @@ METRICS: tuple[Metric, ...] = (
     _m("xpusense.agent.stream.reconnects", "{connection}", COUNTER),
     _m("xpusense.agent.stream.series", "{series}", GAUGE),
     _m("xpusense.agent.stream.series_retired", "{series}", COUNTER),
+    _m("xpusense.agent.stream.series_unnumbered", "{series}", COUNTER),
     _m("xpusense.agent.stream.impossible_acks", "{message}", COUNTER),
     _m("xpusense.agent.spool.usage", "By", GAUGE),
     _m("xpusense.agent.spool.writable", "1", GAUGE),

@@ -70,6 +70,7 @@ class AgentSelfSource(Source):
             Sample("xpusense.agent.stream.reconnects", float(st["reconnects"]), "{connection}", {}, COUNTER),
             Sample("xpusense.agent.stream.series", float(st["series_refs"]), "{series}"),
             Sample("xpusense.agent.stream.series_retired", float(st["series_retired"]), "{series}", {}, COUNTER),
+            Sample("xpusense.agent.stream.series_unnumbered", float(st["series_unnumbered"]), "{series}", {}, COUNTER),
             Sample("xpusense.agent.stream.impossible_acks", float(st["impossible_acks"]), "{message}", {}, COUNTER),
             Sample("xpusense.agent.spool.usage", float(st["spool_bytes"]), "By"),
             *self._spool(st.get("spool")),

@@ -165,7 +165,7 @@ def test_full_disk_is_a_state_delivery_goes_on_and_every_batch_is_delivered_or_c
         first = wait_until(lambda: (n := rig.view()) and n["stored_up_to"] >= 3 and n, what="first batches stored")
         boot = first["boot_id"]
         rig.collector.kill(signal.SIGKILL)
-        filler = fill(mnt, keep_free=256 * 1024)      # the spool fills the rest by itself
+        filler = fill(mnt, keep_free=32 * 1024)       # the spool fills the rest by itself (compact batches: ~1 kB)
         wait_until(lambda: "cannot write" in rig.agent.output(), timeout_s=90, what="the spool to hit the full disk")
         wait_until(lambda: "in-memory queue full" in rig.agent.output(), what="the memory budget to be reached")
         proc = psutil.Process(rig.agent.p.pid)

@@ -11,19 +11,18 @@ from concurrent import futures
 
 import grpc
 import pytest
+from compact_rounds import expected, norm, round_of
 from helpers import free_port, wait_until
 
 from xpusense.agent.batch_build import batch_problem
 from xpusense.agent.config import load_agent
-from xpusense.agent.sources.base import COUNTER, HISTOGRAM, Sample
+from xpusense.agent.sources.base import Sample
 from xpusense.agent.spool import Spool
 from xpusense.agent.stream import StreamClient
 from xpusense.common import compact
 from xpusense.common.config import ConfigError
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
-
-T0 = 1_700_000_000_000_000_000
 
 
 class Recorder(pb_grpc.IngestServicer):
@@ -116,33 +115,6 @@ def client_factory():
     yield make
     for c in made:
         c.stop(drain_s=0)
-
-
-def round_of(i: int, extra: int = 0) -> list[Sample]:
-    """One round: gauges, a counter, a histogram, a histogram over the columns' bucket bound, and
-    `extra` series more."""
-    t = T0 + i * 1_000_000_000
-    out = [Sample("gpu.util", 0.5 + i, "1", {"gpu": "0", "uuid": "GPU-a"}, time_ns=t),
-           Sample("gpu.util", 0.25 * i, "1", {"uuid": "GPU-b", "gpu": "1"}, time_ns=t + 7),
-           Sample("net.bytes", 1e9 + i, "By", {"device": "eth0"}, kind=COUNTER, time_ns=t + 11),
-           Sample("tcp.rtt", 3.5 * i, "s", {"dst": "10.0.0.1"}, kind=HISTOGRAM, time_ns=t + 13,
-                  bounds=(0.001, 0.01, 0.1), counts=(i, 2 * i, 3 * i, 4 * i)),
-           Sample("big.hist", 2.0, "s", {}, kind=HISTOGRAM, time_ns=t + 17,
-                  bounds=tuple(float(b) for b in range(300)), counts=tuple(range(301)))]
-    out += [Sample(f"extra.{k}", float(k * i), "1", {"k": str(k)}, time_ns=t + 19) for k in range(extra)]
-    return out
-
-
-def norm(s: pb.Sample) -> tuple:
-    h = s.histogram
-    return (s.name, s.unit, s.kind, tuple(sorted(s.labels.items())), s.value, s.time_unix_nano,
-            tuple(h.bounds), tuple(h.counts), h.sum, h.count)
-
-
-def expected(rounds: list[list[Sample]]) -> list[tuple]:
-    """What a Sample-encoding agent's batches carry for these rounds (its own encoder)."""
-    from xpusense.agent.batch_build import sample_to_proto
-    return sorted(norm(sample_to_proto(s)) for r in rounds for s in r)
 
 
 def refs_of(table: pb.SeriesTable) -> list[int]:
@@ -292,6 +264,7 @@ def test_spooled_batches_whose_definitions_are_gone_are_set_aside_never_sent(
     else:   # the first frame holds round 1's definitions: that batch goes, round 2's does not
         assert sent_old == {1} and st["set_aside"] == 1 and st["series_defs_damaged"] == 1
     assert st["dropped_batches"] == st["set_aside"]
+    assert st["spool"]["damaged_records"] == st["set_aside"] + (harm == "damaged")   # the frame, counted too
     assert sorted(norm(s) for s in rec.samples["boot-new"]) == expected([round_of(3)])
     assert os.listdir(tmp_path / "spool" / "damaged")    # the set-aside batches' bytes kept
 
