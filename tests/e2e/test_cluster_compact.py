@@ -14,11 +14,11 @@ import time
 
 import grpc
 from cluster_support import PREFIX, cluster_config, connect_as, module_cmd, nats_cluster, run, start_gateway  # noqa: F401
-from helpers import free_port, wait_until
+from helpers import free_port, record_figure, wait_until
 from test_cluster_export import Receiver
 from test_cluster_scheduler import start_scheduler
 
-from xpusense.collector.cluster.subjects import MSG_ID, RECEIVED, msg_id, node_subject, partition
+from xpusense.collector.cluster.subjects import MSG_ID, RECEIVED, msg_id, node_filter, node_subject, partition
 from xpusense.common import compact
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
@@ -66,6 +66,7 @@ class Client:
         self.channel = grpc.insecure_channel(addr)
         self.out: queue.Queue = queue.Queue()
         self.acks: list[pb.Ack] = []
+        self.sent: dict[int, bytes] = {}   # seq -> the Batch's bytes as sent
         self.error: grpc.RpcError | None = None
         inv = pb.Inventory(hostname=node_id, labels={"region": "r1"})
         inv.resources.add(type="GPU", vendor="nvidia", model="H100", id="gpu0", attributes={"memory": "80GB"})
@@ -96,6 +97,7 @@ class Client:
         else:
             b.samples.extend(compact.sample(DEFS[r[0] - 1], r, hists.get(i)) for i, r in enumerate(rows))
             b.samples.extend(whole)
+        self.sent[seq] = b.SerializeToString()
         self.out.put(pb.AgentMessage(batch=b))
 
     def acked(self, seq: int) -> bool:
@@ -197,6 +199,13 @@ backoff_max_s = 0.5
         assert len(got) == 2 * len(DEVICES) + 2    # kept: utilisation, memory per device, power, memory limit
         nodes = q.ListNodes(pb.ListNodesRequest(), timeout=10)
         assert not [k for k in nodes.counters if k.startswith("worker.skipped")], dict(nodes.counters)
+        # JetStream keeps the compact batches as they were sent.
+        stored = run(_stored(nats_cluster, "compact-n"))
+        assert stored == {seq: data for c in (compact_1, compact_2) for seq, data in c.sent.items()}
+        sample_bytes = sum(map(len, run(_stored(nats_cluster, "sample-n")).values()))
+        record_figure("cluster compact", stream_batch_bytes_compact=sum(map(len, stored.values())),
+                      stream_batch_bytes_sample=sample_bytes)
+        assert sum(map(len, stored.values())) * 2 < sample_bytes
         # GetHistory from the stream: the same points, every one.
         for s in [*DEFS, round_of(1)[2][0]]:
             points = _history(q, "compact-n", s)
@@ -218,6 +227,27 @@ backoff_max_s = 0.5
         for c in clients:
             c.close()
         server.stop(0)
+
+
+async def _stored(cluster, node_id: str) -> dict[int, bytes]:
+    """The node's batches in the stream, by seq, as stored."""
+    from nats.js import api
+
+    from xpusense.collector.cluster.subjects import stream_of
+    nc = await connect_as(cluster, "exporter")
+    try:
+        js, part = nc.jetstream(timeout=10), partition(node_id, 6)
+        sub = await js.pull_subscribe(node_filter(PREFIX, part, node_id), durable=None, stream=stream_of(PREFIX, part, 3),
+                                      config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, mem_storage=True,
+                                                                num_replicas=1, inactive_threshold=30))
+        out: dict[int, bytes] = {}
+        while True:
+            msgs = await sub.fetch(batch=100, timeout=5)
+            out.update((pb.Batch.FromString(m.data).seq, m.data) for m in msgs if not (m.headers or {}).get("Xps-Kind"))
+            if msgs[-1].metadata.num_pending == 0:
+                return out
+    finally:
+        await nc.close()
 
 
 async def _publish_undefined(cluster, node_id: str, boot: str, seq: int) -> None:
