@@ -3,5 +3,6 @@
 partitions by lease and keep each node's summary in the `fleet` bucket; scheduler replicas
 (scheduler, query) and the OTLP exporter (export) read the bucket and the streams. Beside them:
 subjects, config, engine (the connection, streams and buckets), nats_auth (one identity per role),
-seq_marks (per-boot marks, exactly once downstream), stream_history (GetHistory), cli, and
-localnats (a real nats-server cluster on loopback for tests, the bench and the demo)."""
+seq_marks (per-boot marks, exactly once downstream), series_defs (the compact encoding's series
+definitions in the `series` bucket), stream_history (GetHistory), cli, and localnats (a real
+nats-server cluster on loopback for tests, the bench and the demo)."""
