@@ -134,10 +134,10 @@ class SimAgent:
                 s = b.samples.add(name=name, unit=unit, kind=kinds[kind], labels={"device": str(d), "vendor": vendor},
                                   series_ref=0 if NO_SERIES_REF else len(b.samples) + 1)
                 if kind == "c":
-                    s.value = rng.uniform(1e6, 1e9)
-                    self.counters.append((s, rng.uniform(1.0, 1e6)))
+                    s.value = float(rng.randrange(10**6, 10**9))   # byte and event counts: whole numbers
+                    self.counters.append((s, float(rng.randrange(1, 10**6))))
                 else:
-                    self.gauges.append((s, rng.uniform(0.1, 0.9)))
+                    self.gauges.append((s, float(rng.randrange(10, 90))))   # a percentage (value: / 100)
         self.msg = msg
         self._template(b)
         self.hello = pb.AgentMessage(hello=pb.Hello(
@@ -184,7 +184,7 @@ class SimAgent:
         for s in b.samples:
             s.time_unix_nano = now
         for (s, base), (i, _) in zip(self.gauges, self.gauges_at):   # a gauge's 0.0 is not written
-            s.value = pieces[i] = base
+            s.value = pieces[i] = base / 100
         b.seq, b.sent_unix_nano = seq, now
         mine = self._bytes(seq, now)
         if mine != self.msg.SerializeToString(deterministic=True):
@@ -225,10 +225,10 @@ class SimAgent:
         at `now` (--memory-nodes feeds 15 minutes of history in a few)."""
         self.seq += 1
         now = time.time_ns() if now is None else now
-        wobble = 0.0 if self.idle else (self.seq % 17) / 100.0
+        wobble = 0 if self.idle else self.seq % 17
         pieces = self.pieces
-        for i, base in self.gauges_at:
-            pieces[i] = base + wobble
+        for i, base in self.gauges_at:   # a utilisation as NVML gives it: whole percent / 100
+            pieces[i] = (base + wobble) / 100
         for i, step in self.counters_at:
             pieces[i] += step
         self.sent_ns[self.seq] = now

@@ -10,7 +10,8 @@
    - then batches on a fixed schedule (rate per agent, a phase per agent), at most `window` in
      flight; rate 0: as fast as acks allow. A batch's bytes are the Python generator's own template
      (SimAgent: protobuf's serialization cut where values and times go), filled in as next_batch()
-     does: gauges base + (seq % 17) / 100 (base alone when idle), counters += step, every sample's
+     does: gauges (base + seq % 17) / 100 (base / 100 when idle; base a whole percentage), counters
+     += step (whole numbers), every sample's
      time and sent_unix_nano = CLOCK_REALTIME now (the latency's start);
    - latency = the Ack's arrival (CLOCK_REALTIME) - the batch's time, as the Python generator.
 
@@ -233,7 +234,7 @@ static size_t compact_columns(agent_t *a, int64_t now, double wobble) {
     uint8_t *vals = a->raw + 13 + 12 * n;
     for (size_t k = 0; k < n; k++) {
         int i = a->order[k];
-        double v = a->v_kind[i] == 'c' ? (a->v_val[i] += a->v_arg[i]) : a->v_arg[i] + wobble;
+        double v = a->v_kind[i] == 'c' ? (a->v_val[i] += a->v_arg[i]) : (a->v_arg[i] + wobble) / 100.0;
         memcpy(vals + 8 * k, &v, 8);
     }
     uLongf zl = a->z_cap;
@@ -244,7 +245,7 @@ static size_t compact_columns(agent_t *a, int64_t now, double wobble) {
 /* The next batch as a gRPC message (5-byte prefix + AgentMessage{batch}) appended to buf. */
 static void next_batch(agent_t *a, int64_t now, uint8_t **buf, size_t *len, size_t *cap) {
     a->seq++;
-    double wobble = a->idle ? 0.0 : (double)(a->seq % 17) / 100.0;
+    double wobble = a->idle ? 0.0 : (double)(a->seq % 17);
     if (compact_mode) {
         size_t zl = compact_columns(a, now, wobble);
         uint8_t mid[32]; size_t mn = 0;
@@ -272,7 +273,7 @@ static void next_batch(agent_t *a, int64_t now, uint8_t **buf, size_t *len, size
     size_t tn = put_varint(t, (uint64_t)now);
     if (tn != 9) die("a time that is not a 9-byte varint");
     for (int i = 0; i < a->nv; i++) {
-        double v = a->v_kind[i] == 'c' ? (a->v_val[i] += a->v_arg[i]) : a->v_arg[i] + wobble;
+        double v = a->v_kind[i] == 'c' ? (a->v_val[i] += a->v_arg[i]) : (a->v_arg[i] + wobble) / 100.0;
         memcpy(a->body + a->v_off[i], &v, 8);   /* little-endian double, as protobuf */
     }
     for (int i = 0; i < a->nt; i++) memcpy(a->body + a->t_off[i], t, 9);
