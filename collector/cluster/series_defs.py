@@ -10,6 +10,7 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -108,8 +109,9 @@ class SeriesCache:
 
 
 class StreamTables:
-    """The series tables one agent stream sent a gateway. Each is checked (its definitions decode
-    within limits.max_series_table_bytes, each with a ref), kept in the stream's own dictionary (so
+    """The series tables one agent stream sent a gateway. Each is checked as one collector checks it
+    (its definitions decode within limits.max_series_table_bytes, each with a ref and within a
+    sample's bounds on name, unit and labels), kept in the stream's own dictionary (so
     the gateway refuses a compact batch that does not decode or uses a ref the stream did not
     define, as one collector does) and written to the bucket; `written` is awaited before any later
     batch is published. The tables' bytes are kept (at most max_series_table_bytes a stream) and
@@ -121,6 +123,8 @@ class StreamTables:
         self.kv, self.node_id, self.ttl_s, self.counts, self.clock = kv, node_id, ttl_s, counts, clock
         self.max_bytes, self.max_samples = int(get("max_series_table_bytes")), int(get("max_samples_per_batch"))
         self.dictionary = SeriesDictionary(int(get("max_series_per_node")))
+        # a sample's bounds on name, unit and labels (collector/limits.py)
+        self.check: Callable[[pb.Sample], Violation | None] | None = getattr(limits, "check_definition", None)
         self.tables: dict[str, bytes] = {}
         self.bytes = 0
         self.pending: list[asyncio.Task] = []
@@ -134,6 +138,13 @@ class StreamTables:
             self.counts["series.tables_refused"] += 1
             return Violation(grpc.StatusCode.INVALID_ARGUMENT,
                              f"SeriesTable of boot {short_boot(table.boot_id)} refused: {e}")
+        check = self.check
+        if check is not None:   # kept as long as the boot: within a sample's bounds
+            for d in defs:
+                if (v := check(d)) is not None:
+                    self.counts["series.tables_refused"] += 1
+                    return Violation(v.code, f"SeriesTable of boot {short_boot(table.boot_id)} refused: "
+                                     + v.message.removeprefix("batch rejected: "), v.key)
         key = table_key(self.node_id, table.boot_id, high)
         size = len(table.defs) - len(self.tables.get(key, b""))
         if self.bytes + size > self.max_bytes:

@@ -88,12 +88,15 @@ def test_tables_and_batches_the_stream_cannot_stand_by_are_refused():
         assert v is not None and v.code == grpc.StatusCode.INVALID_ARGUMENT and "do not inflate" in v.message
         v = st.add(pb.SeriesTable(boot_id="b1", defs=compact.encode_defs([pb.Sample(name="x")])))
         assert v is not None and v.code == grpc.StatusCode.INVALID_ARGUMENT and "without a series_ref" in v.message
+        long = pb.Sample(name="x" * 300, unit="1", kind=pb.GAUGE, series_ref=1)   # limits.max_name_len: 256
+        v = st.add(pb.SeriesTable(boot_id="b1", defs=compact.encode_defs([long])))
+        assert v is not None and v.code == grpc.StatusCode.INVALID_ARGUMENT and v.key == "max_name_len"
         assert st.add(_table(*range(1, 21))) is None
         refusals = [v for boot in range(2, 200) if (v := st.add(_table(*range(1, 21), boot=f"b{boot}")))]
         assert refusals and st.bytes <= 4096 < st.bytes + len(_table(*range(1, 21)).defs)   # the stream's tables, bounded
         v = refusals[0]
         assert v.code == grpc.StatusCode.RESOURCE_EXHAUSTED and v.key == "max_series_table_bytes"
-        refused = 2 + len(refusals)
+        refused = 3 + len(refusals)
         assert counts["series.tables_refused"] == refused
         await st.written()
         ok = pb.Batch(node_id="node.a", boot_id="b1", seq=1, columns=compact.encode_columns([(1, 5, 0.5), (20, 5, 1.0)]))
