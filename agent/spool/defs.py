@@ -41,7 +41,7 @@ class SeriesDefs:
         self._error = ""
 
     def __len__(self) -> int:
-        return sum(len(d) for d in self.boots.values())
+        return sum(len(d) for d in list(self.boots.values()))   # a copy: status() reads it unlocked
 
     def get(self, boot: str) -> dict[int, pb.Sample] | None:
         return self.boots.get(boot)

@@ -194,18 +194,18 @@ def spool_of(directory, node="node-a") -> tuple[Spool, list]:
     return sp, sp.open()
 
 
-def old_boot_in_the_spool(tmp_path, client_factory) -> list[list[Sample]]:
+def old_boot_in_the_spool(tmp_path, client_factory, encoding=compact.ENCODING) -> list[list[Sample]]:
     """An agent that never reached a collector: its boot's batches and definitions in the spool."""
     sp, found = spool_of(tmp_path / "spool")
     assert found == []
-    client = client_factory(f"127.0.0.1:{free_port()}", boot="boot-old", spool=sp)
+    client = client_factory(f"127.0.0.1:{free_port()}", boot="boot-old", spool=sp, batch_encoding=encoding)
     rounds = [round_of(1), round_of(2, extra=2)]
     for r in rounds:
         client.put(r)
         client.flush()
     client.stop(drain_s=0)
     sp.close()
-    assert os.path.exists(tmp_path / "spool" / "series-boot-old.xsd")
+    assert os.path.exists(tmp_path / "spool" / "series-boot-old.xsd") == bool(encoding)
     return rounds
 
 
@@ -234,6 +234,24 @@ def test_after_a_restart_an_old_boots_spooled_batches_go_with_their_definitions(
                what="the old boot's definitions file deleted")
     assert os.path.exists(tmp_path / "spool" / "series-boot-new.xsd")
     assert client.status()["set_aside"] == 0
+
+
+@pytest.mark.parametrize(("old", "new", "collector"), [("", compact.ENCODING, compact.ENCODING),
+                                                       (compact.ENCODING, "", compact.ENCODING)])
+def test_spools_of_either_encoding_go_after_a_restart_with_the_other(tmp_path, serve, client_factory, old, new,
+                                                                     collector):
+    """Sample batches spooled by an agent before the compact encoding go as they are; compact ones
+    spooled before the config turned it off go expanded."""
+    rounds = old_boot_in_the_spool(tmp_path, client_factory, encoding=old)
+    sp, found = spool_of(tmp_path / "spool")
+    rec, addr = serve(collector)
+    client = client_factory(addr, boot="boot-new", spool=sp, batch_encoding=new)
+    client.resume(found)
+    client.start()
+    wait_until(lambda: client.pending() == 0, what="the old boot's batches acknowledged")
+    assert not rec.problems and client.status()["set_aside"] == 0
+    assert sorted(norm(s) for s in rec.samples["boot-old"]) == expected(rounds)
+    assert all(not m.batch.columns for m in rec.streams[0] if m.HasField("batch"))
 
 
 @pytest.mark.parametrize("collector_encoding", [compact.ENCODING, ""])
