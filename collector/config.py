@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from xpusense.common import compact
-from xpusense.common.config import DEFAULT_ADDRESS, Key, host_port, load, log_level, non_negative, one_of, positive
+from xpusense.common.config import DEFAULT_ADDRESS, Key, between, host_port, load, log_level, non_negative, one_of, positive
 from xpusense.common.otlp import otlp_schema
 
 from .cluster.config import NATS_SCHEMA, check_nats
@@ -38,6 +38,9 @@ COLLECTOR_SCHEMA = {
                                      "the whole log is replayed"),
         "snapshot_keep": Key(int, 2, positive, help="full snapshots kept, with the diffs a fallback needs (the log "
                                                     "is kept from the oldest one on)"),
+        "snapshot_compress_level": Key(int, 1, between(0, 9),
+                                       help="zlib level of a snapshot's frames (1: fast, about a quarter of the bytes; "
+                                            "0: written raw); snapshots of any level are read"),
     },
     # The fleet state's memory (collector/state.py): history is shortened first, then new series refused.
     "state": {

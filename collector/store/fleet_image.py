@@ -128,18 +128,15 @@ def capture(n: NodeState, unapplied: dict[str, int] | None, parts: list[bytes], 
     if prev is not None:
         incr = _incremental(n, prev)
         if incr is not None:
-            runs, values, series, frames = incr
+            runs, values, series, frames, grown = incr
             parts.extend(runs.runs)
             parts.extend(values)
-            return [*_common(n, unapplied), "I", [len(r) >> 3 for r in runs.runs], series, _refs(n), frames]
+            return [*_common(n, unapplied), "I", [len(r) >> 3 for r in runs.runs], series, _refs(n), frames, grown]
     runs, values, series = _Runs(), [], []
     totals = array("q")
     for ser in n.series.values():
-        h = ser.history
-        values.append(h.v.tobytes())
-        series.append([ser.name, ser.unit, ser.kind, ser.labels, ser.value, ser.time_ns, ser.prev_value,
-                       ser.prev_time_ns, _hist(ser), h.due_t, h.due_n, runs.ref(h.t.tobytes()), len(h.t)])
-        totals.append(h.dropped + len(h.t))
+        series.append(_whole(ser, runs, values))
+        totals.append(ser.history.dropped + len(ser.history.t))
     framed = tuple(n.frames.values())
     frames = []
     if framed:
@@ -156,12 +153,21 @@ def capture(n: NodeState, unapplied: dict[str, int] | None, parts: list[bytes], 
     return [*_common(n, unapplied), "F", [len(r) >> 3 for r in runs.runs], series, _refs(n), frames]
 
 
-def _incremental(n: NodeState, prev: tuple) -> tuple[_Runs, list, list, list] | None:
+def _whole(ser: Series, runs: _Runs, values: list) -> list:
+    """A series' row as a full snapshot writes it; its values appended to `values`."""
+    h = ser.history
+    values.append(h.v.tobytes())
+    return [ser.name, ser.unit, ser.kind, ser.labels, ser.value, ser.time_ns, ser.prev_value, ser.prev_time_ns,
+            _hist(ser), h.due_t, h.due_n, runs.ref(h.t.tobytes()), len(h.t)]
+
+
+def _incremental(n: NodeState, prev: tuple) -> tuple[_Runs, list, list, list, list] | None:
     """The node's series and frames with what each appended since the base (runs, values, series,
-    frames), or None when they are not the base's (then the node is written whole)."""
+    frames), and the series new since it written whole (grown); None when the base's series are
+    not the first of the node's or its frames are not the base's (then the node is written whole)."""
     kept, totals, framed, frame_totals = prev
     now = tuple(n.frames.values())
-    if not (_same_series(n, kept) and len(now) == len(framed) and all(f is g for f, g in zip(now, framed))):
+    if not (_grown_from(n, kept) and len(now) == len(framed) and all(f is g for f, g in zip(now, framed))):
         return None
     runs, values, series, frames = _Runs(), [], [], []
     for ser, was in zip(n.series.values(), totals):
@@ -173,6 +179,7 @@ def _incremental(n: NodeState, prev: tuple) -> tuple[_Runs, list, list, list] | 
         values.append(h.v[have - k:].tobytes())
         series.append([ser.value, ser.time_ns, ser.prev_value, ser.prev_time_ns, _hist(ser), h.due_t, h.due_n,
                        runs.ref(h.t[have - k:].tobytes()), k, have, h.t[0] if have else 0, h.t[-1] if have else 0])
+    grown = [_whole(ser, runs, values) for ser in list(n.series.values())[len(kept):]]
     for f, was in zip(now, frame_totals):
         rows = len(f.t)
         k = min(f.dropped + rows - was, rows)
@@ -181,7 +188,7 @@ def _incremental(n: NodeState, prev: tuple) -> tuple[_Runs, list, list, list] | 
         values.append(f.v[(rows - k) * f.k:].tobytes())
         frames.append([runs.ref(f.t[rows - k:].tobytes()), k, rows, f.due_t, f.due_n, f.last_t,
                        f.t[0] if rows else 0, f.t[-1] if rows else 0])
-    return runs, values, series, frames
+    return runs, values, series, frames, grown
 
 
 def _refs(n: NodeState) -> list:
@@ -201,8 +208,9 @@ def _refs(n: NodeState) -> list:
     return out
 
 
-def _same_series(n: NodeState, kept: tuple[Series, ...]) -> bool:
-    return len(n.series) == len(kept) and all(s is k for s, k in zip(n.series.values(), kept))
+def _grown_from(n: NodeState, kept: tuple[Series, ...]) -> bool:
+    """The base's series are the node's first ones, as they were (series new since come after them)."""
+    return len(n.series) >= len(kept) and all(s is k for s, k in zip(n.series.values(), kept))
 
 
 def _take(blob: memoryview, at: int, size: int, nid: str) -> memoryview:
@@ -217,6 +225,7 @@ def restore(state: FleetState, entry: list, blob: memoryview, at: int) -> int:
     (nid, boot_id, last_seen, inv, marks, stored, dup, events, diagnoses, diag_boot, mode, runs, series,
      refs) = entry[:14]
     frames = entry[14] if len(entry) > 14 else []   # version 2: none
+    grown = entry[15] if len(entry) > 15 else []    # before version 4: none
     starts = []
     for r in runs:
         starts.append(at)
@@ -236,6 +245,7 @@ def restore(state: FleetState, entry: list, blob: memoryview, at: int) -> int:
             raise ValueError(f"node {nid!r}: a diff on a base that does not hold it as it was")
         n = have
         at = _restore_incr(state, n, series, runs, starts, blob, at)
+        at = _restore_full(state, n, grown, runs, starts, blob, at)
         _restore_refs(n, refs)
         at = _restore_rows(state, n, frames, runs, starts, blob, at)
     else:
@@ -287,8 +297,11 @@ def _restore_full(state: FleetState, n: NodeState, series: list, runs: list, sta
         h.due_t, h.due_n = due_t, due_n
         h.newest = max(max(h.t, default=0), time_ns, prev_time_ns)
         slots += k
-        n.series[series_key(name, labels)] = ser
-    state.series_total += len(n.series)
+        key = series_key(name, labels)
+        if key in n.series:
+            raise ValueError(f"node {n.node_id!r}: series {name!r} {labels!r} twice")
+        n.series[key] = ser
+    state.series_total += len(series)
     state.history_slots += slots
     return at
 

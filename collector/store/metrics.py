@@ -19,6 +19,8 @@ METRICS = {
     "room_waits": ("counter", "times a stream waited for held_bytes to fall under its bound before being read further"),
     "commits": ("counter", "group commits (one write + fsync each)"),
     "records": ("counter", "records queued for writing"),
+    "log_bytes_written": ("counter", "bytes written to the log's segments since start (snapshot_bytes_written: to "
+                          "snapshots; together, the store's own disk writes)"),
     "reader_skipped_ranges": ("counter", "damaged ranges or invalid records exporters' readers skipped"),
     "reader_unexpanded_batches": ("counter", "compact batches exporters' readers could not expand to samples (a series "
                                   "definition missing or columns that do not decode): skipped, logged"),

@@ -2,8 +2,9 @@
 
 A snapshot is the fleet state at a position of the store's log (fleet_image.py), in frames of the
 store's record magic (xpusense.common.framing); written to a temporary name, fsync'ed and renamed,
-so it is there whole or not at all; read back mapped, every checksum checked, else Damaged
-(layout and versions: docs/design.md, on-disk formats).
+so it is there whole or not at all; from version 4 each frame's payload is zlib-compressed (its
+values of one series contiguous, so unchanged values cost almost nothing); read back mapped (a
+compressed frame inflated), every checksum checked, else Damaged (layout: docs/design.md).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import re
 import struct
 import time
+import zlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -24,8 +26,9 @@ from xpusense.common.fsync import fsync_dir
 from .segment_file import MAX_RECORD_BYTES, RECORD_MAGIC
 
 MAGIC = b"XPSSNP\x00"
-VERSIONS = (1, 2, 3)
-VERSION = 3
+VERSIONS = (1, 2, 3, 4)
+VERSION = 4
+RAW, ZLIB = 0, 1   # a version 4 frame's first byte: how the rest of its payload is written
 NAME = re.compile(r"^snapshot-(\d{8,})-(\d{12,})(?:-on-(\d{8,})-(\d{12,}))?\.snap$")
 TMP_PREFIX = ".tmp-"
 U32 = struct.Struct("<I")
@@ -65,21 +68,25 @@ def entries(directory: str) -> list[Entry]:
 
 class SnapshotFile:
     """One snapshot being written (in a worker thread, never on the event loop). `base`: (position,
-    id) of the full snapshot a diff is written on; None for a full one."""
+    id) of the full snapshot a diff is written on; None for a full one. `level`: zlib's level for
+    every frame after the header (0: written raw)."""
 
-    def __init__(self, directory: str, pos: Pos, fsync: bool = True, base: tuple[Pos, int] | None = None):
+    def __init__(self, directory: str, pos: Pos, fsync: bool = True, base: tuple[Pos, int] | None = None,
+                 level: int = 1):
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        self.dir, self.pos, self.fsync, self.base = directory, pos, fsync, base
+        self.dir, self.pos, self.fsync, self.base, self.level = directory, pos, fsync, base, level
+        self.version = VERSION   # (tests write an older version's layout by setting VERSION)
         self.id = int.from_bytes(os.urandom(8), "little") >> 1
         name = snapshot_name(pos, base[0] if base is not None else None)
         self.path = os.path.join(directory, name)
         self.tmp = os.path.join(directory, f"{TMP_PREFIX}{name}.{os.getpid()}")
         self.f = open(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "wb")
-        self.frames = self.nodes = self.bytes = 0
+        self.frames = self.nodes = self.bytes = self.raw_bytes = 0
         try:
-            self.f.write(MAGIC + bytes([VERSION]))
+            self.f.write(MAGIC + bytes([self.version]))
+            self.bytes = self.raw_bytes = len(MAGIC) + 1
             bpos, bid = base if base is not None else ((-1, -1), -1)
-            self.add(["h", VERSION, pos[0], pos[1], time.time_ns(), self.id, bpos[0], bpos[1], bid])
+            self.add(["h", self.version, pos[0], pos[1], time.time_ns(), self.id, bpos[0], bpos[1], bid])
         except BaseException:
             self.abort()
             raise
@@ -87,14 +94,22 @@ class SnapshotFile:
     def add(self, record: list, parts: list[bytes] | tuple = ()) -> None:
         """One frame: the record, then `parts` as its blob (written as they are, not joined)."""
         meta = msgpack.packb(record, use_bin_type=True)
-        size = U32.size + len(meta) + sum(len(p) for p in parts)
+        size = (self.version >= 4) + U32.size + len(meta) + sum(len(p) for p in parts)
         if size > MAX_RECORD_BYTES:
             raise ValueError(f"a snapshot frame of {size} bytes (at most {MAX_RECORD_BYTES})")
         head = U32.pack(len(meta)) + meta
-        self.f.write(framing.header(RECORD_MAGIC, (head, *parts)) + head)
+        if self.version < 4:
+            parts = [head, *parts]
+        elif self.level and self.frames:   # (the header stays raw: read before the version is known)
+            z = zlib.compressobj(self.level)
+            parts = [bytes([ZLIB]), z.compress(head), *[z.compress(p) for p in parts], z.flush()]
+        else:
+            parts = [bytes([RAW]), head, *parts]
+        self.f.write(framing.header(RECORD_MAGIC, parts))
         self.f.writelines(parts)
         self.frames += 1
-        self.bytes += framing.HEADER.size + size
+        self.raw_bytes += framing.HEADER.size + size
+        self.bytes += framing.HEADER.size + sum(len(p) for p in parts)
         if record[0] == "n":
             self.nodes += len(record[1])
 
@@ -186,6 +201,8 @@ class Reader:
                 raise Damaged(f"the frame at byte {pos}: {e}") from None
             end = pos + framing.HEADER.size + len(payload)
             try:
+                if self.version >= 4:
+                    payload = _inflated(payload)
                 if self.version >= 2:
                     mlen = U32.unpack_from(payload)[0]
                     if U32.size + mlen > len(payload):
@@ -194,7 +211,7 @@ class Reader:
                     blob = payload[U32.size + mlen:]
                 else:
                     rec, blob = msgpack.unpackb(payload, raw=False), payload[len(payload):]
-            except (ValueError, struct.error, msgpack.UnpackException) as e:
+            except (ValueError, struct.error, msgpack.UnpackException, zlib.error) as e:
                 raise Damaged(f"the frame at byte {pos} is not a snapshot record ({e})") from None
             if not isinstance(rec, list) or not rec:
                 raise Damaged(f"the frame at byte {pos} is not a snapshot record")
@@ -219,3 +236,20 @@ class Reader:
             self.mm.close()
         except BufferError:   # a view is still held somewhere (a traceback): closed when it goes
             pass
+
+
+def _inflated(payload: memoryview) -> memoryview:
+    """A version 4 frame's record and blob: after its first byte, as written (RAW) or inflated (ZLIB),
+    at most MAX_RECORD_BYTES; ValueError (or zlib.error) when it is neither or inflates past that."""
+    if not len(payload) or payload[0] not in (RAW, ZLIB):
+        raise ValueError(f"codec {payload[0] if len(payload) else None!r} (0: raw, 1: zlib)")
+    if payload[0] == RAW:
+        return payload[1:]
+    z = zlib.decompressobj()
+    out = z.decompress(payload[1:], MAX_RECORD_BYTES)
+    if z.unconsumed_tail or not z.eof:
+        raise ValueError(f"its zlib stream inflates past {MAX_RECORD_BYTES} bytes" if z.unconsumed_tail
+                         else "its zlib stream is cut short")
+    if z.unused_data:
+        raise ValueError(f"{len(z.unused_data)} bytes after its zlib stream")
+    return memoryview(out)

@@ -24,8 +24,8 @@ log = logging.getLogger("xpusense.collector.store")
 
 
 class Snapshotter:
-    def __init__(self, store, state, every_s: float, chunk_series: int = 2000):
-        self.store, self.state = store, state
+    def __init__(self, store, state, every_s: float, chunk_series: int = 2000, level: int = 1):
+        self.store, self.state, self.level = store, state, level
         self.every_s = every_s
         self.chunk_series = chunk_series
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-snapshot")
@@ -76,7 +76,7 @@ class Snapshotter:
         try:
             pos = self.store.covered()
             f = await loop.run_in_executor(self._pool, SnapshotFile, self.store.snapshots.dir, pos, self.store.fsync,
-                                           None if full else self.base)
+                                           None if full else self.base, self.level)
             await loop.run_in_executor(self._pool, f.add, ["f", fleet_image.fleet(self.state)])
             ids = list(self.state.nodes)
             i = 0

@@ -50,6 +50,7 @@ class _Segments:
         self.off = 0              # everything before it is written (and fsync'ed)
         self.broken = False       # a failed write could not be cut back: the next write starts a segment
         self.opened_at = 0.0
+        self.bytes_written = 0    # to segments since start (what was cut back after a failed write not counted)
 
     def write(self, data: bytes, roll: bytes | None) -> tuple[int, int]:
         """Write `data` at the end of the segment (of a new one, beginning with `roll`, when given)
@@ -67,6 +68,7 @@ class _Segments:
                 self.broken = True
             raise
         self.off += len(data)
+        self.bytes_written += len(data)
         return self.seg_id, self.off
 
     def _roll(self, body: bytes) -> tuple[int, int]:
@@ -91,6 +93,7 @@ class _Segments:
         if self.fd >= 0:
             os.close(self.fd)
         self.fd, self.seg_id, self.off, self.broken = fd, new_id, len(data), False
+        self.bytes_written += len(data)
         self.opened_at = time.monotonic()
         return self.seg_id, self.off
 
@@ -447,7 +450,7 @@ class Store:
                 "max_held_bytes": self.max_held_bytes, "max_pending_bytes": self.max_pending_bytes,
                 "refused_records": self.refused_records, "refused_bytes": self.refused_bytes,
                 "room_waits": self.room_waits,
-                "commits": self.commits, "records": self.records,
+                "commits": self.commits, "records": self.records, "log_bytes_written": self._io.bytes_written,
                 "reader_skipped_ranges": sum(r.skipped_ranges for r in readers),
                 "reader_unexpanded_batches": sum(r.unexpanded for r in readers),
                 **{(k if k.startswith("snapshot") else f"replay_{k}"): v for k, v in self.replay.items()

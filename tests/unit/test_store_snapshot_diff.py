@@ -1,4 +1,4 @@
-"""Diffs and the version 3 snapshot format (collector/store/fleet_image.py, snapshot_file.py,
+"""Diffs and the snapshot format (version 4) (collector/store/fleet_image.py, snapshot_file.py,
 snapshot_load.py): a restart from a full snapshot and a diff on it ends with the state a full replay
 of the log gives; a damaged or unfitting diff falls back to its full snapshot (and a longer replay),
 counted and logged; snapshots written by the versions before are still read; retention keeps what
@@ -136,6 +136,7 @@ def test_history_shortened_by_the_memory_budget_between_full_and_diff(tmp_path):
 def test_a_diff_holds_only_what_changed(tmp_path):
     d = tmp_path / "d"
     live = Live(d)
+    live.snap.level = 0   # raw frames: the bytes are the points and rows written
 
     async def go():
         live.hello("A", "a1", "host-a")
@@ -373,7 +374,7 @@ def test_history_bytes_are_outside_the_msgpack_records(tmp_path):
     from xpusense.collector.store.snapshot_file import Reader
     live, full_path, _, _ = scenario(tmp_path / "d")
     with Reader(full_path) as r:
-        assert r.version == 3
+        assert r.version == 4
         found = [(rec, len(blob)) for rec, blob in r.records() if rec[0] == "n" and rec[1][0][0] == "A"]
     [(rec, blob_bytes)] = found
     entry = rec[1][0]
