@@ -44,9 +44,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.xpusense-installed
 # Installed again when pyproject.toml or the C reader changes, or the reader was not built here (a
-# fresh checkout beside an existing .venv: the editable install builds it into collector/).
-want=$(cat pyproject.toml collector/_wire_rows.c | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c 'import xpusense.collector._wire_rows' 2>/dev/null; then
+# fresh checkout beside an existing .venv: the editable install builds them into collector/ and common/).
+want=$(cat pyproject.toml collector/_wire_rows.c common/_compact.c | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c 'import xpusense.collector._wire_rows, xpusense.common._compact' 2>/dev/null; then
     log "installing xpusense and its test tools into .venv"
     .venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
     echo "$want" > "$stamp"
@@ -60,4 +60,6 @@ if [ -d /usr/lib/python3/dist-packages/bcc ]; then
 fi
 .venv/bin/python -c 'import xpusense.collector._wire_rows' 2>/dev/null \
     || log "warning: the collector's C reader of batches (collector/_wire_rows.c) was not built (no C compiler?): ingest reads them through protobuf, slower"
+.venv/bin/python -c 'import xpusense.common._compact' 2>/dev/null \
+    || log "warning: the compact encoding's C reader (common/_compact.c) was not built (no C compiler or zlib1g-dev?): columns are read in Python, slower"
 log "ready: $(.venv/bin/python --version), xpusense $(.venv/bin/python -c 'import xpusense; print(xpusense.__version__)')"

@@ -32,9 +32,9 @@ _libc.malloc.argtypes = [ctypes.c_size_t]
 _libc.free.argtypes = [ctypes.c_void_p]
 
 
-def load(path: str):
-    loader = importlib.machinery.ExtensionFileLoader("_wire_rows", path)
-    spec = importlib.util.spec_from_file_location("_wire_rows", path, loader=loader)
+def load(path: str, name: str = "_wire_rows"):
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)

@@ -1,6 +1,8 @@
-"""The C batch reader (collector/_wire_rows.c) built with AddressSanitizer and UBSan and fuzzed in
-a subprocess (tests/wire_rows_fuzz.py): no sanitizer report, and every input it reads whole,
-protobuf reads the same. Two bugs planted in a copy of the source show the build catches them."""
+"""The C batch reader (collector/_wire_rows.c) and the compact encoding's C reader (common/_compact.c)
+built with AddressSanitizer and UBSan and fuzzed in a subprocess (tests/wire_rows_fuzz.py,
+tests/compact_c_fuzz.py): no sanitizer report, and every input read whole, protobuf (or
+decode_columns in Python) reads the same. Bugs planted in copies of the sources show the build
+catches them."""
 
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "collector" / "_wire_rows.c"
 DRIVER = ROOT / "tests" / "wire_rows_fuzz.py"
+COMPACT_SOURCE = ROOT / "common" / "_compact.c"
+COMPACT_DRIVER = ROOT / "tests" / "compact_c_fuzz.py"
+COMPACT_FUZZ_S = 8
 FUZZ_S = 20        # the fuzzing's time budget; the inputs are the same on every run (a fixed seed)
 SEED = 20_240_613
 REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer", "SUMMARY: UndefinedBehaviorSanitizer")
@@ -40,20 +45,21 @@ def _toolchain() -> tuple[str, str]:
     return gcc, asan
 
 
-def _build(source: str, out: Path) -> Path:
+def _build(source: str, out: Path, name: str = "_wire_rows", libs: tuple[str, ...] = ()) -> Path:
     gcc, _ = _toolchain()
     out.mkdir(parents=True, exist_ok=True)
-    src = out / "_wire_rows.c"
+    src = out / f"{name}.c"
     src.write_text(source)
-    so = out / ("_wire_rows" + sysconfig.get_config_var("EXT_SUFFIX"))
+    so = out / (name + sysconfig.get_config_var("EXT_SUFFIX"))
     cmd = [gcc, "-shared", "-fPIC", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-           "-fno-omit-frame-pointer", "-O1", "-g", "-Wall", "-I", sysconfig.get_paths()["include"], str(src), "-o", str(so)]
+           "-fno-omit-frame-pointer", "-O1", "-g", "-Wall", "-I", sysconfig.get_paths()["include"], str(src), *libs, "-o", str(so)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stderr}"
     return so
 
 
-def _fuzz(so: Path, tmp: Path, seconds: float, one_input: str | None = None) -> tuple[subprocess.CompletedProcess, str]:
+def _fuzz(so: Path, tmp: Path, seconds: float, one_input: str | None = None,
+          driver: Path = DRIVER) -> tuple[subprocess.CompletedProcess, str]:
     """The driver's run against the build `so` (its stdout, stderr and status) and the hex of the
     last input it was given (the one that crashed it, where it crashed)."""
     _, asan = _toolchain()
@@ -64,7 +70,7 @@ def _fuzz(so: Path, tmp: Path, seconds: float, one_input: str | None = None) -> 
            "ASAN_OPTIONS": "detect_leaks=0:exitcode=99:strict_string_checks=1:detect_stack_use_after_return=1",
            "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1:exitcode=98",
            "PYTHONMALLOC": "malloc"}      # every Python object on ASan's heap, bounds-checked
-    args = [sys.executable, str(DRIVER), str(so), str(seconds), str(SEED), str(last)] + ([one_input] if one_input else [])
+    args = [sys.executable, str(driver), str(so), str(seconds), str(SEED), str(last)] + (one_input.split() if one_input else [])
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=seconds + 300)
     raw = last.read_bytes()
     n = int.from_bytes(raw[:4], "little")
@@ -110,3 +116,36 @@ def test_the_sanitized_build_reports_a_planted_over_read_and_undefined_shift(tmp
     assert "read_sample" in r.stderr, r.stderr[-3000:]
     r, _ = _fuzz(so, tmp_path, 0, BAD_SHIFT)
     assert r.returncode != 0 and "shift exponent 70 is too large" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def compact_sanitized(tmp_path_factory) -> Path:
+    return _build(COMPACT_SOURCE.read_text(), tmp_path_factory.mktemp("compact_asan"), "_compact", ("-lz",))
+
+
+def test_mutated_compact_blocks_give_no_sanitizer_report_and_read_as_python_reads_them(compact_sanitized, tmp_path):
+    r, last = _fuzz(compact_sanitized, tmp_path, COMPACT_FUZZ_S, driver=COMPACT_DRIVER)
+    reports = [x for x in REPORTS if x in r.stderr]
+    assert r.returncode == 0 and not reports, (
+        f"status {r.returncode}, sanitizer reports {reports}; last input {last}\n{r.stderr[-6000:]}")
+    counts = json.loads(r.stdout)
+    assert counts["inputs"] >= 4000 and counts["read"] >= 200 and counts["refused"] >= 200, counts
+    assert counts["like_last"] >= 20, counts   # the shortcut of a block whose refs are the last one's
+
+
+# A bug planted in a copy of the compact reader: a 32-bit little-endian read whose top byte is
+# shifted as an int (undefined past 127), as a block's ref delta of 2**32 - 1 has it.
+COMPACT_PLANTED = ("    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;",
+                   "    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)(p[3] << 24);")
+
+
+def test_the_sanitized_compact_build_reports_a_planted_undefined_shift(tmp_path):
+    from xpusense.common import compact
+    source = COMPACT_SOURCE.read_text()
+    assert source.count(COMPACT_PLANTED[0]) == 1, f"the line the bug is planted in is no longer in {COMPACT_SOURCE.name}"
+    so = _build(source.replace(*COMPACT_PLANTED), tmp_path / "planted", "_compact", ("-lz",))
+    block = compact.encode_columns([(2**32 - 1, 5, 1.0)])
+    r, _ = _fuzz(so, tmp_path, 0, f"{block.hex()} 1", COMPACT_DRIVER)
+    assert r.returncode != 0 and "cannot be represented in type 'int'" in r.stderr, r.stderr[-3000:]
+    r, _ = _fuzz(so, tmp_path, 0, f"{compact.encode_columns([(5, 5, 1.0)]).hex()} 1", COMPACT_DRIVER)
+    assert r.returncode == 0, r.stderr[-3000:]   # the planted line is harmless below 128
