@@ -8,6 +8,7 @@ import collections
 import functools
 import logging
 import random
+import re
 import socket
 import threading
 import time
@@ -35,8 +36,9 @@ from .spool.defs import SeriesDefs
 
 log = logging.getLogger("xpusense.agent.stream")
 
-# How the collector's refusal of a batch that will never pass its limits begins (collector/limits.py).
-REFUSED = "batch rejected"
+# How the collector's refusal of a batch that will never pass its limits begins (collector/limits.py),
+# or of one whose columns do not decode (collector/server.py).
+REFUSED = re.compile(r"batch rejected|batch \d+ of boot \S+ refused: ")
 IDLE_TICK_S = 1.0    # the batcher's wake-up while nothing comes: its progress() for the watchdog
 STREAM_METHOD = "/xpusense.v1.Ingest/Stream"
 FRESH_BATCHES = 8    # spooled batches whose bytes are kept until sent (older ones are read back)
@@ -540,7 +542,7 @@ class StreamClient:
                     unanswered = False
                 except grpc.RpcError as e:
                     err = f"{e.code().name}: {e.details()}"
-                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT and (e.details() or "").startswith(REFUSED):
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT and REFUSED.match(e.details() or ""):
                         self._refused(e.details() or "")
                     unanswered = up_at is None and e.code() == grpc.StatusCode.UNAVAILABLE
                 finally:

@@ -36,6 +36,7 @@ class Recorder(pb_grpc.IngestServicer):
         self.stored: dict[str, int] = {}
         self.samples: dict[str, list[pb.Sample]] = {}     # by boot, as stored
         self.abort_at: set[int] = set()                  # batch seqs at which the stream is cut, once
+        self.undecodable: set[int] = set()               # batch seqs refused as a collector refuses bad columns
         self.problems: list[str] = []
         self.lock = threading.Lock()
 
@@ -58,6 +59,9 @@ class Recorder(pb_grpc.IngestServicer):
                     defs.setdefault(m.series.boot_id, {})[d.series_ref] = d
             elif kind == "batch":
                 b = m.batch
+                if b.seq in self.undecodable:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"batch {b.seq} of boot {b.boot_id[:8]} refused: columns do not inflate (test)")
                 if b.seq in self.abort_at:
                     self.abort_at.discard(b.seq)
                     context.abort(grpc.StatusCode.UNAVAILABLE, "cut by the test")
@@ -152,6 +156,21 @@ def test_each_series_is_defined_once_per_connection_before_the_first_batch_using
     assert refs_of(second[1].series) == [1, 2, 3, 4, 5, 6]
     assert sorted(norm(s) for s in rec.samples["boot-1"]) == expected(rounds)
     assert all(not m.batch.samples or m.batch.columns for m in first + second if m.HasField("batch"))
+
+
+def test_a_batch_the_collector_cannot_decode_is_set_aside_and_the_stream_goes_on(serve, client_factory):
+    """Refused as undecodable (INVALID_ARGUMENT, never acknowledged): resending it would silence the node."""
+    rec, addr = serve(compact.ENCODING)
+    rec.undecodable.add(2)
+    client = client_factory(addr)
+    client.start()
+    for i in range(3):
+        client.put(round_of(i))
+        client.flush()
+    wait_until(lambda: client.pending() == 0, what="every batch acknowledged or set aside")
+    st = client.status()
+    assert st["set_aside"] == 1 and st["dropped_batches"] == 1 and st["dropped_samples"] == len(round_of(1))
+    assert rec.stored["boot-1"] == 3 and len(rec.samples["boot-1"]) == 2 * len(round_of(0))
 
 
 @pytest.mark.parametrize("agent_encoding", [compact.ENCODING, ""])
