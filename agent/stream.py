@@ -36,8 +36,7 @@ from .spool.defs import SeriesDefs
 
 log = logging.getLogger("xpusense.agent.stream")
 
-# How the collector's refusal of a batch that will never pass its limits begins (collector/limits.py),
-# or of one whose columns do not decode (collector/server.py).
+# The collector's refusal of a batch that can never pass its limits (collector/limits.py) or decode (server.py).
 REFUSED = re.compile(r"batch rejected|batch \d+ of boot \S+ refused: ")
 IDLE_TICK_S = 1.0    # the batcher's wake-up while nothing comes: its progress() for the watchdog
 STREAM_METHOD = "/xpusense.v1.Ingest/Stream"
@@ -195,8 +194,7 @@ class StreamClient:
                 continue
             self._seq += 1
             self._keep_locked((self.boot_id, self._seq), b, n, top)
-        if self.defs.boots.keys() - {self.boot_id}:   # old boots' definitions: kept while they have batches
-            self.defs.retain({k[0] for k in self._pending} | {self.boot_id})
+        self.defs.retain(self._pending, self.boot_id)   # old boots' definitions: kept while they have batches
         self._cond.notify_all()
 
     def _unencodable(self, name: str, e: Exception) -> None:
@@ -284,9 +282,8 @@ class StreamClient:
             for key, loc in spooled:
                 self._pending[key] = loc
                 self._unsent.append(key)
-            self.defs.load({k[0] for k, _ in spooled}, self.boot_id)
-            if self.spool is not None:   # damaged frames of its definitions files: damaged records of the spool
-                self.spool.damaged_records += self.defs.damaged
+            if (damaged := self.defs.load({k[0] for k, _ in spooled}, self.boot_id)) and self.spool is not None:
+                self.spool.damaged_records += damaged   # frames of its definitions files: damaged records too
             self.claims.spooled((k for k, _ in spooled), getattr(self.spool, "acked", None) or {})
             self._cond.notify_all()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Iterable
 
 from xpusense.common import compact, framing
 from xpusense.v1 import telemetry_pb2 as pb
@@ -79,11 +80,11 @@ class SeriesDefs:
             self.bytes += len(data)
             del self._unsaved[boot]
 
-    def load(self, boots: set[str], current: str) -> None:
+    def load(self, boots: set[str], current: str) -> int:
         """At start: the definitions of `boots` (those with batches in the spool) read back; the files
-        of other boots deleted."""
+        of other boots deleted. The damaged frames found: returned."""
         if self.dir is None:
-            return
+            return 0
         for name in sorted(os.listdir(self.dir)):
             m = _FILE.match(name)
             if not m:
@@ -101,6 +102,7 @@ class SeriesDefs:
             except OSError as e:
                 log.warning("spool %s: series definitions %s unreadable (%s): the batches of boot %s that need "
                             "them are set aside", self.dir, name, e.strerror or e, boot)
+        return self.damaged
 
     def _read(self, path: str, boot: str) -> None:
         defs = self.boots.setdefault(boot, {})
@@ -126,8 +128,12 @@ class SeriesDefs:
         finally:
             os.close(fd)
 
-    def retain(self, live: set[str]) -> None:
-        """Forget the boots not in `live` (no batch of theirs left), their files deleted."""
+    def retain(self, pending: Iterable[tuple[str, int]], current: str) -> None:
+        """Forget the boots but `current` with no batch left in `pending` ((boot, seq) keys), their
+        files deleted."""
+        if not self.boots.keys() - {current}:
+            return
+        live = {k[0] for k in pending} | {current}
         for boot in [b for b in self.boots if b not in live]:
             del self.boots[boot]
             self._unsaved.pop(boot, None)
