@@ -36,14 +36,23 @@ class Unsendable(Exception):
 
 
 class Connection:
-    """Per connection: the highest series_ref of each boot whose definition was sent on it (every
-    connection starts from none, so after a reconnect, to whichever collector, each definition a
-    batch needs goes before it on the same stream)."""
+    """Per connection: the highest series_ref of each boot whose definition the collector holds, sent
+    on it or held already. Every connection starts from what its Welcome says the collector holds
+    durably (`defined`: Welcome.series_defined_up_to of the Hello's boot, at most what this agent
+    defined; 0 for other boots), so after a reconnect, to whichever collector, each definition a batch
+    needs is there or goes before it on the same stream."""
 
-    def __init__(self, defs: SeriesDefs, compact_chosen: bool):
+    def __init__(self, defs: SeriesDefs, compact_chosen: bool, defined: dict[str, int] | None = None):
         self.defs = defs
         self.compact = compact_chosen
-        self.sent: dict[str, int] = {}
+        self.sent: dict[str, int] = dict(defined or {}) if compact_chosen else {}
+
+    @classmethod
+    def welcomed(cls, defs: SeriesDefs, encoding: str, w: pb.Welcome, hello_boot: str, top: int) -> Connection:
+        """The connection a Welcome opens: compact where it chose the encoding the agent offered; the
+        Hello's boot defined up to its series_defined_up_to, at most `top` (the agent's highest ref)."""
+        chosen = bool(encoding) and w.batch_encoding == encoding
+        return cls(defs, chosen, {hello_boot: min(w.series_defined_up_to, top)} if w.boot_id == hello_boot else None)
 
     def messages(self, boot: str, batch: pb.Batch | bytes, top: int) -> list[pb.AgentMessage | bytes]:
         """The messages for one batch of `boot` (a pb.Batch, or a Batch encoded). `top`: the highest

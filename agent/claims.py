@@ -2,7 +2,8 @@
 
 A Welcome's `stored_up_to` and an Ack each say that a collector holds batches of one agent boot up
 to a sequence number; neither can be above the highest one this agent gave a batch of that boot
-(this boot's from the stream; an earlier boot's from the spool). A collector that claims more was
+(this boot's from the stream; an earlier boot's from the spool); nor can a Welcome's
+`series_defined_up_to` be above the highest series_ref the agent defined. A collector that claims more was
 forged or lost its state: its claim takes nothing as acknowledged; it is logged and counted, and
 the stream ends the connection (ImpossibleClaim), so that every unacknowledged batch goes again."""
 
@@ -49,9 +50,20 @@ class Claims:
         highest = max(current[1] if boot == current[0] else 0, self.earlier.get(boot, 0))
         if claimed <= highest:
             return None
+        return self._impossible(address, what, boot, claimed, f"collector {address} claims in its {what} to hold "
+                                f"batches of boot {boot} up to seq {claimed}, but this agent sent only up to {highest}")
+
+    def impossible_definitions(self, address: str, boot: str, claimed: int, defined: int) -> str | None:
+        """None when a Welcome's claim to hold the series definitions of `boot` up to series_ref
+        `claimed` can be true (`defined`: the highest this agent defined in that boot); else why not."""
+        if claimed <= defined:
+            return None
+        return self._impossible(address, "Welcome's definitions", boot, claimed,
+                                f"collector {address} claims in its Welcome to hold the series definitions of boot "
+                                f"{boot} up to series_ref {claimed}, but this agent defined only up to {defined}")
+
+    def _impossible(self, address: str, what: str, boot: str, claimed: int, why: str) -> str:
         self.impossible += 1
-        why = (f"collector {address} claims in its {what} to hold batches of boot {boot} up to seq {claimed}, "
-               f"but this agent sent only up to {highest}")
         if self._said != (address, what, boot, claimed) or self.impossible % 100 == 0:
             self._said = (address, what, boot, claimed)
             log.warning("%s: forged, or it lost its state; nothing taken as acknowledged, every unacknowledged "

@@ -381,10 +381,9 @@ class StreamClient:
 
     def _requests(self, no: int) -> Iterator[pb.AgentMessage | bytes]:
         """The agent's half of connection `no`: Hello, then every batch not yet sent on it."""
-        yield pb.AgentMessage(hello=pb.Hello(node_id=self.node_id, boot_id=self.boot_id,
-                                             agent_version=self.agent_version, inventory=self.inventory(),
-                                             time_unix_nano=time.time_ns(), batch_encodings=[self.encoding] * bool(
-                                                 self.encoding)))
+        yield pb.AgentMessage(hello=pb.Hello(node_id=self.node_id, boot_id=self.boot_id, agent_version=self.agent_version,
+                                             inventory=self.inventory(), time_unix_nano=time.time_ns(),
+                                             batch_encodings=[self.encoding] * bool(self.encoding)))
         while True:
             with self._cond:   # batches wait for the Welcome where it chooses their encoding
                 while not self._conn_closed and not self._inventory_dirty and not (self._unsent and self._welcomed):
@@ -467,7 +466,9 @@ class StreamClient:
         """Take an ack or a Welcome; ImpossibleClaim (the connection ends) for one claiming more than was sent."""
         what, boot, claimed = (("ack", msg.ack.boot_id, msg.ack.seq) if msg.HasField("ack")
                                else ("Welcome", msg.welcome.boot_id, msg.welcome.stored_up_to))
-        if why := self.claims.impossible_claim(here, what, boot, claimed, (self.boot_id, self.last_seq())):
+        if why := self.claims.impossible_claim(here, what, boot, claimed, (self.boot_id, self.last_seq())) or (
+                what == "Welcome" and self.claims.impossible_definitions(here, boot, msg.welcome.series_defined_up_to, (
+                    self.builder.top if boot == self.boot_id else max(self.defs.get(boot) or [0])))):   # refs defined
             if self._call is not None:
                 self._call.cancel()       # nothing more is taken from it on this connection
             raise ImpossibleClaim(why)    # handled as the collector's failure: the next one is tried
@@ -485,7 +486,7 @@ class StreamClient:
                     if self.spool is not None:
                         self.spool.ack(key[0], key[1], val if not isinstance(val, pb.Batch) else None)
             elif msg.HasField("welcome"):
-                self._conn = Connection(self.defs, bool(self.encoding) and msg.welcome.batch_encoding == self.encoding)
+                self._conn = Connection.welcomed(self.defs, self.encoding, msg.welcome, self.boot_id, self.builder.top)
                 self._welcomed = True
                 done = [k for k in self._pending if k[0] == msg.welcome.boot_id and k[1] <= msg.welcome.stored_up_to]
                 for k in done:

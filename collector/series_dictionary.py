@@ -106,6 +106,18 @@ class SeriesDictionary:
     def definitions(self, node_id: str, boot_id: str) -> dict[int, pb.Sample]:
         return self.boots.get((node_id, boot_id)) or {}
 
+    def defined_up_to(self, node_id: str, boot_id: str) -> int:
+        """The largest N such that the boot holds a definition of every series_ref 1..N (a Welcome's
+        `series_defined_up_to`): 0 where it holds none or lacks ref 1. O(definitions held)."""
+        held = self.boots.get((node_id, boot_id)) or {}
+        n = len(held)
+        if n and max(held) == n:   # refs are positive and distinct: exactly 1..n (the usual case)
+            return n
+        top = 0
+        while top + 1 in held:
+            top += 1
+        return top
+
     def check(self, node_id: str, boot_id: str, refs: tuple[int, ...] | list[int]) -> None:
         """MissingDefinition for the first of `refs` with no definition (0: a sample of its own)."""
         held = self.boots.get((node_id, boot_id)) or {}

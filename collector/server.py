@@ -218,6 +218,12 @@ class IngestServicer(IngestSession):
     async def open(self, hello: pb.Hello, peer: str, context) -> FleetStream:
         welcome = self.state.hello(hello, peer)
         welcome.batch_encoding = choose_encoding(hello, self.batch_encodings)
+        if welcome.batch_encoding:
+            # Refs 1..N of the boot are in the dictionary: the agent sends only later ones. Durable as
+            # far as what is acknowledged: a table is logged before every batch read after it, so a
+            # batch using it is durable only with it (after a crash the dictionary is what was, and
+            # the Welcome says less).
+            welcome.series_defined_up_to = self.state.dictionary.defined_up_to(hello.node_id, hello.boot_id)
         if self.store is not None:
             self.store.append_nowait(["i", hello.node_id, hello.boot_id, hello.inventory.SerializeToString()])
         return FleetStream(self, hello.node_id, hello.boot_id, welcome, peer)

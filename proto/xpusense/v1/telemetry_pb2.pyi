@@ -55,14 +55,16 @@ class Hello(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., time_unix_nano: _Optional[int] = ..., batch_encodings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("boot_id", "stored_up_to", "batch_encoding")
+    __slots__ = ("boot_id", "stored_up_to", "batch_encoding", "series_defined_up_to")
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     STORED_UP_TO_FIELD_NUMBER: _ClassVar[int]
     BATCH_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    SERIES_DEFINED_UP_TO_FIELD_NUMBER: _ClassVar[int]
     boot_id: str
     stored_up_to: int
     batch_encoding: str
-    def __init__(self, boot_id: _Optional[str] = ..., stored_up_to: _Optional[int] = ..., batch_encoding: _Optional[str] = ...) -> None: ...
+    series_defined_up_to: int
+    def __init__(self, boot_id: _Optional[str] = ..., stored_up_to: _Optional[int] = ..., batch_encoding: _Optional[str] = ..., series_defined_up_to: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("boot_id", "seq", "duplicate")
