@@ -242,7 +242,28 @@ static size_t compact_columns(agent_t *a, int64_t now, double wobble) {
     return zl;
 }
 
-/* The next batch as a gRPC message (5-byte prefix + AgentMessage{batch}) appended to buf. */
+/* A batch of the pieces given (after Batch{node_id, boot_id}) as a gRPC message (5-byte prefix +
+   AgentMessage{batch}) appended to buf, and its send time kept for the latency. */
+static void emit(agent_t *a, int64_t now, uint8_t **buf, size_t *len, size_t *cap, int n,
+                 const uint8_t *const *parts, const size_t *sizes) {
+    size_t blen = a->head_len;
+    for (int i = 0; i < n; i++) blen += sizes[i];
+    uint8_t pre[12]; size_t pn = 0;
+    pre[pn++] = 0x12; pn += put_varint(pre + pn, blen);               /* AgentMessage.batch = 2 */
+    size_t mlen = pn + blen;
+    grow(buf, cap, *len + 5 + mlen);
+    uint8_t *p = *buf + *len;
+    p[0] = 0; p[1] = mlen >> 24; p[2] = mlen >> 16; p[3] = mlen >> 8; p[4] = mlen;
+    p += 5;
+    memcpy(p, pre, pn); p += pn;
+    memcpy(p, a->head, a->head_len); p += a->head_len;
+    for (int i = 0; i < n; i++) { memcpy(p, parts[i], sizes[i]); p += sizes[i]; }
+    *len += 5 + mlen;
+    a->sent_seq[a->seq % (window_ + 1)] = a->seq;
+    a->sent_ns[a->seq % (window_ + 1)] = now;
+}
+
+/* The next batch as a gRPC message appended to buf. */
 static void next_batch(agent_t *a, int64_t now, uint8_t **buf, size_t *len, size_t *cap) {
     a->seq++;
     double wobble = a->idle ? 0.0 : (double)(a->seq % 17);
@@ -252,21 +273,9 @@ static void next_batch(agent_t *a, int64_t now, uint8_t **buf, size_t *len, size
         mid[mn++] = 0x18; mn += put_varint(mid + mn, a->seq);          /* Batch.seq = 3 */
         mid[mn++] = 0x30; mn += put_varint(mid + mn, (uint64_t)now);   /* Batch.sent_unix_nano = 6 */
         mid[mn++] = 0x3a; mn += put_varint(mid + mn, zl);              /* Batch.columns = 7 */
-        size_t blen = a->head_len + mn + zl;
-        uint8_t pre[12]; size_t pn = 0;
-        pre[pn++] = 0x12; pn += put_varint(pre + pn, blen);
-        size_t mlen = pn + blen;
-        grow(buf, cap, *len + 5 + mlen);
-        uint8_t *p = *buf + *len;
-        p[0] = 0; p[1] = mlen >> 24; p[2] = mlen >> 16; p[3] = mlen >> 8; p[4] = mlen;
-        p += 5;
-        memcpy(p, pre, pn); p += pn;
-        memcpy(p, a->head, a->head_len); p += a->head_len;
-        memcpy(p, mid, mn); p += mn;
-        memcpy(p, a->z, zl);
-        *len += 5 + mlen;
-        a->sent_seq[a->seq % (window_ + 1)] = a->seq;
-        a->sent_ns[a->seq % (window_ + 1)] = now;
+        const uint8_t *parts[] = {mid, a->z};
+        size_t sizes[] = {mn, zl};
+        emit(a, now, buf, len, cap, 2, parts, sizes);
         return;
     }
     uint8_t t[10];
@@ -281,22 +290,9 @@ static void next_batch(agent_t *a, int64_t now, uint8_t **buf, size_t *len, size
     size_t sn = 0, tl = 0;
     seqb[sn++] = 0x18; sn += put_varint(seqb + sn, a->seq);           /* Batch.seq = 3 */
     tail[tl++] = 0x30; tl += put_varint(tail + tl, (uint64_t)now);    /* Batch.sent_unix_nano = 6 */
-    size_t blen = a->head_len + sn + a->body_len + tl;
-    uint8_t pre[12]; size_t pn = 0;
-    pre[pn++] = 0x12; pn += put_varint(pre + pn, blen);               /* AgentMessage.batch = 2 */
-    size_t mlen = pn + blen;
-    grow(buf, cap, *len + 5 + mlen);
-    uint8_t *p = *buf + *len;
-    p[0] = 0; p[1] = mlen >> 24; p[2] = mlen >> 16; p[3] = mlen >> 8; p[4] = mlen;
-    p += 5;
-    memcpy(p, pre, pn); p += pn;
-    memcpy(p, a->head, a->head_len); p += a->head_len;
-    memcpy(p, seqb, sn); p += sn;
-    memcpy(p, a->body, a->body_len); p += a->body_len;
-    memcpy(p, tail, tl);
-    *len += 5 + mlen;
-    a->sent_seq[a->seq % (window_ + 1)] = a->seq;
-    a->sent_ns[a->seq % (window_ + 1)] = now;
+    const uint8_t *parts[] = {seqb, a->body, tail};
+    size_t sizes[] = {sn, a->body_len, tl};
+    emit(a, now, buf, len, cap, 3, parts, sizes);
 }
 
 /* -- HTTP/2 -------------------------------------------------------------------------------------- */
