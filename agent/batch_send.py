@@ -71,7 +71,7 @@ class Connection:
             if missing := next((r for r in cols.refs if r not in defs), None):
                 raise Unsendable(f"no definition for series_ref {missing} of boot {boot} (its definitions are gone)")
             if not self.compact:
-                return [pb.AgentMessage(batch=expand(b, cols, defs))]
+                return [pb.AgentMessage(batch=compact.expand(b, cols, defs))]
             top = max(cols.refs, default=0)
         out: list[pb.AgentMessage | bytes] = []
         sent = self.sent.get(boot, 0)
@@ -85,12 +85,3 @@ class Connection:
         out.append(whole)
         return out
 
-
-def expand(b: pb.Batch, cols: compact.Columns, defs: dict[int, pb.Sample]) -> pb.Batch:
-    """The batch in Sample messages: its columns' rows, then the samples it carries whole."""
-    out = pb.Batch(node_id=b.node_id, boot_id=b.boot_id, seq=b.seq, sent_unix_nano=b.sent_unix_nano)
-    hists = cols.histograms
-    out.samples.extend(compact.sample(defs[row[0]], row, hists.get(i)) for i, row in enumerate(cols.rows()))
-    out.samples.extend(b.samples)
-    out.events.extend(b.events)
-    return out

@@ -11,7 +11,7 @@ import struct
 import sys
 import zlib
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from xpusense.v1 import telemetry_pb2 as pb
 
@@ -225,3 +225,17 @@ def sample(definition: pb.Sample, row: Row, histogram: Histogram | None = None) 
         h.counts.extend(counts)
         h.sum, h.count = row[2], (counts[-1] if counts else 0)
     return m
+
+
+def expand(batch: pb.Batch, columns: Columns, definitions: Mapping[int, pb.Sample]) -> pb.Batch:
+    """A compact batch as the Sample encoding would have carried it: its columns' rows as samples
+    (`definitions`: one for each of their refs; KeyError for a ref without one), then the samples it
+    carries whole; its ids, sequence number, sent time and events as they are."""
+    out = pb.Batch()
+    out.CopyFrom(batch)
+    out.ClearField("columns")
+    del out.samples[:]
+    hists = columns.histograms
+    out.samples.extend(sample(definitions[row[0]], row, hists.get(i)) for i, row in enumerate(columns.rows()))
+    out.samples.extend(batch.samples)
+    return out

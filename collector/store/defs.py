@@ -28,12 +28,9 @@ def expanded(batch: pb.Batch, dictionary: SeriesDictionary) -> pb.Batch:
     as it is); series_dictionary.MissingDefinition or compact.CompactError where it cannot be."""
     if not batch.columns:
         return batch
-    out = pb.Batch()
-    out.CopyFrom(batch)
-    out.ClearField("columns")
-    del out.samples[:]
-    out.samples.extend(dictionary.expand(batch, compact.decode_columns(batch.columns, MAX_STORED_SAMPLES)))
-    return out
+    columns = compact.decode_columns(batch.columns, MAX_STORED_SAMPLES)
+    dictionary.check(batch.node_id, batch.boot_id, columns.refs)
+    return compact.expand(batch, columns, dictionary.definitions(batch.node_id, batch.boot_id))
 
 
 class Tables:
