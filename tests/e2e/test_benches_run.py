@@ -76,9 +76,12 @@ def test_fleet_scale_bench_runs_each_role_with_its_own_certificate(tmp_path):
     records says the mode, the date and the CPU it ran on."""
     record = tmp_path / "fleet_scale.jsonl"
     got = _summary("fleet_scale.py", "--seconds", "1", "--agents", "2", "--fleet", "20", "--mem-nodes", "20",
-                   "--place-nodes", "200", "--updates-s", "50", "--bytes-per-point", "3", "--record", str(record))
-    assert got["nats"] == "tls" and got["errors"] == 0, got
+                   "--place-nodes", "200", "--updates-s", "50", "--bytes-per-point", "3", "--compact",
+                   "--record", str(record))
+    assert got["nats"] == "tls" and got["errors"] == 0 and got["compact"], got
     assert got["projection"]["stream_mb_s_per_replica_measured"] > 0, got["projection"]
+    # JetStream keeps the compact batches as sent, and some bytes of its own a message
+    assert 100 < got["stored_bytes_per_message"] < 2000, got
     assert got["gateway_acked_s"] > 0 and got["worker_handled"] > 0 and got["worker_read"][0] > 0 and got["place_nodes"] >= 200, got
     assert got["date"].endswith("+00:00") and isinstance(got["cpu_model"], str), got
     assert [json.loads(line) for line in record.read_text().splitlines()] == [got]
