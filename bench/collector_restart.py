@@ -240,7 +240,7 @@ def direct(args, data: str) -> dict:
         c, w = time.process_time(), time.monotonic()
         asyncio.run(snap.take(why))
         last = snap.last
-        return {"kind": "full" if last["snapshot_full"] else "diff", "mb": round(last["snapshot_bytes"] / 1e6, 1),
+        return {"kind": "full" if last["snapshot_full"] else "diff", "mb": round(last["snapshot_bytes"] / 1e6, 3),
                 "write_s": round(time.monotonic() - w, 2), "cpu_s": round(time.process_time() - c, 2),
                 "loop_ms": last["snapshot_loop_ms"]}
 
@@ -276,7 +276,7 @@ def direct(args, data: str) -> dict:
             "diff_write_s_max": max((s["write_s"] for s in shots if s["kind"] == "diff"), default=None),
             "diff_loop_ms_max": max((s["loop_ms"] for s in shots if s["kind"] == "diff"), default=None),
             "full_write_s": shots[0]["write_s"], "full_loop_ms": shots[0]["loop_ms"],
-            "write_mb_s": round(sum(s["mb"] for s in cycle) / cycle_s, 1), "cycle_s": cycle_s,
+            "write_mb_s": round(sum(s["mb"] for s in cycle) / cycle_s, 3), "cycle_s": cycle_s,
             "snapshot_every_s": every}
 
 

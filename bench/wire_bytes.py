@@ -183,9 +183,11 @@ def count_points(address: str, node_id: str) -> tuple[int, int, dict]:
         token = ""
         while True:
             reply = q.ListNodes(pb.ListNodesRequest(node_id=node_id, page_token=token), timeout=30)
+            node.setdefault("store", {k[6:]: v for k, v in reply.counters.items() if k.startswith("store.")})
             for n in reply.nodes:
                 if n.node_id == node_id:
-                    node = node or {"batches_stored": n.batches_stored, "batches_duplicate": n.batches_duplicate}
+                    node.setdefault("batches_stored", n.batches_stored)
+                    node.setdefault("batches_duplicate", n.batches_duplicate)
                     keys.update((s.name, tuple(sorted(s.labels.items()))) for s in n.series)
             token = reply.next_page_token
             if not token:
@@ -283,6 +285,9 @@ def one_run(name: str, encoding: str | None, args, tmp: str, env: dict, net: tup
             "wire_bytes_per_point": round(relay.up * per, 2), "wire_down_bytes_per_point": round(relay.down * per, 2),
             "collector_disk_bytes_per_point": round(collector_written * per, 2),
             "collector_file_bytes_per_point": round((file_bytes - spool_files) * per, 2),
+            # the store's own counters: bytes it wrote to the log and to snapshots (no page rounding)
+            "store_log_bytes_per_point": round(node["store"].get("log_bytes_written", 0) * per, 2),
+            "store_snapshot_bytes_per_point": round(node["store"].get("snapshot_bytes_written", 0) * per, 2),
             "agent_spool_bytes_per_point": round(spool_written * per, 2),
             "agent_spool_file_bytes_per_point": round(spool_files * per, 2),
             "batches": node.get("batches_stored", 0), "batches_duplicate": node.get("batches_duplicate", 0),
@@ -301,6 +306,8 @@ ROWS = [("seconds", "seconds"), ("points held (GetHistory)", "points"), ("points
         ("wire up, B/point", "wire_bytes_per_point"), ("wire down, B/point", "wire_down_bytes_per_point"),
         ("collector disk writes, B/point", "collector_disk_bytes_per_point"),
         ("collector files grew, B/point", "collector_file_bytes_per_point"),
+        ("store wrote to its log, B/point", "store_log_bytes_per_point"),
+        ("store wrote to snapshots, B/point", "store_snapshot_bytes_per_point"),
         ("agent spool disk writes, B/point", "agent_spool_bytes_per_point"),
         ("agent spool files grew, B/point", "agent_spool_file_bytes_per_point"),
         ("batches stored", "batches"), ("batches duplicate", "batches_duplicate"), ("reconnects", "reconnects")]

@@ -33,14 +33,21 @@ COLLECTOR_SCHEMA = {
         "damaged_keep_bytes": Key(int, 256 * 2**20, positive,
                                   help="damaged bytes found at start are copied into data_dir/damaged/ up to this"),
         "snapshot_every_s": Key((int, float), 10.0, non_negative,
-                                help="a snapshot of the fleet state this often (and on a clean stop), so a restart "
-                                     "replays only the log after it; most are diffs on the last full one; 0: none, "
-                                     "the whole log is replayed"),
+                                help="a snapshot of the fleet state at most this often (and on a clean stop), so a "
+                                     "restart replays only the log after it; most are diffs on the last full one; 0: "
+                                     "none, the whole log is replayed"),
+        "snapshot_after_records": Key(int, 10000, positive,
+                                      help="a periodic snapshot only once the log holds this many records after the "
+                                           "last one (a restart replays them: about 1 s per 10,000 batches), so a "
+                                           "small fleet does not rewrite its history every period; 1: every period "
+                                           "with anything new"),
+        "snapshot_max_s": Key((int, float), 3600.0, positive,
+                              help="...or once the last snapshot is this old (and anything new was logged since)"),
         "snapshot_keep": Key(int, 2, positive, help="full snapshots kept, with the diffs a fallback needs (the log "
                                                     "is kept from the oldest one on)"),
-        "snapshot_compress_level": Key(int, 1, between(0, 9),
-                                       help="zlib level of a snapshot's frames (1: fast, about a quarter of the bytes; "
-                                            "0: written raw); snapshots of any level are read"),
+        "snapshot_compress_level": Key(int, 1, between(0, 19),
+                                       help="zstd level of a snapshot's frames (1: fast; 0: written raw); "
+                                            "snapshots of any level are read"),
     },
     # The fleet state's memory (collector/state.py): history is shortened first, then new series refused.
     "state": {

@@ -43,6 +43,9 @@ METRICS = {
     "snapshot_bytes_written": ("counter", "bytes of every snapshot written since start"),
     "snapshot_full": ("gauge", "1 when the last snapshot written was a full one, 0 a diff"),
     "snapshot_failures": ("counter", "snapshots that could not be written (the log is kept; tried again)"),
+    "snapshot_periods_skipped": ("counter", "snapshot_every_s periods without a snapshot: fewer than [store] "
+                                 "snapshot_after_records records logged since the last one, which is younger than "
+                                 "snapshot_max_s (or none at all)"),
     "snapshot_bytes": ("gauge", "bytes of the last snapshot written"),
     "snapshot_write_ms": ("gauge", "how long writing the last snapshot took, ms"),
     "snapshot_loop_ms": ("gauge", "of it, ms on the event loop (capturing the nodes, a chunk at a time)"),

@@ -2,9 +2,9 @@
 
 A snapshot is the fleet state at a position of the store's log (fleet_image.py), in frames of the
 store's record magic (xpusense.common.framing); written to a temporary name, fsync'ed and renamed,
-so it is there whole or not at all; from version 4 each frame's payload is zlib-compressed (its
+so it is there whole or not at all; from version 4 each frame's payload is zstd-compressed (the
 values of one series contiguous, so unchanged values cost almost nothing); read back mapped (a
-compressed frame inflated), every checksum checked, else Damaged (layout: docs/design.md).
+compressed frame decompressed), every checksum checked, else Damaged (layout: docs/design.md).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import os
 import re
 import struct
 import time
-import zlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import msgpack
+import zstandard
 
 from xpusense.common import framing
 from xpusense.common.fsync import fsync_dir
@@ -28,7 +28,7 @@ from .segment_file import MAX_RECORD_BYTES, RECORD_MAGIC
 MAGIC = b"XPSSNP\x00"
 VERSIONS = (1, 2, 3, 4)
 VERSION = 4
-RAW, ZLIB = 0, 1   # a version 4 frame's first byte: how the rest of its payload is written
+RAW, ZSTD = 0, 1   # a version 4 frame's first byte: how the rest of its payload is written
 NAME = re.compile(r"^snapshot-(\d{8,})-(\d{12,})(?:-on-(\d{8,})-(\d{12,}))?\.snap$")
 TMP_PREFIX = ".tmp-"
 U32 = struct.Struct("<I")
@@ -68,7 +68,7 @@ def entries(directory: str) -> list[Entry]:
 
 class SnapshotFile:
     """One snapshot being written (in a worker thread, never on the event loop). `base`: (position,
-    id) of the full snapshot a diff is written on; None for a full one. `level`: zlib's level for
+    id) of the full snapshot a diff is written on; None for a full one. `level`: zstd's level for
     every frame after the header (0: written raw)."""
 
     def __init__(self, directory: str, pos: Pos, fsync: bool = True, base: tuple[Pos, int] | None = None,
@@ -76,6 +76,7 @@ class SnapshotFile:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self.dir, self.pos, self.fsync, self.base, self.level = directory, pos, fsync, base, level
         self.version = VERSION   # (tests write an older version's layout by setting VERSION)
+        self.zstd = zstandard.ZstdCompressor(level=level) if level else None
         self.id = int.from_bytes(os.urandom(8), "little") >> 1
         name = snapshot_name(pos, base[0] if base is not None else None)
         self.path = os.path.join(directory, name)
@@ -100,9 +101,9 @@ class SnapshotFile:
         head = U32.pack(len(meta)) + meta
         if self.version < 4:
             parts = [head, *parts]
-        elif self.level and self.frames:   # (the header stays raw: read before the version is known)
-            z = zlib.compressobj(self.level)
-            parts = [bytes([ZLIB]), z.compress(head), *[z.compress(p) for p in parts], z.flush()]
+        elif self.zstd is not None and self.frames:   # (the header stays raw: read before the version is known)
+            z = self.zstd.compressobj(size=size - 1)
+            parts = [bytes([ZSTD]), z.compress(head), *[z.compress(p) for p in parts], z.flush()]
         else:
             parts = [bytes([RAW]), head, *parts]
         self.f.write(framing.header(RECORD_MAGIC, parts))
@@ -202,7 +203,7 @@ class Reader:
             end = pos + framing.HEADER.size + len(payload)
             try:
                 if self.version >= 4:
-                    payload = _inflated(payload)
+                    payload = _decompressed(payload)
                 if self.version >= 2:
                     mlen = U32.unpack_from(payload)[0]
                     if U32.size + mlen > len(payload):
@@ -211,7 +212,7 @@ class Reader:
                     blob = payload[U32.size + mlen:]
                 else:
                     rec, blob = msgpack.unpackb(payload, raw=False), payload[len(payload):]
-            except (ValueError, struct.error, msgpack.UnpackException, zlib.error) as e:
+            except (ValueError, struct.error, msgpack.UnpackException, zstandard.ZstdError) as e:
                 raise Damaged(f"the frame at byte {pos} is not a snapshot record ({e})") from None
             if not isinstance(rec, list) or not rec:
                 raise Damaged(f"the frame at byte {pos} is not a snapshot record")
@@ -238,18 +239,21 @@ class Reader:
             pass
 
 
-def _inflated(payload: memoryview) -> memoryview:
-    """A version 4 frame's record and blob: after its first byte, as written (RAW) or inflated (ZLIB),
-    at most MAX_RECORD_BYTES; ValueError (or zlib.error) when it is neither or inflates past that."""
-    if not len(payload) or payload[0] not in (RAW, ZLIB):
-        raise ValueError(f"codec {payload[0] if len(payload) else None!r} (0: raw, 1: zlib)")
+def _decompressed(payload: memoryview) -> memoryview:
+    """A version 4 frame's record and blob: after its first byte, as written (RAW) or decompressed
+    (ZSTD, at most MAX_RECORD_BYTES); ValueError (or ZstdError) when it is neither or does not fit."""
+    if not len(payload) or payload[0] not in (RAW, ZSTD):
+        raise ValueError(f"codec {payload[0] if len(payload) else None!r} (0: raw, 1: zstd)")
     if payload[0] == RAW:
         return payload[1:]
-    z = zlib.decompressobj()
-    out = z.decompress(payload[1:], MAX_RECORD_BYTES)
-    if z.unconsumed_tail or not z.eof:
-        raise ValueError(f"its zlib stream inflates past {MAX_RECORD_BYTES} bytes" if z.unconsumed_tail
-                         else "its zlib stream is cut short")
+    data = payload[1:]
+    size = zstandard.frame_content_size(data)
+    if not 0 <= size <= MAX_RECORD_BYTES:
+        raise ValueError(f"its zstd frame says {size} bytes (at most {MAX_RECORD_BYTES}; -1: not said)")
+    z = zstandard.ZstdDecompressor().decompressobj()
+    out = z.decompress(data)
+    if not z.eof or len(out) != size:
+        raise ValueError(f"its zstd frame is cut short ({len(out)} of {size} bytes)")
     if z.unused_data:
-        raise ValueError(f"{len(z.unused_data)} bytes after its zlib stream")
+        raise ValueError(f"{len(z.unused_data)} bytes after its zstd frame")
     return memoryview(out)

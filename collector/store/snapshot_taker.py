@@ -1,7 +1,9 @@
 """Taking snapshots of the fleet state while the collector serves, without stalling ingest.
 
-Every `[store] snapshot_every_s` (and on a clean stop) a snapshot is written: mostly diffs of what
-changed since the last full one, a full one when the last diff reached 1/DIFF_RATIO of it. Nodes
+Every `[store] snapshot_every_s` that the log holds `snapshot_after_records` records after the last
+one (or the last is `snapshot_max_s` old), and on a clean stop, a snapshot is written: so a restart
+replays a bounded log, and a small fleet does not rewrite its history every few seconds. Mostly
+diffs on the last full one; a full one when the last diff reached 1/DIFF_RATIO of it. Nodes
 are captured on the event loop a chunk at a time and written by a worker thread meanwhile; a
 failed write is counted, logged and tried again next period (the log is kept meanwhile).
 """
@@ -24,9 +26,12 @@ log = logging.getLogger("xpusense.collector.store")
 
 
 class Snapshotter:
-    def __init__(self, store, state, every_s: float, chunk_series: int = 2000, level: int = 1):
+    def __init__(self, store, state, every_s: float, chunk_series: int = 2000, level: int = 1,
+                 after_records: int = 1, max_s: float = 3600.0):
         self.store, self.state, self.level = store, state, level
-        self.every_s = every_s
+        self.every_s, self.after_records, self.max_s = every_s, after_records, max_s
+        self.periods = self.skipped = 0   # periods passed; of them, without a snapshot (too little new)
+        self._records_at, self._taken_at = 0, time.monotonic()   # durable records at the last snapshot
         self.chunk_series = chunk_series
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-snapshot")
         self._lock: asyncio.Lock | None = None   # one snapshot at a time (made on the loop)
@@ -43,13 +48,21 @@ class Snapshotter:
         store.snapshotter = self
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Every every_s until `stop` is set (the snapshot on stop is the caller's: take())."""
+        """Every every_s until `stop` is set (the snapshot on stop is the caller's: take()). The batches
+        replayed at start are in the log after the last snapshot: they count as records since it."""
+        self._records_at = self.store.records_durable() - int(self.store.replay.get("batches", 0))
         while True:
             try:
                 await asyncio.wait_for(stop.wait(), self.every_s)
                 return
             except TimeoutError:
                 pass
+            self.periods += 1
+            new = self.store.records_durable() - self._records_at
+            if new <= 0 or (new < self.after_records and time.monotonic() - self._taken_at < self.max_s):
+                self.skipped += 1
+                self.store.retire()
+                continue
             await self.take("periodic")
 
     async def take(self, why: str, full: bool | None = None) -> str | None:
@@ -73,6 +86,7 @@ class Snapshotter:
         full = full or self.base is None
         base_image = None if full else self.base_image
         into = fleet_image.Base() if full else None
+        records_at = self.store.records_durable()   # what this snapshot can cover at most
         try:
             pos = self.store.covered()
             f = await loop.run_in_executor(self._pool, SnapshotFile, self.store.snapshots.dir, pos, self.store.fsync,
@@ -110,6 +124,7 @@ class Snapshotter:
             return None
         self.written += 1
         self.bytes_written += f.bytes
+        self._records_at, self._taken_at = records_at, time.monotonic()
         if full:
             self.full_written += 1
             self.base, self.base_image, self.base_bytes, self.diff_bytes = (pos, f.id), into, f.bytes, 0
@@ -142,7 +157,8 @@ class Snapshotter:
 
     def stats(self) -> dict[str, float]:
         return {"snapshots_written": self.written, "snapshots_full_written": self.full_written,
-                "snapshot_bytes_written": self.bytes_written, "snapshot_failures": self.failures, **self.last}
+                "snapshot_bytes_written": self.bytes_written, "snapshot_failures": self.failures,
+                "snapshot_periods_skipped": self.skipped, **self.last}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -276,6 +276,10 @@ class Store:
         self._loop = asyncio.get_running_loop()
         return self._loop
 
+    def records_durable(self) -> int:
+        """Records queued since start that are on disk now (not queued or being written)."""
+        return self.records - len(self._pending) - len(self._inflight)
+
     def held_bytes(self) -> int:
         return self._pending_bytes + self._inflight_bytes
 
@@ -418,6 +422,10 @@ class Store:
                 fn(not self.failing)
             except Exception:
                 log.exception("store state watcher failed")
+
+    def retire(self) -> None:
+        """Delete what retention lets go of now (a period without a snapshot: segments age meanwhile)."""
+        self._retire()
 
     def _retire(self) -> None:
         """Delete segments wholly older than the history kept (a newer segment's checkpoint

@@ -29,6 +29,7 @@ history_s = 10.0
 segment_s = 0.5
 segment_bytes = 262144
 snapshot_every_s = 0.3
+snapshot_after_records = 1
 snapshot_keep = 1
 retry_s = 0.2
 max_pending_bytes = 2048

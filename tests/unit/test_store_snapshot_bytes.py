@@ -1,5 +1,5 @@
-"""The bytes the store writes (collector/store/): snapshot frames zlib-compressed and read back to
-the same state, a compressed frame that does not inflate found damaged, a series new since the
+"""The bytes the store writes (collector/store/): snapshot frames zstd-compressed and read back to
+the same state, a compressed frame that does not decompress found damaged, a series new since the
 full snapshot written alone in a diff (not its node whole), and the counters of bytes written to
 the log and to snapshots."""
 
@@ -28,7 +28,7 @@ def with_z(b):
 
 
 def run(d, level: int, steps) -> tuple[Live, list[str]]:
-    """A Live store at zlib `level`; `steps`: (batches, snapshot kind or None) in turn; the paths."""
+    """A Live store at zstd `level`; `steps`: (batches, snapshot kind or None) in turn; the paths."""
     live = Live(d)
     live.snap.level = level
     paths = []
@@ -75,15 +75,15 @@ def _rewrite_frame(path: str, index: int, payload: bytes) -> None:
         f.write(b"".join(out))
 
 
-def test_a_compressed_frame_that_does_not_inflate_is_damaged_and_the_log_replayed(tmp_path):
+def test_a_compressed_frame_that_does_not_decompress_is_damaged_and_the_log_replayed(tmp_path):
     d = tmp_path / "d"
     live, [p] = run(d, 1, [([batch("A", "a1", s) for s in range(1, 6)], "full"), ([batch("A", "a1", 6)], None)])
-    _rewrite_frame(p, 2, bytes([snapshot_file.ZLIB]) + b"not a zlib stream")   # 0: header, 1: "f", 2: "n"
+    _rewrite_frame(p, 2, bytes([snapshot_file.ZSTD]) + b"not a zstd frame")   # 0: header, 1: "f", 2: "n"
     try:
         list(records(p))
         raise AssertionError("read whole")
     except Damaged as e:
-        assert "zlib" in str(e) or "Error -3" in str(e), e
+        assert "content size" in str(e), e
     figures, st = restart(d)
     _, full = full_replay(d, tmp_path)
     assert figures["snapshot_damaged"] == 1 and figures["snapshot_loaded"] == 0 and figures["batches"] == 6
@@ -122,3 +122,63 @@ def test_the_store_counts_the_bytes_it_writes_to_the_log(tmp_path):
     stats = live.store.stats()
     assert logs > 0 and stats["log_bytes_written"] == logs
     assert stats["snapshot_bytes_written"] == 0
+
+
+async def _until(cond, what: str, timeout_s: float = 60.0) -> None:
+    """Wait on the loop (the snapshotter runs there) until `cond()`, with a generous deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def test_a_period_writes_a_snapshot_only_once_enough_records_were_logged_since_the_last(tmp_path):
+    """snapshot_after_records: a small fleet's periods pass without rewriting its history; the
+    snapshot comes once the log holds that many records after the last one."""
+    live = Live(tmp_path / "d")
+    snap = live.snap
+    snap.every_s, snap.after_records, snap.max_s = 0.02, 6, 3600.0
+
+    async def go():
+        stop = asyncio.Event()
+        task = asyncio.create_task(snap.run(stop))
+        await _until(lambda: snap.periods, "the first period")                # (counts from its start)
+        live.hello("A", "a1", "host-a")                                       # 1 record
+        await live.store_all([batch("A", "a1", s) for s in range(1, 4)])     # 4
+        seen = snap.periods
+        await _until(lambda: snap.periods >= seen + 5, "five periods")
+        assert snap.written == 0 and snap.skipped >= 5
+        await live.store_all([batch("A", "a1", s) for s in range(4, 6)])     # 6
+        await _until(lambda: snap.written == 1, "a snapshot")
+        seen = snap.periods
+        await _until(lambda: snap.periods >= seen + 5, "five periods more")
+        assert snap.written == 1                                              # nothing new since
+        stop.set()
+        await task
+    asyncio.run(go())
+    live.store.close()
+    assert live.store.stats()["snapshot_periods_skipped"] >= 10
+
+
+def test_a_period_writes_a_snapshot_once_the_last_is_max_s_old_if_anything_is_new(tmp_path):
+    live = Live(tmp_path / "d")
+    snap = live.snap
+    snap.every_s, snap.after_records, snap.max_s = 0.02, 10**9, 0.1
+
+    async def go():
+        stop = asyncio.Event()
+        task = asyncio.create_task(snap.run(stop))
+        seen = snap.periods
+        await _until(lambda: snap.periods >= seen + 10, "ten periods")
+        assert snap.written == 0                                              # nothing logged: no snapshot
+        live.hello("A", "a1", "host-a")
+        await live.store_all([batch("A", "a1", 1)])
+        await _until(lambda: snap.written == 1, "a snapshot")
+        stop.set()
+        await task
+    asyncio.run(go())
+    live.store.close()
+    figures, st = restart(tmp_path / "d")
+    assert figures["snapshot_loaded"] == 1 and figures["batches"] == 0
