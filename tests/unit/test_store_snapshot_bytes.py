@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 
 from test_store_snapshot import Live, batch, full_replay, picture, restart
 
@@ -182,3 +183,27 @@ def test_a_period_writes_a_snapshot_once_the_last_is_max_s_old_if_anything_is_ne
     live.store.close()
     figures, st = restart(tmp_path / "d")
     assert figures["snapshot_loaded"] == 1 and figures["batches"] == 0
+
+
+def test_version_4_snapshots_kept_on_disk_load_as_the_version_3_ones_they_were_written_from(tmp_path):
+    """tests/fixtures/ondisk/snapshots-v4: store-compact's full snapshot and diff written again as
+    version 4 (zstd frames; same ids, positions, records). Every later release must load them."""
+    fixtures = os.path.join(os.path.dirname(__file__), "..", "fixtures", "ondisk")
+    v3, v4 = tmp_path / "v3", tmp_path / "v4"
+    shutil.copytree(os.path.join(fixtures, "store-compact"), v3)
+    shutil.copytree(os.path.join(fixtures, "store-compact"), v4, ignore=shutil.ignore_patterns("*.snap"))
+    for name in os.listdir(os.path.join(fixtures, "snapshots-v4")):
+        shutil.copy(os.path.join(fixtures, "snapshots-v4", name), v4 / "snapshots" / name)
+    assert sorted(os.listdir(v4 / "snapshots")) == sorted(os.listdir(v3 / "snapshots"))
+    for name in os.listdir(v4 / "snapshots"):
+        with Reader(str(v4 / "snapshots" / name)) as r:
+            assert r.version == 4
+        raw = open(v4 / "snapshots" / name, "rb").read()
+        head = len(snapshot_file.MAGIC) + 1
+        codecs = [bytes(f.payload)[0] for f in framing.scan(raw, head, len(raw), RECORD_MAGIC, 2**31)]
+        assert codecs[0] == snapshot_file.RAW and set(codecs[1:]) == {snapshot_file.ZSTD}
+    fig3, st3 = restart(v3)
+    fig4, st4 = restart(v4)
+    assert fig4["snapshot_loaded"] == 1 and fig4["snapshot_diff_loaded"] == 1 and fig4["snapshot_damaged"] == 0
+    assert fig4["batches"] == fig3["batches"] == 2
+    assert picture(st4) == picture(st3)
