@@ -17,13 +17,15 @@
  * `lean_batch` reads a whole AgentMessage that holds a Batch (`lean_batch_wire`: a Batch's own
  * bytes, as a cluster worker reads them from the stream), before protobuf has parsed it (the Ingest
  * stream's request deserializer, collector/wire.py): the Batch's node id, boot id, seq and sent
- * time, its bytes, and its samples' columns, in one pass and with no Python object per sample.
+ * time, its bytes, and its samples' columns, in one pass and with no Python object per sample; of
+ * a Batch in the compact encoding (`columns`, field 7, set, and no sample carried whole) the bytes
+ * of its compact columns instead, for common/compact.py to decode.
  * It must never accept bytes that protobuf would refuse, so it accepts only what it checks whole:
  * every field of Batch, Sample, the labels' map entries and Histogram with the wire type the
  * schema gives it, every string valid UTF-8 (as proto3 requires), every varint at most 64 bits.
- * Anything else (a batch with events, an unknown field, a packed field of the wrong length, a
- * message with a second field) gives None, and the caller parses with protobuf, which accepts or
- * refuses as it always did.
+ * Anything else (a batch with events, with both samples and compact columns, an unknown field, a
+ * packed field of the wrong length, a message with a second field) gives None, and the caller
+ * parses with protobuf, which accepts or refuses as it always did.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -36,6 +38,7 @@
 #define BATCH_SEQ 3
 #define BATCH_SAMPLES 4
 #define BATCH_SENT 6
+#define BATCH_COLUMNS 7
 #define SAMPLE_NAME 1
 #define SAMPLE_UNIT 2
 #define SAMPLE_KIND 3
@@ -442,9 +445,11 @@ static PyObject *columns(PyObject *self, PyObject *arg)
 }
 
 /* A Batch read strictly (see the top), from an AgentMessage (`framed`) or from its own bytes: 0, -1
- * for bytes not read here, -2 for a Python error. [*wire, *wire_end) is the Batch's own encoding. */
+ * for bytes not read here, -2 for a Python error. [*wire, *wire_end) is the Batch's own encoding,
+ * [cols[0], cols[1]) its compact columns' bytes (empty: none, as protobuf has an empty bytes field). */
 static int read_lean(const uint8_t *p, const uint8_t *end, int framed, const uint8_t **wire,
-                     const uint8_t **wire_end, const uint8_t *ids[4], uint64_t *seq, uint64_t *sent, samples *out)
+                     const uint8_t **wire_end, const uint8_t *ids[4], const uint8_t *cols[2], uint64_t *seq,
+                     uint64_t *sent, samples *out)
 {
     uint64_t field;
     unsigned wt;
@@ -477,11 +482,15 @@ static int read_lean(const uint8_t *p, const uint8_t *end, int framed, const uin
             int r = read_len(&p, end, &a, &b) < 0 ? -1 : read_sample(a, b, out, 1);
             if (r < 0)
                 return r;
+        } else if (field == BATCH_COLUMNS && wt == WT_LEN) {
+            if (read_len(&p, end, &cols[0], &cols[1]) < 0)   /* given twice: the last one */
+                return -1;
         } else {   /* events (5), and any field the schema does not give this wire type */
             return -1;
         }
     }
-    return 0;
+    /* compact columns beside samples carried whole (refs the agent ran out of): protobuf's reading */
+    return cols[1] > cols[0] && out->n > 0 ? -1 : 0;
 }
 
 static PyObject *lean(PyObject *arg, int framed)
@@ -490,10 +499,10 @@ static PyObject *lean(PyObject *arg, int framed)
     if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0)
         return NULL;
     const uint8_t *start = buf.buf, *wire = NULL, *wire_end = NULL;
-    const uint8_t *ids[4] = {start, start, start, start};
+    const uint8_t *ids[4] = {start, start, start, start}, *cols[2] = {start, start};
     uint64_t seq = 0, sent = 0;
     samples s = {0};
-    int r = read_lean(start, start + buf.len, framed, &wire, &wire_end, ids, &seq, &sent, &s);
+    int r = read_lean(start, start + buf.len, framed, &wire, &wire_end, ids, cols, &seq, &sent, &s);
     PyObject *out = NULL;
     if (r == 0) {
         PyObject *node = PyUnicode_DecodeUTF8((const char *)ids[0], ids[1] - ids[0], "strict");
@@ -507,15 +516,19 @@ static PyObject *lean(PyObject *arg, int framed)
         } else if (sent_obj) {
             bytes = PyBytes_FromStringAndSize((const char *)wire, wire_end - wire);
         }
-        PyObject *cols = bytes ? make_columns(&s) : NULL;
-        if (cols != NULL)
-            out = PyTuple_Pack(6, node, boot, seq_obj, sent_obj, bytes, cols);
+        PyObject *columns = NULL;
+        if (bytes && cols[1] > cols[0])   /* the compact encoding: its columns' bytes */
+            columns = PyBytes_FromStringAndSize((const char *)cols[0], cols[1] - cols[0]);
+        else if (bytes)
+            columns = make_columns(&s);
+        if (columns != NULL)
+            out = PyTuple_Pack(6, node, boot, seq_obj, sent_obj, bytes, columns);
         Py_XDECREF(node);
         Py_XDECREF(boot);
         Py_XDECREF(seq_obj);
         Py_XDECREF(sent_obj);
         Py_XDECREF(bytes);
-        Py_XDECREF(cols);
+        Py_XDECREF(columns);
     }
     samples_free(&s);
     PyBuffer_Release(&buf);
@@ -545,7 +558,8 @@ static PyMethodDef methods[] = {
     {"lean_batch", lean_batch, METH_O,
      "lean_batch(agent_message) -> (node_id, boot_id, seq, sent_unix_nano, batch_wire, columns) of an "
      "AgentMessage that holds a Batch without events, every field of which was checked as protobuf "
-     "would (columns as columns() gives them); None for any other bytes (parse them with protobuf)."},
+     "would (columns as columns() gives them; of a Batch in the compact encoding, the bytes of its "
+     "Batch.columns); None for any other bytes (parse them with protobuf)."},
     {"lean_batch_wire", lean_batch_wire, METH_O,
      "lean_batch_wire(batch_wire) -> lean_batch's tuple for a Batch's own bytes (a cluster worker reads "
      "them from the stream); None where lean_batch would give None."},

@@ -1,7 +1,7 @@
 """The Ingest stream's requests as they came on the wire: a batch is kept (the single collector's
 durable store) or published (a cluster gateway) in the bytes the agent sent, not serialized again,
-and the usual batch is read by a C reader (`_wire_rows`) rather than parsed by protobuf; a batch in
-the compact encoding is read from its columns (`compact_batch`).
+and the usual batch is read by a C reader (`_wire_rows`) rather than parsed by protobuf, a batch in
+the compact encoding too (`CompactWire`), then read from its columns (`compact_batch`).
 """
 
 from __future__ import annotations
@@ -44,15 +44,15 @@ class _Received:
 _received = _Received()
 
 
-class WireBatch:
-    """A Batch as the C reader read it from its bytes (`wire`): node_id, boot_id, seq,
-    sent_unix_nano, no events, and its samples' `columns` (batch_rows.BatchRows). Any other
-    attribute (`samples` first) is the whole Batch's, parsed from `wire` on first use."""
+class _ReadLean:
+    """A Batch the C reader read from its bytes (`wire`), which it checked whole as protobuf would:
+    node_id, boot_id, seq, sent_unix_nano, no events, and `columns`. Any other attribute is the
+    whole Batch's, parsed from `wire` on first use."""
     __slots__ = ("node_id", "boot_id", "seq", "sent_unix_nano", "wire", "columns", "_batch")
     events: tuple = ()
 
     def __init__(self, node_id: str, boot_id: str, seq: int, sent_unix_nano: int, wire: bytes,
-                 columns: tuple) -> None:
+                 columns: Any) -> None:
         self.node_id, self.boot_id, self.seq, self.sent_unix_nano = node_id, boot_id, seq, sent_unix_nano
         self.wire, self.columns = wire, columns
         self._batch: pb.Batch | None = None
@@ -62,15 +62,35 @@ class WireBatch:
             self._batch = pb.Batch.FromString(self.wire)
         return self._batch
 
-    @property
-    def samples(self) -> Any:
-        return self.parsed().samples
-
     def SerializeToString(self) -> bytes:   # noqa: N802 (protobuf's name)
         return self.wire
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.parsed(), name)
+
+
+class WireBatch(_ReadLean):
+    """A Batch of samples as the C reader read it: `columns` are its samples' (batch_rows.BatchRows);
+    `samples` the whole Batch's."""
+    __slots__ = ()
+    columns: tuple
+
+    @property
+    def samples(self) -> Any:
+        return self.parsed().samples
+
+
+class CompactWire(_ReadLean):
+    """A Batch in the compact encoding as the C reader read it: `columns` the bytes of its
+    Batch.columns (for compact_batch to decode), no sample carried whole (the C reader leaves a
+    batch with both to protobuf)."""
+    __slots__ = ()
+    columns: bytes
+    samples: tuple = ()
+
+
+def _lean(read: tuple) -> WireBatch | CompactWire:
+    return CompactWire(*read) if read[5].__class__ is bytes else WireBatch(*read)
 
 
 class CompactBatch:
@@ -81,7 +101,7 @@ class CompactBatch:
     __slots__ = ("batch", "node_id", "boot_id", "seq", "sent_unix_nano", "events", "columns", "samples",
                  "_decoded")
 
-    def __init__(self, batch: pb.Batch, decoded: compact.Columns, held: dict[int, pb.Sample]) -> None:
+    def __init__(self, batch: pb.Batch | CompactWire, decoded: compact.Columns, held: dict[int, pb.Sample]) -> None:
         self.batch, self._decoded = batch, decoded
         self.node_id, self.boot_id, self.seq = batch.node_id, batch.boot_id, batch.seq
         self.sent_unix_nano, self.events = batch.sent_unix_nano, batch.events
@@ -107,7 +127,7 @@ class CompactBatch:
         return getattr(self.batch, name)
 
 
-def compact_batch(batch: pb.Batch, dictionary: SeriesDictionary,
+def compact_batch(batch: pb.Batch | CompactWire, dictionary: SeriesDictionary,
                   max_samples: int = int(LIMITS["max_samples_per_batch"])) -> CompactBatch:
     """A compact batch (`batch.columns` set) read against its node's and boot's definitions, as
     ingest, the store's replay and readers take it. compact.CompactError where its columns do not
@@ -118,11 +138,12 @@ def compact_batch(batch: pb.Batch, dictionary: SeriesDictionary,
 
 
 class LeanMessage:
-    """An AgentMessage holding a WireBatch, as the Ingest stream's readers use one; anything else
-    they might read (`hello` of a batch sent first...) is the whole AgentMessage's, parsed then."""
+    """An AgentMessage holding a WireBatch or CompactWire, as the Ingest stream's readers use one;
+    anything else they might read (`hello` of a batch sent first...) is the whole AgentMessage's,
+    parsed then."""
     __slots__ = ("batch",)
 
-    def __init__(self, batch: WireBatch) -> None:
+    def __init__(self, batch: WireBatch | CompactWire) -> None:
         self.batch = batch
 
     def WhichOneof(self, group: str) -> str:   # noqa: N802 (protobuf's name)
@@ -145,23 +166,23 @@ class LeanMessage:
 def parse_agent_message(raw: bytes) -> pb.AgentMessage | LeanMessage:
     """A batch without events that the C reader accepts whole: a LeanMessage. Anything else:
     AgentMessage.FromString, keeping `raw` for batch_wire. The C reader checks every field of the
-    usual batch as protobuf would and reads its ids, seq and samples' columns in one pass; the
-    WireBatch parses the whole Batch only when something reads more than that (a new series' name
-    and labels, an exporter's samples). Bytes it does not accept whole are parsed by protobuf,
-    which refuses what it always refused."""
+    usual batch as protobuf would and reads its ids, seq and samples' columns in one pass (of a
+    compact batch, its columns' bytes: a CompactWire); the WireBatch parses the whole Batch only
+    when something reads more than that (a new series' name and labels, an exporter's samples).
+    Bytes it does not accept whole are parsed by protobuf, which refuses what it always refused."""
     if _wire_rows is not None and raw[:1] == b"\x12" and (lean := _wire_rows.lean_batch(raw)) is not None:
         _received.raw, _received.msg = b"", None   # what an earlier message left: not held on
-        return LeanMessage(WireBatch(*lean))
+        return LeanMessage(_lean(lean))
     m = pb.AgentMessage.FromString(raw)
     _received.raw, _received.msg = raw, m
     return m
 
 
-def read_batch(data: bytes) -> WireBatch | pb.Batch:
-    """A Batch's own bytes (a message of a cluster's stream): a WireBatch where the C reader accepts
-    them whole, else protobuf's Batch (DecodeError where protobuf refuses them)."""
+def read_batch(data: bytes) -> WireBatch | CompactWire | pb.Batch:
+    """A Batch's own bytes (a message of a cluster's stream): a WireBatch or CompactWire where the C
+    reader accepts them whole, else protobuf's Batch (DecodeError where protobuf refuses them)."""
     if _wire_rows is not None and (lean := _wire_rows.lean_batch_wire(data)) is not None:
-        return WireBatch(*lean)
+        return _lean(lean)
     return pb.Batch.FromString(data)
 
 

@@ -65,6 +65,10 @@ def corpus() -> list[bytes]:
     e.events.add(id="e1", type="xid", severity="critical", device="0", message="Xid 79 ☠", attributes={"xid": "79"})
     batches.append(e)
     batches.append(pb.Batch(node_id="n", boot_id="b", seq=2, columns=b"\x78\x9c\x03\x00\x00\x00\x00\x01"))
+    batches.append(pb.Batch(node_id="n-ü", boot_id="b", seq=3, sent_unix_nano=5, columns=bytes(range(40))))
+    both = pb.Batch(node_id="n", boot_id="b", seq=4, columns=b"\x78\x9c")   # given back: protobuf's
+    both.samples.add(value=2.0, time_unix_nano=3)
+    batches.append(both)
     raw = [x.SerializeToString() for x in batches]
     messages = [pb.AgentMessage(batch=x).SerializeToString() for x in batches]
     messages.append(pb.AgentMessage(hello=pb.Hello(node_id="n", boot_id="b")).SerializeToString())
@@ -92,13 +96,17 @@ def _check_columns(cols, rows) -> None:
 
 def _check_lean(got, batch, own: bytes | None) -> None:
     """A lean reading of a Batch that protobuf reads as `batch`: ids, seq, sent time, the Batch's
-    bytes and its samples' columns as protobuf has them."""
+    bytes and its samples' columns as protobuf has them (a compact batch: its Batch.columns)."""
     node, boot, seq, sent, wire, cols = got
     assert (node, boot, seq, sent) == (batch.node_id, batch.boot_id, batch.seq, batch.sent_unix_nano), "ids/seq/sent"
-    assert not batch.events and not batch.columns, "lean accepted a batch with events or columns"
+    assert not batch.events, "lean accepted a batch with events"
     again = pb.Batch.FromString(wire)
     assert again.SerializeToString(deterministic=True) == batch.SerializeToString(deterministic=True), "batch bytes"
-    _check_columns(cols, _protobuf_rows(batch))
+    if batch.columns:
+        assert not batch.samples, "lean accepted a batch with samples and compact columns"
+        assert cols.__class__ is bytes and cols == batch.columns, "compact columns' bytes"
+    else:
+        _check_columns(cols, _protobuf_rows(batch))
     if own is not None:
         assert wire == own, "lean_batch_wire's bytes are not its input"
 
@@ -113,7 +121,8 @@ def _parse(cls, data: bytes):
 class Driver:
     def __init__(self, module, last_input: str):
         self.m = module
-        self.counts = dict.fromkeys(("inputs", "rows", "protobuf_batches", "lean_batch", "lean_batch_wire", "rows_checked"), 0)
+        self.counts = dict.fromkeys(("inputs", "rows", "protobuf_batches", "lean_batch", "lean_batch_wire", "rows_checked",
+                                     "lean_compact"), 0)
         self._f = open(last_input, "r+b")
         self._last = mmap.mmap(self._f.fileno(), 0)
 
@@ -157,6 +166,7 @@ class Driver:
             _check_lean(lean_wire, batch, data)
         if lean is not None:
             self.counts["lean_batch"] += 1
+            self.counts["lean_compact"] += lean[5].__class__ is bytes
             message = _parse(pb.AgentMessage, data)
             assert message is not None, "lean_batch read bytes protobuf refuses"
             assert message.WhichOneof("msg") == "batch", "lean_batch read a message that holds no batch"

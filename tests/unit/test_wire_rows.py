@@ -6,10 +6,13 @@ import math
 import struct
 from array import array
 
+import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xpusense.collector import _wire_rows, batch_rows
+from xpusense.common import compact
 from xpusense.v1 import telemetry_pb2 as pb
 
 
@@ -196,7 +199,11 @@ def _lean_agrees(raw: bytes, lean) -> None:
     b = m.batch
     assert m.WhichOneof("msg") == "batch" and not b.events
     assert (node, boot, seq, sent) == (b.node_id, b.boot_id, b.seq, b.sent_unix_nano)
-    assert pb.Batch.FromString(wire) == b and columns == _wire_rows.columns(wire)
+    assert pb.Batch.FromString(wire) == b
+    if b.columns:   # the compact encoding: its columns' bytes, and no sample carried whole
+        assert columns.__class__ is bytes and columns == b.columns and not b.samples
+    else:
+        assert columns == _wire_rows.columns(wire)
 
 
 @settings(max_examples=300, deadline=None)
@@ -221,11 +228,15 @@ _VALID = _message(pb.Batch(node_id="n1", boot_id="b1", seq=3, samples=[
               histogram=pb.Histogram(bounds=[1.0, 2.0], counts=[1, 2, 3], sum=4.0, count=6))]))
 
 
+_VALID_COMPACT = _message(pb.Batch(node_id="n1", boot_id="b1", seq=3, sent_unix_nano=9,
+                                   columns=compact.encode_columns([(1, 10, 0.5), (2, 10, 1.5)])))
+
+
 @settings(max_examples=1500, deadline=None)
 @given(edits=st.lists(st.tuples(st.integers(0, 2), st.integers(0, len(_VALID) - 1), st.integers(0, 255)),
-                      min_size=1, max_size=3))
-def test_lean_batch_never_accepts_what_protobuf_refuses(edits):
-    raw = bytearray(_VALID)
+                      min_size=1, max_size=3), valid=st.sampled_from([_VALID, _VALID_COMPACT]))
+def test_lean_batch_never_accepts_what_protobuf_refuses(edits, valid):
+    raw = bytearray(valid)
     for op, at, byte in edits:
         at %= max(1, len(raw))
         if op == 0 and raw:
@@ -241,9 +252,6 @@ def test_lean_batch_never_accepts_what_protobuf_refuses(edits):
 
 
 def test_lean_batch_gives_back_what_it_does_not_check_whole():
-    import pytest
-    from google.protobuf.message import DecodeError
-
     def batch(*fields: bytes) -> bytes:
         return _field(2, 2, b"".join(fields))
 
@@ -292,3 +300,127 @@ def test_lean_batch_gives_back_what_it_does_not_check_whole():
     lean = _wire_rows.lean_batch(raw)
     assert lean is not None and lean[0] == "n2" and lean[5][0] == (7,)
     _lean_agrees(raw, lean)
+
+
+# -- a batch in the compact encoding (Batch.columns), read lean to its columns' bytes ------------
+
+def _compact_message(**fields) -> bytes:
+    return _message(pb.Batch(**fields))
+
+
+@settings(max_examples=300, deadline=None)
+@given(columns=st.binary(min_size=1, max_size=40), seq=st.integers(0, 2**64 - 1), sent=st.integers(-2**63, 2**63 - 1),
+       node=st.text(max_size=12), boot=st.text(max_size=12))
+def test_a_compact_batch_is_read_lean_to_its_columns_bytes(columns, seq, sent, node, boot):
+    raw = _compact_message(node_id=node, boot_id=boot, seq=seq, sent_unix_nano=sent, columns=columns)
+    lean = _wire_rows.lean_batch(raw)
+    assert lean is not None and lean[5] == columns
+    _lean_agrees(raw, lean)
+    assert _wire_rows.lean_batch_wire(lean[4]) == lean
+    assert _wire_rows.lean_batch(_compact_message(node_id=node, columns=columns, events=[pb.Event(id="e")])) is None
+
+
+def test_a_compact_batch_lean_batch_does_not_read_whole_goes_to_protobuf():
+    def batch(*fields: bytes) -> bytes:
+        return _field(2, 2, b"".join(fields))
+
+    ref = _field(4, 2, _field(8, 0, _varint(1)))   # a sample carried whole
+    cols = _field(7, 2, b"\x78\x9c")
+    given_back = {   # protobuf reads them: the long way (its Batch, then wire.compact_batch)
+        "columns and then a sample": batch(cols, ref),
+        "a sample and then columns": batch(ref, cols),
+        "an empty sample beside columns": batch(cols, _field(4, 2, b"")),
+        "columns as a varint": batch(_field(7, 0, _varint(5))),
+    }
+    for what, raw in given_back.items():
+        assert _wire_rows.lean_batch(raw) is None, what
+        pb.AgentMessage.FromString(raw)
+    # columns' length in 6 varint bytes: protobuf refuses it, and lean_batch does not accept it
+    raw = batch(_varint(7 << 3 | 2) + _long(2, 6) + b"xy")
+    assert _wire_rows.lean_batch(raw) is None
+    with pytest.raises(DecodeError):
+        pb.AgentMessage.FromString(raw)
+    # given twice: the last one, as protobuf reads it; an empty last one is no columns at all
+    for fields, want in (((b"first", b"last"), b"last"), ((b"first", b"", ref), ((1,), 0, bytes(8), True))):
+        raw = batch(_field(1, 2, b"n1"), *(f if f is ref else _field(7, 2, f) for f in fields))
+        lean = _wire_rows.lean_batch(raw)
+        assert lean is not None and lean[5] == want, fields
+        _lean_agrees(raw, lean)
+
+
+def _stored(st) -> dict:
+    """Every series' latest value, time, histogram and whole history, by node, name and labels."""
+    out = {}
+    for n in st.view().nodes:
+        for s in n.series:
+            h = st.history(n.node_id, s.name, dict(s.labels))
+            out[(n.node_id, s.name, tuple(sorted(s.labels.items())))] = (
+                s.unit, s.kind, s.value, s.time_unix_nano, s.histogram.SerializeToString(),
+                [(p.time_unix_nano, p.value) for p in h.points])
+    return out
+
+
+def _stream(encodings: list[str]):
+    """A real collector's Ingest servicer (fleet state, limits, no store) and one node's stream of it,
+    whose Hello offered the compact encoding."""
+    import asyncio
+
+    from xpusense.collector.limits import Limits
+    from xpusense.collector.server import IngestServicer
+    from xpusense.collector.state import FleetState
+    servicer = IngestServicer(FleetState(), limits=Limits(), batch_encodings=encodings)
+    hello = pb.Hello(node_id="n1", boot_id="boot-1", batch_encodings=[compact.ENCODING])
+    return servicer, asyncio.run(servicer.open(hello, "peer", None))
+
+
+def _ingest(servicer, sink, raw: bytes, parse):
+    from xpusense.collector.wire import batch_payload
+    msg = parse(raw)
+    payload = batch_payload(msg)
+    b = msg.batch
+    return msg, servicer.batch_refused(b, "n1", sink.welcome, "peer") or sink.take_now(b, payload)
+
+
+def test_compact_batches_read_lean_are_stored_as_protobuf_reads_them_and_refused_alike():
+    from compact_support import as_compact, rounds
+
+    from xpusense.collector.limits import Violation
+    from xpusense.collector.wire import CompactWire, LeanMessage, parse_agent_message, read_batch
+
+    lean_side, protobuf_side = _stream([compact.ENCODING]), _stream([compact.ENCODING])
+    read_lean = 0
+    for b in rounds():
+        cb, defs = as_compact(b)
+        raw = _message(cb)
+        got = []
+        for (servicer, sink), parse in ((lean_side, parse_agent_message), (protobuf_side, pb.AgentMessage.FromString)):
+            assert sink.series(pb.SeriesTable(boot_id="boot-1", defs=compact.encode_defs(defs))) is None
+            got.append(_ingest(servicer, sink, raw, parse))
+            assert got[-1][1].__class__ is pb.Ack and got[-1][1].seq == b.seq and not got[-1][1].duplicate, got
+        msg = got[0][0]
+        if not b.events and all(s.series_ref for s in b.samples):   # what the C reader reads whole
+            assert msg.__class__ is LeanMessage and msg.batch.__class__ is CompactWire
+            assert msg.batch._batch is None   # stored without protobuf's parse of the Batch
+            assert read_batch(cb.SerializeToString()).__class__ is CompactWire
+            read_lean += 1
+    assert read_lean == 5
+    want = _stored(protobuf_side[0].state)
+    assert len(want) == 9 and _stored(lean_side[0].state) == want
+    # refused as they were: where the Welcome did not choose the encoding, a ref with no definition,
+    # columns that do not decode; nothing of them stored
+    cb, defs = as_compact(rounds(t0=9_000 * 10**9)[0])
+    cb.seq = 50
+    plain = _stream([])
+    cases = [(plain, cb, "INVALID_ARGUMENT", "in the compact encoding on a stream whose Welcome chose ''"),
+             (_stream([compact.ENCODING]), cb, "FAILED_PRECONDITION", "no definition for series_ref 1 of node 'n1'")]
+    bad = pb.Batch()
+    bad.CopyFrom(cb)
+    bad.columns = cb.columns[:-3]
+    cases.append((lean_side, bad, "INVALID_ARGUMENT", "batch 50 of boot boot-1 refused: .*cut short"))
+    import re
+    for (servicer, sink), batch, code, why in cases:
+        msg, got = _ingest(servicer, sink, _message(batch), parse_agent_message)
+        assert msg.batch.__class__ is CompactWire
+        assert got.__class__ is Violation and got.code.name == code and re.search(why, got.message), got
+        assert servicer.state.nodes["n1"].stored_up_to.get("boot-1", 0) < 50
+    assert _stored(lean_side[0].state) == want

@@ -90,7 +90,7 @@ def test_mutated_batches_give_no_sanitizer_report_and_what_is_read_whole_protobu
     counts = json.loads(r.stdout)
     # enough inputs, and enough of them read whole, that the checks were not vacuous
     assert counts["inputs"] >= 4000, counts
-    for read in ("lean_batch", "lean_batch_wire", "rows_checked"):
+    for read in ("lean_batch", "lean_batch_wire", "rows_checked", "lean_compact"):
         assert counts[read] >= 50, (read, counts)
     assert counts["rows"] > counts["rows_checked"], counts   # some the lenient reader read, protobuf refused
 
