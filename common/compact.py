@@ -134,18 +134,24 @@ def decode_columns(data: bytes, max_samples: int, last: Columns | None = None) -
     return decode_columns_python(data, max_samples, last)
 
 
-def decode_columns_python(data: bytes, max_samples: int, last: Columns | None = None) -> Columns:
-    """decode_columns read in Python: the same result, or CompactError saying what is wrong."""
-    limit = _HEAD.size + 20 * max_samples + 4 + max_samples * (_HIST.size + 16 * MAX_BUCKETS + 8)
+def _inflate(data: bytes, limit: int, what: str, why: str = "") -> bytes:
+    """`data` inflated, never past `limit` bytes; CompactError naming `what` otherwise."""
     d = zlib.decompressobj()
     try:
         raw = d.decompress(data, limit)
     except zlib.error as e:
-        raise CompactError(f"columns do not inflate ({e})") from None
+        raise CompactError(f"{what} do not inflate ({e})") from None
     if d.unconsumed_tail:
-        raise CompactError(f"columns inflate past {limit} bytes, more than {max_samples} samples take")
+        raise CompactError(f"{what} inflate past {limit} bytes{why}")
     if not d.eof or d.unused_data:
-        raise CompactError("columns are cut short" if not d.eof else "bytes after the columns' end")
+        raise CompactError(f"{what} are cut short" if not d.eof else f"bytes after the {what}' end")
+    return raw
+
+
+def decode_columns_python(data: bytes, max_samples: int, last: Columns | None = None) -> Columns:
+    """decode_columns read in Python: the same result, or CompactError saying what is wrong."""
+    limit = _HEAD.size + 20 * max_samples + 4 + max_samples * (_HIST.size + 16 * MAX_BUCKETS + 8)
+    raw = _inflate(data, limit, "columns", f", more than {max_samples} samples take")
     if len(raw) < _HEAD.size:
         raise CompactError(f"columns of {len(raw)} bytes, shorter than their header")
     version, n, t0 = _HEAD.unpack_from(raw)
@@ -197,15 +203,7 @@ def encode_defs(series: Iterable[pb.Sample]) -> bytes:
 
 def decode_defs(data: bytes, max_bytes: int) -> list[pb.Sample]:
     """SeriesTable.defs, inflated to at most `max_bytes`; CompactError otherwise."""
-    d = zlib.decompressobj()
-    try:
-        raw = d.decompress(data, max_bytes)
-    except zlib.error as e:
-        raise CompactError(f"series definitions do not inflate ({e})") from None
-    if d.unconsumed_tail:
-        raise CompactError(f"series definitions inflate past {max_bytes} bytes")
-    if not d.eof or d.unused_data:
-        raise CompactError("series definitions are cut short" if not d.eof else "bytes after the definitions' end")
+    raw = _inflate(data, max_bytes, "series definitions")
     try:
         defs = pb.SeriesDefs.FromString(raw)
     except Exception as e:   # protobuf's DecodeError
