@@ -730,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         pstats.Stats(args.profile).sort_stats("tottime").print_stats(25)
     summary = {"bench": "collector_ingest", "mode": "saturation" if args.rate == 0 else "cadence",
                "agents": args.agents, "rate_per_agent": args.rate, "window": args.window, "procs": procs,
-               "generator": args.generator,
+               "generator": args.generator, **({"compact": True} if args.compact else {}),
                "idle_share": args.idle_share,
                "seconds": round(wall, 1), "batches_per_s": round(rate_s, 1),
                "samples_per_s": round(rate_s * DEVICES * len(SERIES)), "p50_ms": round(p50, 2),
