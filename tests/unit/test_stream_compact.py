@@ -228,16 +228,23 @@ def old_boot_in_the_spool(tmp_path, client_factory, encoding=compact.ENCODING) -
     return rounds
 
 
+def restarted(tmp_path, serve, client_factory, collector_encoding, **kw):
+    """The agent started again on the spool old_boot_in_the_spool left, with a new boot, against a
+    recording collector answering `collector_encoding`: (its recorder, the client, the spool's batches)."""
+    sp, found = spool_of(tmp_path / "spool")
+    rec, addr = serve(collector_encoding)
+    client = client_factory(addr, boot="boot-new", spool=sp, **kw)
+    client.resume(found)
+    client.start()
+    return rec, client, found
+
+
 @pytest.mark.parametrize("collector_encoding", [compact.ENCODING, ""])
 def test_after_a_restart_an_old_boots_spooled_batches_go_with_their_definitions(
         tmp_path, serve, client_factory, collector_encoding):
     rounds = old_boot_in_the_spool(tmp_path, client_factory)
-    sp, found = spool_of(tmp_path / "spool")
+    rec, client, found = restarted(tmp_path, serve, client_factory, collector_encoding)
     assert [k for k, _ in found] == [("boot-old", 1), ("boot-old", 2)]
-    rec, addr = serve(collector_encoding)
-    client = client_factory(addr, boot="boot-new", spool=sp)
-    client.resume(found)
-    client.start()
     client.put(round_of(3))
     client.flush()
     wait_until(lambda: client.pending() == 0, what="every batch acknowledged")
@@ -262,11 +269,7 @@ def test_spools_of_either_encoding_go_after_a_restart_with_the_other(tmp_path, s
     """Sample batches spooled by an agent before the compact encoding go as they are; compact ones
     spooled before the config turned it off go expanded."""
     rounds = old_boot_in_the_spool(tmp_path, client_factory, encoding=old)
-    sp, found = spool_of(tmp_path / "spool")
-    rec, addr = serve(collector)
-    client = client_factory(addr, boot="boot-new", spool=sp, batch_encoding=new)
-    client.resume(found)
-    client.start()
+    rec, client, _ = restarted(tmp_path, serve, client_factory, collector, batch_encoding=new)
     wait_until(lambda: client.pending() == 0, what="the old boot's batches acknowledged")
     assert not rec.problems and client.status()["set_aside"] == 0
     assert sorted(norm(s) for s in rec.samples["boot-old"]) == expected(rounds)
@@ -285,11 +288,7 @@ def test_spooled_batches_whose_definitions_are_gone_are_set_aside_never_sent(
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF     # the second frame's definitions (the series new in round 2)
         path.write_bytes(bytes(data))
-    sp, found = spool_of(tmp_path / "spool")
-    rec, addr = serve(collector_encoding)
-    client = client_factory(addr, boot="boot-new", spool=sp)
-    client.resume(found)
-    client.start()
+    rec, client, _ = restarted(tmp_path, serve, client_factory, collector_encoding)
     client.put(round_of(3))
     client.flush()
     wait_until(lambda: client.pending() == 0, what="the new boot's batch acknowledged, the old ones set aside")
