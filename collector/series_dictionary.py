@@ -1,7 +1,7 @@
 """The series definitions of the compact encoding (common/compact.py) the collector holds: per node
 and agent boot, each series_ref's name, unit, kind and labels, as the agent's SeriesTables gave
-them. What turns a compact batch back into the samples the Sample encoding would have carried
-(`expand`), for the fleet state, the store's replay and the exporters alike."""
+them, and a compact batch's samples as the Sample encoding would have carried them, built as read
+(`Expanded`, the fleet state's; a whole batch: compact.expand)."""
 
 from __future__ import annotations
 
@@ -140,12 +140,6 @@ class SeriesDictionary:
             if held is not None:
                 self.last[key] = (held, compact.Columns(got.refs, [], b"", {}, got.rising, got.ref_deltas))
         return got
-
-    def expand(self, batch: pb.Batch, columns: compact.Columns) -> list[pb.Sample]:
-        """The samples of a compact batch (its columns', then those it carries whole) as the Sample
-        encoding would have carried them; MissingDefinition where a ref has none."""
-        self.check(batch.node_id, batch.boot_id, columns.refs)
-        return list(Expanded(self.definitions(batch.node_id, batch.boot_id), columns, batch.samples))
 
     def forget(self, node_id: str, boot_id: str | None = None) -> None:
         """A boot's definitions let go (every boot of the node: boot_id None)."""

@@ -54,7 +54,8 @@ def test_expanded_samples_are_those_the_sample_encoding_carried():
         assert list(got.samples) == want
         assert [got.samples[i] for i in range(len(want))] == want and got.samples[-1] == want[-1]
         assert list(BatchRows(got).rows()) == [(s.series_ref, s.time_unix_nano, s.value) for s in want]
-        assert d.expand(cb, compact.decode_columns(cb.columns, 100)) == want
+        assert list(compact.expand(cb, compact.decode_columns(cb.columns, 100), d.definitions("n1", "boot-1")).samples) \
+            == want
 
 
 def test_the_usual_round_is_read_as_columns_for_the_fast_path():

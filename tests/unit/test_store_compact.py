@@ -15,7 +15,7 @@ from test_store_snapshot import T0, Live, picture, restart
 
 from xpusense.collector.series_dictionary import SeriesDictionary
 from xpusense.collector.store import StoreError, StoreReader, segments, stored_batches
-from xpusense.collector.store.defs import Tables, read_table
+from xpusense.collector.store.defs import Tables, expanded, read_table
 from xpusense.collector.store.segment_file import Segment, frame, parse, scan
 from xpusense.collector.store.snapshot_load import listed, records
 from xpusense.common import compact
@@ -84,13 +84,7 @@ class Feed(Live):
 
     async def send(self, b):
         """A batch of either encoding: stored as received, applied as its samples."""
-        applied = b
-        if b.columns:
-            applied = pb.Batch()
-            applied.CopyFrom(b)
-            applied.ClearField("columns")
-            del applied.samples[:]
-            applied.samples.extend(self.state.dictionary.expand(b, compact.decode_columns(b.columns, 100)))
+        applied = expanded(b, self.state.dictionary)
         assert self.state.accept(applied, now_ns=b.sent_unix_nano) is not None
         fut = self.store.submit(["b", b.SerializeToString()])
         self.store.track(fut, b.node_id, b.boot_id, b.seq)
