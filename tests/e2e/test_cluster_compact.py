@@ -90,7 +90,9 @@ class Client:
 
     def send(self, seq: int) -> None:
         rows, hists, whole = round_of(seq)
-        b = pb.Batch(node_id=self.node_id, boot_id=self.boot, seq=seq, sent_unix_nano=time.time_ns())
+        msg = pb.AgentMessage(batch=pb.Batch(node_id=self.node_id, boot_id=self.boot, seq=seq,
+                                             sent_unix_nano=time.time_ns()))
+        b = msg.batch   # built in place: a copy's label maps may serialize in another order
         if self.offer:
             b.columns = compact.encode_columns(rows, hists)
             b.samples.extend(whole)
@@ -98,7 +100,7 @@ class Client:
             b.samples.extend(compact.sample(DEFS[r[0] - 1], r, hists.get(i)) for i, r in enumerate(rows))
             b.samples.extend(whole)
         self.sent[seq] = b.SerializeToString()
-        self.out.put(pb.AgentMessage(batch=b))
+        self.out.put(msg)
 
     def acked(self, seq: int) -> bool:
         return any(a.seq == seq for a in self.acks)
