@@ -16,7 +16,8 @@ import pytest
 from helpers import BIN, free_port, wait_until
 
 from xpusense.collector.cluster.localnats import LocalCluster
-from xpusense.collector.cluster.subjects import MSG_ID, stream_name
+from xpusense.collector.cluster.subjects import MSG_ID, long_msg_id, msg_id, stream_name
+from xpusense.v1 import telemetry_pb2 as pb
 
 PREFIX = "xpusense"
 
@@ -87,8 +88,9 @@ async def connect_as(cluster: LocalCluster, role: str, **kw):
 
 
 async def _read_ids(cluster: LocalCluster, streams: int, prefix: str = PREFIX) -> collections.Counter:
-    """Every batch message id in the cluster's streams (control messages have none), with counts;
-    read with the exporter's identity (a reader of the streams)."""
+    """Every batch in the cluster's streams as `node:boot:seq` (read from the batch; control messages
+    have no message id), with counts, each checked to carry its message id (subjects.msg_id); read
+    with the exporter's identity (a reader of the streams)."""
     from nats.js import api
     nc = await connect_as(cluster, "exporter")
     ids: collections.Counter = collections.Counter()
@@ -113,7 +115,9 @@ async def _read_ids(cluster: LocalCluster, streams: int, prefix: str = PREFIX) -
                     got += 1
                     mid = (m.headers or {}).get(MSG_ID)
                     if mid:
-                        ids[mid] += 1
+                        b = pb.Batch.FromString(m.data)
+                        assert mid == msg_id(b.node_id, b.boot_id, b.seq), (mid, b.node_id, b.boot_id, b.seq)
+                        ids[long_msg_id(b.node_id, b.boot_id, b.seq)] += 1
             await sub.unsubscribe()
     finally:
         await nc.close()

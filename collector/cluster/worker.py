@@ -37,7 +37,7 @@ from ..wire import read_batch
 from .config import NATS_SCHEMA
 from .engine import list_bucket
 from .series_defs import SeriesCache, is_compact
-from .subjects import KIND, MSG_ID, RECEIVED, msg_id, node_of_subject, partition, partition_filter, stream_of, token
+from .subjects import KIND, MSG_ID, RECEIVED, is_msg_id, node_of_subject, partition, partition_filter, stream_of, token
 from .summary import NodeLatest, decode, fleet_key
 
 log = logging.getLogger("xpusense.collector.cluster.worker")
@@ -412,7 +412,7 @@ class Worker:
                        data: bytes, loaded: bool = False) -> tuple[Any, tuple[str, str] | None]:
         """The batch to apply (a compact one decoded: wire.CompactBatch) and why it is not applied,
         or None: (reason, what was wrong). Refused: a batch whose node is not its subject's, whose
-        `Nats-Msg-Id` is not node:boot:seq of its contents, whose boot id or seq is not one an agent
+        `Nats-Msg-Id` is not the id of its node:boot:seq (subjects.msg_id), whose boot id or seq is not one an agent
         sends, without `Xps-Received` or with one too far from when JetStream stored it, compact
         columns that do not decode or use a ref with no definition in the series bucket, or that
         collector/limits.py refuses (its seq against `seq_ceiling` on JetStream's clock). Skipped
@@ -421,8 +421,8 @@ class Worker:
             return batch, ("node", f"a batch of node {batch.node_id[:128]!r} on the subject of {node_id[:128]!r}")
         if (why := bad_id("boot_id", batch.boot_id)) or batch.seq < 1:
             return batch, ("ids", why or f"seq {batch.seq}")
-        if headers.get(MSG_ID) != msg_id(node_id, batch.boot_id, batch.seq):
-            return batch, ("msg_id", f"{MSG_ID} {str(headers.get(MSG_ID))[:300]!r} is not the batch's node:boot:seq")
+        if not is_msg_id(mid := headers.get(MSG_ID), node_id, batch.boot_id, batch.seq):
+            return batch, ("msg_id", f"{MSG_ID} {str(mid)[:300]!r} is not the batch's node:boot:seq")
         if (why_recv := self._received_refused(raw, t_ns)) is not None:
             return batch, why_recv
         if is_compact(batch):

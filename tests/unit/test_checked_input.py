@@ -145,6 +145,8 @@ def test_a_worker_counts_and_skips_what_is_not_sane_and_keeps_applying_the_real_
     assert set(w.nodes) == {"a", "b"} and w.nodes["b"].windows["b"].high == 2
     w._handle(0, _msg("a", _batch(2, node="a").SerializeToString()))   # the real agent's next batch
     assert a.windows["b"].high == 2 and a.batches_stored == 2
+    w._handle(0, _msg("a", _batch(3, node="a").SerializeToString(), mid="a:b:3"))   # stored with the long id
+    assert a.windows["b"].high == 3 and a.batches_stored == 3
     # a forged batch for a node the worker does not have makes no node
     w._handle(0, _msg("c", _batch(HUGE, node="c").SerializeToString(), mid="c:b:1"))
     assert "c" not in w.nodes and w.counters["worker.skipped.msg_id"] == 2

@@ -16,6 +16,8 @@ from xpusense.collector.cluster.query import list_nodes
 from xpusense.collector.cluster.scheduler import FleetIndex
 from xpusense.collector.cluster.seq_marks import SeqWindow
 from xpusense.collector.cluster.subjects import (
+    is_msg_id,
+    msg_id,
     node_subject,
     partition,
     stream_of,
@@ -53,6 +55,17 @@ def test_partitions_are_stable_and_streams_cover_them():
     assert len(subjects) == len(set(subjects)) == 12
     assert stream_of("xpusense", 7, 3) == "XPUSENSE_1" and "xpusense.*.p7.*" in stream_subjects("xpusense", 1, 12, 3)
     assert node_subject("xpusense", "", 7, "a.b") == "xpusense.none.p7.a=2Eb"
+
+
+def test_a_batch_message_id_is_short_stable_and_names_one_batch():
+    mid = msg_id("gpu-node-0001.dc1", "3f0c2a9e-5b1d-4c8e-9a7f-2d6b1e0c4a55", 86_400)
+    assert mid == "NJ8hWSNoeG-MHuSK"   # the same in every process and release: JetStream deduplicates on it
+    assert len(mid) == 16 and ":" not in mid
+    assert len({msg_id("n", "b", seq) for seq in range(1, 10_001)} | {msg_id("m", "b", 1), msg_id("n", "c", 1)}) == 10_002
+    assert is_msg_id(mid, "gpu-node-0001.dc1", "3f0c2a9e-5b1d-4c8e-9a7f-2d6b1e0c4a55", 86_400)
+    assert is_msg_id("n:b:7", "n", "b", 7)   # the whole node:boot:seq, as older gateways wrote it
+    assert not is_msg_id("n:b:8", "n", "b", 7) and not is_msg_id(msg_id("n", "b", 8), "n", "b", 7)
+    assert not is_msg_id(None, "n", "b", 7)
 
 
 def test_split_urls():
