@@ -13,6 +13,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -163,21 +164,30 @@ class Gateway:
         """Publish until JetStream acknowledges (retrying with the same headers, so the same msg id),
         or raise PublishFailed publish_give_up_s after `since` (the first try; default now)."""
         n = self.ncfg
+        return await self._acked(subject, lambda: self.js.publish(subject, payload, timeout=n.publish_timeout_s,
+                                                                   headers=headers), since)
+
+    async def put(self, kv, key: str, value: bytes):
+        """A KV bucket's put, retried as a publish is (a stream leader's election passes unseen)."""
+        return await self._acked(f"key {key}", lambda: kv.put(key, value))
+
+    async def _acked(self, what: str, send: Callable[[], Awaitable[Any]], since: float | None = None):
+        n = self.ncfg
         give_up = (time.monotonic() if since is None else since) + n.publish_give_up_s
         while True:
             try:
-                return await self.js.publish(subject, payload, timeout=n.publish_timeout_s, headers=headers)
+                return await send()
             except _RETRY as e:
                 err: Exception = e
             except nats.js.errors.APIError as e:   # 503 no leader, and the like: the cluster is electing
                 if e.code is not None and e.code < 500:
-                    raise PublishFailed(f"JetStream refused {subject}: {e}") from None
+                    raise PublishFailed(f"JetStream refused {what}: {e}") from None
                 err = e
             except nats.errors.ConnectionClosedError as e:
                 raise PublishFailed(f"the NATS connection is closed: {e}") from None
             self.retries += 1
             if time.monotonic() > give_up:
-                raise PublishFailed(f"no JetStream ack for {subject} in {n.publish_give_up_s:g} s "
+                raise PublishFailed(f"no JetStream ack for {what} in {n.publish_give_up_s:g} s "
                                     f"({type(err).__name__}: {err})")
             await asyncio.sleep(0.1)
 
@@ -236,7 +246,8 @@ class GatewayStream(Sink):
         self.node_id, self.session, self.subject = node_id, session, subject
         self.welcome = pb.Welcome(boot_id=boot_id, stored_up_to=mark, batch_encoding=encoding)
         ttl_s = getattr(self.gw.ncfg, "series_ttl_s", NATS_SCHEMA["series_ttl_s"].default)
-        self.tables = StreamTables(self.gw.buckets.series, node_id, self.limits, ttl_s, self.gw.counts)
+        series = self.gw.buckets.series
+        self.tables = StreamTables(lambda k, v: self.gw.put(series, k, v), node_id, self.limits, ttl_s, self.gw.counts)
         self.seen: dict[str, int] = {boot_id: mark}   # per boot on this stream: the highest seq taken
         self.stored = StreamStored(self.gw.marks, getattr(self.limits, "series_idle_s", 3600.0))
         self.window = PendingWindow(self.gw.max_inflight, on_full=self._waits)

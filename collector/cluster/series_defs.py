@@ -10,7 +10,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -113,14 +113,15 @@ class StreamTables:
     (its definitions decode within limits.max_series_table_bytes, each with a ref and within a
     sample's bounds on name, unit and labels), kept in the stream's own dictionary (so
     the gateway refuses a compact batch that does not decode or uses a ref the stream did not
-    define, as one collector does) and written to the bucket; `written` is awaited before any later
-    batch is published. The tables' bytes are kept (at most max_series_table_bytes a stream) and
-    written again every `ttl_s / 2` while the stream lasts, so the bucket outlives its batches."""
+    define, as one collector does) and written to the bucket by `put` (the gateway's, retried as its
+    publishes are); `written` is awaited before any later batch is published. The tables' bytes are
+    kept (at most max_series_table_bytes a stream) and written again every `ttl_s / 2` while the
+    stream lasts, so the bucket outlives its batches."""
 
-    def __init__(self, kv, node_id: str, limits: Any, ttl_s: float, counts: collections.Counter,
-                 clock=time.monotonic):
+    def __init__(self, put: Callable[[str, bytes], Awaitable[Any]], node_id: str, limits: Any, ttl_s: float,
+                 counts: collections.Counter, clock=time.monotonic):
         get = (lambda k: getattr(limits, k)) if limits is not None else LIMITS.__getitem__
-        self.kv, self.node_id, self.ttl_s, self.counts, self.clock = kv, node_id, ttl_s, counts, clock
+        self.put, self.node_id, self.ttl_s, self.counts, self.clock = put, node_id, ttl_s, counts, clock
         self.max_bytes, self.max_samples = int(get("max_series_table_bytes")), int(get("max_samples_per_batch"))
         self.dictionary = SeriesDictionary(int(get("max_series_per_node")))
         # a sample's bounds on name, unit and labels (collector/limits.py)
@@ -161,7 +162,7 @@ class StreamTables:
 
     async def _put(self, key: str, defs: bytes) -> Exception | None:
         try:
-            await self.kv.put(key, defs)
+            await self.put(key, defs)
         except Exception as e:   # handed to `written` (a task's exception is never left unread)
             return e
         self.counts["series.tables_written"] += 1

@@ -249,6 +249,45 @@ def test_pipelined_publish_acks_duplicates_times_out_and_gives_up(nats_cluster, 
     assert waiting == 0
 
 
+def test_a_series_table_put_rides_out_the_series_buckets_leader_election(nats_cluster, tmp_path):  # noqa: F811
+    """A gateway writes a stream's series tables with Gateway.put, retried as its publishes are: a
+    put made just after the series bucket's stream leader is killed is stored once a new leader is
+    elected, instead of ending the agent's stream (each try waits at most 1 s here)."""
+    from xpusense.collector.cluster.cli import load_config
+    from xpusense.collector.cluster.engine import connect, ensure
+    from xpusense.collector.cluster.gateway import Gateway
+
+    cfg = load_config(str(cluster_config(tmp_path, nats_cluster)), {}, env={})
+    n = cfg.nats
+    n.publish_give_up_s = 90.0
+    stream = f"KV_{n.series_bucket}"
+
+    async def scenario():
+        nc = await connect(n, "test-gateway", role="gateway")
+        try:
+            js = nc.jetstream(timeout=1)
+            buckets = await ensure(nc.jetstream(timeout=10), n)
+            series = await js.key_value(n.series_bucket)
+            gw = Gateway(nc, js, buckets, n)
+            await gw.put(series, "node.boot.1", b"first")
+            leader = nats_cluster.stream_leader(stream)
+            assert leader, "the series bucket's stream has a leader"
+            nats_cluster.kill(leader)
+            try:
+                await gw.put(series, "node.boot.2", b"second")
+                stored = (await series.get("node.boot.2")).value
+                new_leader = nats_cluster.stream_leader(stream)
+            finally:
+                nats_cluster.start(leader)
+            return leader, new_leader, stored
+        finally:
+            await nc.close()
+
+    leader, new_leader, stored = run(scenario())
+    assert stored == b"second"
+    assert new_leader and new_leader != leader
+
+
 def test_marks_first_writes_spread_over_flush_s_then_every_flush_s(nats_cluster, tmp_path):  # noqa: F811
     """Boots that all said Hello together (a fleet starting, a gateway's agents moving over) have
     their first mark write set at random points of flush_s, not in one burst; every mark reaches the

@@ -54,7 +54,7 @@ class Clock:
 
 def _tables(bucket: Bucket, clock: Clock, **limits) -> tuple[StreamTables, collections.Counter]:
     counts: collections.Counter = collections.Counter()
-    return StreamTables(bucket, "node.a", Limits(**limits), 100.0, counts, clock=clock), counts
+    return StreamTables(bucket.put, "node.a", Limits(**limits), 100.0, counts, clock=clock), counts
 
 
 def test_tables_are_written_by_node_boot_and_highest_ref_and_again_every_half_ttl():
