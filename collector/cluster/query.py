@@ -77,9 +77,10 @@ def list_nodes(nodes: Mapping[str, FleetNode], request: pb.ListNodesRequest, max
     return reply
 
 
-def cluster_query(source: FleetSnapshot | Fleet, js, ncfg, security=None,
-                  max_bytes: int = MAX_REPLY_BYTES) -> QueryServicer:
-    """Query for a gateway (a FleetSnapshot) or a scheduler replica (its FleetIndex)."""
+def cluster_query(source: FleetSnapshot | Fleet, js, ncfg, security=None, max_bytes: int = MAX_REPLY_BYTES,
+                  counters: Mapping[str, int] | None = None) -> QueryServicer:
+    """Query for a gateway (a FleetSnapshot) or a scheduler replica (its FleetIndex); every ListNodes
+    reply adds this process's `counters` (a replica's extender) to the summaries'."""
     cache = series_cache(js, ncfg)
     async def nodes(node_id: str) -> Mapping[str, FleetNode]:
         if not isinstance(source, FleetSnapshot):
@@ -95,4 +96,11 @@ def cluster_query(source: FleetSnapshot | Fleet, js, ncfg, security=None,
         except (TimeoutError, nats.errors.Error) as e:
             raise Unavailable(f"the stream is not answering: {e}") from None
 
-    return QueryServicer(nodes, history, list_nodes, security, max_bytes)
+    def page(nodes: Mapping[str, FleetNode], request: pb.ListNodesRequest, max_bytes: int,
+             boot_ids: bool) -> pb.ListNodesReply:
+        reply = list_nodes(nodes, request, max_bytes, boot_ids)
+        for key, k in (counters or {}).items():
+            reply.counters[key] = reply.counters.get(key, 0) + k
+        return reply
+
+    return QueryServicer(nodes, history, page, security, max_bytes)

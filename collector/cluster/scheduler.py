@@ -256,7 +256,8 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
     server = grpc_server(security, None, cfg.max_message_bytes)
     sched = await add_scheduler(server, js, buckets.fleet, cfg)
     collections_held = TASKS.task("gc-policy", freeze_long_lived)
-    pb_grpc.add_QueryServicer_to_server(cluster_query(sched.index, js, ncfg, security), server)
+    counters: collections.Counter[str] = collections.Counter()   # the extender's, shown by ListNodes
+    pb_grpc.add_QueryServicer_to_server(cluster_query(sched.index, js, ncfg, security, counters=counters), server)
     prometheus = _prometheus(cfg, sched.index)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -264,7 +265,7 @@ async def run_scheduler(cfg: Any, stop: asyncio.Event, security=None, credential
     await server.start()
     from ..extender_http import start_extender
     try:
-        extender = await start_extender(cfg, sched.core, security)   # kube-scheduler's extender over this replica's core
+        extender = await start_extender(cfg, sched.core, security, counters)   # kube-scheduler's, over this core
     except BaseException:
         await server.stop(grace=None)
         raise

@@ -191,3 +191,5 @@ def test_extender_on_a_cluster_scheduler_replica(libdir, nats_cluster, procs, tm
     assert s.p.poll() is None, s.output()
     start_agents(procs, tmp_path, gw, libdir)
     check_extender(ext, addr)
+    counters = nodes_json(addr)["counters"]   # the replica's extender counted, shown with its ListNodes
+    assert counters["kubernetes.extender.requests"] >= 10 and counters["kubernetes.extender.errors"] == 2, counters
