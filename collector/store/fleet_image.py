@@ -119,6 +119,18 @@ def _hist(ser: Series) -> bytes | None:
     return ser.histogram.SerializeToString() if ser.histogram is not None else None
 
 
+def _latest(ser: Series) -> tuple[float, int, float, int]:
+    """(value, time_ns, prev_value, prev_time_ns), as Series' properties read them (one frame look-up
+    for the four: a snapshot reads them for every series)."""
+    f = ser.frame
+    if f is None or not f.t:
+        return ser._value, ser._time_ns, ser._prev_value, ser._prev_time_ns
+    t, v, at = f.t, f.v, len(f.v) - f.k + ser.col
+    if len(t) == 1:
+        return v[at], t[-1], ser._value, ser._time_ns
+    return v[at], t[-1], v[at - f.k], t[-2]
+
+
 def capture(n: NodeState, unapplied: dict[str, int] | None, parts: list[bytes], base: Base | None,
             into: Base | None) -> list:
     """One node's entry; its points are appended to `parts` (the frame's blob). `base`: write it
@@ -157,7 +169,7 @@ def _whole(ser: Series, runs: _Runs, values: list) -> list:
     """A series' row as a full snapshot writes it; its values appended to `values`."""
     h = ser.history
     values.append(h.v.tobytes())
-    return [ser.name, ser.unit, ser.kind, ser.labels, ser.value, ser.time_ns, ser.prev_value, ser.prev_time_ns,
+    return [ser.name, ser.unit, ser.kind, ser.labels, *_latest(ser),
             _hist(ser), h.due_t, h.due_n, runs.ref(h.t.tobytes()), len(h.t)]
 
 
@@ -170,15 +182,23 @@ def _incremental(n: NodeState, prev: tuple) -> tuple[_Runs, list, list, list, li
     if not (_grown_from(n, kept) and len(now) == len(framed) and all(f is g for f, g in zip(now, framed))):
         return None
     runs, values, series, frames = _Runs(), [], [], []
+    none = -1   # the empty run's index, once referred to (most series of a frame gain no points of their own)
     for ser, was in zip(n.series.values(), totals):
         h = ser.history
-        have = len(h.t)
+        t = h.t
+        have = len(t)
         k = min(h.dropped + have - was, have)   # points appended since the base (the newest `have` at most)
-        if k < 0:   # fewer than the base had: not the same series after all
+        if k > 0:
+            values.append(h.v[have - k:].tobytes())
+            r = runs.ref(t[have - k:].tobytes())
+        elif k == 0:
+            if none < 0:
+                none = runs.ref(b"")
+            r = none
+        else:   # fewer than the base had: not the same series after all
             return None
-        values.append(h.v[have - k:].tobytes())
-        series.append([ser.value, ser.time_ns, ser.prev_value, ser.prev_time_ns, _hist(ser), h.due_t, h.due_n,
-                       runs.ref(h.t[have - k:].tobytes()), k, have, h.t[0] if have else 0, h.t[-1] if have else 0])
+        series.append([*_latest(ser), _hist(ser) if ser.histogram is not None else None, h.due_t, h.due_n,
+                       r, k, have, t[0] if have else 0, t[-1] if have else 0])
     grown = [_whole(ser, runs, values) for ser in list(n.series.values())[len(kept):]]
     for f, was in zip(now, frame_totals):
         rows = len(f.t)
