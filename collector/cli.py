@@ -159,7 +159,8 @@ def _serve(args) -> int:
                       retry_s=sc.retry_s, damaged_keep_bytes=sc.damaged_keep_bytes, snapshot_keep=sc.snapshot_keep)
         exporters.use_store(store)   # before the replay: it keeps the segments not yet exported
         snapshots = (Snapshotter(store, state, sc.snapshot_every_s, level=sc.snapshot_compress_level,
-                                 after_records=sc.snapshot_after_records, max_s=sc.snapshot_max_s)
+                                 after_records=sc.snapshot_after_records, max_s=sc.snapshot_max_s,
+                                 cpu_share=sc.snapshot_cpu_share)
                      if sc.snapshot_every_s else None)
         try:
             store.open(state)

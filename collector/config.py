@@ -48,6 +48,11 @@ COLLECTOR_SCHEMA = {
         "snapshot_compress_level": Key(int, 1, between(0, 19),
                                        help="zstd level of a snapshot's frames (1: fast; 0: written raw); "
                                             "snapshots of any level are read"),
+        "snapshot_cpu_share": Key((int, float), 0.1, between(0.01, 1),
+                                  help="a periodic snapshot's work (capturing nodes on the event loop, writing them "
+                                       "in a thread) is paced to this share of one core, so ingest keeps up while it "
+                                       "is taken (2,000 nodes: about 2 s of work, written over about 20 s); 1: not "
+                                       "paced. A snapshot at stop is never paced"),
     },
     # The fleet state's memory (collector/state.py): history is shortened first, then new series refused.
     "state": {

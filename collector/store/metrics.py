@@ -49,6 +49,9 @@ METRICS = {
     "snapshot_bytes": ("gauge", "bytes of the last snapshot written"),
     "snapshot_write_ms": ("gauge", "how long writing the last snapshot took, ms"),
     "snapshot_loop_ms": ("gauge", "of it, ms on the event loop (capturing the nodes, a chunk at a time)"),
+    "snapshot_work_ms": ("gauge", "the last snapshot's work, ms: on the event loop and in its writer thread"),
+    "snapshot_paced_ms": ("gauge", "of snapshot_write_ms, ms waited to keep a periodic snapshot's work to [store] "
+                          "snapshot_cpu_share of a core"),
 }
 
 

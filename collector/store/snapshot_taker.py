@@ -4,8 +4,9 @@ Every `[store] snapshot_every_s` that the log holds `snapshot_after_records` rec
 one (or the last is `snapshot_max_s` old), and on a clean stop, a snapshot is written: so a restart
 replays a bounded log, and a small fleet does not rewrite its history every few seconds. Mostly
 diffs on the last full one; a full one when the last diff reached 1/DIFF_RATIO of it. Nodes
-are captured on the event loop a chunk at a time and written by a worker thread meanwhile; a
-failed write is counted, logged and tried again next period (the log is kept meanwhile).
+are captured on the event loop a chunk at a time and written by a worker thread meanwhile, a
+periodic snapshot paced to `cpu_share` of a core so ingest keeps up; a failed write is counted,
+logged and tried again next period (the log is kept meanwhile).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ log = logging.getLogger("xpusense.collector.store")
 
 class Snapshotter:
     def __init__(self, store, state, every_s: float, chunk_series: int = 2000, level: int = 1,
-                 after_records: int = 1, max_s: float = 3600.0):
+                 after_records: int = 1, max_s: float = 3600.0, cpu_share: float = 1.0):
         self.store, self.state, self.level = store, state, level
+        self.cpu_share = cpu_share   # of one core, at most, while a periodic snapshot is taken
+        self._stop: asyncio.Event | None = None   # once set, a snapshot under way is no longer paced
         self.every_s, self.after_records, self.max_s = every_s, after_records, max_s
         self.periods = self.skipped = 0   # periods passed; of them, without a snapshot (too little new)
         self._records_at, self._taken_at = 0, time.monotonic()   # durable records at the last snapshot
@@ -39,6 +42,7 @@ class Snapshotter:
         self.full_written = 0
         self.bytes_written = 0
         self.failures = 0
+        self.paced_s = 0.0   # of the snapshot being (or last) written: time waited to keep to cpu_share
         # The last full snapshot written by this process: (position, id), its size, what diffs need of it.
         self.base: tuple[tuple[int, int], int] | None = None
         self.base_image: fleet_image.Base | None = None
@@ -51,6 +55,7 @@ class Snapshotter:
         """Every every_s until `stop` is set (the snapshot on stop is the caller's: take()). The batches
         replayed at start are in the log after the last snapshot: they count as records since it."""
         self._records_at = self.store.records_durable() - int(self.store.replay.get("batches", 0))
+        self._stop = stop
         while True:
             try:
                 await asyncio.wait_for(stop.wait(), self.every_s)
@@ -63,23 +68,47 @@ class Snapshotter:
                 self.skipped += 1
                 self.store.retire()
                 continue
-            await self.take("periodic")
+            await self.take("periodic", paced=True)
 
-    async def take(self, why: str, full: bool | None = None) -> str | None:
+    async def take(self, why: str, full: bool | None = None, paced: bool = False) -> str | None:
         """Write one snapshot (after the one being written, if any); its path, or None when it failed.
-        `full`: a full one, or a diff (when there is a full one to write it on); None: as the policy says."""
+        `full`: a full one, or a diff (when there is a full one to write it on); None: as the policy says.
+        `paced`: its work (on the loop and in the writer thread) kept to `cpu_share` of a core, until
+        the stop event of `run` is set (a snapshot at stop is not paced)."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            return await self._take(why, full)
+            return await self._take(why, full, paced and self.cpu_share < 1.0)
 
-    async def _take(self, why: str, full: bool | None) -> str | None:
+    async def _pace(self, t0: float, cpu: float) -> None:
+        """Wait until `cpu` seconds of work since `t0` are at most `cpu_share` of the time passed."""
+        wait = cpu / self.cpu_share - (time.monotonic() - t0)
+        if wait <= 0 or (self._stop is not None and self._stop.is_set()):
+            return
+        self.paced_s += wait
+        if self._stop is None:
+            await asyncio.sleep(wait)
+            return
+        try:
+            await asyncio.wait_for(self._stop.wait(), wait)
+        except TimeoutError:
+            pass
+
+    def _timed(self, fn, *args):
+        """In the writer thread: fn(*args) and the CPU time it took there."""
+        c0 = time.thread_time()
+        out = fn(*args)
+        return out, time.thread_time() - c0
+
+    async def _take(self, why: str, full: bool | None, paced: bool) -> str | None:
         """The position covered is fixed first (Store.covered(): what is durable, down to the lowest
         batch accepted but not applied). Then nodes are captured on the loop about `chunk_series`
         series at a time, and each chunk is written by the pool before the next is captured: at
-        most one chunk is held besides the state."""
+        most one chunk is held besides the state. Paced: after each chunk, a wait until the work
+        so far is at most cpu_share of the time since the start."""
         loop = asyncio.get_running_loop()
-        t0, cpu_loop = time.monotonic(), 0.0
+        t0, cpu_loop, cpu_pool = time.monotonic(), 0.0, 0.0
+        self.paced_s = 0.0
         f = None
         if full is None:
             full = self.diff_bytes * DIFF_RATIO >= self.base_bytes
@@ -91,7 +120,8 @@ class Snapshotter:
             pos = self.store.covered()
             f = await loop.run_in_executor(self._pool, SnapshotFile, self.store.snapshots.dir, pos, self.store.fsync,
                                            None if full else self.base, self.level)
-            await loop.run_in_executor(self._pool, f.add, ["f", fleet_image.fleet(self.state)])
+            cpu_pool += (await loop.run_in_executor(self._pool, self._timed, f.add,
+                                                    ["f", fleet_image.fleet(self.state)]))[1]
             ids = list(self.state.nodes)
             i = 0
             while i < len(ids):
@@ -107,14 +137,20 @@ class Snapshotter:
                         chunk.append(fleet_image.capture(n, unapplied.get(n.node_id), parts, base_image, into))
                         size += len(n.series) + 1
                 cpu_loop += time.perf_counter() - c0
-                await loop.run_in_executor(self._pool, f.add, ["n", chunk], parts)
+                cpu_pool += (await loop.run_in_executor(self._pool, self._timed, f.add, ["n", chunk], parts))[1]
                 chunk, parts = [], []
+                if paced:
+                    await self._pace(t0, cpu_loop + cpu_pool)
             c0 = time.perf_counter()
             defs = fleet_image.dictionary(self.state, base_image, into)
             cpu_loop += time.perf_counter() - c0
             for j in range(0, len(defs), DICTIONARY_CHUNK):
-                await loop.run_in_executor(self._pool, self._add_dictionary, f, defs[j:j + DICTIONARY_CHUNK])
-            path = await loop.run_in_executor(self._pool, f.finish)
+                cpu_pool += (await loop.run_in_executor(self._pool, self._timed, self._add_dictionary, f,
+                                                        defs[j:j + DICTIONARY_CHUNK]))[1]
+                if paced:
+                    await self._pace(t0, cpu_loop + cpu_pool)
+            path, cpu = await loop.run_in_executor(self._pool, self._timed, f.finish)
+            cpu_pool += cpu
         except Exception as e:   # a full or failing disk: the log is kept; tried again next period
             self.failures += 1
             log.warning("store snapshot (%s) not written: %s; the log is kept and replayed from the last good "
@@ -136,10 +172,13 @@ class Snapshotter:
             log.warning("store snapshot (%s) written, but older snapshots and segments not pruned: %s", why, why_failed(e))
         self.last = {"snapshot_bytes": f.bytes, "snapshot_nodes_written": f.nodes, "snapshot_full": int(full),
                      "snapshot_write_ms": round((time.monotonic() - t0) * 1000),
-                     "snapshot_loop_ms": round(cpu_loop * 1000)}
+                     "snapshot_loop_ms": round(cpu_loop * 1000),
+                     "snapshot_work_ms": round((cpu_loop + cpu_pool) * 1000),
+                     "snapshot_paced_ms": round(self.paced_s * 1000)}
         log.info("store snapshot (%s) %s: %d nodes, %.1f MB, %s, covers segment %d byte %d; %.2f s (%.0f ms of it on "
-                 "the event loop)", why, path, f.nodes, f.bytes / 1e6, "full" if full else "a diff", pos[0], pos[1],
-                 time.monotonic() - t0, cpu_loop * 1000)
+                 "the event loop, %.0f ms of work in all, %.0f ms paced)", why, path, f.nodes, f.bytes / 1e6,
+                 "full" if full else "a diff", pos[0], pos[1], time.monotonic() - t0, cpu_loop * 1000,
+                 (cpu_loop + cpu_pool) * 1000, self.paced_s * 1000)
         return path
 
     @staticmethod
