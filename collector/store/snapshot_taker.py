@@ -85,14 +85,16 @@ class Snapshotter:
         wait = cpu / self.cpu_share - (time.monotonic() - t0)
         if wait <= 0 or (self._stop is not None and self._stop.is_set()):
             return
-        self.paced_s += wait
-        if self._stop is None:
-            await asyncio.sleep(wait)
-            return
+        w0 = time.monotonic()
         try:
-            await asyncio.wait_for(self._stop.wait(), wait)
+            if self._stop is None:
+                await asyncio.sleep(wait)
+            else:
+                await asyncio.wait_for(self._stop.wait(), wait)
         except TimeoutError:
             pass
+        finally:
+            self.paced_s += time.monotonic() - w0
 
     def _timed(self, fn, *args):
         """In the writer thread: fn(*args) and the CPU time it took there."""
