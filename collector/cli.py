@@ -156,7 +156,8 @@ def _serve(args) -> int:
         sc = cfg.store
         store = Store(cfg.data_dir, history_s=cfg.history_s, fsync=cfg.fsync, segment_s=sc.segment_s,
                       segment_bytes=sc.segment_bytes, max_pending_bytes=sc.max_pending_bytes,
-                      retry_s=sc.retry_s, damaged_keep_bytes=sc.damaged_keep_bytes, snapshot_keep=sc.snapshot_keep)
+                      retry_s=sc.retry_s, damaged_keep_bytes=sc.damaged_keep_bytes, snapshot_keep=sc.snapshot_keep,
+                      commit_interval_s=sc.commit_interval_s)
         exporters.use_store(store)   # before the replay: it keeps the segments not yet exported
         snapshots = (Snapshotter(store, state, sc.snapshot_every_s, level=sc.snapshot_compress_level,
                                  after_records=sc.snapshot_after_records, max_s=sc.snapshot_max_s,

@@ -30,6 +30,11 @@ COLLECTOR_SCHEMA = {
                                  help="records held in memory, not yet on disk (a slow or failing disk); past "
                                       "it new batches are refused (UNAVAILABLE, counted) and resent by agents"),
         "retry_s": Key((int, float), 1.0, positive, help="while the disk cannot be written, how often to try again"),
+        "commit_interval_s": Key((int, float), 0.005, between(0, 1),
+                                 help="a group commit (one write and fsync of every record queued) begins at most "
+                                      "this often (records queued meanwhile join it): a batch waits up to this long "
+                                      "more for its ack, and a busy collector fsyncs far less often (0: each group as "
+                                      "soon as the last one is on disk)"),
         "damaged_keep_bytes": Key(int, 256 * 2**20, positive,
                                   help="damaged bytes found at start are copied into data_dir/damaged/ up to this"),
         "snapshot_every_s": Key((int, float), 10.0, non_negative,
@@ -51,7 +56,7 @@ COLLECTOR_SCHEMA = {
         "snapshot_cpu_share": Key((int, float), 0.1, between(0.01, 1),
                                   help="a periodic snapshot's work (capturing nodes on the event loop, writing them "
                                        "in a thread) is paced to this share of one core, so ingest keeps up while it "
-                                       "is taken (2,000 nodes: about 2 s of work, written over about 20 s); 1: not "
+                                       "is taken (2,000 nodes: 2-3 s of work, written over 20-30 s); 1: not "
                                        "paced. A snapshot at stop is never paced"),
     },
     # The fleet state's memory (collector/state.py): history is shortened first, then new series refused.

@@ -18,6 +18,8 @@ METRICS = {
     "refused_bytes": ("counter", "bytes of those records"),
     "room_waits": ("counter", "times a stream waited for held_bytes to fall under its bound before being read further"),
     "commits": ("counter", "group commits (one write + fsync each)"),
+    "commit_waits": ("counter", "group commits that waited for [store] commit_interval_s since the one before to "
+                     "begin (records queued meanwhile joined them)"),
     "records": ("counter", "records queued for writing"),
     "log_bytes_written": ("counter", "bytes written to the log's segments since start (snapshot_bytes_written: to "
                           "snapshots; together, the store's own disk writes)"),

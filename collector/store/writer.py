@@ -1,9 +1,9 @@
 """The collector's durable store, writing side: group commit, a failing disk as a state, retention.
 
 A record is framed (segment_file.py) and queued on the event loop; one I/O thread writes every
-queued record in one pwrite and fsyncs it, then the records' futures complete and the batches
-are acknowledged. A disk that cannot be written holds the records in memory, within a bound, and
-writes them again every `retry_s` (Store).
+queued record in one pwrite and fsyncs it (a group at most every `commit_interval_s`), then the
+records' futures complete and the batches are acknowledged. A disk that cannot be written holds
+the records in memory, within a bound, and writes them again every `retry_s` (Store).
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ class Store:
 
     def __init__(self, directory: str, history_s: float = 900.0, segment_s: float = 60.0,
                  segment_bytes: int = 64 * 2**20, fsync: bool = True, max_pending_bytes: int = 64 * 2**20,
-                 retry_s: float = 1.0, damaged_keep_bytes: int = 256 * 2**20, snapshot_keep: int = 2):
+                 retry_s: float = 1.0, damaged_keep_bytes: int = 256 * 2**20, snapshot_keep: int = 2,
+                 commit_interval_s: float = 0.0):
         self.dir = directory
         self.history_s = history_s
         self.segment_s = segment_s
@@ -124,6 +125,11 @@ class Store:
         self.max_pending_bytes = max_pending_bytes
         self.retry_s = retry_s
         self.damaged_keep_bytes = damaged_keep_bytes
+        # A group commit begins at most this often: records queued meanwhile join the next group (a
+        # write and fsync cost the core the loop runs on about half of what a whole batch costs).
+        self.commit_interval_s = commit_interval_s
+        self._kicked_at = -commit_interval_s   # (monotonic) when the last group commit began
+        self._kick_timer: asyncio.TimerHandle | None = None
         self._io = _Segments(directory, fsync)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-io")
         self._checkpoint: Callable[[], list[tuple]] = lambda: []
@@ -157,6 +163,7 @@ class Store:
         self.inflight: dict[asyncio.Future, tuple[str, str, int, tuple[int, int]]] = {}
         # Counters (stats(), metrics.py).
         self.commits = 0
+        self.commit_waits = 0
         self.records = 0
         self.write_errors = 0
         self.unwritable_episodes = 0
@@ -316,7 +323,7 @@ class Store:
         self.records += 1
         self.max_held_bytes = max(self.max_held_bytes, held + len(data))
         if not self._busy and not self.failing and self._loop is not None:
-            self._kick()
+            self._kick_soon()
         return None
 
     def _refuse(self, data: bytes, fut: asyncio.Future | None, held: int) -> StoreError:
@@ -334,8 +341,26 @@ class Store:
             fut.set_exception(err)
         return err
 
+    def _kick_soon(self) -> None:
+        """Begin a group commit now, or once commit_interval_s has passed since the last one began."""
+        if self._kick_timer is not None:
+            return
+        assert self._loop is not None
+        wait = self._kicked_at + self.commit_interval_s - time.monotonic()
+        if wait <= 0:
+            self._kick()
+            return
+        self.commit_waits += 1
+        self._kick_timer = self._loop.call_later(wait, self._kick_timed)
+
+    def _kick_timed(self) -> None:
+        self._kick_timer = None
+        if self._pending and not (self._closed or self._busy or self.failing):
+            self._kick()
+
     def _kick(self) -> None:
         assert self._loop is not None
+        self._kicked_at = time.monotonic()
         group, self._pending = self._pending, []
         self._inflight, self._inflight_bytes, self._pending_bytes = group, self._pending_bytes, 0
         io = self._io
@@ -374,7 +399,7 @@ class Store:
             if rolled:
                 self._retire()
             if self._pending and not self._closed:
-                self._kick()
+                self._kick_soon()
             return
         # Nothing of the group is on disk: it goes back to the front of the queue, tried again later.
         self.write_errors += 1
@@ -458,7 +483,8 @@ class Store:
                 "max_held_bytes": self.max_held_bytes, "max_pending_bytes": self.max_pending_bytes,
                 "refused_records": self.refused_records, "refused_bytes": self.refused_bytes,
                 "room_waits": self.room_waits,
-                "commits": self.commits, "records": self.records, "log_bytes_written": self._io.bytes_written,
+                "commits": self.commits, "commit_waits": self.commit_waits, "records": self.records,
+                "log_bytes_written": self._io.bytes_written,
                 "reader_skipped_ranges": sum(r.skipped_ranges for r in readers),
                 "reader_unexpanded_batches": sum(r.unexpanded for r in readers),
                 **{(k if k.startswith("snapshot") else f"replay_{k}"): v for k, v in self.replay.items()
@@ -474,6 +500,8 @@ class Store:
             self.snapshotter.close()
         if self._retry is not None:
             self._retry.cancel()
+        if self._kick_timer is not None:
+            self._kick_timer.cancel()
         self._pool.shutdown(wait=True)
         left = self._pending
         t = self._io_task
