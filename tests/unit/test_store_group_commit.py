@@ -12,7 +12,7 @@ from test_store import batch
 from xpusense.collector.state import FleetState
 from xpusense.collector.store import Store
 
-INTERVAL_S = 0.5
+INTERVAL_S = 1.0
 
 
 def test_records_queued_within_the_interval_share_one_group_commit(tmp_path):

@@ -73,7 +73,7 @@ def test_a_periodic_snapshot_keeps_to_its_cpu_share_and_a_stop_ends_the_pacing(t
     asyncio.run(go())
     live.store.close()
 
-    assert got["cut"]["snapshot_paced_ms"] > 0 and got["stopped_in_s"] < 0.2 * got["cut"]["snapshot_work_ms"] / 1000 / 0.01, got
+    assert got["cut"]["snapshot_paced_ms"] > 0 and got["stopped_in_s"] < 0.5 * got["cut"]["snapshot_work_ms"] / 1000 / 0.01, got
     assert got["stop"]["snapshot_paced_ms"] == 0 and snap.written == 3   # periodic, cut short at stop, stop
     # What the snapshots hold restores the same state as the whole log.
     figures, st = restart(tmp_path / "d")
