@@ -85,21 +85,26 @@ def restore_dictionary(state: FleetState, data: list) -> None:
 class _Runs:
     """A node's distinct time runs, in the order first seen (most series share one with others)."""
 
-    __slots__ = ("runs", "index")
+    __slots__ = ("runs", "index", "last")
 
     def __init__(self) -> None:
         self.runs: list[bytes] = []
         self.index: dict[tuple, list[int]] = {}
+        self.last = -1   # the run found last: the next series' is most often the same
 
     def ref(self, data: bytes) -> int:
+        if self.last >= 0 and self.runs[self.last] == data:
+            return self.last
         key = (len(data), data[:8], data[-8:])
         same = self.index.setdefault(key, [])
         for i in same:
             if self.runs[i] == data:
+                self.last = i
                 return i
         same.append(len(self.runs))
         self.runs.append(data)
-        return len(self.runs) - 1
+        self.last = len(self.runs) - 1
+        return self.last
 
 
 def _common(n: NodeState, unapplied: dict[str, int] | None) -> list:
