@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import math
+import operator
 from array import array
 
 from xpusense.common import compact
@@ -69,9 +70,25 @@ def dictionary(state: FleetState, base: Base | None, into: Base | None) -> Defin
             + [(node, []) for node in base.defs if node not in by_node])
 
 
-def encode_dictionary(rows: Definitions) -> list:
-    """A snapshot's "d" record's data: [[node, [[boot, SeriesTable.defs], ...]], ...]."""
-    return [[node, [[boot, compact.encode_defs(defs)] for boot, defs in boots]] for node, boots in rows]
+Encoded = dict[tuple[str, str], tuple[list[pb.Sample], bytes]]   # (node, boot) -> (definitions, SeriesTable.defs)
+
+
+def encode_dictionary(rows: Definitions, held: Encoded, into: Encoded) -> list:
+    """A snapshot's "d" record's data: [[node, [[boot, SeriesTable.defs], ...]], ...]. A boot's
+    definitions as `held` has them encoded where they are the very same ones (a definition given
+    again replaces the one held: a new object), else encoded now; each boot's put `into` (`held`
+    itself, or a new map for a full snapshot)."""
+    out = []
+    for node, boots in rows:
+        row = []
+        for boot, defs in boots:
+            was = held.get((node, boot))
+            if was is None or len(was[0]) != len(defs) or not all(map(operator.is_, was[0], defs)):
+                was = (defs, compact.encode_defs(defs))
+            into[(node, boot)] = was
+            row.append([boot, was[1]])
+        out.append([node, row])
+    return out
 
 
 def restore_dictionary(state: FleetState, data: list) -> None:

@@ -48,6 +48,8 @@ class Snapshotter:
         self.base_image: fleet_image.Base | None = None
         self.base_bytes = 0
         self.diff_bytes = 0   # of the last diff
+        # The series definitions the last snapshots wrote, encoded (only the writer thread uses it).
+        self.encoded: fleet_image.Encoded = {}
         self.last: dict[str, float] = {}
         store.snapshotter = self
 
@@ -146,9 +148,10 @@ class Snapshotter:
             c0 = time.perf_counter()
             defs = fleet_image.dictionary(self.state, base_image, into)
             cpu_loop += time.perf_counter() - c0
+            encoded: fleet_image.Encoded = {} if full else self.encoded
             for j in range(0, len(defs), DICTIONARY_CHUNK):
                 cpu_pool += (await loop.run_in_executor(self._pool, self._timed, self._add_dictionary, f,
-                                                        defs[j:j + DICTIONARY_CHUNK]))[1]
+                                                        defs[j:j + DICTIONARY_CHUNK], encoded))[1]
                 if paced:
                     await self._pace(t0, cpu_loop + cpu_pool)
             path, cpu = await loop.run_in_executor(self._pool, self._timed, f.finish)
@@ -163,6 +166,7 @@ class Snapshotter:
         self.written += 1
         self.bytes_written += f.bytes
         self._records_at, self._taken_at = records_at, time.monotonic()
+        self.encoded = encoded
         if full:
             self.full_written += 1
             self.base, self.base_image, self.base_bytes, self.diff_bytes = (pos, f.id), into, f.bytes, 0
@@ -183,9 +187,8 @@ class Snapshotter:
                  (cpu_loop + cpu_pool) * 1000, self.paced_s * 1000)
         return path
 
-    @staticmethod
-    def _add_dictionary(f: SnapshotFile, rows: fleet_image.Definitions) -> None:
-        f.add(["d", fleet_image.encode_dictionary(rows)])
+    def _add_dictionary(self, f: SnapshotFile, rows: fleet_image.Definitions, into: fleet_image.Encoded) -> None:
+        f.add(["d", fleet_image.encode_dictionary(rows, self.encoded, into)])
 
     def _abort(self, f: SnapshotFile) -> None:
         """Remove what a failed snapshot wrote (here, not in the pool: it may be shut down at stop;

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import shutil
+import threading
 
 import pytest
 from test_store_snapshot import T0, Live, picture, restart
@@ -344,3 +345,45 @@ def test_a_compact_store_kept_on_disk_replays_and_reads_the_same(tmp_path):
     want += [sample_batch("B", "b1", s, (1, 2)) for s in range(1, 4)]
     assert sorted(b.SerializeToString() for b in stored_batches(str(data))) == \
         sorted(b.SerializeToString() for b in want)
+
+
+def test_a_full_snapshot_encodes_again_only_the_definitions_given_since_the_last(tmp_path, monkeypatch):
+    """Snapshots reuse the definitions they encoded while the dictionary holds the very same ones; a
+    definition given again for a ref it holds (as many definitions as before) is encoded anew, and
+    the restart has it."""
+    encoded: list[int] = []
+    encode = compact.encode_defs
+
+    def counted(d):
+        if threading.current_thread().name.startswith("store-snapshot"):
+            encoded.append(len(d))
+        return encode(d)
+    monkeypatch.setattr(compact, "encode_defs", counted)
+    live = Feed(tmp_path / "c")
+    counts = []
+
+    async def go():
+        live.hello("A", "a1", "host-a")
+        live.hello("B", "b1", "host-b")
+        live.table("A", "a1", (1, 2, 3))
+        live.table("B", "b1", (1, 2))
+        await live.send(compact_batch("A", "a1", 1))
+        await live.send(compact_batch("B", "b1", 1, (1, 2)))
+        for seq in (2, 3):
+            assert await live.snap.take("test", full=True) is not None
+            counts.append(sorted(encoded))
+            encoded.clear()
+            await live.send(compact_batch("A", "a1", seq))
+        again = pb.Sample(name="c", unit="kJ", kind=pb.COUNTER, series_ref=2)   # ref 2 of A given again, changed
+        live.state.dictionary.add("A", "a1", [again])
+        live.store.append_defs("A", pb.SeriesTable(boot_id="a1", defs=encode([again])).SerializeToString())
+        await live.store.barrier()   # on disk before the snapshot: the restart reads it from the snapshot only
+        assert await live.snap.take("test", full=True) is not None
+        counts.append(sorted(encoded))
+    asyncio.run(go())
+    live.store.close()
+    assert counts == [[2, 3], [], [3]]   # both boots; neither (the same ones); A's again
+    fig, st = restart(tmp_path / "c")
+    assert fig["snapshot_loaded"] == 1 and fig["batches"] == 0 and fig["series_tables"] == 0
+    assert st.dictionary.definitions("A", "a1")[2].unit == "kJ" and len(st.dictionary.definitions("A", "a1")) == 3
+    assert st.dictionary.definitions("B", "b1")[2].unit == "J"
