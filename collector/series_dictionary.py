@@ -103,6 +103,18 @@ class SeriesDictionary:
             self.hits["limits.max_series_per_node.definitions_dropped"] += dropped
         return dropped
 
+    def redefined(self, node_id: str, boot_id: str, defs: list[pb.Sample]) -> str | None:
+        """What is wrong with a table that gives a ref the boot holds another series (name, unit,
+        kind or labels; a boot's refs never change meaning), else None: such a table is refused,
+        not kept, so that batches already stored keep the series they were read as."""
+        held = self.boots.get((node_id, boot_id)) or {}
+        for d in defs:
+            h = held.get(d.series_ref)
+            if h is not None and (h.name != d.name or h.unit != d.unit or h.kind != d.kind or h.labels != d.labels):
+                return (f"series_ref {d.series_ref} is defined as {h.name}{dict(h.labels)} in this boot, "
+                        f"not {d.name[:128]}{dict(list(d.labels.items())[:8])}")
+        return None
+
     def definitions(self, node_id: str, boot_id: str) -> dict[int, pb.Sample]:
         return self.boots.get((node_id, boot_id)) or {}
 

@@ -106,6 +106,10 @@ class FleetStream(Sink):
                 counters["ingest.compact.tables_refused"] += 1
                 return Violation(v.code, f"SeriesTable of boot {short_boot(table.boot_id)} refused: "
                                  + v.message.removeprefix("batch rejected: "), v.key)
+        if (why := self.state.dictionary.redefined(self.node_id, table.boot_id, defs)) is not None:
+            counters["ingest.compact.tables_refused"] += 1
+            return Violation(grpc.StatusCode.INVALID_ARGUMENT, f"SeriesTable of boot {short_boot(table.boot_id)} "
+                             f"refused: {why}")
         if self.store is not None:
             try:
                 self.store.append_defs(self.node_id, table.SerializeToString())

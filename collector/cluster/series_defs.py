@@ -146,6 +146,10 @@ class StreamTables:
                     self.counts["series.tables_refused"] += 1
                     return Violation(v.code, f"SeriesTable of boot {short_boot(table.boot_id)} refused: "
                                      + v.message.removeprefix("batch rejected: "), v.key)
+        if (why := self.dictionary.redefined(self.node_id, table.boot_id, defs)) is not None:
+            self.counts["series.tables_refused"] += 1
+            return Violation(grpc.StatusCode.INVALID_ARGUMENT, f"SeriesTable of boot {short_boot(table.boot_id)} "
+                             f"refused: {why}")
         key = table_key(self.node_id, table.boot_id, high)
         size = len(table.defs) - len(self.tables.get(key, b""))
         if self.bytes + size > self.max_bytes:

@@ -164,9 +164,15 @@ def test_what_cannot_be_read_is_refused_and_nothing_of_it_stored(procs, tmp_path
     _, err = stream(coll.addr, [hello("n", True), table([pb.Sample(name="n" * 33, series_ref=50)])])
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err   # a name no sample may have either
     assert "a metric name of 33 characters, more than the collector's limits.max_name_len = 32" in err.details()
+    # A ref the boot holds, given another series: refused; the same definition again is taken.
+    other = pb.Sample(name=defs[0].name, unit=defs[0].unit, kind=defs[0].kind, labels={"device": "elsewhere"},
+                      series_ref=defs[0].series_ref)
+    replies, err = stream(coll.addr, [hello("n", True), table(defs), table([other])])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    assert f"series_ref {defs[0].series_ref} is defined as {defs[0].name}" in err.details(), err.details()
     c = coll.counters()
     assert c["ingest.compact.tables_undecodable"] == 2 and c["limits.max_series_table_bytes"] == 1
-    assert c["ingest.compact.tables_refused"] == 1 and c["limits.max_name_len"] == 1
+    assert c["ingest.compact.tables_refused"] == 2 and c["limits.max_name_len"] == 1
 
     # An agent that offered nothing gets "" and may send neither.
     replies, err = stream(coll.addr, [hello("old", False), table(defs)])

@@ -92,11 +92,16 @@ def test_tables_and_batches_the_stream_cannot_stand_by_are_refused():
         v = st.add(pb.SeriesTable(boot_id="b1", defs=compact.encode_defs([long])))
         assert v is not None and v.code == grpc.StatusCode.INVALID_ARGUMENT and v.key == "max_name_len"
         assert st.add(_table(*range(1, 21))) is None
+        assert st.add(_table(3, 4)) is None   # defined again alike (a resend): taken
+        other = pb.Sample(name="hw.gpu.utilization", unit="1", kind=pb.GAUGE, labels={"device": "gpu9"}, series_ref=3)
+        v = st.add(pb.SeriesTable(boot_id="b1", defs=compact.encode_defs([other])))
+        assert v is not None and v.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "series_ref 3 is defined as hw.gpu.utilization{'device': 'gpu3'} in this boot" in v.message
         refusals = [v for boot in range(2, 200) if (v := st.add(_table(*range(1, 21), boot=f"b{boot}")))]
         assert refusals and st.bytes <= 4096 < st.bytes + len(_table(*range(1, 21)).defs)   # the stream's tables, bounded
         v = refusals[0]
         assert v.code == grpc.StatusCode.RESOURCE_EXHAUSTED and v.key == "max_series_table_bytes"
-        refused = 3 + len(refusals)
+        refused = 4 + len(refusals)
         assert counts["series.tables_refused"] == refused
         await st.written()
         ok = pb.Batch(node_id="node.a", boot_id="b1", seq=1, columns=compact.encode_columns([(1, 5, 0.5), (20, 5, 1.0)]))
