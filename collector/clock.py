@@ -13,6 +13,7 @@ from xpusense.v1 import telemetry_pb2 as pb
 from .diagnoses import CAUSE, CLOSED, EVIDENCE, ID, OPEN, OPENED, REMEDY, RULE, STATE, SYMPTOM, TYPE, Diagnoses
 
 WINDOW_NS = 30 * 10**9
+OPEN_BEHIND_SAMPLES = 2   # a clock behind opens a diagnosis on this many samples in the windows at least
 RULE_NAME = "clock_offset"
 DIAGNOSIS_ID = "collector.clock_offset"
 OFFSET = "clock.offset_s"
@@ -55,21 +56,24 @@ class ClockOffset:
     a node, and a clock stepped back shows within 2 x WINDOW_NS. A batch resent from the spool is a
     low sample, outweighed by any fresh one in the windows."""
 
-    __slots__ = ("cur", "prev", "since", "reported")
+    __slots__ = ("cur", "prev", "since", "reported", "samples", "prev_samples")
 
     def __init__(self) -> None:
         self.cur: int | None = None
         self.prev: int | None = None
         self.since = 0          # when (collector clock) the current window began
         self.reported: int | None = None   # the offset the open diagnosis names (check), where known
+        self.samples = self.prev_samples = 0   # in the current window, in the one before
 
     def observe(self, agent_ns: int, recv_ns: int) -> None:
         """A message the agent stamped `agent_ns` (0: not stamped, ignored), received at `recv_ns`."""
         if not agent_ns:
             return
         if recv_ns - self.since >= WINDOW_NS:
-            self.prev = self.cur if recv_ns - self.since < 2 * WINDOW_NS else None
-            self.cur, self.since = None, recv_ns
+            near = recv_ns - self.since < 2 * WINDOW_NS
+            self.prev, self.prev_samples = (self.cur, self.samples) if near else (None, 0)
+            self.cur, self.since, self.samples = None, recv_ns, 0
+        self.samples += 1
         sample = agent_ns - recv_ns
         if self.cur is None or sample > self.cur:
             self.cur = sample
@@ -97,7 +101,9 @@ def check(book: Diagnoses, n, bound_ns: int, now_ns: int) -> pb.Event | None:
     skewed = offset > bound_ns or -offset > bound_ns
     held = n.diagnoses.get(DIAGNOSIS_ID)
     if held is None:
-        if not skewed:
+        # A clock behind is also what one delayed message shows (a Hello or batch held up in a
+        # collector that many agents reach at once): one sample never opens it; one ahead cannot be.
+        if not skewed or (offset < 0 and est.samples + est.prev_samples < OPEN_BEHIND_SAMPLES):
             return None
     elif skewed:
         if est.reported is None:   # opened before this process knew the node (a snapshot, a takeover)

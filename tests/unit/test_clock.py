@@ -42,9 +42,7 @@ def test_a_skewed_node_gets_a_diagnosis_updated_and_closed_as_its_clock_moves():
     hello = pb.Hello(node_id="n", boot_id="b", time_unix_nano=now[0] - DAY)
     st.hello(hello)
     n = st.nodes["n"]
-    d = n.diagnoses[clock.DIAGNOSIS_ID]
-    assert d.attributes["diagnosis.rule"] == "clock_offset" and d.attributes["diagnosis.state"] == "open"
-    assert float(d.attributes[clock.OFFSET]) == -86400.0 and "86400.0 s (1.0 days) behind" in d.message
+    assert clock.DIAGNOSIS_ID not in n.diagnoses   # behind on one sample: a delay would look the same
     seq = 0
 
     def batch(offset_ns: int) -> None:
@@ -53,6 +51,10 @@ def test_a_skewed_node_gets_a_diagnosis_updated_and_closed_as_its_clock_moves():
         now[0] += S
         assert st.ingest(pb.Batch(node_id="n", boot_id="b", seq=seq, sent_unix_nano=now[0] + offset_ns))
 
+    batch(-DAY)                                # the second sample says it too: opened
+    d = n.diagnoses[clock.DIAGNOSIS_ID]
+    assert d.attributes["diagnosis.rule"] == "clock_offset" and d.attributes["diagnosis.state"] == "open"
+    assert float(d.attributes[clock.OFFSET]) == -86400.0 and "86400.0 s (1.0 days) behind" in d.message
     batch(-DAY + 3 * S)                        # within the bound of the open one: unchanged
     assert n.diagnoses[clock.DIAGNOSIS_ID] is d
     n.offset.reported = None                   # as after a restart: what it names is read off the event
@@ -68,3 +70,20 @@ def test_a_skewed_node_gets_a_diagnosis_updated_and_closed_as_its_clock_moves():
     assert clock.DIAGNOSIS_ID not in n.diagnoses
     assert [e.attributes["diagnosis.state"] for e in n.events] == ["closed", "open", "open"]
     assert st.diagnoses.opened["clock_offset"] == 1
+
+
+def test_a_delayed_hello_opens_nothing_and_a_clock_ahead_opens_at_once():
+    """A Hello held up 8 s on the way (a collector many agents reach at once) reads as a clock 8 s
+    behind: with the node's next batches on time, no diagnosis. A Hello a minute ahead cannot be a
+    delay: opened on that one sample."""
+    now = [1_000_000 * S]
+    st = FleetState(clock=lambda: now[0])
+    st.configure(max_clock_offset_s=5.0)
+    st.hello(pb.Hello(node_id="late", boot_id="b", time_unix_nano=now[0] - 8 * S))
+    for seq in range(1, 4):
+        now[0] += S
+        st.ingest(pb.Batch(node_id="late", boot_id="b", seq=seq, sent_unix_nano=now[0] - S // 10))
+    assert not st.nodes["late"].diagnoses and not st.nodes["late"].events
+    st.hello(pb.Hello(node_id="ahead", boot_id="b", time_unix_nano=now[0] + 60 * S))
+    d = st.nodes["ahead"].diagnoses[clock.DIAGNOSIS_ID]
+    assert "60.0 s ahead of" in d.message
