@@ -412,11 +412,11 @@ class Worker:
                        data: bytes, loaded: bool = False) -> tuple[Any, tuple[str, str] | None]:
         """The batch to apply (a compact one decoded: wire.CompactBatch) and why it is not applied,
         or None: (reason, what was wrong). Refused: a batch whose node is not its subject's, whose
-        `Nats-Msg-Id` is not the id of its node:boot:seq (subjects.msg_id), whose boot id or seq is not one an agent
-        sends, without `Xps-Received` or with one too far from when JetStream stored it, compact
-        columns that do not decode or use a ref with no definition in the series bucket, or that
-        collector/limits.py refuses (its seq against `seq_ceiling` on JetStream's clock). Skipped
-        messages are acknowledged with the rest, never applied (_skip)."""
+        `Nats-Msg-Id` is not that of its node:boot:seq (subjects.is_msg_id), whose boot id or seq is
+        not one an agent sends, without `Xps-Received` or with one too far from when JetStream stored
+        it, compact columns that do not decode or use a ref with no definition in the series bucket,
+        or that collector/limits.py refuses (its seq against `seq_ceiling` on JetStream's clock).
+        Skipped messages are acknowledged with the rest, never applied (_skip)."""
         if batch.node_id != node_id:
             return batch, ("node", f"a batch of node {batch.node_id[:128]!r} on the subject of {node_id[:128]!r}")
         if (why := bad_id("boot_id", batch.boot_id)) or batch.seq < 1:
