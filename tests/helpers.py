@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -85,6 +86,16 @@ def wait_until(cond, timeout_s: float = 60.0, interval_s: float = 0.05, what: st
     if callable(what):
         what = what()
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
+
+
+async def until(cond, what: str, timeout_s: float = 60.0, interval_s: float = 0.02) -> None:
+    """wait_until on the running event loop, for what that loop itself makes true."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(interval_s)
 
 
 def replay_rounds(diagnoser, start_s: int, end_s: int, rounds: tuple[list, list], t0_ns: int) -> list:

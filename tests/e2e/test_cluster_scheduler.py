@@ -13,7 +13,7 @@ import time
 import urllib.request
 
 from cluster_support import SimAgent, cluster_config, module_cmd, nats_cluster, start_gateway  # noqa: F401
-from helpers import BIN, free_port, nodes_json, wait_until
+from helpers import BIN, free_port, nodes_json, until, wait_until
 
 FLEET = {"bj-1": {"region": "cn-beijing", "zone": "a", "price": "4.0"},
          "bj-2": {"region": "cn-beijing", "zone": "b", "price": "2.0"},
@@ -129,13 +129,6 @@ def test_fleet_index_lists_and_watches_again_when_its_watch_fails_or_ends(nats_c
         n = NodeLatest(nid, 0)
         n.hello(pb.Hello(node_id=nid, boot_id="b", inventory=pb.Inventory(hostname=nid)), "gw", "", 1)
         return n.encode("w", 1)
-
-    async def until(cond, what):
-        for _ in range(600):
-            if cond():
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}")
 
     async def scenario():
         # Each side with its own identity: a gateway's creates the buckets, a worker's writes

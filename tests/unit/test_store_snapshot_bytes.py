@@ -9,6 +9,7 @@ import asyncio
 import os
 import shutil
 
+from helpers import until
 from test_store_snapshot import Live, batch, full_replay, picture, restart
 
 from xpusense.collector.store import snapshot_file
@@ -125,16 +126,6 @@ def test_the_store_counts_the_bytes_it_writes_to_the_log(tmp_path):
     assert stats["snapshot_bytes_written"] == 0
 
 
-async def _until(cond, what: str, timeout_s: float = 60.0) -> None:
-    """Wait on the loop (the snapshotter runs there) until `cond()`, with a generous deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 def test_a_period_writes_a_snapshot_only_once_enough_records_were_logged_since_the_last(tmp_path):
     """snapshot_after_records: a small fleet's periods pass without rewriting its history; the
     snapshot comes once the log holds that many records after the last one."""
@@ -145,16 +136,16 @@ def test_a_period_writes_a_snapshot_only_once_enough_records_were_logged_since_t
     async def go():
         stop = asyncio.Event()
         task = asyncio.create_task(snap.run(stop))
-        await _until(lambda: snap.periods, "the first period")                # (counts from its start)
+        await until(lambda: snap.periods, "the first period")                # (counts from its start)
         live.hello("A", "a1", "host-a")                                       # 1 record
         await live.store_all([batch("A", "a1", s) for s in range(1, 4)])     # 4
         seen = snap.periods
-        await _until(lambda: snap.periods >= seen + 5, "five periods")
+        await until(lambda: snap.periods >= seen + 5, "five periods")
         assert snap.written == 0 and snap.skipped >= 5
         await live.store_all([batch("A", "a1", s) for s in range(4, 6)])     # 6
-        await _until(lambda: snap.written == 1, "a snapshot")
+        await until(lambda: snap.written == 1, "a snapshot")
         seen = snap.periods
-        await _until(lambda: snap.periods >= seen + 5, "five periods more")
+        await until(lambda: snap.periods >= seen + 5, "five periods more")
         assert snap.written == 1                                              # nothing new since
         stop.set()
         await task
@@ -172,11 +163,11 @@ def test_a_period_writes_a_snapshot_once_the_last_is_max_s_old_if_anything_is_ne
         stop = asyncio.Event()
         task = asyncio.create_task(snap.run(stop))
         seen = snap.periods
-        await _until(lambda: snap.periods >= seen + 10, "ten periods")
+        await until(lambda: snap.periods >= seen + 10, "ten periods")
         assert snap.written == 0                                              # nothing logged: no snapshot
         live.hello("A", "a1", "host-a")
         await live.store_all([batch("A", "a1", 1)])
-        await _until(lambda: snap.written == 1, "a snapshot")
+        await until(lambda: snap.written == 1, "a snapshot")
         stop.set()
         await task
     asyncio.run(go())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from helpers import until
 from test_store_snapshot import Live, batch, full_replay, picture, restart
 
 NODES = 1000
@@ -24,15 +25,6 @@ async def _fleet(live: Live) -> None:
             live.apply(b, fut)
 
 
-async def _until(cond, what: str, timeout_s: float = 120.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 def test_a_periodic_snapshot_keeps_to_its_cpu_share_and_a_stop_ends_the_pacing(tmp_path):
     live = Live(tmp_path / "d")
     snap = live.snap
@@ -44,12 +36,12 @@ def test_a_periodic_snapshot_keeps_to_its_cpu_share_and_a_stop_ends_the_pacing(t
         await _fleet(live)
         stop = asyncio.Event()
         task = asyncio.create_task(snap.run(stop))
-        await _until(lambda: snap.periods >= 1, "the first period")   # skipped: nothing logged since start
+        await until(lambda: snap.periods >= 1, "the first period", 120)   # skipped: nothing logged since start
         live.hello("n0", "b1", "host-0")   # one record more: the next period writes a snapshot, from its start
         seen = snap.periods
-        await _until(lambda: snap.periods > seen, "the next period")
+        await until(lambda: snap.periods > seen, "the next period", 120)
         c0, t0 = time.process_time(), time.monotonic()
-        await _until(lambda: snap.written >= 1, "the periodic snapshot")
+        await until(lambda: snap.written >= 1, "the periodic snapshot", 120)
         share = (time.process_time() - c0) / (time.monotonic() - t0)
         first = snap.last
         assert first["snapshot_nodes_written"] == NODES and first["snapshot_paced_ms"] > 0
@@ -61,8 +53,8 @@ def test_a_periodic_snapshot_keeps_to_its_cpu_share_and_a_stop_ends_the_pacing(t
         snap.cpu_share = 0.01
         live.hello("n0", "b1", "host-0")
         seen = snap.periods
-        await _until(lambda: snap.periods > seen, "the next period")
-        await _until(lambda: snap.paced_s > 0, "the next snapshot paced")
+        await until(lambda: snap.periods > seen, "the next period", 120)
+        await until(lambda: snap.paced_s > 0, "the next snapshot paced", 120)
         t1 = time.monotonic()
         stop.set()
         await task
