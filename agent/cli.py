@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     path = args.config or os.environ.get("XPUSENSE_AGENT_CONFIG")
     if args.cmd == "run":
         choose_engine(POLLING_CLIENT)   # before grpc is imported: it reads its experiments then
+        # grpc's fork handlers off: the host source's netns helper (pyroute2) forks while the stream
+        # is busy in gRPC; the handlers then skip ("other threads are calling into gRPC") and the
+        # agent was seen to die of SIGSEGV right after. The children forked never use gRPC.
+        if "grpc" not in sys.modules:
+            os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
         start_early(path or "")
     try:
         from .commands import execute
