@@ -85,6 +85,17 @@ class Series:
             return self._prev_time_ns
         return self._time_ns if len(f.t) == 1 else f.t[-2]
 
+    def latest(self) -> tuple[float, int, float, int]:
+        """(value, time_ns, prev_value, prev_time_ns) as the four properties read them, with one
+        look at the frame (a snapshot reads them for every series)."""
+        f = self.frame
+        if f is None or not f.t:
+            return self._value, self._time_ns, self._prev_value, self._prev_time_ns
+        t, v, at = f.t, f.v, len(f.v) - f.k + self.col
+        if len(t) == 1:
+            return v[at], t[-1], self._value, self._time_ns
+        return v[at], t[-1], v[at - f.k], t[-2]
+
     def rate(self) -> float:
         if self.kind != pb.COUNTER or not self.prev_time_ns or self.time_ns <= self.prev_time_ns:
             return math.nan

@@ -141,18 +141,6 @@ def _hist(ser: Series) -> bytes | None:
     return ser.histogram.SerializeToString() if ser.histogram is not None else None
 
 
-def _latest(ser: Series) -> tuple[float, int, float, int]:
-    """(value, time_ns, prev_value, prev_time_ns), as Series' properties read them (one frame look-up
-    for the four: a snapshot reads them for every series)."""
-    f = ser.frame
-    if f is None or not f.t:
-        return ser._value, ser._time_ns, ser._prev_value, ser._prev_time_ns
-    t, v, at = f.t, f.v, len(f.v) - f.k + ser.col
-    if len(t) == 1:
-        return v[at], t[-1], ser._value, ser._time_ns
-    return v[at], t[-1], v[at - f.k], t[-2]
-
-
 def capture(n: NodeState, unapplied: dict[str, int] | None, parts: list[bytes], base: Base | None,
             into: Base | None) -> list:
     """One node's entry; its points are appended to `parts` (the frame's blob). `base`: write it
@@ -191,7 +179,7 @@ def _whole(ser: Series, runs: _Runs, values: list) -> list:
     """A series' row as a full snapshot writes it; its values appended to `values`."""
     h = ser.history
     values.append(h.v.tobytes())
-    return [ser.name, ser.unit, ser.kind, ser.labels, *_latest(ser),
+    return [ser.name, ser.unit, ser.kind, ser.labels, *ser.latest(),
             _hist(ser), h.due_t, h.due_n, runs.ref(h.t.tobytes()), len(h.t)]
 
 
@@ -219,7 +207,7 @@ def _incremental(n: NodeState, prev: tuple) -> tuple[_Runs, list, list, list, li
             r = none
         else:   # fewer than the base had: not the same series after all
             return None
-        series.append([*_latest(ser), _hist(ser) if ser.histogram is not None else None, h.due_t, h.due_n,
+        series.append([*ser.latest(), _hist(ser) if ser.histogram is not None else None, h.due_t, h.due_n,
                        r, k, have, t[0] if have else 0, t[-1] if have else 0])
     grown = [_whole(ser, runs, values) for ser in list(n.series.values())[len(kept):]]
     for f, was in zip(now, frame_totals):

@@ -195,6 +195,7 @@ def test_a_steady_group_is_held_in_one_frame_and_its_prefix_goes_with_the_window
     assert not f.prefixed and all(len(s.history.t) == 0 for s in f.series)   # the points from before it: let go
     u = n.series[("u", (("device", "0"),))]
     assert u.frame is f and u.value == 20 and u.prev_value == 19 and u.time_ns == T0 + 20 * S
+    assert u.latest() == (20, T0 + 20 * S, 19, T0 + 19 * S)   # the four properties with one look
     e = n.series[("e", (("device", "0"),))]
     assert math.isclose(e.rate(), 1.0)
     assert list(held(u)[0]) == [T0 + s * S for s in range(15, 21)]
