@@ -38,14 +38,18 @@ GOALS = {"wire_bytes_per_point": 4.0, "collector_disk_bytes_per_point": 6.0}
 # The agent's [stream] batch_encoding per run: "" is Sample messages only; None leaves the key out
 # (the agent's default, the compact encoding where the agent has it).
 RUNS = {"before": "", "after": None}
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+KEEP_BYTES = 256 * 2**20   # upstream bytes the relay keeps to read apart (far above a run's)
 
 
 class Relay:
     """A TCP relay on loopback to `target`, counting the bytes each way (up: agent to collector);
     cut() closes every connection it carries, so the agent reconnects through it."""
 
-    def __init__(self, target: tuple[str, int]):
+    def __init__(self, target: tuple[str, int], keep_bytes: int = KEEP_BYTES):
         self.target = target
+        self.keep_bytes = keep_bytes   # upstream bytes kept to be read apart (wire_parts), at most
+        self.kept: list[bytearray] = []   # per connection, in order
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.lock = threading.Lock()
@@ -69,16 +73,20 @@ class Relay:
                 self.accepted += 1
                 self.pumps += 2
                 self.socks = [s for s in self.socks if s.fileno() != -1] + [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+                kept = bytearray()
+                self.kept.append(kept)
+            threading.Thread(target=self._pump, args=(client, upstream, True, kept), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, up: bool, kept: bytearray | None = None) -> None:
         try:
             while data := src.recv(65536):
                 dst.sendall(data)
                 with self.lock:
                     if up:
                         self.up += len(data)
+                        if kept is not None and self.up <= self.keep_bytes:
+                            kept += data
                     else:
                         self.down += len(data)
         except OSError:
@@ -104,6 +112,42 @@ class Relay:
     def close(self) -> None:
         self.server.close()
         self.cut()
+
+
+def wire_parts(connections: list[bytes]) -> dict[str, int]:
+    """The upstream bytes of HTTP/2 connections carrying the Ingest stream, by what they carry: each
+    AgentMessage kind's message bytes ("batch", "series", "hello", ...), and "framing" for the rest
+    (the connection preface, frame headers, frames other than DATA, gRPC's 5-byte message prefixes,
+    a message cut off by the end of a connection)."""
+    from xpusense.v1 import telemetry_pb2 as pb
+    out: dict[str, int] = {"framing": 0}
+    for data in connections:
+        i = len(H2_PREFACE) if data.startswith(H2_PREFACE) else 0
+        out["framing"] += i
+        streams: dict[int, bytearray] = {}
+        while i + 9 <= len(data):
+            length, kind, stream = int.from_bytes(data[i:i + 3], "big"), data[i + 3], \
+                int.from_bytes(data[i + 5:i + 9], "big") & 0x7FFFFFFF
+            payload = data[i + 9:i + 9 + length]
+            out["framing"] += 9 + (0 if kind == 0 else len(payload))
+            if kind == 0:   # DATA (gRPC never pads)
+                streams.setdefault(stream, bytearray()).extend(payload)
+            i += 9 + length
+        out["framing"] += len(data) - min(i, len(data))
+        for buf in streams.values():
+            j = 0
+            while j + 5 <= len(buf):
+                n = int.from_bytes(buf[j + 1:j + 5], "big")
+                if j + 5 + n > len(buf):
+                    break
+                msg = pb.AgentMessage.FromString(bytes(buf[j + 5:j + 5 + n]))
+                what = msg.WhichOneof("msg") or "empty"
+                inner = getattr(msg, what).ByteSize() if what != "empty" else 0
+                out[what] = out.get(what, 0) + inner
+                out["framing"] += 5 + n - inner   # the prefix, AgentMessage's tag and length
+                j += 5 + n
+            out["framing"] += len(buf) - j
+    return out
 
 
 class FileBytes:
@@ -278,11 +322,17 @@ def one_run(name: str, encoding: str | None, args, tmp: str, env: dict, net: tup
     if points == 0:
         raise SystemExit(f"wire_bytes: the collector holds no point of {node_id}")
     per = 1.0 / points
+    parts = wire_parts([bytes(b) for b in relay.kept]) if relay.up <= relay.keep_bytes else {}
     used = default_encoding() if encoding is None else encoding
     return {"encoding": "samples (no key)" if used is None else (used or "samples"),
             "seconds": round(wall, 1), "points": points, "points_per_s": round(points / wall, 1), "series": series,
             "wire_up_bytes": relay.up, "wire_down_bytes": relay.down,
             "wire_bytes_per_point": round(relay.up * per, 2), "wire_down_bytes_per_point": round(relay.down * per, 2),
+            # wire up by what it carried: batches (what a JetStream batch stream keeps, less its own
+            # per-message bytes), series tables (what the series bucket keeps), Hellos, framing
+            "wire_up_parts": parts,
+            **{f"{k}_bytes_per_point": round(parts.get(k, 0) * per, 2) for k in ("batch", "series", "hello", "framing")
+               if parts},
             "collector_disk_bytes_per_point": round(collector_written * per, 2),
             "collector_file_bytes_per_point": round((file_bytes - spool_files) * per, 2),
             # the store's own counters: bytes it wrote to the log and to snapshots (no page rounding)
@@ -303,7 +353,9 @@ def verdicts(after: dict) -> dict:
 
 ROWS = [("seconds", "seconds"), ("points held (GetHistory)", "points"), ("points/s", "points_per_s"),
         ("series", "series"), ("wire up, bytes", "wire_up_bytes"), ("wire down, bytes", "wire_down_bytes"),
-        ("wire up, B/point", "wire_bytes_per_point"), ("wire down, B/point", "wire_down_bytes_per_point"),
+        ("wire up, B/point", "wire_bytes_per_point"), ("  of it batches, B/point", "batch_bytes_per_point"),
+        ("  series tables", "series_bytes_per_point"), ("  Hellos", "hello_bytes_per_point"),
+        ("  HTTP/2 and gRPC framing", "framing_bytes_per_point"), ("wire down, B/point", "wire_down_bytes_per_point"),
         ("collector disk writes, B/point", "collector_disk_bytes_per_point"),
         ("collector files grew, B/point", "collector_file_bytes_per_point"),
         ("store wrote to its log, B/point", "store_log_bytes_per_point"),
@@ -320,7 +372,7 @@ def report(result: dict) -> None:
     print(f"  {'':34}" + "".join(f" {k:>14}" for k in runs))
     print(f"  {'encoding':34}" + "".join(f" {v['encoding']:>14}" for v in runs.values()))
     for label, key in ROWS:
-        print(f"  {label:34}" + "".join(f" {v[key]:>14,}" for v in runs.values()))
+        print(f"  {label:34}" + "".join(f" {v[key]:>14,}" if key in v else f" {'-':>14}" for v in runs.values()))
     for goal, ok in result.get("goals", {}).items():
         print(f"  goal {goal} (after): {'met' if ok else 'MISSED'}")
 
