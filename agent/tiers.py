@@ -231,8 +231,8 @@ class TierLoop:
             ]
         if st.changes is not None:
             out = st.changes.keep(samples + own, time.monotonic())
-        else:   # the loop's own samples of every source: up, errors, timeouts seldom change
-            out = samples + st.own_changes.keep(own, time.monotonic())
+        else:   # the loop's own samples of every source: duration each round; up, errors, timeouts seldom change
+            out = samples + own[:1] + st.own_changes.keep(own[1:], time.monotonic())
         self.sink(stamp(out, now_ns), stamp_events(events))
 
     def run(self, stop: threading.Event) -> None:

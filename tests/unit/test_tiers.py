@@ -260,9 +260,12 @@ class FailsLater(Source):
         return [Sample("test.later", self.rounds, "1")]
 
 
-def test_the_loops_own_samples_go_out_when_they_change():
-    """duration every round; up, errors and timeouts on their first round, when they change, and
-    every OWN_RESEND_S: a third of the agent's 1 s samples were these, mostly unchanged."""
+def test_the_loops_own_samples_go_out_when_they_change(monkeypatch):
+    """duration every round, the same duration again too; up, errors and timeouts on their first
+    round, when they change, and every OWN_RESEND_S: a third of the agent's 1 s samples were these,
+    mostly unchanged."""
+    ticks = iter(range(10**6))   # every round measured as the same 0.25 s
+    monkeypatch.setattr(tiers_mod.time, "perf_counter", lambda: next(ticks) * 0.25)
     sink = Sink()
     states, _ = setup_sources([FailsLater()])
     loop = TierLoop(states, {REALTIME: 1.0, NEARLINE: 15.0, "offline": 300.0}, sink, timeout_ratio=1.0)
@@ -270,7 +273,7 @@ def test_the_loops_own_samples_go_out_when_they_change():
         for _ in range(5):
             for f in loop.dispatch(REALTIME):
                 f.result(timeout=30)
-        assert len(sink.named("xpusense.agent.source.duration", source="later")) == 5
+        assert [s.value for s in sink.named("xpusense.agent.source.duration", source="later")] == [0.25] * 5
         # (a change is sent once more in the next round: a rate from the last two points is then 0)
         assert [s.value for s in sink.named("xpusense.agent.source.up", source="later")] == [1.0, 0.0, 0.0]
         assert [s.value for s in sink.named("xpusense.agent.source.errors", source="later")] == [0, 1, 2]
