@@ -194,7 +194,8 @@ FIGURES: list[dict[str, Any]] = [
      "checks": [("pair_p99_over_place_p99", "<=", 1.0)]},
     {"title": "Cluster mode, whole runs", "bench": "fleet_scale", "match": {"place_only": None, "ack_only": None},
      "what": "3 nats-servers (R3) on loopback, gateways, a worker and a scheduler replica: per-core throughput, "
-             "state a node, ack p99 at 1,000 agents, Place p99 at 11,000 nodes (docs/scale.md for sizing).",
+             "state a node, ack p99 at 1,000 agents, Place p99 at 11,000 nodes (docs/scale.md for sizing); stream MB/s "
+             "\"a real agent\": with wire_bytes' newest batches and series tables in place of the simulated batch.",
      "command": f"{PY} bench/fleet_scale.py --seconds 15",
      "goal": "gateway >= 2,500 and worker >= 3,000 batches/s a core, <= 64 KiB a node, ack p99 <= 100 ms, "
              "Place p99 <= 1 ms in process and <= 5 ms over gRPC, <= 100 MB/s a stream replica at 100,000 nodes "
@@ -202,7 +203,8 @@ FIGURES: list[dict[str, Any]] = [
      "cols": [("compact", "compact"), ("gateway/core", "gateway_per_core"), ("worker/core", "worker_per_core"),
               ("B a node, worker", "worker_bytes_per_node"), ("B a node, replica", "scheduler_bytes_per_node"),
               ("ack p99 ms", "ack_p99_ms"), ("Place p99 ms", "place_inproc_p99_ms"), ("gRPC p99 ms", "place_grpc_p99_ms"),
-              ("stream MB/s a replica", "projection.stream_mb_s_per_replica_stored")],
+              ("stream MB/s a replica", "projection.stream_mb_s_per_replica_stored"),
+              ("the same, a real agent", "projection.stream_mb_s_per_replica_measured")],
      "checks": [("gateway_per_core", ">=", 2500), ("worker_per_core", ">=", 3000),
                 ("worker_bytes_per_node", "<=", 65536), ("scheduler_bytes_per_node", "<=", 65536),
                 ("ack_p99_ms", "<=", 100.0), ("place_inproc_p99_ms", "<=", 1.0), ("place_grpc_p99_ms", "<=", 5.0),
@@ -223,6 +225,7 @@ FIGURES: list[dict[str, Any]] = [
 # bench/wire_bytes.py: the same figures for NVIDIA GPUs and for Ascend NPUs.
 WIRE_COLS = [("points/s", "runs.after.points_per_s"), ("after", "runs.after.encoding"),
              ("wire B/pt before", "runs.before.wire_bytes_per_point"), ("wire B/pt", "runs.after.wire_bytes_per_point"),
+             ("of it batches", "runs.after.batch_bytes_per_point"), ("series tables", "runs.after.series_bytes_per_point"),
              ("disk B/pt before", "runs.before.collector_disk_bytes_per_point"),
              ("disk B/pt", "runs.after.collector_disk_bytes_per_point"),
              ("store log B/pt", "runs.after.store_log_bytes_per_point"),

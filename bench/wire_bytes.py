@@ -281,7 +281,7 @@ def one_run(name: str, encoding: str | None, args, tmp: str, env: dict, net: tup
         cfg = agent_toml(run_dir, args, net, lib, glob, encoding)
         cmd = tool("xpusense-agent") + ["run", "--config", cfg, "--collector", f"127.0.0.1:{relay.port}",
                                        "--node-id", node_id, "--log-level", "warning"]
-        run_env = dict(env)
+        run_env = dict(env, PYTHONDONTWRITEBYTECODE="1")   # its disk writes: the spool's, no .pyc of an edited module
         if args.npu:
             scenario = os.path.join(run_dir, "npu-scenario")
             shutil.copytree(NPU_SCENARIO, scenario)
