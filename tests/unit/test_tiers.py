@@ -264,8 +264,16 @@ def test_the_loops_own_samples_go_out_when_they_change(monkeypatch):
     """duration every round, the same duration again too; up, errors and timeouts on their first
     round, when they change, and every OWN_RESEND_S: a third of the agent's 1 s samples were these,
     mostly unchanged."""
-    ticks = iter(range(10**6))   # every round measured as the same 0.25 s
-    monkeypatch.setattr(tiers_mod.time, "perf_counter", lambda: next(ticks) * 0.25)
+    ticks = iter(range(10**6))
+
+    class SameDurations:   # the tier loop's `time`: every round measured as the same 0.25 s
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def perf_counter(self):
+            return next(ticks) * 0.25
+
+    monkeypatch.setattr(tiers_mod, "time", SameDurations())
     sink = Sink()
     states, _ = setup_sources([FailsLater()])
     loop = TierLoop(states, {REALTIME: 1.0, NEARLINE: 15.0, "offline": 300.0}, sink, timeout_ratio=1.0)
