@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import collections
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import overload
+
+import grpc
 
 from xpusense.common import compact
 from xpusense.v1 import telemetry_pb2 as pb
 
-from .limits import short_boot
+from .limits import Violation, short_boot
 
 
 class MissingDefinition(LookupError):
@@ -103,16 +105,24 @@ class SeriesDictionary:
             self.hits["limits.max_series_per_node.definitions_dropped"] += dropped
         return dropped
 
-    def redefined(self, node_id: str, boot_id: str, defs: list[pb.Sample]) -> str | None:
-        """What is wrong with a table that gives a ref the boot holds another series (name, unit,
-        kind or labels; a boot's refs never change meaning), else None: such a table is refused,
-        not kept, so that batches already stored keep the series they were read as."""
+    def refusal(self, node_id: str, boot_id: str, defs: list[pb.Sample],
+                check: Callable[[pb.Sample], Violation | None] | None) -> Violation | None:
+        """Why a SeriesTable of `defs` is refused, else None: a definition past a sample's bounds
+        (`check`, limits.check_definition; None: the stream has no limits), as those are held as long
+        as the boot; or a ref the boot holds given another series (name, unit, kind or labels: a
+        boot's refs never change meaning, so batches already stored keep the series they were read as)."""
+        refused = f"SeriesTable of boot {short_boot(boot_id)} refused: "
+        if check is not None:
+            for d in defs:
+                if (v := check(d)) is not None:
+                    return Violation(v.code, refused + v.message.removeprefix("batch rejected: "), v.key)
         held = self.boots.get((node_id, boot_id)) or {}
         for d in defs:
             h = held.get(d.series_ref)
             if h is not None and (h.name != d.name or h.unit != d.unit or h.kind != d.kind or h.labels != d.labels):
-                return (f"series_ref {d.series_ref} is defined as {h.name}{dict(h.labels)} in this boot, "
-                        f"not {d.name[:128]}{dict(list(d.labels.items())[:8])}")
+                return Violation(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"{refused}series_ref {d.series_ref} is defined as {h.name}{dict(h.labels)} in "
+                                 f"this boot, not {d.name[:128]}{dict(list(d.labels.items())[:8])}")
         return None
 
     def definitions(self, node_id: str, boot_id: str) -> dict[int, pb.Sample]:

@@ -100,16 +100,10 @@ class FleetStream(Sink):
                              f"SeriesTable of boot {short_boot(table.boot_id)} refused: {e}"
                              + (f" (limits.max_series_table_bytes = {max_bytes})" if over else ""),
                              "max_series_table_bytes" if over else "")
-        limits = self.limits
-        for d in defs if limits is not None else ():   # held as long as the boot: within a sample's bounds
-            if (v := limits.check_definition(d)) is not None:
-                counters["ingest.compact.tables_refused"] += 1
-                return Violation(v.code, f"SeriesTable of boot {short_boot(table.boot_id)} refused: "
-                                 + v.message.removeprefix("batch rejected: "), v.key)
-        if (why := self.state.dictionary.redefined(self.node_id, table.boot_id, defs)) is not None:
+        check = self.limits.check_definition if self.limits is not None else None
+        if (v := self.state.dictionary.refusal(self.node_id, table.boot_id, defs, check)) is not None:
             counters["ingest.compact.tables_refused"] += 1
-            return Violation(grpc.StatusCode.INVALID_ARGUMENT, f"SeriesTable of boot {short_boot(table.boot_id)} "
-                             f"refused: {why}")
+            return v
         if self.store is not None:
             try:
                 self.store.append_defs(self.node_id, table.SerializeToString())

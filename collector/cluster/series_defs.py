@@ -139,17 +139,9 @@ class StreamTables:
             self.counts["series.tables_refused"] += 1
             return Violation(grpc.StatusCode.INVALID_ARGUMENT,
                              f"SeriesTable of boot {short_boot(table.boot_id)} refused: {e}")
-        check = self.check
-        if check is not None:   # kept as long as the boot: within a sample's bounds
-            for d in defs:
-                if (v := check(d)) is not None:
-                    self.counts["series.tables_refused"] += 1
-                    return Violation(v.code, f"SeriesTable of boot {short_boot(table.boot_id)} refused: "
-                                     + v.message.removeprefix("batch rejected: "), v.key)
-        if (why := self.dictionary.redefined(self.node_id, table.boot_id, defs)) is not None:
+        if (v := self.dictionary.refusal(self.node_id, table.boot_id, defs, self.check)) is not None:
             self.counts["series.tables_refused"] += 1
-            return Violation(grpc.StatusCode.INVALID_ARGUMENT, f"SeriesTable of boot {short_boot(table.boot_id)} "
-                             f"refused: {why}")
+            return v
         key = table_key(self.node_id, table.boot_id, high)
         size = len(table.defs) - len(self.tables.get(key, b""))
         if self.bytes + size > self.max_bytes:
