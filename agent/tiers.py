@@ -223,16 +223,16 @@ class TierLoop:
                 st.last_error[tier] = error
             else:
                 st.last_error.pop(tier, None)
-            own = [
-                Sample("xpusense.agent.source.duration", duration, "s", labels),
+            took = Sample("xpusense.agent.source.duration", duration, "s", labels)
+            health = [
                 Sample("xpusense.agent.source.up", 0.0 if error else 1.0, "1", dict(labels)),
                 Sample("xpusense.agent.source.errors", st.errors, "{error}", {"source": st.name}, COUNTER),
                 Sample("xpusense.agent.source.timeouts", st.timeouts, "{round}", {"source": st.name}, COUNTER),
             ]
         if st.changes is not None:
-            out = st.changes.keep(samples + own, time.monotonic())
-        else:   # the loop's own samples of every source: duration each round; up, errors, timeouts seldom change
-            out = samples + own[:1] + st.own_changes.keep(own[1:], time.monotonic())
+            out = st.changes.keep([*samples, took, *health], time.monotonic())
+        else:   # the loop's own samples of every source: the duration each round; up, errors, timeouts seldom change
+            out = [*samples, took, *st.own_changes.keep(health, time.monotonic())]
         self.sink(stamp(out, now_ns), stamp_events(events))
 
     def run(self, stop: threading.Event) -> None:
