@@ -87,6 +87,20 @@ async def connect_as(cluster: LocalCluster, role: str, **kw):
                               reconnect_time_wait=0.25, **kw)
 
 
+async def fetch_ready(sub, batch: int, deadline_s: float = 30.0) -> list:
+    """One pull of up to `batch` messages; a consumer just created answers "service unavailable"
+    until its group is ready, so that answer is asked again until `deadline_s` has passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while True:
+        try:
+            return await sub.fetch(batch=batch, timeout=5)
+        except nats.js.errors.ServiceUnavailableError:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
 async def _read_ids(cluster: LocalCluster, streams: int, prefix: str = PREFIX) -> collections.Counter:
     """Every batch in the cluster's streams as `node:boot:seq` (read from the batch; control messages
     have no message id), with counts, each checked to carry its message id (subjects.msg_id); read
@@ -106,11 +120,7 @@ async def _read_ids(cluster: LocalCluster, streams: int, prefix: str = PREFIX) -
                 mem_storage=True, num_replicas=1))
             got = 0
             while got < info.state.messages:
-                try:
-                    msgs = await sub.fetch(batch=2000, timeout=5)
-                except nats.js.errors.ServiceUnavailableError:   # the new consumer is not ready yet
-                    await asyncio.sleep(0.2)
-                    continue
+                msgs = await fetch_ready(sub, 2000)
                 for m in msgs:
                     got += 1
                     mid = (m.headers or {}).get(MSG_ID)

@@ -13,7 +13,7 @@ import threading
 import time
 
 import grpc
-from cluster_support import PREFIX, cluster_config, connect_as, module_cmd, nats_cluster, run, start_gateway  # noqa: F401
+from cluster_support import PREFIX, cluster_config, connect_as, fetch_ready, module_cmd, nats_cluster, run, start_gateway  # noqa: F401
 from helpers import free_port, record_figure, wait_until
 from test_cluster_export import Receiver
 from test_cluster_scheduler import start_scheduler
@@ -244,7 +244,7 @@ async def _stored(cluster, node_id: str) -> dict[int, bytes]:
                                                                 num_replicas=1, inactive_threshold=30))
         out: dict[int, bytes] = {}
         while True:
-            msgs = await sub.fetch(batch=100, timeout=5)
+            msgs = await fetch_ready(sub, 100)
             out.update((pb.Batch.FromString(m.data).seq, m.data) for m in msgs if not (m.headers or {}).get("Xps-Kind"))
             if msgs[-1].metadata.num_pending == 0:
                 return out
