@@ -11,6 +11,7 @@ Prints a table, then one line of JSON (bench/README.md says what each figure is)
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import shutil
@@ -114,11 +115,13 @@ class Relay:
         self.cut()
 
 
-def wire_parts(connections: list[bytes]) -> dict[str, int]:
+def wire_parts(connections: list[bytes], compressed: dict[str, int] | None = None) -> dict[str, int]:
     """The upstream bytes of HTTP/2 connections carrying the Ingest stream, by what they carry: each
-    AgentMessage kind's message bytes ("batch", "series", "hello", ...), and "framing" for the rest
-    (the connection preface, frame headers, frames other than DATA, gRPC's 5-byte message prefixes,
-    a message cut off by the end of a connection)."""
+    AgentMessage kind's message bytes ("batch", "series", "hello", ...; a message gRPC compressed
+    counts its compressed bytes, less the AgentMessage's own tag and length), and "framing" for the
+    rest (the connection preface, frame headers, frames other than DATA, gRPC's 5-byte message
+    prefixes, a message cut off by the end of a connection). `compressed`: counts the messages of
+    each kind that went compressed."""
     from xpusense.v1 import telemetry_pb2 as pb
     out: dict[str, int] = {"framing": 0}
     for data in connections:
@@ -140,9 +143,14 @@ def wire_parts(connections: list[bytes]) -> dict[str, int]:
                 n = int.from_bytes(buf[j + 1:j + 5], "big")
                 if j + 5 + n > len(buf):
                     break
-                msg = pb.AgentMessage.FromString(bytes(buf[j + 5:j + 5 + n]))
+                body = bytes(buf[j + 5:j + 5 + n])
+                msg = pb.AgentMessage.FromString(gzip.decompress(body) if buf[j] == 1 else body)
                 what = msg.WhichOneof("msg") or "empty"
                 inner = getattr(msg, what).ByteSize() if what != "empty" else 0
+                if buf[j] == 1:   # gRPC's compressed flag: the bytes sent, less what the tag took
+                    inner = max(0, n - (msg.ByteSize() - inner))
+                    if compressed is not None:
+                        compressed[what] = compressed.get(what, 0) + 1
                 out[what] = out.get(what, 0) + inner
                 out["framing"] += 5 + n - inner   # the prefix, AgentMessage's tag and length
                 j += 5 + n
@@ -322,7 +330,8 @@ def one_run(name: str, encoding: str | None, args, tmp: str, env: dict, net: tup
     if points == 0:
         raise SystemExit(f"wire_bytes: the collector holds no point of {node_id}")
     per = 1.0 / points
-    parts = wire_parts([bytes(b) for b in relay.kept]) if relay.up <= relay.keep_bytes else {}
+    compressed: dict[str, int] = {}
+    parts = wire_parts([bytes(b) for b in relay.kept], compressed) if relay.up <= relay.keep_bytes else {}
     used = default_encoding() if encoding is None else encoding
     return {"encoding": "samples (no key)" if used is None else (used or "samples"),
             "seconds": round(wall, 1), "points": points, "points_per_s": round(points / wall, 1), "series": series,
@@ -330,7 +339,7 @@ def one_run(name: str, encoding: str | None, args, tmp: str, env: dict, net: tup
             "wire_bytes_per_point": round(relay.up * per, 2), "wire_down_bytes_per_point": round(relay.down * per, 2),
             # wire up by what it carried: batches (what a JetStream batch stream keeps, less its own
             # per-message bytes), series tables (what the series bucket keeps), Hellos, framing
-            "wire_up_parts": parts,
+            "wire_up_parts": parts, "wire_up_compressed": compressed,
             **{f"{k}_bytes_per_point": round(parts.get(k, 0) * per, 2) for k in ("batch", "series", "hello", "framing")
                if parts},
             "collector_disk_bytes_per_point": round(collector_written * per, 2),

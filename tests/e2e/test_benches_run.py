@@ -60,6 +60,9 @@ def test_wire_bytes_bench_counts_the_points_and_bytes_of_an_agent_through_its_re
         assert sum(run["wire_up_parts"].values()) == run["wire_up_bytes"], run
         assert run["wire_up_parts"]["batch"] > 0 and run["wire_up_parts"]["hello"] > 0, run
     assert got["runs"]["after"]["wire_up_parts"]["series"] > 0 and "series" not in got["runs"]["before"]["wire_up_parts"]
+    # offering the compact encoding, the agent's Hellos (one a connection) went gzip'd, its batches as they are
+    assert got["runs"]["after"]["wire_up_compressed"].get("hello", 0) >= 2, got["runs"]["after"]
+    assert "batch" not in got["runs"]["after"]["wire_up_compressed"] and not got["runs"]["before"]["wire_up_compressed"]
     assert got["runs"]["before"]["encoding"] == "samples" and set(got["goals"]) and got["cpu_model"] is not None, got
     assert [json.loads(line) for line in record.read_text().splitlines()] == [got]
 
