@@ -506,11 +506,7 @@ class StreamClient:
     def _send_loop(self) -> None:
         delays = backoff_delays(self.backoff_initial_s, self.backoff_max_s)
         channels: list[grpc.Channel | None] = [None] * len(self.make_channels)
-        # Offering the compact encoding, the call is gzip'd: gRPC sends a message compressed only where
-        # that makes it smaller, which here is the Hello (its inventory, ~3 kB, deflates 5x); compact
-        # batches and series tables are compressed already and go as they are. Sample messages would
-        # deflate too, at every collector's CPU: without the offer the call stays as it was.
-        compression = grpc.Compression.Gzip if self.encoding else None
+        gzip = grpc.Compression.Gzip if self.encoding else None   # gRPC gzips what shrinks: the Hello (docs/design.md)
 
         def channel_at(i: int) -> grpc.Channel:   # each collector's channel, made when first used
             ch = channels[i]
@@ -532,7 +528,7 @@ class StreamClient:
                     self._conn = Connection(self.defs, False)
                     self._conn_no += 1
                 try:
-                    call: _StreamCall = stream(self._requests(self._conn_no), compression=compression)
+                    call: _StreamCall = stream(self._requests(self._conn_no), compression=gzip)
                     self._call = call
                     for msg in call:
                         if not self.connected:
