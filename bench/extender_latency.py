@@ -1,9 +1,12 @@
 """kube-scheduler's extender beside Place: p50/p99 of one filter + prioritize pair over HTTP
 (NodeNames of every node, nodeCacheCapable) and of Place over gRPC, in the same run, on one collector
-holding 5,000 nodes of 8 accelerators that stream at 1 s (place_latency's fleet and ingest).
+holding 5,000 nodes of 8 accelerators that stream at 1 s (place_latency's fleet and ingest); with
+--replica, on a cluster-mode scheduler replica following those nodes' summaries, each written again
+once a second (fleet_scale's step 5: the replica on a CPU of its own, NATS and clients on the others).
 
     .venv/bin/python bench/extender_latency.py                  # 5,000 nodes, 15 s each
     .venv/bin/python bench/extender_latency.py --nodes 1000 --seconds 5
+    .venv/bin/python bench/extender_latency.py --replica
 
 Prints a table, then one line of JSON."""
 
@@ -124,6 +127,59 @@ async def run(n: int, seconds: float, warmup_s: float, pause_ms: float, seed: in
             "pair_p99_over_place_p99": round(pct(pairs, 0.99) / pct(over_grpc, 0.99), 2)}
 
 
+def run_replica(n: int, seconds: float, pause_ms: float, seed: int) -> dict:
+    """The same two paths against a `scheduler` replica process (pinned to the first CPU) whose fleet
+    bucket holds `n` nodes' summaries, each written again once a second meanwhile."""
+    import os
+    import tempfile
+
+    from _proc import pin, stop
+    from fleet_scale import fill_bucket, refresh_for, start_replica, summaries
+
+    from xpusense.collector.cluster.localnats import LocalCluster
+    from xpusense.collector.cluster.summary import decode
+
+    cpus = sorted(os.sched_getaffinity(0))
+    mine, others = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 else (set(cpus), set(cpus))
+    tmp = tempfile.mkdtemp(prefix="xpusense-extender-")
+    with LocalCluster(3, os.path.join(tmp, "nats")) as cluster:
+        for srv in cluster.servers:
+            if srv.proc is not None:
+                pin(srv.proc.pid, others)
+        data, _ = summaries(n, seed=seed)
+        names = [decode(raw)["node"] for raw in data]
+
+        async def fill() -> None:
+            wc, _, _ = await fill_bucket(cluster, data)
+            await wc.close()
+        asyncio.run(fill())
+        addr, listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        p, _ = start_replica(tmp, cluster, addr, mine,
+                             f'[kubernetes.extender]\nenabled = true\nlisten = "{listen}"\n')
+        try:
+            os.sched_setaffinity(0, others)
+            place = PlaceCalls("c", addr, seconds, pause_ms / 1000)
+            asyncio.run(refresh_for(cluster, data, float(n), seconds))
+            over_grpc = place.latencies(seconds + 60.0)
+            recv, child = mp.get_context("spawn").Pipe(duplex=False)
+            client = mp.get_context("spawn").Process(target=extender_client, daemon=True,
+                                                     args=(listen, names, seconds, pause_ms / 1000, child))
+            client.start()
+            # the summaries written again until the client has its figures (it starts slower than Place's)
+            asyncio.run(refresh_for(cluster, data, float(n), seconds + 5.0))
+            got = recv.recv() if recv.poll(120.0) else None
+            client.join(10)
+        finally:
+            stop(p)
+            os.sched_setaffinity(0, set(cpus))
+    if got is None:
+        raise RuntimeError(f"the extender client gave no answer (exit {client.exitcode})")
+    pairs, passed = got
+    return {"replica": True, "nodes": n, "devices": n * 8, "grpc_place": summary(over_grpc),
+            "extender_pair": summary(pairs), "passed_per_pod": passed, "summary_updates_s": n,
+            "pair_p99_over_place_p99": round(pct(pairs, 0.99) / pct(over_grpc, 0.99), 2)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=5000)
@@ -131,15 +187,18 @@ def main() -> int:
     p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument("--pause-ms", type=float, default=10.0, help="pause between calls of each client")
     p.add_argument("--seed", type=int, default=9)
+    p.add_argument("--replica", action="store_true", help="against a cluster-mode scheduler replica")
     args = p.parse_args()
-    r = asyncio.run(run(args.nodes, args.seconds, args.warmup_s, args.pause_ms, args.seed))
+    r = run_replica(args.nodes, args.seconds, args.pause_ms, args.seed) if args.replica \
+        else asyncio.run(run(args.nodes, args.seconds, args.warmup_s, args.pause_ms, args.seed))
     print(f"{'nodes':>6} {'path':<28} {'calls':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
     for path, label in (("grpc_place", "Place over gRPC"), ("extender_pair", "extender filter + prioritize")):
         s = r[path]
         print(f"{r['nodes']:>6} {label:<28} {s['n']:>6} {s['p50_ms']:>8.3f} {s['p99_ms']:>8.3f} {s['max_ms']:>8.3f}")
     goal = r["extender_pair"]["p99_ms"] <= r["grpc_place"]["p99_ms"]
-    print(f"goal: filter + prioritize p99 <= Place's over gRPC: {'met' if goal else 'NOT met'}; ingest "
-          f"{r['ingest_batches_s']:.0f} batches/s (target {r['ingest_target_batches_s']})")
+    print(f"goal: filter + prioritize p99 <= Place's over gRPC: {'met' if goal else 'NOT met'}; "
+          + (f"a replica following {r['summary_updates_s']} summary updates/s" if args.replica else
+             f"ingest {r['ingest_batches_s']:.0f} batches/s (target {r['ingest_target_batches_s']})"))
     print(json.dumps({"bench": "extender_latency", "args": " ".join(sys.argv[1:]), "goal_met": goal, **r}))
     return 0
 

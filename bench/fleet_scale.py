@@ -279,6 +279,22 @@ async def refresher(kv, data: list[bytes], per_s: float, stop_ev: asyncio.Event)
     return sent
 
 
+async def fill_bucket(cluster, data: list[bytes]):
+    """The streams and buckets made (as a gateway makes them) and `data` written to the fleet bucket
+    (as workers write it): (the writer's connection, the buckets, seconds the writes took)."""
+    from xpusense.collector.cluster.engine import connect, ensure
+    n = nats_cfg(cluster).nats
+    setup = await connect(n, "bench-setup", role="gateway")
+    await ensure(setup.jetstream(timeout=30), n)
+    await setup.close()
+    wc = await connect(n, "bench-writer", role="worker")
+    buckets = await ensure(wc.jetstream(timeout=30), n, create=False)
+    t0 = time.monotonic()
+    for i in range(0, len(data), 500):
+        await asyncio.gather(*(buckets.fleet.put(k, v) for k, v in refreshed(data[i:i + 500])))
+    return wc, buckets, time.monotonic() - t0
+
+
 async def place_from_bucket(cluster, data: list[bytes], seconds: float, updates_s: float) -> dict:
     from xpusense.collector.cluster.engine import connect, ensure
     from xpusense.collector.cluster.scheduler import follow_fleet
@@ -287,17 +303,9 @@ async def place_from_bucket(cluster, data: list[bytes], seconds: float, updates_
     cfg.nats = nats_cfg(cluster).nats
     cfg.stale_s = 3600.0         # what is measured is the decision, not how long the bench took to set up
     n = cfg.nats
-    setup = await connect(n, "bench-setup", role="gateway")   # a gateway makes the streams and buckets
-    await ensure(setup.jetstream(timeout=30), n)
-    await setup.close()
-    wc = await connect(n, "bench-writer", role="worker")     # the summaries' writer, as workers are
-    buckets = await ensure(wc.jetstream(timeout=30), n, create=False)
+    wc, buckets, put_s = await fill_bucket(cluster, data)
     nc = await connect(n, "bench-place", role="scheduler")   # the index, as a replica follows it
     js = nc.jetstream(timeout=30)
-    t0 = time.monotonic()
-    for i in range(0, len(data), 500):
-        await asyncio.gather(*(buckets.fleet.put(k, v) for k, v in refreshed(data[i:i + 500])))
-    put_s = time.monotonic() - t0
     t0 = time.monotonic()
     sched = await follow_fleet(js, (await ensure(js, n, create=False)).fleet, cfg, timeout_s=300)
     list_s = time.monotonic() - t0
@@ -351,20 +359,17 @@ async def place_from_bucket(cluster, data: list[bytes], seconds: float, updates_
             "steal_pct": steal_pct(ticks0, ticks1)}
 
 
-def place_over_grpc(tmp: str, cluster, data: list[bytes], seconds: float, updates_s: float,
-                    spy: str = "", replica_cpus: set[int] | None = None, client_kind: str = "c") -> dict:
-    """A `scheduler` replica process answering a client over gRPC while the bucket changes at
-    updates_s; also the replica's CPU in the window (a share of a core). `spy`: py-spy's binary, to
-    record the replica's stacks over the window (raw, for flame graphs; tmp/scheduler.spy.txt).
-    `replica_cpus`: the replica pinned to these (the client and the writer run where this process may)."""
-    addr = f"127.0.0.1:{free_port()}"
-    cfg_path = collector_toml(tmp, cluster, "stale_s = 3600.0\n")
+def start_replica(tmp: str, cluster, addr: str, cpus: set[int] | None = None,
+                  extra_toml: str = "") -> tuple[subprocess.Popen, str]:
+    """A `scheduler` replica process on `addr` (pinned to `cpus`), once it places: (process, log path).
+    `extra_toml`: config sections of its own (the extender's)."""
+    cfg_path = collector_toml(tmp, cluster, "stale_s = 3600.0\n" + extra_toml)
     log_path = os.path.join(tmp, "scheduler.log")
     with open(log_path, "w") as log:
         p = subprocess.Popen([sys.executable, "-m", "xpusense.collector.cluster", "scheduler", "--config", cfg_path,
                               "--listen", addr, "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
-    if replica_cpus:
-        pin(p.pid, replica_cpus)   # pinned from here (no preexec_fn next to gRPC's threads)
+    if cpus:
+        pin(p.pid, cpus)   # pinned from here (no preexec_fn next to gRPC's threads)
     try:
         wait_collector(addr, 300)
         deadline = time.monotonic() + 300
@@ -378,6 +383,22 @@ def place_over_grpc(tmp: str, cluster, data: list[bytes], seconds: float, update
                 break
             except Exception:
                 time.sleep(1)
+    except Exception:
+        print(tail(log_path), file=sys.stderr)
+        stop(p)
+        raise
+    return p, log_path
+
+
+def place_over_grpc(tmp: str, cluster, data: list[bytes], seconds: float, updates_s: float,
+                    spy: str = "", replica_cpus: set[int] | None = None, client_kind: str = "c") -> dict:
+    """A `scheduler` replica process answering a client over gRPC while the bucket changes at
+    updates_s; also the replica's CPU in the window (a share of a core). `spy`: py-spy's binary, to
+    record the replica's stacks over the window (raw, for flame graphs; tmp/scheduler.spy.txt).
+    `replica_cpus`: the replica pinned to these (the client and the writer run where this process may)."""
+    addr = f"127.0.0.1:{free_port()}"
+    p, log_path = start_replica(tmp, cluster, addr, replica_cpus)
+    try:
         spy_proc = None
         if spy:
             spy_proc = subprocess.Popen([spy, "record", "--pid", str(p.pid), "--format", "raw", "--rate", "250",
@@ -386,7 +407,7 @@ def place_over_grpc(tmp: str, cluster, data: list[bytes], seconds: float, update
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         c = PlaceCalls(client_kind, addr, seconds, 0.002)
         c0, w0, d0 = cpu_s(p.pid), time.monotonic(), (run_delay_ms(p.pid), run_delay_ms(c.pid))
-        asyncio.run(_refresh_for(cluster, data, updates_s, seconds))
+        asyncio.run(refresh_for(cluster, data, updates_s, seconds))
         c1, w1, d1 = cpu_s(p.pid), time.monotonic(), (run_delay_ms(p.pid), run_delay_ms(c.pid))
         lat = c.latencies(120.0)
         rss = _rss_kb(p.pid)
@@ -403,7 +424,7 @@ def place_over_grpc(tmp: str, cluster, data: list[bytes], seconds: float, update
             "replica_waited_ms": (d1[0] - d0[0]) / max(1, len(lat)), "client_waited_ms": (d1[1] - d0[1]) / max(1, len(lat))}
 
 
-async def _refresh_for(cluster, data: list[bytes], updates_s: float, seconds: float) -> None:
+async def refresh_for(cluster, data: list[bytes], updates_s: float, seconds: float) -> None:
     from xpusense.collector.cluster.engine import connect, ensure
     n = nats_cfg(cluster).nats
     nc = await connect(n, "bench-refresh", role="worker")   # the summaries' writer, as workers are

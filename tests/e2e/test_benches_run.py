@@ -32,6 +32,12 @@ def test_extender_bench_measures_both_paths_on_its_fleet():
     assert got["passed_per_pod"] == [100, 100, 25, 50], got   # the seeded fleet's nodes that fit each pod
 
 
+def test_extender_bench_measures_both_paths_on_a_cluster_replica():
+    got = _summary("extender_latency.py", "--replica", "--nodes", "200", "--seconds", "1")
+    assert got["replica"] and got["extender_pair"]["n"] > 0 and got["grpc_place"]["n"] > 0, got
+    assert got["summary_updates_s"] == 200 and all(got["passed_per_pod"]), got   # each pod fits somewhere
+
+
 def test_nvml_round_bench_reads_every_gpu_of_its_scenario():
     got = _summary("nvml_round.py", "--rounds", "3", "--gap-s", "0.15")
     assert got["bench"] == "nvml_round" and got["rounds"] == 3, got
