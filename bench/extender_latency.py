@@ -1,12 +1,10 @@
 """kube-scheduler's extender beside Place: p50/p99 of one filter + prioritize pair over HTTP
 (NodeNames of every node, nodeCacheCapable) and of Place over gRPC, in the same run, on one collector
-holding 5,000 nodes of 8 accelerators that stream at 1 s (place_latency's fleet and ingest); with
---replica, on a cluster-mode scheduler replica following those nodes' summaries, each written again
-once a second (fleet_scale's step 5: the replica on a CPU of its own, NATS and clients on the others).
+holding 5,000 nodes of 8 accelerators that stream at 1 s (place_latency's fleet and ingest), or with
+--replica on a cluster-mode scheduler replica following their summaries (fleet_scale's step 5).
 
     .venv/bin/python bench/extender_latency.py                  # 5,000 nodes, 15 s each
-    .venv/bin/python bench/extender_latency.py --nodes 1000 --seconds 5
-    .venv/bin/python bench/extender_latency.py --replica
+    .venv/bin/python bench/extender_latency.py --replica        # --nodes 1000 --seconds 5: smaller
 
 Prints a table, then one line of JSON."""
 
