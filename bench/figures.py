@@ -18,6 +18,12 @@ RESULTS = ROOT / "bench" / "results"
 PAGE = ROOT / "docs" / "figures.md"
 MAX_LINE = 400
 PY = ".venv/bin/python"
+# kube-scheduler's extender, on one collector and on a cluster replica
+EXTENDER_GOAL = "pair p99 <= Place's p99 over gRPC in the same run"
+EXTENDER_COLS = [("pair p50 ms", "extender_pair.p50_ms"), ("pair p99 ms", "extender_pair.p99_ms"),
+                  ("Place gRPC p50 ms", "grpc_place.p50_ms"), ("Place gRPC p99 ms", "grpc_place.p99_ms"),
+                  ("p99 ratio", "pair_p99_over_place_p99")]
+EXTENDER_CHECKS = [("pair_p99_over_place_p99", "<=", 1.0)]
 
 # A figure: "match" holds key -> wanted value (None: absent or false; a tuple: any of these) and
 # "has" a path a line must hold; "cols" are (header, path); "checks" (path, op, limit) make the goal:
@@ -187,19 +193,13 @@ FIGURES: list[dict[str, Any]] = [
     {"title": "kube-scheduler's extender", "bench": "extender_latency", "match": {"replica": None},
      "what": "One filter + prioritize pair over HTTP (NodeNames of all 5,000 nodes x 8 devices, nodeCacheCapable), "
              "and Place over gRPC, in the same run on one collector, ingest at 1 batch/s a node beside them.",
-     "command": f"{PY} bench/extender_latency.py", "goal": "pair p99 <= Place's p99 over gRPC in the same run",
-     "cols": [("pair p50 ms", "extender_pair.p50_ms"), ("pair p99 ms", "extender_pair.p99_ms"),
-              ("Place gRPC p50 ms", "grpc_place.p50_ms"), ("Place gRPC p99 ms", "grpc_place.p99_ms"),
-              ("p99 ratio", "pair_p99_over_place_p99"), ("ingest batches/s", "ingest_batches_s")],
-     "checks": [("pair_p99_over_place_p99", "<=", 1.0)]},
+     "command": f"{PY} bench/extender_latency.py", "goal": EXTENDER_GOAL,
+     "cols": [*EXTENDER_COLS, ("ingest batches/s", "ingest_batches_s")], "checks": EXTENDER_CHECKS},
     {"title": "kube-scheduler's extender on a cluster replica", "bench": "extender_latency", "match": {"replica": True},
      "what": "The same pair and Place over gRPC against a cluster-mode scheduler replica (a CPU of its own) following "
              "5,000 nodes' summaries, each written again once a second; NATS and the clients on the other CPUs.",
-     "command": f"{PY} bench/extender_latency.py --replica", "goal": "pair p99 <= Place's p99 over gRPC in the same run",
-     "cols": [("pair p50 ms", "extender_pair.p50_ms"), ("pair p99 ms", "extender_pair.p99_ms"),
-              ("Place gRPC p50 ms", "grpc_place.p50_ms"), ("Place gRPC p99 ms", "grpc_place.p99_ms"),
-              ("p99 ratio", "pair_p99_over_place_p99"), ("summary updates/s", "summary_updates_s")],
-     "checks": [("pair_p99_over_place_p99", "<=", 1.0)]},
+     "command": f"{PY} bench/extender_latency.py --replica", "goal": EXTENDER_GOAL,
+     "cols": [*EXTENDER_COLS, ("summary updates/s", "summary_updates_s")], "checks": EXTENDER_CHECKS},
     {"title": "Cluster mode, whole runs", "bench": "fleet_scale", "match": {"place_only": None, "ack_only": None},
      "what": "3 nats-servers (R3) on loopback, gateways, a worker and a scheduler replica: per-core throughput, "
              "state a node, ack p99 at 1,000 agents, Place p99 at 11,000 nodes (docs/scale.md for sizing); stream MB/s "
