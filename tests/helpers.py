@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -116,10 +117,39 @@ def diagnosis_states(events) -> list[tuple[str, str, str]]:
     return [(e.attributes["diagnosis.rule"], e.device, e.attributes["diagnosis.state"]) for e in events]
 
 
+def _below_ephemeral() -> range:
+    """Ports under the kernel's ephemeral range (ip_local_port_range), from 10000: no connection
+    opened on this machine, and no bind to port 0, is given one of them."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    return range(10000, low)
+
+
+_PORTS = _below_ephemeral()
+_port_at = [random.randrange(len(_PORTS)) if len(_PORTS) > 1000 else -1]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 nothing listens on, for a server a test starts. Taken below the ephemeral
+    range, each once per process from a random start, so that no new connection, bind to port 0 or
+    earlier free_port() takes it before the server binds it, as one could a port bind(0) gave.
+    bind(0)'s where that range is too small."""
+    if _port_at[0] < 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for _ in range(len(_PORTS)):
+        port = _PORTS[_port_at[0] % len(_PORTS)]
+        _port_at[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:   # in use, or a connection on it in TIME_WAIT
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 # How long a process may take to stop cleanly after SIGTERM: generous, for a busy machine (a CI run
