@@ -131,19 +131,15 @@ def run_replica(n: int, seconds: float, pause_ms: float, seed: int) -> dict:
     import os
     import tempfile
 
-    from _proc import pin, stop
-    from fleet_scale import fill_bucket, refresh_for, start_replica, summaries
+    from _proc import stop
+    from fleet_scale import fill_bucket, refresh_for, split_cpus, start_replica, summaries
 
     from xpusense.collector.cluster.localnats import LocalCluster
     from xpusense.collector.cluster.summary import decode
 
-    cpus = sorted(os.sched_getaffinity(0))
-    mine, others = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 else (set(cpus), set(cpus))
     tmp = tempfile.mkdtemp(prefix="xpusense-extender-")
     with LocalCluster(3, os.path.join(tmp, "nats")) as cluster:
-        for srv in cluster.servers:
-            if srv.proc is not None:
-                pin(srv.proc.pid, others)
+        cpus, mine, others = split_cpus(cluster)
         data, _ = summaries(n, seed=seed)
         names = [decode(raw)["node"] for raw in data]
 

@@ -437,15 +437,22 @@ async def refresh_for(cluster, data: list[bytes], updates_s: float, seconds: flo
     await nc.close()
 
 
+def split_cpus(cluster, shared: bool = False) -> tuple[list[int], set[int], set[int]]:
+    """(this process's CPUs, the first for the replica, the others), the NATS servers pinned to the
+    others; every CPU both where `shared` or on a 1-CPU machine."""
+    cpus = sorted(os.sched_getaffinity(0))
+    mine, others = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 and not shared else (set(cpus), set(cpus))
+    for srv in cluster.servers:
+        if srv.proc is not None:
+            pin(srv.proc.pid, others)
+    return cpus, mine, others
+
+
 def place_step(args: argparse.Namespace, cluster, tmp: str) -> tuple[dict, dict]:
     """Step 5, as a replica runs (a core of its own; NATS on other machines): the decisions, in this
     process and then in the replica process, pinned to the first CPU; the NATS servers, the bucket's
     writer and the gRPC client to the others (all CPUs alike with --shared-cpus, or on a 1-CPU machine)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    mine, others = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 and not args.shared_cpus else (set(cpus), set(cpus))
-    for srv in cluster.servers:
-        if srv.proc is not None:
-            pin(srv.proc.pid, others)
+    cpus, mine, others = split_cpus(cluster, args.shared_cpus)
     print(f"5. Place at {args.place_nodes} nodes from the fleet bucket (decisions on CPUs {sorted(mine)}, "
           f"NATS, writer and client on {sorted(others)}) ...", flush=True)
     big, _ = summaries(args.place_nodes, seed=11)
