@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -128,21 +129,20 @@ def _below_ephemeral() -> range:
 
 
 _PORTS = _below_ephemeral()
-_port_at = [random.randrange(len(_PORTS)) if len(_PORTS) > 1000 else -1]
+_port_tries = itertools.count(random.randrange(len(_PORTS) or 1))   # a random start, then each in turn
 
 
 def free_port() -> int:
     """A port on 127.0.0.1 nothing listens on, for a server a test starts. Taken below the ephemeral
-    range, each once per process from a random start, so that no new connection, bind to port 0 or
-    earlier free_port() takes it before the server binds it, as one could a port bind(0) gave.
-    bind(0)'s where that range is too small."""
-    if _port_at[0] < 0:
+    range, each once per process, so that no new connection, bind to port 0 or earlier free_port()
+    takes it before the server binds it, as one could a port bind(0) gave. Where that range is under
+    1,000 ports, bind(0)'s."""
+    if len(_PORTS) < 1000:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
     for _ in range(len(_PORTS)):
-        port = _PORTS[_port_at[0] % len(_PORTS)]
-        _port_at[0] += 1
+        port = _PORTS[next(_port_tries) % len(_PORTS)]
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
