@@ -137,6 +137,9 @@ COLLECTOR_SCHEMA = {
             "verdict_shapes": Key(int, 16, positive,
                                   help="request shapes whose verdicts on every node are kept up to date; past it "
                                        "the least recently asked is dropped, counted"),
+            "name_lists": Key(int, 2, positive,
+                              help="lists of node names per request shape whose replies are kept and patched; "
+                                   "past it the least recently asked is dropped, counted"),
             "timeout_s": Key((int, float), 5.0, positive,
                              help="a connection that takes longer than this over its TLS handshake, a request's "
                                   "head or its body is closed"),

@@ -51,8 +51,9 @@ class ExtenderServer:
         self.counters: Counter = counters if counters is not None else Counter()
         self.server: asyncio.base_events.Server | None = None
         self.open = 0   # connections open now (max_connections)
-        # every node's verdict per request shape, kept up to date (scheduler/verdict_cache.py)
-        self.cache = VerdictCache(self.section.verdict_shapes, self.counters)
+        # every node's verdict per request shape, and its replies per list of names, kept up to date
+        # (scheduler/verdict_cache.py)
+        self.cache = VerdictCache(self.section.verdict_shapes, self.counters, self.section.name_lists)
         self.address = ""
 
     async def start(self) -> None:

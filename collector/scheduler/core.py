@@ -1,24 +1,29 @@
 """The scheduler core: Scheduler(fleet, section, stale_s) follows the fleet (fleet.py) with the loaded
 [scheduler] config section; place(request) decides (search.py) and answers with the ranking and its
 reasons (explain.py); judge(request, nodes) gives a verdict per named node (verdicts.py), judge_kept
-the same from the verdicts kept per request shape (verdict_cache.py)."""
+the same from the verdicts kept per request shape (verdict_cache.py), replies the extender's
+answers over a list of names (extender_replies.py)."""
 
 from __future__ import annotations
 
 import gc
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from xpusense.v1 import scheduler_pb2 as spb
 
 from ..fleet_interface import Fleet
 from .config import PlaceError, Settings, resolve_weights
 from .explain import fill_reply
+from .extender_replies import Replies, fleet_ids
 from .fleet import FleetView
 from .index import CMAX, TYPE_INDEX
 from .search import Query, scan, search
 from .verdict_cache import VerdictCache
 from .verdicts import Verdict, judge
+
+T = TypeVar("T")
 
 
 class Scheduler:
@@ -42,34 +47,27 @@ class Scheduler:
         The cyclic garbage collector is held off while deciding: a collection that falls due (the
         fleet state's history grows by tens of thousands of objects a second) then runs at the next
         allocation after the decision, on the ingest path, instead of adding milliseconds here."""
-        if not gc.isenabled():
-            return self._place(req, scan)
-        gc.disable()
-        try:
-            return self._place(req, scan)
-        finally:
-            gc.enable()
+        return _without_gc(lambda: self._place(req, scan))
 
     def judge(self, req: spb.PlaceRequest, node_ids: list[str]) -> list[Verdict]:
         """Whether each of the named nodes can take the request, with its score (as Place ranks it)
         or the reason it cannot (verdicts.py). On the loop thread that owns the state, in one go."""
-        if not gc.isenabled():
-            return judge(self.view, self._query(req)[0], node_ids)
-        gc.disable()
-        try:
-            return judge(self.view, self._query(req)[0], node_ids)
-        finally:
-            gc.enable()
+        return _without_gc(lambda: judge(self.view, self._query(req)[0], node_ids))
 
     def judge_kept(self, req: spb.PlaceRequest, node_ids: list[str], cache: VerdictCache) -> list[Verdict]:
         """judge(req, node_ids), from the verdicts `cache` keeps for the request's shape."""
-        if not gc.isenabled():
-            return cache.verdicts(self.view, self._query(req)[0], node_ids)
-        gc.disable()
-        try:
-            return cache.verdicts(self.view, self._query(req)[0], node_ids)
-        finally:
-            gc.enable()
+        return _without_gc(lambda: cache.verdicts(self.view, self._query(req)[0], node_ids))
+
+    def replies(self, req: spb.PlaceRequest, names: list[str], cache: VerdictCache | None = None) -> Replies:
+        """The extender's replies over Kubernetes node `names` (extender_replies.py): kept in `cache`
+        per request shape and list of names, else judged anew."""
+        def made() -> Replies:
+            q, view = self._query(req)[0], self.view
+            if cache is not None:
+                return cache.replies(view, q, names)
+            ids = fleet_ids(view.k8s_nodes, names)
+            return Replies(names, ids, judge(view, q, ids), view.k8s_changes)
+        return _without_gc(made)
 
     def _query(self, req: spb.PlaceRequest) -> tuple[Query, dict[str, float]]:
         """The request checked and made a Query, with the index caught up to now."""
@@ -105,3 +103,14 @@ class Scheduler:
         fill_reply(view, q, reply, weights)
         reply.decision_us = (time.perf_counter_ns() - t0) / 1e3
         return reply
+
+
+def _without_gc(decide: Callable[[], T]) -> T:
+    """decide() with the cyclic garbage collector held off (see Scheduler.place)."""
+    if not gc.isenabled():
+        return decide()
+    gc.disable()
+    try:
+        return decide()
+    finally:
+        gc.enable()

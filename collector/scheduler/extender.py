@@ -6,32 +6,24 @@ entry. docs/kubernetes.md is the user's side."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from itertools import compress
 from json import dumps, loads
 from json.encoder import encode_basestring_ascii as _json
-from operator import attrgetter, not_
 from typing import Any
 
 from xpusense.v1 import scheduler_pb2 as spb
 
 from .core import Scheduler
+from .extender_replies import priorities_piece
 from .inventory import parse_memory
 from .verdict_cache import VerdictCache
-from .verdicts import Verdict
 
-MAX_PRIORITY = 10   # extenderv1.MaxExtenderPriority
 GPU_RESOURCES = ("nvidia.com/gpu",)
 NPU_PREFIX = "huawei.com/ascend"   # huawei.com/Ascend910, Ascend910B, Ascend310P ... (the Ascend device plugin)
 PREFIX = "xpusense.io/"
-# Place's reasons that no preemption on the node can change: FailedAndUnresolvableNodes.
-UNRESOLVABLE = frozenset({"unknown", "type", "count", "region", "residency", "encryption", "attestation"})
-_FITS, _ENTRY, _REASON = attrgetter("fits"), attrgetter("entry"), attrgetter("reason")
 TRUE, FALSE = ("true", "yes", "1"), ("false", "no", "0", "")
 SEP = (",", ":")
 NO_ERROR = '"Error":""}'   # how a filter reply without Error ends
-_HOST = '{"Host":'
-_SCORES = [f',"Score":{k}}}' for k in range(MAX_PRIORITY + 1)]   # each score's end of a HostPriority
 
 
 class ExtenderError(ValueError):
@@ -145,8 +137,11 @@ def parse_args(doc: Any) -> tuple[Any, list[str], list[dict] | None, dict | None
         raise ExtenderError("ExtenderArgs has no Pod")
     names, node_list = _field(doc, "NodeNames"), _field(doc, "Nodes")
     if names is not None:
-        if not isinstance(names, list) or not set(map(type, names)) <= {str}:
-            raise ExtenderError("ExtenderArgs.NodeNames must be a list of node names")
+        try:   # a join: every item a str, checked at C speed
+            if not isinstance(names, list) or not isinstance("".join(names), str):
+                raise TypeError
+        except TypeError:
+            raise ExtenderError("ExtenderArgs.NodeNames must be a list of node names") from None
         return pod, names, None, None
     if node_list is None:
         raise ExtenderError("ExtenderArgs has neither Nodes nor NodeNames")
@@ -160,47 +155,29 @@ def parse_args(doc: Any) -> tuple[Any, list[str], list[dict] | None, dict | None
     return pod, [str(n) for n in names], items, node_list
 
 
-def fleet_ids(core: Scheduler, names: list[str]) -> list[str]:
-    """The fleet node of each Kubernetes node name: the one whose inventory label `k8s_node` names
-    it, else the node of that id."""
-    by_label = core.view.k8s_nodes
-    return list(map(by_label.get, names, names)) if by_label else names
-
-
-def _verdicts(core: Scheduler, req: spb.PlaceRequest, names: list[str], cache: VerdictCache | None) -> list[Verdict]:
-    ids = fleet_ids(core, names)
-    return core.judge(req, ids) if cache is None else core.judge_kept(req, ids, cache)
-
-
 def filter_reply(core: Scheduler, doc: Any, cache: VerdictCache | None = None) -> str:
     """ExtenderFilterResult's JSON for an ExtenderArgs document, joined from pieces: each failing
-    node's entry as its verdict encoded it when it was made, the passing names encoded as they are.
-    A request it cannot read answers with Error set (kube-scheduler then reports it on the pod)."""
+    node's entry as its verdict encoded it when it was made, the passing names encoded as they are
+    (extender_replies.py). A request it cannot read answers with Error set (kube-scheduler then
+    reports it on the pod)."""
     try:
         pod, names, items, node_list = parse_args(doc)
         req = place_request(pod)
-        verdicts = None if req is None else _verdicts(core, req, names, cache)
+        replies = None if req is None else core.replies(req, names, cache)
     except ValueError as e:   # ExtenderError, or the core's PlaceError
         return dumps({"Nodes": None, "NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {},
                       "Error": str(e)}, separators=SEP)
-    failed: Iterable[str] = ()
-    unresolvable: Iterable[str] = ()
-    if verdicts is None:
-        fits = [True] * len(names)
-    else:   # map and compress: no Python-level step per node
-        fits = list(map(_FITS, verdicts))
-        fails = list(map(not_, fits))
-        failing = list(compress(verdicts, fails))
-        entries = list(map(str.__add__, map(_json, compress(names, fails)), map(_ENTRY, failing)))
-        hopeless = list(map(UNRESOLVABLE.__contains__, map(_REASON, failing)))
-        failed, unresolvable = compress(entries, map(not_, hopeless)), compress(entries, hopeless)
+    if replies is None:
+        fits, (ok, failed, unresolvable) = [True] * len(names), (",".join(map(_json, names)), "", "")
+    else:
+        fits, (ok, failed, unresolvable) = replies.fits() if items is not None else [], replies.filter_sections()
     if items is not None:
         nodes = {**{k: v for k, v in (node_list or {}).items() if k != "items"}, "items": list(compress(items, fits))}
         passing = '{"Nodes":' + dumps(nodes, separators=SEP) + ',"NodeNames":null'
     else:
-        passing = '{"Nodes":null,"NodeNames":[' + ",".join(map(_json, compress(names, fits))) + "]"
-    return (passing + ',"FailedNodes":{' + ",".join(failed) + '},"FailedAndUnresolvableNodes":{'
-            + ",".join(unresolvable) + "}," + NO_ERROR)
+        passing = '{"Nodes":null,"NodeNames":[' + ok + "]"
+    return (passing + ',"FailedNodes":{' + failed + '},"FailedAndUnresolvableNodes":{'
+            + unresolvable + "}," + NO_ERROR)
 
 
 def filter_result(core: Scheduler, doc: Any, cache: VerdictCache | None = None) -> dict:
@@ -211,18 +188,13 @@ def filter_result(core: Scheduler, doc: Any, cache: VerdictCache | None = None) 
 def priorities_reply(core: Scheduler, doc: Any, cache: VerdictCache | None = None) -> str:
     """HostPriorityList's JSON: Place's score of each node that can take the pod, 0-10 relative to
     the best of them (10); 0 for the others, and for every node when the pod asks for no accelerator.
-    ExtenderError / PlaceError when the request cannot be read. `cache`: the verdicts kept per
-    request shape (verdict_cache.py), else judged anew."""
+    ExtenderError / PlaceError when the request cannot be read. `cache`: the verdicts and replies
+    kept per request shape (verdict_cache.py), else judged anew."""
     pod, names, _, _ = parse_args(doc)
     req = place_request(pod)
     if req is None:
-        tails = [_SCORES[0]] * len(names)
-    else:
-        verdicts = _verdicts(core, req, names, cache)
-        best = max((v.score for v in verdicts if v.fits), default=0.0)
-        tails = [_SCORES[max(0, round(MAX_PRIORITY * v.score / best))] if v.fits and best > 0 else _SCORES[0]
-                 for v in verdicts]
-    return "[" + ",".join(map(str.__add__, map(_HOST.__add__, map(_json, names)), tails)) + "]"
+        return "[" + priorities_piece(names, [], 0.0) + "]"
+    return core.replies(req, names, cache).priorities()
 
 
 def priorities(core: Scheduler, doc: Any, cache: VerdictCache | None = None) -> list[dict]:

@@ -88,6 +88,7 @@ class FleetView:
         self.peak_tflops = PeakTflops(settings.peak_tflops)
         self.summaries: dict[str, NodeSummary] = {}
         self.k8s_nodes: dict[str, str] = {}   # inventory label k8s_node -> node id (kube-scheduler's extender)
+        self.k8s_changes = 0                  # times k8s_nodes changed
         # node -> `changes` at its last refiling or staleness change, oldest first (verdict_cache.py)
         self.journal: dict[str, int] = {}
         self.changes = 0
@@ -302,6 +303,7 @@ class FleetView:
                 del self.k8s_nodes[k8s_node]
             if "k8s_node" in s.labels:
                 self.k8s_nodes[s.labels["k8s_node"]] = s.node_id
+            self.k8s_changes += 1
         if s.region != region:   # its measured figures belong to another region pair now
             for remote, w in s.rtt.items():
                 self.latency.set(s.node_id, s.region, remote,

@@ -1,19 +1,22 @@
 """Verdicts kept per request shape (pods of one job ask alike) for every fleet node, brought up to
 date at each ask from the index's journal (FleetView.journal: the nodes refiled or gone stale or
 back since): only those, and the stale ones (their detail says for how long), are judged again. A
-change of a placement key's part of the score (measured latency) judges every node again. The
-answer is judge()'s over the index as it is now."""
+change of a placement key's part of the score (measured latency) judges every node again. With
+them, per shape, the extender's replies over the lists of names last asked (extender_replies.py),
+patched with the verdicts judged again. The answer is judge()'s over the index as it is now."""
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .extender_replies import Replies, fleet_ids
 from .fleet import FleetView
 from .search import Query
 from .verdicts import Verdict, failed, judge
 
 FULL_SHARE = 0.5   # more nodes than this share of the fleet changed: all judged again (no journal walk)
+SEP = "\x00"       # joins a list of names into its key (a list with a name holding it is not kept)
 
 
 @dataclass(slots=True)
@@ -21,6 +24,7 @@ class Shape:
     by_id: dict[str, Verdict]   # every fleet node's verdict
     seen: int                   # FleetView.changes when it was last brought up to date
     key_parts: dict[tuple, float]
+    replies: dict[str, Replies] = field(default_factory=dict)   # the names joined by SEP -> their replies
 
 
 def unknown(nid: str) -> Verdict:
@@ -29,18 +33,18 @@ def unknown(nid: str) -> Verdict:
 
 class VerdictCache:
     """Verdicts of the last `keep` request shapes (least recently asked dropped first, counted
-    `kubernetes.extender.verdict_shapes` in `counters`)."""
+    `kubernetes.extender.verdict_shapes` in `counters`), and per shape the replies over the last
+    `lists` lists of names (counted `kubernetes.extender.name_lists`)."""
 
-    def __init__(self, keep: int = 16, counters: Counter | None = None):
-        self.keep = keep
+    def __init__(self, keep: int = 16, counters: Counter | None = None, lists: int = 2):
+        self.keep, self.lists = keep, lists
         self.counters: Counter = counters if counters is not None else Counter()
         self.shapes: dict[bytes, Shape] = {}
         self.full = 0      # shapes judged over the whole fleet
         self.judged = 0    # nodes judged again from the journal
 
-    def verdicts(self, view: FleetView, q: Query, node_ids: list[str]) -> list[Verdict]:
-        """judge(view, q, node_ids), from the shape's kept verdicts. `q` made by Scheduler._query
-        (the index caught up to now)."""
+    def _shape(self, view: FleetView, q: Query) -> Shape:
+        """The request's shape, its verdicts (and kept replies) brought up to date."""
         view.find_stale(q.cut)   # staleness changes into the journal
         key = q.req.SerializeToString(deterministic=True)
         pool = view.pools[q.pool_index]
@@ -65,10 +69,39 @@ class VerdictCache:
                 again.append(nid)
             if again:
                 self.judged += len(again)
-                shape.by_id.update((v.node_id, v) for v in judge(view, q, again))
+                fresh = judge(view, q, again)
+                shape.by_id.update((v.node_id, v) for v in fresh)
+                for replies in shape.replies.values():
+                    replies.patch(fresh)
             shape.seen = view.changes
         self.shapes[key] = shape
-        out = list(map(shape.by_id.get, node_ids))
-        if None in out:   # not a fleet node
-            out = [v or unknown(i) for i, v in zip(node_ids, out)]
-        return out   # type: ignore[return-value]
+        return shape
+
+    def verdicts(self, view: FleetView, q: Query, node_ids: list[str]) -> list[Verdict]:
+        """judge(view, q, node_ids), from the shape's kept verdicts. `q` made by Scheduler._query
+        (the index caught up to now)."""
+        return _looked_up(self._shape(view, q), node_ids)
+
+    def replies(self, view: FleetView, q: Query, names: list[str]) -> Replies:
+        """The replies over the Kubernetes node `names`, kept for the shape while it asks with the
+        same list (kube-scheduler sends one per pod); made anew when the `k8s_node` labels moved."""
+        shape = self._shape(view, q)
+        key = SEP.join(names)
+        kept = shape.replies.pop(key, None)
+        if kept is None or kept.k8s_changes != view.k8s_changes:
+            ids = fleet_ids(view.k8s_nodes, names)
+            kept = Replies(names, ids, _looked_up(shape, ids), view.k8s_changes)
+            if not names or key.count(SEP) != len(names) - 1:
+                return kept   # a name holds SEP: its key would not be its own
+            if len(shape.replies) >= self.lists:
+                del shape.replies[next(iter(shape.replies))]
+                self.counters["kubernetes.extender.name_lists"] += 1
+        shape.replies[key] = kept
+        return kept
+
+
+def _looked_up(shape: Shape, node_ids: list[str]) -> list[Verdict]:
+    out = list(map(shape.by_id.get, node_ids))
+    if None in out:   # not a fleet node
+        out = [v or unknown(i) for i, v in zip(node_ids, out)]
+    return out   # type: ignore[return-value]

@@ -29,6 +29,7 @@ def test_agent_overhead_bench_measures_an_agent_that_streamed():
 def test_extender_bench_measures_both_paths_on_its_fleet():
     got = _summary("extender_latency.py", "--nodes", "300", "--seconds", "1", "--warmup-s", "0.5")
     assert got["bench"] == "extender_latency" and got["extender_pair"]["n"] > 0 and got["grpc_place"]["n"] > 0, got
+    assert got["extender_round_trips"]["n"] == got["extender_pair"]["n"], got
     assert got["passed_per_pod"] == [100, 100, 25, 50], got   # the seeded fleet's nodes that fit each pod
 
 

@@ -24,15 +24,14 @@ from xpusense.collector.config import load_collector
 from xpusense.collector.extender_http import ExtenderServer, check_section
 from xpusense.collector.scheduler.core import Scheduler
 from xpusense.collector.scheduler.extender import (
-    UNRESOLVABLE,
     ExtenderError,
     filter_reply,
     filter_result,
-    fleet_ids,
     place_request,
     priorities,
     priorities_reply,
 )
+from xpusense.collector.scheduler.extender_replies import UNRESOLVABLE, fleet_ids
 from xpusense.collector.scheduler.verdict_cache import VerdictCache
 from xpusense.collector.state import FleetState
 from xpusense.common.config import ConfigError
@@ -171,7 +170,8 @@ def test_kept_verdicts_are_judges_own_as_the_index_changes():
     """The verdicts kept per request shape are judge()'s at every ask while the fleet changes under
     them (GPUs filling up and freed, nodes going silent and back, an XID, a new node, a node moved
     to another region), judging again only the nodes changed; the least recently asked shape is
-    dropped past `keep`, counted."""
+    dropped past `keep`, counted. The replies kept per list of names, patched with the verdicts
+    judged again, are those made anew from judge() at every step, byte for byte."""
     clock = [10**18]
     core, ids, quiet = random_fleet(random.Random(11), clock)
     st, seq = core.state, itertools.count(2)
@@ -181,32 +181,42 @@ def test_kept_verdicts_are_judges_own_as_the_index_changes():
                              allowed_regions=["r1", "r2"]),
             spb.PlaceRequest(accelerator=spb.ACCELERATOR_ANY, count=4, memory_bytes=40 * GiB, same_domain=True),
             spb.PlaceRequest(accelerator=spb.ACCELERATOR_NPU, count=1)]
-    asked = ids + ["n-new", "not-in-fleet"]
+    asked = ids + ["n-new", "not-in-fleet"] + ids   # each node twice, as its k8s_node label and its id would be
 
     def send(nid, used_gib=0.0, events=()):
         st.ingest(pb.Batch(node_id=nid, boot_id="b", seq=next(seq), events=list(events),
                            samples=readings("a100", 8, used_gib=used_gib, t_ns=clock[0])))
 
-    def same(where):   # every shape asked; the last one's verdicts by node
+    lists = [asked, asked[::-1], asked[: len(asked) // 2]]
+
+    def same(where, replies=True):   # every shape asked; the last one's verdicts by node
         kept = []
         for req in reqs:
             kept = core.judge_kept(req, asked, cache)
             assert kept == core.judge(req, asked), where
+            for names in lists[:2] if replies else ():   # two lists kept per shape
+                r, anew = core.replies(req, names, cache), core.replies(req, names)
+                assert r.verdicts == anew.verdicts, where
+                assert r.filter_sections() == anew.filter_sections(), where
+                assert r.priorities() == anew.priorities(), where
         return {v.node_id: v for v in kept}
 
     same("first asks")
-    assert cache.full == 3
+    assert cache.full == 3 and counters["kubernetes.extender.name_lists"] == 0
     gpu = [n for n in ids if n not in quiet and st.nodes[n].inventory.resources
            and st.nodes[n].inventory.resources[0].model == "A100-SXM4-80GB"]
     a, b = gpu[0], gpu[1]
     send(a)   # idle
     judged = cache.judged
-    same("idle")
+    same("idle", replies=False)
     # again per shape: only the node changed, and the stale nodes (their detail says for how long)
     assert 0 < cache.judged - judged <= 3 * (1 + len(core.view.stale_known)) < len(ids)
+    same("idle, the replies")
+    patched = core.replies(reqs[0], asked, cache)
     assert core.judge_kept(reqs[0], [a], cache)[0].fits
     send(a, used_gib=79.0)   # its GPUs fill up: the next ask says so
     same("full")
+    assert core.replies(reqs[0], asked, cache) is patched   # kept and patched, not made anew
     v = core.judge_kept(reqs[0], [a], cache)[0]
     assert not v.fits and v.reason == "memory"
     send(a, events=[event("xid", "gpu0", t_ns=clock[0], xid="79")])
@@ -229,6 +239,9 @@ def test_kept_verdicts_are_judges_own_as_the_index_changes():
     same("moved")
     assert core.judge_kept(reqs[0], [gpu[2]], cache)[0].reason == "region"
     assert counters["kubernetes.extender.verdict_shapes"] == 0
+    kept = core.replies(reqs[2], lists[0], cache)
+    assert core.replies(reqs[2], lists[2], cache) is not kept   # a third list: the least recently asked dropped
+    assert counters["kubernetes.extender.name_lists"] == 1 and core.replies(reqs[2], lists[0], cache) is kept
     full = cache.full
     core.judge_kept(spb.PlaceRequest(accelerator=spb.ACCELERATOR_GPU, count=8), asked, cache)
     assert counters["kubernetes.extender.verdict_shapes"] == 1 and len(cache.shapes) == 3
@@ -383,7 +396,7 @@ def test_replies_are_the_json_of_each_verdict_joined_from_kept_pieces():
     for p in (pod({"nvidia.com/gpu": "8"}), pod({"nvidia.com/gpu": "2"}, {"xpusense.io/memory-per-device": "20GB"}),
               pod({"huawei.com/Ascend910": "1"}, {"xpusense.io/regions": "r2"}), pod({"cpu": "1"})):
         req = place_request(p)
-        verdicts = core.judge(req, fleet_ids(core, names)) if req else [None] * len(names)
+        verdicts = core.judge(req, fleet_ids(core.view.k8s_nodes, names)) if req else [None] * len(names)
         ok = [n for n, v in zip(names, verdicts) if v is None or v.fits]
         why = {n: (v.reason, f"xpusense {v.reason}: {v.detail}") for n, v in zip(names, verdicts) if v and not v.fits}
         want = {"Nodes": None, "NodeNames": ok,
