@@ -1,14 +1,12 @@
 """kube-scheduler's extender beside Place: p50/p99 of one filter + prioritize pair over HTTP
 (NodeNames of every node, nodeCacheCapable) and of Place over gRPC, in the same run, on one collector
 holding 5,000 nodes of 8 accelerators that stream at 1 s (place_latency's fleet and ingest), or with
---replica on a cluster-mode scheduler replica following their summaries (fleet_scale's step 5).
-The pair's round trips (each request's send to its reply's last byte, without the client's JSON
-work between) are printed beside it.
+--replica on a cluster-mode scheduler replica following their summaries (fleet_scale's step 5),
+and the pair's round trips alone (each request's send to its reply's last byte). Prints a table,
+then one line of JSON.
 
     .venv/bin/python bench/extender_latency.py                  # 5,000 nodes, 15 s each
-    .venv/bin/python bench/extender_latency.py --replica        # --nodes 1000 --seconds 5: smaller
-
-Prints a table, then one line of JSON."""
+    .venv/bin/python bench/extender_latency.py --replica        # --nodes 1000 --seconds 5: smaller"""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ PY = ".venv/bin/python"
 # kube-scheduler's extender, on one collector and on a cluster replica
 EXTENDER_GOAL = "pair p99 <= Place's p99 over gRPC in the same run"
 EXTENDER_COLS = [("pair p50 ms", "extender_pair.p50_ms"), ("pair p99 ms", "extender_pair.p99_ms"),
+                  ("its round trips p99 ms", "extender_round_trips.p99_ms"),
                   ("Place gRPC p50 ms", "grpc_place.p50_ms"), ("Place gRPC p99 ms", "grpc_place.p99_ms"),
                   ("p99 ratio", "pair_p99_over_place_p99")]
 EXTENDER_CHECKS = [("pair_p99_over_place_p99", "<=", 1.0)]
