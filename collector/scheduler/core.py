@@ -1,8 +1,8 @@
 """The scheduler core: Scheduler(fleet, section, stale_s) follows the fleet (fleet.py) with the loaded
 [scheduler] config section; place(request) decides (search.py) and answers with the ranking and its
-reasons (explain.py); judge(request, nodes) gives a verdict per named node (verdicts.py), judge_kept
-the same from the verdicts kept per request shape (verdict_cache.py), replies the extender's
-answers over a list of names (extender_replies.py)."""
+reasons (explain.py); judge(request, nodes) gives a verdict per named node (verdicts.py), replies
+the extender's answers over a list of names from them (extender_replies.py), anew or kept per
+request shape (verdict_cache.py)."""
 
 from __future__ import annotations
 
@@ -53,10 +53,6 @@ class Scheduler:
         """Whether each of the named nodes can take the request, with its score (as Place ranks it)
         or the reason it cannot (verdicts.py). On the loop thread that owns the state, in one go."""
         return _without_gc(lambda: judge(self.view, self._query(req)[0], node_ids))
-
-    def judge_kept(self, req: spb.PlaceRequest, node_ids: list[str], cache: VerdictCache) -> list[Verdict]:
-        """judge(req, node_ids), from the verdicts `cache` keeps for the request's shape."""
-        return _without_gc(lambda: cache.verdicts(self.view, self._query(req)[0], node_ids))
 
     def replies(self, req: spb.PlaceRequest, names: list[str], cache: VerdictCache | None = None) -> Replies:
         """The extender's replies over Kubernetes node `names` (extender_replies.py): kept in `cache`

@@ -137,12 +137,13 @@ def parse_args(doc: Any) -> tuple[Any, list[str], list[dict] | None, dict | None
         raise ExtenderError("ExtenderArgs has no Pod")
     names, node_list = _field(doc, "NodeNames"), _field(doc, "Nodes")
     if names is not None:
-        try:   # a join: every item a str, checked at C speed
-            if not isinstance(names, list) or not isinstance("".join(names), str):
-                raise TypeError
+        try:
+            if isinstance(names, list):
+                "".join(names)   # a TypeError unless every item is a str (checked at C speed)
+                return pod, names, None, None
         except TypeError:
-            raise ExtenderError("ExtenderArgs.NodeNames must be a list of node names") from None
-        return pod, names, None, None
+            pass
+        raise ExtenderError("ExtenderArgs.NodeNames must be a list of node names")
     if node_list is None:
         raise ExtenderError("ExtenderArgs has neither Nodes nor NodeNames")
     items = node_list.get("items") if isinstance(node_list, dict) else None
@@ -167,12 +168,13 @@ def filter_reply(core: Scheduler, doc: Any, cache: VerdictCache | None = None) -
     except ValueError as e:   # ExtenderError, or the core's PlaceError
         return dumps({"Nodes": None, "NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {},
                       "Error": str(e)}, separators=SEP)
-    if replies is None:
-        fits, (ok, failed, unresolvable) = [True] * len(names), (",".join(map(_json, names)), "", "")
+    if replies is None:   # every node passes
+        ok, failed, unresolvable = ",".join(map(_json, names)), "", ""
     else:
-        fits, (ok, failed, unresolvable) = replies.fits() if items is not None else [], replies.filter_sections()
+        ok, failed, unresolvable = replies.filter_sections()
     if items is not None:
-        nodes = {**{k: v for k, v in (node_list or {}).items() if k != "items"}, "items": list(compress(items, fits))}
+        kept = items if replies is None else list(compress(items, replies.fits()))
+        nodes = {**{k: v for k, v in (node_list or {}).items() if k != "items"}, "items": kept}
         passing = '{"Nodes":' + dumps(nodes, separators=SEP) + ',"NodeNames":null'
     else:
         passing = '{"Nodes":null,"NodeNames":[' + ok + "]"

@@ -40,10 +40,6 @@ def filter_sections(names: list[str], verdicts: list[Verdict]) -> tuple[str, str
             ",".join(compress(entries, hopeless)))
 
 
-def best_score(verdicts: Iterable[Verdict]) -> float:
-    return max((v.score for v in verdicts if v.fits), default=0.0)
-
-
 def priorities_piece(names: list[str], verdicts: list[Verdict], best: float) -> str:
     """HostPriority entries, without brackets: Place's score relative to `best` (10), 0 for a node
     that cannot take the pod."""
@@ -98,23 +94,25 @@ class Replies:
 
     def filter_sections(self) -> tuple[str, str, str]:
         """filter_sections() over every position, from the kept chunks."""
-        parts, names, verdicts = self.filter_parts, self.names, self.verdicts
-        made = [filter_sections(names[c * CHUNK:(c + 1) * CHUNK], verdicts[c * CHUNK:(c + 1) * CHUNK])
-                if part is None else part for c, part in enumerate(parts)]
+        parts = self.filter_parts
+        made = [filter_sections(*self._chunk(c)) if part is None else part for c, part in enumerate(parts)]
         parts[:] = made
         return (",".join(filter(None, (p[0] for p in made))), ",".join(filter(None, (p[1] for p in made))),
                 ",".join(filter(None, (p[2] for p in made))))
 
     def priorities(self) -> str:
         """HostPriorityList's JSON: each fitting node's score relative to the best of them (10)."""
-        tops, names, verdicts = self.chunk_best, self.names, self.verdicts
+        tops = self.chunk_best
         for c, top in enumerate(tops):
             if top < 0:
-                tops[c] = best_score(verdicts[c * CHUNK:(c + 1) * CHUNK])
+                tops[c] = max((v.score for v in self._chunk(c)[1] if v.fits), default=0.0)
         best = max(tops, default=0.0)
         parts, scaled = self.score_parts, self.scaled_by
         for c, part in enumerate(parts):
             if not part or scaled[c] != best:
-                parts[c] = priorities_piece(names[c * CHUNK:(c + 1) * CHUNK], verdicts[c * CHUNK:(c + 1) * CHUNK], best)
-                scaled[c] = best
+                parts[c], scaled[c] = priorities_piece(*self._chunk(c), best), best
         return "[" + ",".join(parts) + "]"
+
+    def _chunk(self, c: int) -> tuple[list[str], list[Verdict]]:
+        """Chunk c's names and verdicts."""
+        return self.names[c * CHUNK:(c + 1) * CHUNK], self.verdicts[c * CHUNK:(c + 1) * CHUNK]

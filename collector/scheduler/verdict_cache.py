@@ -77,20 +77,19 @@ class VerdictCache:
         self.shapes[key] = shape
         return shape
 
-    def verdicts(self, view: FleetView, q: Query, node_ids: list[str]) -> list[Verdict]:
-        """judge(view, q, node_ids), from the shape's kept verdicts. `q` made by Scheduler._query
-        (the index caught up to now)."""
-        return _looked_up(self._shape(view, q), node_ids)
-
     def replies(self, view: FleetView, q: Query, names: list[str]) -> Replies:
-        """The replies over the Kubernetes node `names`, kept for the shape while it asks with the
-        same list (kube-scheduler sends one per pod); made anew when the `k8s_node` labels moved."""
+        """The replies over the Kubernetes node `names` (their verdicts judge()'s), kept for the
+        shape while it asks with the same list (kube-scheduler sends one per pod); made anew when the
+        `k8s_node` labels moved. `q` made by Scheduler._query (the index caught up to now)."""
         shape = self._shape(view, q)
         key = SEP.join(names)
         kept = shape.replies.pop(key, None)
         if kept is None or kept.k8s_changes != view.k8s_changes:
             ids = fleet_ids(view.k8s_nodes, names)
-            kept = Replies(names, ids, _looked_up(shape, ids), view.k8s_changes)
+            verdicts = list(map(shape.by_id.get, ids))
+            if None in verdicts:   # not a fleet node
+                verdicts = [v or unknown(i) for i, v in zip(ids, verdicts)]
+            kept = Replies(names, ids, verdicts, view.k8s_changes)   # type: ignore[arg-type]
             if not names or key.count(SEP) != len(names) - 1:
                 return kept   # a name holds SEP: its key would not be its own
             if len(shape.replies) >= self.lists:
@@ -99,9 +98,3 @@ class VerdictCache:
         shape.replies[key] = kept
         return kept
 
-
-def _looked_up(shape: Shape, node_ids: list[str]) -> list[Verdict]:
-    out = list(map(shape.by_id.get, node_ids))
-    if None in out:   # not a fleet node
-        out = [v or unknown(i) for i, v in zip(node_ids, out)]
-    return out   # type: ignore[return-value]

@@ -181,7 +181,7 @@ def test_kept_verdicts_are_judges_own_as_the_index_changes():
                              allowed_regions=["r1", "r2"]),
             spb.PlaceRequest(accelerator=spb.ACCELERATOR_ANY, count=4, memory_bytes=40 * GiB, same_domain=True),
             spb.PlaceRequest(accelerator=spb.ACCELERATOR_NPU, count=1)]
-    asked = ids + ["n-new", "not-in-fleet"] + ids   # each node twice, as its k8s_node label and its id would be
+    asked = ids + ["n-new", "not-in-fleet", "k8s-new"] + ids   # each node twice, as its k8s_node label and id would be
 
     def send(nid, used_gib=0.0, events=()):
         st.ingest(pb.Batch(node_id=nid, boot_id="b", seq=next(seq), events=list(events),
@@ -189,17 +189,16 @@ def test_kept_verdicts_are_judges_own_as_the_index_changes():
 
     lists = [asked, asked[::-1], asked[: len(asked) // 2]]
 
-    def same(where, replies=True):   # every shape asked; the last one's verdicts by node
-        kept = []
+    def same(where, lists_asked=2):   # every shape asked with each list; the first shape's verdicts by node
+        first = {}
         for req in reqs:
-            kept = core.judge_kept(req, asked, cache)
-            assert kept == core.judge(req, asked), where
-            for names in lists[:2] if replies else ():   # two lists kept per shape
-                r, anew = core.replies(req, names, cache), core.replies(req, names)
-                assert r.verdicts == anew.verdicts, where
-                assert r.filter_sections() == anew.filter_sections(), where
-                assert r.priorities() == anew.priorities(), where
-        return {v.node_id: v for v in kept}
+            for names in lists[:lists_asked]:   # two lists kept per shape
+                kept, anew = core.replies(req, names, cache), core.replies(req, names)
+                assert kept.verdicts == anew.verdicts == core.judge(req, fleet_ids(core.view.k8s_nodes, names)), where
+                assert kept.filter_sections() == anew.filter_sections(), where
+                assert kept.priorities() == anew.priorities(), where
+                first = first or {v.node_id: v for v in kept.verdicts}
+        return first
 
     same("first asks")
     assert cache.full == 3 and counters["kubernetes.extender.name_lists"] == 0
@@ -208,17 +207,15 @@ def test_kept_verdicts_are_judges_own_as_the_index_changes():
     a, b = gpu[0], gpu[1]
     send(a)   # idle
     judged = cache.judged
-    same("idle", replies=False)
+    same("idle", lists_asked=1)
     # again per shape: only the node changed, and the stale nodes (their detail says for how long)
     assert 0 < cache.judged - judged <= 3 * (1 + len(core.view.stale_known)) < len(ids)
-    same("idle, the replies")
+    assert same("idle, both lists")[a].fits
     patched = core.replies(reqs[0], asked, cache)
-    assert core.judge_kept(reqs[0], [a], cache)[0].fits
     send(a, used_gib=79.0)   # its GPUs fill up: the next ask says so
-    same("full")
-    assert core.replies(reqs[0], asked, cache) is patched   # kept and patched, not made anew
-    v = core.judge_kept(reqs[0], [a], cache)[0]
+    v = same("full")[a]
     assert not v.fits and v.reason == "memory"
+    assert core.replies(reqs[0], asked, cache) is patched   # kept and patched, not made anew
     send(a, events=[event("xid", "gpu0", t_ns=clock[0], xid="79")])
     same("xid")
     clock[0] += 6 * 10**9
@@ -234,16 +231,19 @@ def test_kept_verdicts_are_judges_own_as_the_index_changes():
     st.hello(pb.Hello(node_id="n-new", boot_id="b", inventory=inventory("a100", 8, region="r1")))
     send("n-new")
     assert same("new node")["n-new"].reason != "unknown"
+    st.hello(pb.Hello(node_id="n-new", boot_id="b", inventory=inventory("a100", 8, region="r1", k8s_node="k8s-new")))
+    send("n-new")   # now also known by its label: the kept lists are made anew
+    same("labelled")
+    assert core.replies(reqs[0], asked, cache).verdicts[asked.index("k8s-new")].node_id == "n-new"
     st.hello(pb.Hello(node_id=gpu[2], boot_id="b", inventory=inventory("a100", 8, region="r9")))
     send(gpu[2])
-    same("moved")
-    assert core.judge_kept(reqs[0], [gpu[2]], cache)[0].reason == "region"
+    assert same("moved")[gpu[2]].reason == "region"
     assert counters["kubernetes.extender.verdict_shapes"] == 0
     kept = core.replies(reqs[2], lists[0], cache)
     assert core.replies(reqs[2], lists[2], cache) is not kept   # a third list: the least recently asked dropped
     assert counters["kubernetes.extender.name_lists"] == 1 and core.replies(reqs[2], lists[0], cache) is kept
     full = cache.full
-    core.judge_kept(spb.PlaceRequest(accelerator=spb.ACCELERATOR_GPU, count=8), asked, cache)
+    core.replies(spb.PlaceRequest(accelerator=spb.ACCELERATOR_GPU, count=8), asked, cache)
     assert counters["kubernetes.extender.verdict_shapes"] == 1 and len(cache.shapes) == 3
     assert cache.full == full + 1
     same("the first shape again, after it was dropped")
