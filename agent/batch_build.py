@@ -76,8 +76,9 @@ class BatchBuilder:
     source built wrong (a value or time of the wrong type) is dropped, counted in `unencodable`."""
 
     def __init__(self, refs: SeriesRefs, defs: SeriesDefs | None, boot_id: str,
-                 on_unencodable: Callable[[str, Exception], None]):
+                 on_unencodable: Callable[[str, Exception], None], version: int = compact.VERSION):
         self.refs, self.defs, self.boot_id = refs, defs, boot_id
+        self.version = version   # of the columns' blocks
         self.on_unencodable = on_unencodable
         self.top = 0     # the highest series_ref defined in this boot
 
@@ -147,5 +148,5 @@ class BatchBuilder:
             rows = [rows[i] for i in order]
         else:
             rows.sort(key=itemgetter(0))
-        b.columns = compact.encode_columns(rows, hists)
+        b.columns = compact.encode_columns(rows, hists, self.version)
         return len(b.samples) + len(rows), rows[-1][0]

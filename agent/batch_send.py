@@ -1,8 +1,8 @@
-"""What the stream sends for a batch. Where the collector's Welcome chose the compact encoding: the
+"""What the stream sends for a batch. Where the collector's Welcome chose a compact encoding: the
 SeriesTable of the series the batch uses that this connection has not had defined yet, then the
-batch as built; elsewhere (an old collector, a cluster gateway) a compact batch expanded to the
-Sample messages it stands for (common/compact.py's `sample`, with the boot's definitions). A
-spooled batch goes as its bytes, without decoding it only for grpc to encode it again."""
+batch as built (its columns written again in the older version a collector chose); where it chose
+none, a compact batch expanded to the Sample messages it stands for (common/compact.py's `sample`,
+with the boot's definitions). A spooled batch goes as its bytes where nothing is written again."""
 
 from __future__ import annotations
 
@@ -42,16 +42,18 @@ class Connection:
     defined; 0 for other boots), so after a reconnect, to whichever collector, each definition a batch
     needs is there or goes before it on the same stream."""
 
-    def __init__(self, defs: SeriesDefs, compact_chosen: bool, defined: dict[str, int] | None = None):
+    def __init__(self, defs: SeriesDefs, encoding: str, defined: dict[str, int] | None = None):
         self.defs = defs
-        self.compact = compact_chosen
-        self.sent: dict[str, int] = dict(defined or {}) if compact_chosen else {}
+        self.encoding = encoding   # the compact encoding the collector chose; "": Sample messages
+        self.version = compact.VERSIONS.get(encoding, 0)   # of its columns
+        self.compact = self.version > 0
+        self.sent: dict[str, int] = dict(defined or {}) if self.compact else {}
 
     @classmethod
     def welcomed(cls, defs: SeriesDefs, encoding: str, w: pb.Welcome, hello_boot: str, top: int) -> Connection:
-        """The connection a Welcome opens: compact where it chose the encoding the agent offered; the
+        """The connection a Welcome opens: compact where it chose an encoding the agent offered; the
         Hello's boot defined up to its series_defined_up_to, at most `top` (the agent's highest ref)."""
-        chosen = bool(encoding) and w.batch_encoding == encoding
+        chosen = w.batch_encoding if w.batch_encoding in compact.offered(encoding) else ""
         return cls(defs, chosen, {hello_boot: min(w.series_defined_up_to, top)} if w.boot_id == hello_boot else None)
 
     def messages(self, boot: str, batch: pb.Batch | bytes, top: int) -> list[pb.AgentMessage | bytes]:
@@ -59,6 +61,8 @@ class Connection:
         series_ref it uses, known for a batch built in this run (whose definitions are all held); -1
         to read it from the batch, checking that every one of its references has a definition."""
         whole = batch_message(batch) if isinstance(batch, bytes) else pb.AgentMessage(batch=batch)
+        if self.compact and self.version < compact.VERSION:
+            whole = self._older(batch)
         if top < 0 or not self.compact:
             b = batch if isinstance(batch, pb.Batch) else pb.Batch.FromString(batch)
             if not b.columns:
@@ -85,3 +89,16 @@ class Connection:
         out.append(whole)
         return out
 
+    def _older(self, batch: pb.Batch | bytes) -> pb.AgentMessage:
+        """The batch with its columns in this connection's version where they are in a newer one."""
+        b = batch if isinstance(batch, pb.Batch) else pb.Batch.FromString(batch)
+        if b.columns and compact.version_of(b.columns) > self.version:
+            try:
+                cols = compact.decode_columns(b.columns, MAX_ROWS)
+            except compact.CompactError as e:
+                raise Unsendable(f"its columns do not decode ({e})") from None
+            older = pb.Batch()
+            older.CopyFrom(b)
+            older.columns = compact.encode_columns(cols.rows(), cols.histograms, self.version)
+            b = older
+        return pb.AgentMessage(batch=b)

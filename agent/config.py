@@ -31,7 +31,8 @@ from .sources.registry import FAMILIES
 
 
 def _encoding(v: str) -> str | None:
-    return None if v in ("", compact.ENCODING) else f'must be "{compact.ENCODING}" or "" (Sample messages only)'
+    return None if v == "" or v in compact.VERSIONS else \
+        f'must be one of {", ".join(map(repr, compact.ENCODINGS))} or "" (Sample messages only)'
 
 
 def _rule_keys(default: bool) -> dict[str, Key]:
@@ -104,7 +105,8 @@ AGENT_SCHEMA: dict[str, Any] = {
                                   "of references does not only grow); one that comes back gets a new number"),
         "batch_encoding": Key(str, compact.ENCODING, _encoding,
                               help="batches built as compressed columns, each series defined once per stream "
-                                   "(offered in Hello; a collector that does not choose it gets Sample messages); "
+                                   "(offered in Hello with the older compact encodings; a collector that chooses an "
+                                   "older one gets the columns in it, one that chooses none Sample messages); "
                                    "\"\": Sample messages only"),
         "max_series_defs": Key(int, 100_000, positive,
                                help="series definitions kept per boot for the compact encoding (with the spool, on "

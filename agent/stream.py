@@ -132,13 +132,12 @@ class StreamClient:
         # This boot's series references and templates; those of series gone idle retired (agent/series_refs.py).
         # With the compact encoding (batch_encoding), each boot's series definitions, kept with the
         # spool when there is one (agent/spool/defs.py); batches built in it (agent/batch_build.py).
-        self.encoding = batch_encoding
-        compact_on = batch_encoding == compact.ENCODING
+        self.encoding, version = batch_encoding, compact.VERSIONS.get(batch_encoding, 0)   # 0: Sample messages
         self.refs = SeriesRefs(4 * max_samples_per_batch, series_idle_s,
-                               max_refs=max_series_defs if compact_on else 0xFFFFFFFF)
+                               max_refs=max_series_defs if version else 0xFFFFFFFF)
         self.defs = SeriesDefs(spool.dir if spool is not None else None, max_series_defs)
-        self.builder = BatchBuilder(self.refs, self.defs if compact_on else None, boot_id, self._unencodable)
-        self._conn: Connection = Connection(self.defs, False)
+        self.builder = BatchBuilder(self.refs, self.defs if version else None, boot_id, self._unencodable, version)
+        self._conn: Connection = Connection(self.defs, "")
         self._welcomed = False    # this connection's Welcome came (batches wait for it when compact is offered)
         self._conn_no = 0         # connections made: a request generator of an earlier one stops
         self._inventory_dirty = False
@@ -383,7 +382,7 @@ class StreamClient:
         """The agent's half of connection `no`: Hello, then every batch not yet sent on it."""
         yield pb.AgentMessage(hello=pb.Hello(node_id=self.node_id, boot_id=self.boot_id, agent_version=self.agent_version,
                                              inventory=self.inventory(), time_unix_nano=time.time_ns(),
-                                             batch_encodings=[self.encoding] * bool(self.encoding)))
+                                             batch_encodings=compact.offered(self.encoding)))
         while True:
             with self._cond:   # batches wait for the Welcome where it chooses their encoding
                 while not self._conn_closed and not self._inventory_dirty and not (self._unsent and self._welcomed):
@@ -525,7 +524,7 @@ class StreamClient:
                     self._inflight.clear()
                     self._inventory_dirty = False
                     self._welcomed = not self.encoding   # nothing offered: Sample messages whatever it says
-                    self._conn = Connection(self.defs, False)
+                    self._conn = Connection(self.defs, "")
                     self._conn_no += 1
                 try:
                     call: _StreamCall = stream(self._requests(self._conn_no), compression=gzip)
@@ -595,6 +594,6 @@ class StreamClient:
                 "impossible_acks": self.claims.impossible,
                 "series_refs": self.series_refs(), "series_retired": self.refs.retired,
                 "series_unnumbered": self.refs.unnumbered, "series_defs": len(self.defs),
-                "series_defs_damaged": self.defs.damaged, "encoding": self.encoding if self._conn.compact else "",
+                "series_defs_damaged": self.defs.damaged, "encoding": self._conn.encoding,
                 "spool_bytes": self.spool.bytes_used() + self.defs.bytes if self.spool is not None else 0,
                 "spool": self.spool.status() if self.spool is not None else None}

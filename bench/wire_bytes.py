@@ -1,10 +1,10 @@
-"""Wire and disk bytes a point of a real agent streaming to a durable collector, before and after the
-compact batch encoding: the agent (8 fake H100 at 1 s, the host, every eBPF probe that runs here;
-`--npu`: 8 Ascend 910B4 through the fake npu-smi) sends through a byte-counting TCP relay, cut once
+"""Wire and disk bytes a point of a real agent streaming to a durable collector in Sample messages, the
+compact encoding's version 1 and the agent's default: the agent (8 fake H100 at 1 s, the host, every
+eBPF probe that runs here; `--npu`: 8 Ascend 910B4 through the fake npu-smi) sends through a byte-counting TCP relay, cut once
 mid-run so it reconnects and resends, to `xpusense-collector serve --data-dir`; every point the
 collector then serves (GetHistory) is counted. Needs root (eBPF, network namespaces, a device node).
 
-    sudo .venv/bin/python bench/wire_bytes.py [--seconds 60] [--npu] [--only before|after] [--record]
+    sudo .venv/bin/python bench/wire_bytes.py [--seconds 60] [--npu] [--only before|columns-1|after ...] [--record]
 
 Prints a table, then one line of JSON (bench/README.md says what each figure is)."""
 
@@ -38,7 +38,7 @@ NPU_SCENARIO = ROOT / "tests" / "fixtures" / "npu-smi" / "scenario-8x910B4"
 GOALS = {"wire_bytes_per_point": 4.0, "collector_disk_bytes_per_point": 6.0}
 # The agent's [stream] batch_encoding per run: "" is Sample messages only; None leaves the key out
 # (the agent's default, the compact encoding where the agent has it).
-RUNS = {"before": "", "after": None}
+RUNS = {"before": "", "columns-1": "columns-zlib-1", "after": None}
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 KEEP_BYTES = 256 * 2**20   # upstream bytes the relay keeps to read apart (far above a run's)
 
@@ -390,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=60.0, help="each run, from the agent's exec (default 60)")
     ap.add_argument("--cut-at", type=float, default=None, help="when the relay cuts the connections (default: half-way)")
-    ap.add_argument("--only", choices=sorted(RUNS), help="one run instead of both")
+    ap.add_argument("--only", choices=sorted(RUNS), action="append",
+                    help=f"this run (again for more) instead of all: {', '.join(RUNS)}")
     ap.add_argument("--npu", action="store_true", help="8 Ascend NPUs through the fake npu-smi instead of NVML")
     ap.add_argument("--no-ebpf", action="store_true", help="without the eBPF probes")
     ap.add_argument("--record", nargs="?", const=str(RESULTS), default="", metavar="FILE",
@@ -417,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                 sh("ip", "-n", ns, "link", "set", ifname, "up")
         env, lib, glob = make_fakes(tmp)
         for name, encoding in RUNS.items():
-            if args.only in (None, name):
+            if args.only is None or name in args.only:
                 print(f"{name}: {args.seconds:g} s ...", file=sys.stderr, flush=True)
                 result["runs"][name] = one_run(name, encoding, args, tmp, env, (ns_a, if_a), lib, glob)
     finally:

@@ -80,10 +80,11 @@ COLLECTOR_SCHEMA = {
     },
     # The Ingest stream (collector/ingest_session.py; docs/design.md "The compact encoding").
     "ingest": {
-        "batch_encodings": Key(list, [compact.ENCODING], one_of(compact.ENCODING),
-                               help="batch encodings chosen in the Welcome when an agent's Hello offers one "
-                                    "(\"columns-zlib-1\": series defined once per stream, samples as compressed "
-                                    "columns); []: agents send Sample messages"),
+        "batch_encodings": Key(list, list(compact.ENCODINGS), one_of(*compact.ENCODINGS),
+                               help="batch encodings a Welcome may choose, the newest an agent's Hello offers "
+                                    "(series defined once per stream, samples as compressed columns; "
+                                    "\"columns-zlib-2\" writes decimal values as their digits); []: agents send "
+                                    "Sample messages"),
     },
     "scheduler": SCHEDULER_SCHEMA,
     # Cluster mode (collector/cluster/, docs/scale.md): with urls set, serve is a gateway to NATS JetStream.

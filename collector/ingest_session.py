@@ -108,13 +108,13 @@ def _wrong_node(b: Any, node_id: str) -> Violation:
 
 
 def choose_encoding(hello: pb.Hello, allowed: list[str]) -> str:
-    """The batch encoding a Welcome chooses: the compact one where the agent offers it and the
-    configuration (`[ingest] batch_encodings`) allows it; "" (Sample messages) otherwise."""
-    return compact.ENCODING if compact.ENCODING in hello.batch_encodings and compact.ENCODING in allowed else ""
+    """The batch encoding a Welcome chooses: the newest compact one that the agent offers and the
+    configuration (`[ingest] batch_encodings`) allows; "" (Sample messages) where there is none."""
+    return next((e for e in compact.ENCODINGS if e in hello.batch_encodings and e in allowed), "")
 
 
 def _table_refused(table: pb.SeriesTable, welcome: pb.Welcome) -> Violation | None:
-    if welcome.batch_encoding != compact.ENCODING:
+    if welcome.batch_encoding not in compact.VERSIONS:
         return Violation(grpc.StatusCode.INVALID_ARGUMENT, "a SeriesTable on a stream whose Welcome chose "
                          f"batch encoding {welcome.batch_encoding!r}")
     if (why := bad_id("SeriesTable boot_id", table.boot_id)) is not None:
@@ -164,7 +164,7 @@ class IngestSession(pb_grpc.IngestServicer):
         """Another node's batch, or one in the compact encoding where the Welcome did not choose it."""
         if b.node_id != node_id:
             return _wrong_node(b, node_id)
-        if b.__class__ is not WireBatch and b.columns and welcome.batch_encoding != compact.ENCODING:
+        if b.__class__ is not WireBatch and b.columns and welcome.batch_encoding not in compact.VERSIONS:
             return self.refused(Violation(grpc.StatusCode.INVALID_ARGUMENT,
                                           f"batch {b.seq} in the compact encoding on a stream whose Welcome "
                                           f"chose {welcome.batch_encoding!r}: send Sample messages"), peer)

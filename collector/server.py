@@ -163,7 +163,7 @@ class IngestServicer(IngestSession):
         super().__init__(security, limits)
         self.state = state
         # [ingest] batch_encodings: what a Welcome may choose when the agent offers it.
-        self.batch_encodings = [compact.ENCODING] if batch_encodings is None else list(batch_encodings)
+        self.batch_encodings = list(compact.ENCODINGS) if batch_encodings is None else list(batch_encodings)
         self.max_samples = int(limits.max_samples_per_batch if limits else LIMITS["max_samples_per_batch"])
         # collector/store/: batches are durable there before they are acknowledged (None: memory only).
         self.store = store

@@ -13,13 +13,16 @@
 #include <string.h>
 #include <zlib.h>
 
-#define VERSION 1
+#define RAW 255            /* version 2: the tag of a value sent as its 8 bytes (0-9: decimal places) */
 #define HEAD 13            /* version (1), samples (4), first time (8) */
 #define HIST 12            /* sample index, bounds, counts (4 each) */
 #define MAX_BUCKETS 256
 /* decode_columns' bound on the inflated bytes: the header, 20 bytes a sample, the histograms'
  * count, and a histogram of the most buckets for every sample. */
-#define PER_SAMPLE (20 + HIST + 16 * MAX_BUCKETS + 8)
+#define PER_SAMPLE (21 + HIST + 16 * MAX_BUCKETS + 8)
+#define EXACT 9007199254740992LL   /* 2**53: digits below it in magnitude are exact as a double */
+
+static const double P10[10] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9};
 
 static uint32_t le32(const uint8_t *p)
 {
@@ -180,6 +183,50 @@ static PyObject *counts_of(const uint8_t *p, uint32_t n)
     return out;
 }
 
+/* Version 2's n values from raw[*at, len) (tags, the raw ones' 8 bytes, the others' digits as
+ * zigzag varints of at most 8 bytes, below 2**53 in magnitude) into v, in this machine's order;
+ * 0 with *at past them, -1 for bytes not read here. */
+static int values_v2(const uint8_t *raw, Py_ssize_t len, Py_ssize_t *at, uint32_t n, char *v)
+{
+    const uint8_t *tags = raw + *at;
+    Py_ssize_t p = *at + n, k = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (tags[i] == RAW)
+            k++;
+        else if (tags[i] > 9)
+            return -1;
+    }
+    if ((len - p) / 8 < k)
+        return -1;
+    const uint8_t *raws = raw + p;
+    p += 8 * k;
+    for (uint32_t i = 0, j = 0; i < n; i++) {
+        double x;
+        if (tags[i] == RAW) {
+            x = le_double(raws + 8 * (size_t)j++);
+        } else {
+            uint64_t z = 0;
+            int shift = 0;
+            for (;;) {
+                if (p >= len || shift > 49)
+                    return -1;   /* cut short, or longer than 8 bytes */
+                uint8_t b = raw[p++];
+                z |= (uint64_t)(b & 0x7F) << shift;
+                shift += 7;
+                if (b < 0x80)
+                    break;
+            }
+            int64_t m = (int64_t)(z >> 1) ^ -(int64_t)(z & 1);
+            if (m <= -EXACT || m >= EXACT)
+                return -1;
+            x = (double)m / P10[tags[i]];
+        }
+        memcpy(v + 8 * (size_t)i, &x, 8);
+    }
+    *at = p;
+    return 0;
+}
+
 /* The histograms from raw[*at, len): {index: (bounds, counts)}, each index below n and given once,
  * each within MAX_BUCKETS; 0 with *at past them, -1 for bytes not read here, -2 for a Python error. */
 static int histograms_of(const uint8_t *raw, Py_ssize_t len, Py_ssize_t *at, uint32_t n, PyObject *dict)
@@ -237,8 +284,8 @@ static PyObject *decode(PyObject *self, PyObject *args)
     uint32_t n = 0;
     if (r == 0) {
         r = -1;
-        if (len >= HEAD && raw[0] == VERSION && (n = le32(raw + 1)) <= (uint64_t)max_samples
-                && (uint64_t)len >= HEAD + 20 * (uint64_t)n + 4)
+        if (len >= HEAD && (raw[0] == 1 || raw[0] == 2) && (n = le32(raw + 1)) <= (uint64_t)max_samples
+                && (uint64_t)len >= HEAD + (raw[0] == 1 ? 20 : 13) * (uint64_t)n + 4)
             r = 0;
     }
     if (r == 0) {
@@ -254,7 +301,9 @@ static PyObject *decode(PyObject *self, PyObject *args)
         }
         times = refs ? times_of((int64_t)le64(raw + 5), d + 4 * (size_t)n, n, &one) : NULL;
         values = times ? PyBytes_FromStringAndSize(NULL, 8 * (Py_ssize_t)n) : NULL;
-        if (values != NULL) {   /* in this machine's order, as array('d') holds them */
+        Py_ssize_t at = HEAD + 12 * (Py_ssize_t)n;
+        r = values == NULL ? -2 : 0;
+        if (values != NULL && raw[0] == 1) {   /* in this machine's order, as array('d') holds them */
             char *v = PyBytes_AS_STRING(values);
 #if PY_BIG_ENDIAN
             for (uint32_t i = 0; i < n; i++) {
@@ -264,10 +313,15 @@ static PyObject *decode(PyObject *self, PyObject *args)
 #else
             memcpy(v, d + 12 * (size_t)n, 8 * (size_t)n);
 #endif
+            at += 8 * (Py_ssize_t)n;
+        } else if (values != NULL) {
+            r = values_v2(raw, len, &at, n, PyBytes_AS_STRING(values));
         }
-        hists = values ? PyDict_New() : NULL;
-        Py_ssize_t at = HEAD + 20 * (Py_ssize_t)n;
-        r = hists == NULL ? -2 : histograms_of(raw, len, &at, n, hists);
+        if (r == 0 && len - at < 4)
+            r = -1;   /* no room for the histograms' count */
+        hists = r == 0 ? PyDict_New() : NULL;
+        if (r == 0)
+            r = hists == NULL ? -2 : histograms_of(raw, len, &at, n, hists);
         if (r == 0 && at != len)
             r = -1;   /* bytes after the histograms */
         if (r == 0) {

@@ -331,7 +331,7 @@ class ClusterIngestServicer(IngestSession):
     def __init__(self, gw: Gateway, security=None, limits=None, batch_encodings: list[str] | None = None):
         super().__init__(security, limits)
         self.gw = gw
-        self.batch_encodings = list(batch_encodings) if batch_encodings is not None else [compact.ENCODING]
+        self.batch_encodings = list(batch_encodings) if batch_encodings is not None else list(compact.ENCODINGS)
 
     async def open(self, hello: pb.Hello, peer: str, context) -> GatewayStream:
         gw = self.gw

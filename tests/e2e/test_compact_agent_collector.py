@@ -1,9 +1,12 @@
 """A compact-building agent's stream to a real collector process (loopback gRPC) stores exactly
 the points a Sample-encoding agent's stream stores, histograms included: through a collector that
-does not choose the compact encoding (the agent expands its batches) and through one that does."""
+does not choose the compact encoding (the agent expands its batches), through one that chooses only
+version 1 (the agent writes its columns again) and through one that chooses the newest; an agent
+building version 1 (the version before) stores the same through each."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
@@ -38,7 +41,7 @@ def stored(query, node_id: str) -> tuple[list, dict]:
     return latest, history
 
 
-@pytest.mark.parametrize("collector_encodings", ["[]", '["columns-zlib-1"]'])
+@pytest.mark.parametrize("collector_encodings", ["[]", '["columns-zlib-1"]', '["columns-zlib-2", "columns-zlib-1"]'])
 def test_compact_agent_stores_exactly_what_a_sample_agent_stores(procs, tmp_path, collector_encodings):
     addr = f"127.0.0.1:{free_port()}"
     cfg = tmp_path / "collector.toml"
@@ -49,7 +52,7 @@ def test_compact_agent_stores_exactly_what_a_sample_agent_stores(procs, tmp_path
     wait_until(lambda: query.ListNodes(pb.ListNodesRequest(), timeout=2), what="the collector answering")
     clients = {node: StreamClient(addr, node, "boot-1", lambda: pb.Inventory(hostname="h"), flush_s=0.02,
                                   backoff_initial_s=0.05, backoff_max_s=0.3, batch_encoding=encoding)
-               for node, encoding in (("compact", compact.ENCODING), ("samples", ""))}
+               for node, encoding in (("compact", compact.ENCODING), ("v1", "columns-zlib-1"), ("samples", ""))}
     t0 = time.time_ns() - ROUNDS * 1_000_000_000
     try:
         for c in clients.values():
@@ -62,15 +65,18 @@ def test_compact_agent_stores_exactly_what_a_sample_agent_stores(procs, tmp_path
                    what="every batch of both agents acknowledged")
         assert all(c.status()["dropped_samples"] == 0 and c.status()["set_aside"] == 0 for c in clients.values())
         # The connection's encoding: what the collector's Welcome chose (its [ingest] batch_encodings).
-        assert clients["compact"].status()["encoding"] == ("" if collector_encodings == "[]" else compact.ENCODING)
+        allowed = json.loads(collector_encodings)
+        assert clients["compact"].status()["encoding"] == (allowed[0] if allowed else "")
+        assert clients["v1"].status()["encoding"] == ("columns-zlib-1" if allowed else "")
         compact_latest, compact_history = stored(query, "compact")
+        v1_latest, v1_history = stored(query, "v1")
         samples_latest, samples_history = stored(query, "samples")
     finally:
         for c in clients.values():
             c.stop(drain_s=0)
         channel.close()
-    assert compact_latest == samples_latest
-    assert compact_history == samples_history
+    assert compact_latest == samples_latest == v1_latest
+    assert compact_history == samples_history == v1_history
     # Every point of every round is there: the histogram sums (their values) and the new series too.
     assert compact_history[("tcp.rtt", (("dst", "10.0.0.1"),))] == [
         (t0 + i * 1_000_000_000 + 13, 3.5 * i) for i in range(ROUNDS)]

@@ -38,6 +38,7 @@ class Recorder(pb_grpc.IngestServicer):
         self.abort_at: set[int] = set()                  # batch seqs at which the stream is cut, once
         self.undecodable: set[int] = set()               # batch seqs refused as a collector refuses bad columns
         self.problems: list[str] = []
+        self.versions: set[int] = set()                  # of the columns received
         self.lock = threading.Lock()
 
     def Stream(self, request_iterator, context):
@@ -70,6 +71,9 @@ class Recorder(pb_grpc.IngestServicer):
                     if not chosen:
                         self.problems.append(f"compact batch {b.seq} on a stream that did not choose it")
                     cols = compact.decode_columns(b.columns, 100_000)
+                    self.versions.add(compact.version_of(b.columns))
+                    if chosen and compact.version_of(b.columns) > compact.VERSIONS[chosen]:
+                        self.problems.append(f"batch {b.seq}: columns newer than {chosen}")
                     held = defs.get(b.boot_id, {})
                     if missing := [r for r in cols.refs if r not in held]:
                         self.problems.append(f"batch {b.seq}: no definition for {missing}")
@@ -142,7 +146,7 @@ def test_each_series_is_defined_once_per_connection_before_the_first_batch_using
     wait_until(lambda: client.status()["acked"] == 3 and len(rec.streams) == 2, what="the third batch, resent")
     assert not rec.problems
     first, second = rec.streams
-    assert first[0].hello.batch_encodings == [compact.ENCODING]
+    assert first[0].hello.batch_encodings == list(compact.ENCODINGS)
     assert rec.kinds(0) == ["hello", "series", "batch", "series", "batch", "batch"]
     # The first table holds every series the first batch's columns use (big.hist, 5, has more
     # buckets than they carry and goes whole); the second only those numbered since, up to the new one.
@@ -188,7 +192,7 @@ def test_where_the_welcome_does_not_choose_it_batches_go_as_the_sample_messages_
     wait_until(lambda: client.status()["acked"] == 2, what="both batches acknowledged")
     assert not rec.problems
     assert "series" not in rec.kinds(0)
-    assert list(rec.streams[0][0].hello.batch_encodings) == ([compact.ENCODING] if agent_encoding else [])
+    assert list(rec.streams[0][0].hello.batch_encodings) == compact.offered(agent_encoding)
     assert all(not m.batch.columns for m in rec.streams[0] if m.HasField("batch"))
     assert sorted(norm(s) for s in rec.samples["boot-1"]) == expected(rounds)
 
@@ -239,7 +243,7 @@ def restarted(tmp_path, serve, client_factory, collector_encoding, **kw):
     return rec, client, found
 
 
-@pytest.mark.parametrize("collector_encoding", [compact.ENCODING, ""])
+@pytest.mark.parametrize("collector_encoding", [*compact.ENCODINGS, ""])
 def test_after_a_restart_an_old_boots_spooled_batches_go_with_their_definitions(
         tmp_path, serve, client_factory, collector_encoding):
     rounds = old_boot_in_the_spool(tmp_path, client_factory)
@@ -251,9 +255,10 @@ def test_after_a_restart_an_old_boots_spooled_batches_go_with_their_definitions(
     assert not rec.problems
     assert sorted(norm(s) for s in rec.samples["boot-old"]) == expected(rounds)
     assert sorted(norm(s) for s in rec.samples["boot-new"]) == expected([round_of(3)])
-    if collector_encoding:
+    if collector_encoding:   # an older collector gets the columns in its version, spooled ones too
         tables = [m.series.boot_id for m in rec.streams[0] if m.HasField("series")]
         assert tables == ["boot-old", "boot-old", "boot-new"]
+        assert rec.versions == {compact.VERSIONS[collector_encoding]}
     client.put(round_of(4))     # the next cut lets the old boot's definitions go
     client.flush()
     wait_until(lambda: not os.path.exists(tmp_path / "spool" / "series-boot-old.xsd"),
@@ -263,17 +268,18 @@ def test_after_a_restart_an_old_boots_spooled_batches_go_with_their_definitions(
 
 
 @pytest.mark.parametrize(("old", "new", "collector"), [("", compact.ENCODING, compact.ENCODING),
-                                                       (compact.ENCODING, "", compact.ENCODING)])
+                                                       (compact.ENCODING, "", compact.ENCODING),
+                                                       ("columns-zlib-1", compact.ENCODING, compact.ENCODING)])
 def test_spools_of_either_encoding_go_after_a_restart_with_the_other(tmp_path, serve, client_factory, old, new,
                                                                      collector):
-    """Sample batches spooled by an agent before the compact encoding go as they are; compact ones
-    spooled before the config turned it off go expanded."""
+    """Sample batches spooled by an agent before the compact encoding go as they are, and so do
+    columns of version 1; compact ones spooled before the config turned it off go expanded."""
     rounds = old_boot_in_the_spool(tmp_path, client_factory, encoding=old)
     rec, client, _ = restarted(tmp_path, serve, client_factory, collector, batch_encoding=new)
     wait_until(lambda: client.pending() == 0, what="the old boot's batches acknowledged")
     assert not rec.problems and client.status()["set_aside"] == 0
     assert sorted(norm(s) for s in rec.samples["boot-old"]) == expected(rounds)
-    assert all(not m.batch.columns for m in rec.streams[0] if m.HasField("batch"))
+    assert rec.versions == ({1} if old == "columns-zlib-1" else set())   # expanded where the agent offers none
 
 
 @pytest.mark.parametrize("collector_encoding", [compact.ENCODING, ""])
@@ -308,6 +314,7 @@ def test_spooled_batches_whose_definitions_are_gone_are_set_aside_never_sent(
 def test_batch_encoding_other_than_the_compact_one_or_none_is_a_config_error(tmp_path):
     cfg = tmp_path / "agent.toml"
     cfg.write_text('[stream]\nbatch_encoding = "zstd"\n')
-    with pytest.raises(ConfigError, match=r"agent.toml: 'stream.batch_encoding' must be \"columns-zlib-1\""):
+    with pytest.raises(ConfigError, match=r"agent.toml: 'stream.batch_encoding' must be one of 'columns-zlib-2', "
+                                          r"'columns-zlib-1' or \"\""):
         load_agent(str(cfg), env={})
     assert load_agent(None, env={}).stream.batch_encoding == compact.ENCODING
