@@ -2,7 +2,8 @@
 compact encoding's version 1 and the agent's default: the agent (8 fake H100 at 1 s, the host, every
 eBPF probe that runs here; `--npu`: 8 Ascend 910B4 through the fake npu-smi) sends through a
 byte-counting TCP relay, cut once mid-run so it reconnects and resends, to `xpusense-collector serve
---data-dir`; every point the collector then serves (GetHistory) is counted. Needs root (eBPF, network namespaces, a device node).
+--data-dir`; every point the collector then serves (GetHistory) is counted. Needs root (eBPF,
+network namespaces, a device node).
 
     sudo .venv/bin/python bench/wire_bytes.py [--seconds 60] [--npu] [--only before|columns-1|after ...] [--record]
 
