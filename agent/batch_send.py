@@ -42,27 +42,30 @@ class Connection:
     defined; 0 for other boots), so after a reconnect, to whichever collector, each definition a batch
     needs is there or goes before it on the same stream."""
 
-    def __init__(self, defs: SeriesDefs, encoding: str, defined: dict[str, int] | None = None):
+    def __init__(self, defs: SeriesDefs, encoding: str, defined: dict[str, int] | None = None, ids: bytes = b""):
         self.defs = defs
         self.encoding = encoding   # the compact encoding the collector chose; "": Sample messages
         self.version = compact.VERSIONS.get(encoding, 0)   # of its columns
         self.compact = self.version > 0
+        # The Hello's node and boot id as a Batch's first bytes: left out of a batch that starts with
+        # them where the collector reads version 2 (it puts them back).
+        self.ids = ids if self.version >= 2 else b""
         self.sent: dict[str, int] = dict(defined or {}) if self.compact else {}
 
     @classmethod
-    def welcomed(cls, defs: SeriesDefs, encoding: str, w: pb.Welcome, hello_boot: str, top: int) -> Connection:
+    def welcomed(cls, defs: SeriesDefs, encoding: str, w: pb.Welcome, node_id: str, hello_boot: str,
+                 top: int) -> Connection:
         """The connection a Welcome opens: compact where it chose an encoding the agent offered; the
         Hello's boot defined up to its series_defined_up_to, at most `top` (the agent's highest ref)."""
         chosen = w.batch_encoding if w.batch_encoding in compact.offered(encoding) else ""
-        return cls(defs, chosen, {hello_boot: min(w.series_defined_up_to, top)} if w.boot_id == hello_boot else None)
+        defined = {hello_boot: min(w.series_defined_up_to, top)} if w.boot_id == hello_boot else None
+        return cls(defs, chosen, defined, pb.Batch(node_id=node_id, boot_id=hello_boot).SerializeToString())
 
     def messages(self, boot: str, batch: pb.Batch | bytes, top: int) -> list[pb.AgentMessage | bytes]:
         """The messages for one batch of `boot` (a pb.Batch, or a Batch encoded). `top`: the highest
         series_ref it uses, known for a batch built in this run (whose definitions are all held); -1
         to read it from the batch, checking that every one of its references has a definition."""
-        whole = batch_message(batch) if isinstance(batch, bytes) else pb.AgentMessage(batch=batch)
-        if self.compact and self.version < compact.VERSION:
-            whole = self._older(batch)
+        whole = self._whole(batch)
         if top < 0 or not self.compact:
             b = batch if isinstance(batch, pb.Batch) else pb.Batch.FromString(batch)
             if not b.columns:
@@ -88,6 +91,15 @@ class Connection:
             self.sent[boot] = top
         out.append(whole)
         return out
+
+    def _whole(self, batch: pb.Batch | bytes) -> pb.AgentMessage | bytes:
+        """The AgentMessage that carries the batch on this connection."""
+        if self.compact and self.version < compact.VERSION:
+            return self._older(batch)
+        if self.ids:
+            data = batch if isinstance(batch, bytes) else batch.SerializeToString()
+            return batch_message(data[len(self.ids):] if data.startswith(self.ids) else data)
+        return batch_message(batch) if isinstance(batch, bytes) else pb.AgentMessage(batch=batch)
 
     def _older(self, batch: pb.Batch | bytes) -> pb.AgentMessage:
         """The batch with its columns in this connection's version where they are in a newer one."""

@@ -485,7 +485,8 @@ class StreamClient:
                     if self.spool is not None:
                         self.spool.ack(key[0], key[1], val if not isinstance(val, pb.Batch) else None)
             elif msg.HasField("welcome"):
-                self._conn = Connection.welcomed(self.defs, self.encoding, msg.welcome, self.boot_id, self.builder.top)
+                self._conn = Connection.welcomed(self.defs, self.encoding, msg.welcome, self.node_id, self.boot_id,
+                                                 self.builder.top)
                 self._welcomed = True
                 done = [k for k in self._pending if k[0] == msg.welcome.boot_id and k[1] <= msg.welcome.stored_up_to]
                 for k in done:

@@ -21,7 +21,7 @@ from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
 from .limits import MalformedRequest, Violation, short_boot
-from .wire import WireBatch, batch_payload
+from .wire import WireBatch, batch_payload, with_ids
 
 
 class PendingWindow:
@@ -70,6 +70,7 @@ class Sink:
 
     node_id: str
     welcome: pb.Welcome
+    ids: tuple[str, str] | None = None   # the Hello's node and boot, where a batch may leave them out
     window: PendingWindow | None = None
     stopped = False   # set by `take`: the message it returned is the last one to read
 
@@ -185,6 +186,8 @@ class IngestSession(pb_grpc.IngestServicer):
         if (v := self.refused(self.admit(hello.node_id, hello.inventory), peer)) is not None:
             await context.abort(v.code, v.message)
         sink = await self.open(hello, peer, context)
+        if compact.VERSIONS.get(sink.welcome.batch_encoding, 0) >= 2:   # its batches may leave the ids out
+            sink.ids = (hello.node_id, hello.boot_id)
         self.log.info("node %s connected from %s (boot %s, stored up to %d)", sink.node_id, peer,
                       short_boot(hello.boot_id), sink.welcome.stored_up_to)
         window = sink.window
@@ -233,6 +236,8 @@ class IngestSession(pb_grpc.IngestServicer):
                 if kind == "batch":
                     payload = batch_payload(msg)   # first: before anything here awaits (wire.py)
                     b = msg.batch
+                    if not b.node_id and sink.ids is not None:
+                        b, payload = with_ids(b, payload, *sink.ids)
                     got = self.batch_refused(b, node_id, sink.welcome, peer) or sink.take_now(b, payload)
                 elif kind == "series":
                     table = msg.series
@@ -262,6 +267,8 @@ class IngestSession(pb_grpc.IngestServicer):
                 if kind == "batch":
                     payload = batch_payload(msg)   # first: before anything here awaits (wire.py)
                     b = msg.batch
+                    if not b.node_id and sink.ids is not None:
+                        b, payload = with_ids(b, payload, *sink.ids)
                     got = self.batch_refused(b, node_id, sink.welcome, peer) or await sink.take(b, payload, size)
                 elif kind == "series":
                     table = msg.series

@@ -89,6 +89,17 @@ class CompactWire(_ReadLean):
     samples: tuple = ()
 
 
+def with_ids(b: Any, payload: bytes, node_id: str, boot_id: str) -> tuple[Any, bytes]:
+    """A batch that left out its stream's node id (and boot id: the compact encoding's version 2
+    sends them in the Hello only), with them set, and the bytes it would have come as: theirs
+    first, as protobuf writes fields in order, so what is kept is what an agent sending them sends."""
+    head = pb.Batch(node_id=node_id, boot_id="" if b.boot_id else boot_id).SerializeToString()
+    b.node_id, b.boot_id = node_id, b.boot_id or boot_id
+    if isinstance(b, _ReadLean):
+        b.wire, b._batch = head + b.wire, None
+    return b, head + payload
+
+
 def _lean(read: tuple) -> WireBatch | CompactWire:
     return CompactWire(*read) if read[5].__class__ is bytes else WireBatch(*read)
 

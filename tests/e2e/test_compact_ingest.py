@@ -127,6 +127,36 @@ def test_compact_batches_hold_exactly_the_points_of_sample_messages(procs, tmp_p
         assert again.held("small") == want and again.held("full") == want
 
 
+def without_ids(msgs: list[pb.AgentMessage]) -> list[pb.AgentMessage]:
+    """The messages with each batch's node and boot id left out (version 2: they are the Hello's)."""
+    for m in msgs:
+        if m.HasField("batch"):
+            m.batch.ClearField("node_id")
+            m.batch.ClearField("boot_id")
+    return msgs
+
+
+def test_batches_without_the_hellos_ids_are_held_as_with_them_where_version_2_is_chosen(procs, tmp_path):
+    coll = Collector(procs, tmp_path, data_dir=True)
+    replies, err = stream(coll.addr, [hello("with", offer=True)] + compact_messages(rounds("with")))
+    assert err is None and acks(replies) == [(b.seq, False) for b in rounds("with")]
+    bare = rounds("bare")
+    replies, err = stream(coll.addr, [hello("bare", offer=True)] + without_ids(compact_messages(bare)))
+    assert err is None and replies[0].welcome.batch_encoding == "columns-zlib-2"
+    assert acks(replies) == [(b.seq, False) for b in bare]
+    want = coll.held("with")
+    assert coll.held("bare") == want
+    # the store kept them as an agent sending the ids sends them: a restart reads them back
+    coll.proc.kill(signal.SIGKILL)
+    again = Collector(procs, tmp_path, data_dir=True)
+    assert again.held("bare") == want
+    # where version 1 is chosen a batch names its node, as before
+    v1 = pb.AgentMessage(hello=pb.Hello(node_id="v1", boot_id=BOOT, batch_encodings=["columns-zlib-1"]))
+    replies, err = stream(again.addr, [v1] + without_ids(compact_messages(rounds("v1")[:1])))
+    assert replies[0].welcome.batch_encoding == "columns-zlib-1" and not acks(replies)
+    assert err is not None and "batch for node '' on a stream opened by node 'v1'" in err.details()
+
+
 def test_what_cannot_be_read_is_refused_and_nothing_of_it_stored(procs, tmp_path):
     coll = Collector(procs, tmp_path, "[limits]\nmax_series_table_bytes = 2048\nmax_name_len = 32\n")
     batches = rounds("n")

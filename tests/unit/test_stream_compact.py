@@ -39,6 +39,7 @@ class Recorder(pb_grpc.IngestServicer):
         self.undecodable: set[int] = set()               # batch seqs refused as a collector refuses bad columns
         self.problems: list[str] = []
         self.versions: set[int] = set()                  # of the columns received
+        self.ids_left_out = 0                            # batches that came without their node and boot id
         self.lock = threading.Lock()
 
     def Stream(self, request_iterator, context):
@@ -52,6 +53,7 @@ class Recorder(pb_grpc.IngestServicer):
                 msgs.append(m)
             kind = m.WhichOneof("msg")
             if kind == "hello":
+                hello = m.hello
                 chosen = self.encoding if self.encoding in m.hello.batch_encodings else ""
                 yield pb.CollectorMessage(welcome=pb.Welcome(boot_id=m.hello.boot_id, batch_encoding=chosen,
                                                              stored_up_to=self.stored.get(m.hello.boot_id, 0)))
@@ -60,6 +62,11 @@ class Recorder(pb_grpc.IngestServicer):
                     defs.setdefault(m.series.boot_id, {})[d.series_ref] = d
             elif kind == "batch":
                 b = m.batch
+                if not b.node_id:   # version 2: the Hello's ids, left out
+                    if compact.VERSIONS.get(chosen, 0) < 2 or b.boot_id:
+                        self.problems.append(f"batch {b.seq} without ids on a stream that chose {chosen!r}")
+                    b.node_id, b.boot_id = hello.node_id, hello.boot_id
+                    self.ids_left_out += 1
                 if b.seq in self.undecodable:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"batch {b.seq} of boot {b.boot_id[:8]} refused: columns do not inflate (test)")
@@ -259,6 +266,8 @@ def test_after_a_restart_an_old_boots_spooled_batches_go_with_their_definitions(
         tables = [m.series.boot_id for m in rec.streams[0] if m.HasField("series")]
         assert tables == ["boot-old", "boot-old", "boot-new"]
         assert rec.versions == {compact.VERSIONS[collector_encoding]}
+        # version 2 leaves the Hello's ids out of its boot's batches (round 3's), not the old boot's
+        assert rec.ids_left_out == (1 if collector_encoding == compact.ENCODING else 0)
     client.put(round_of(4))     # the next cut lets the old boot's definitions go
     client.flush()
     wait_until(lambda: not os.path.exists(tmp_path / "spool" / "series-boot-old.xsd"),
