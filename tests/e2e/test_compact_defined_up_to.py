@@ -148,7 +148,8 @@ class OverClaim:
                 got.append(("table", [d.series_ref for d in compact.decode_defs(msg.series.defs, 1 << 24)]))
             elif msg.HasField("batch"):
                 got.append(("batch", msg.batch.seq))
-                yield pb.CollectorMessage(ack=pb.Ack(boot_id=msg.batch.boot_id, seq=msg.batch.seq))
+                boot = msg.batch.boot_id or hello.boot_id   # version 2 leaves out the Hello's
+                yield pb.CollectorMessage(ack=pb.Ack(boot_id=boot, seq=msg.batch.seq))
 
 
 def test_a_welcome_claiming_more_definitions_than_made_ends_the_connection(monkeypatch):
