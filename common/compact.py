@@ -69,14 +69,19 @@ def offered(encoding: str) -> list[str]:
 
 
 def _digits(v: float) -> tuple[int, int] | None:
-    """(places, digits) where `v` is digits / 10**places exactly (-0.0, NaN and infinities are not)."""
+    """(places, digits) where `v` is digits / 10**places exactly (-0.0, NaN and infinities are not):
+    the places are those of its shortest repr, which gives it back."""
     if not -_EXACT < v < _EXACT:
         return None
-    for d, p in enumerate(_P10):
-        m = round(v * p)
-        if m / p == v and -_EXACT < m < _EXACT and (m or math.copysign(1.0, v) > 0):
-            return d, m
-    return None
+    if v.is_integer():
+        return (0, int(v)) if v or math.copysign(1.0, v) > 0 else None
+    r = repr(float(v))
+    mantissa, _, exponent = r.partition("e")
+    d = (len(mantissa) - mantissa.find(".") - 1 if "." in mantissa else 0) - int(exponent or 0)
+    if d > 9:
+        return None
+    m = round(v * _P10[d])
+    return (d, m) if m / _P10[d] == v and -_EXACT < m < _EXACT else None
 
 
 def _values_v2(values: Iterable[float]) -> bytes:
