@@ -70,12 +70,14 @@ def offered(encoding: str) -> list[str]:
 
 def _digits(v: float) -> tuple[int, int] | None:
     """(places, digits) where `v` is digits / 10**places exactly (-0.0, NaN and infinities are not):
-    the places are those of its shortest repr, which gives it back."""
+    the places are those of its shortest repr, which gives it back. An int is taken as the float
+    it makes, as version 1 takes it."""
+    v = float(v)
     if not -_EXACT < v < _EXACT:
         return None
     if v.is_integer():
         return (0, int(v)) if v or math.copysign(1.0, v) > 0 else None
-    r = repr(float(v))
+    r = repr(v)
     mantissa, _, exponent = r.partition("e")
     d = (len(mantissa) - mantissa.find(".") - 1 if "." in mantissa else 0) - int(exponent or 0)
     if d > 9:

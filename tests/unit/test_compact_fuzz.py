@@ -64,8 +64,10 @@ def test_the_extremes_come_back_exactly(version):
             (1, 2**63 - 1, float("-inf")), (2**31, 0, 5e-324), (2**32 - 1, -1, -1.7976931348623157e308)]
     hist = {2: ([float("-inf"), -0.0, float("nan")], [0, 2**63, 2**64 - 1, 2**64 - 1])}
     rows += [(7, 0, v) for v in (2.0**53 - 1, -(2.0**53 - 1), 2.0**53, 0.1, -123.456789012, 1e-9, 1.5e-10, 0.0)]
-    got = compact.decode_columns(compact.encode_columns(rows, hist, version), len(rows))
-    assert _rows_key(got.rows()) == _rows_key(rows) and _hist_key(got.histograms) == _hist_key(hist)
+    ints = [(8, 0, v) for v in (3, -7, 0, 2**53 + 1, -2**62, True)]   # a source's ints: as the floats they make
+    got = compact.decode_columns(compact.encode_columns(rows + ints, hist, version), len(rows) + len(ints))
+    assert _rows_key(got.rows()) == _rows_key(rows + [(r, t, float(v)) for r, t, v in ints])
+    assert _hist_key(got.histograms) == _hist_key(hist)
     assert got.time is None and not got.rising
     one_time = [(r, 2**63 - 1, 1.0) for r in range(2**32 - 3, 2**32)]
     got = compact.decode_columns(compact.encode_columns(one_time, version=version), 3)
