@@ -36,6 +36,9 @@ DEVICES = 8
 NO_SERIES_REF = os.environ.get("XPUSENSE_BENCH_NO_SERIES_REF") == "1"
 BDP_PROBE = os.environ.get("XPUSENSE_BENCH_BDP_PROBE") == "1"   # --bdp-probe, likewise
 COMPACT = os.environ.get("XPUSENSE_BENCH_COMPACT") == "1"        # --compact, likewise
+# The compact encoding the simulated agents speak: version 1, the one the C generator writes (its
+# values are float64; version 2 would write most of them as digits, as a real agent does).
+SIM_ENCODING, SIM_VERSION = "columns-zlib-1", 1
 # --idle-share: this share of the agents (every agent whose index % 100 is below it x 100) send
 # idle accelerators: their gauges the same every round (utilisation, HBM used, bandwidth...), their
 # counters still counting; the others' gauges move every round (the default: all of them).
@@ -142,7 +145,7 @@ class SimAgent:
         self._template(b)
         self.hello = pb.AgentMessage(hello=pb.Hello(
             node_id=self.node_id, boot_id=self.boot_id, agent_version="bench", time_unix_nano=time.time_ns(),
-            batch_encodings=[compact.ENCODING] if self.compact_mode else [],
+            batch_encodings=[SIM_ENCODING] if self.compact_mode else [],
             inventory=pb.Inventory(hostname=self.node_id, labels={"cloud": "bench"}, resources=[
                 pb.Resource(type="GPU" if vendor == "nvidia" else "NPU", vendor=vendor,
                             model="A100-SXM4-40GB" if vendor == "nvidia" else "Ascend-910B", id=str(d),
@@ -207,7 +210,7 @@ class SimAgent:
         them at 1, 6, 11, ...), refs 1..N, one time."""
         rows = [(i + 1, now, v) for i, v in enumerate(self.pieces[1::5])]
         batch = self.pb.Batch(node_id=self.header[0], boot_id=self.header[1], seq=seq, sent_unix_nano=now,
-                              columns=self.compact.encode_columns(rows)).SerializeToString()
+                              columns=self.compact.encode_columns(rows, version=SIM_VERSION)).SerializeToString()
         return b"\x12" + _varint(len(batch)) + batch
 
     def _bytes(self, seq: int, now: int) -> bytes:
@@ -277,7 +280,7 @@ async def run_agent(ag: SimAgent, address: str, rate: float, window: int, phase_
                 if first is grpc.aio.EOF or not first.HasField("welcome"):
                     raise RuntimeError(f"no Welcome: {first!r}")
                 if ag.compact_mode:
-                    if first.welcome.batch_encoding != ag.compact.ENCODING:
+                    if first.welcome.batch_encoding != SIM_ENCODING:
                         raise RuntimeError(f"--compact: the collector chose {first.welcome.batch_encoding!r}")
                     await call.write(ag.series_table())
                 break
