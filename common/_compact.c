@@ -17,8 +17,8 @@
 #define HEAD 13            /* version (1), samples (4), first time (8) */
 #define HIST 12            /* sample index, bounds, counts (4 each) */
 #define MAX_BUCKETS 256
-/* decode_columns' bound on the inflated bytes: the header, 20 bytes a sample, the histograms'
- * count, and a histogram of the most buckets for every sample. */
+/* decode_columns' bound on the inflated bytes: the header, at most 21 bytes a sample (version 2's
+ * raw value and its tag), the histograms' count, and a histogram of the most buckets for every sample. */
 #define PER_SAMPLE (21 + HIST + 16 * MAX_BUCKETS + 8)
 #define EXACT 9007199254740992LL   /* 2**53: digits below it in magnitude are exact as a double */
 
