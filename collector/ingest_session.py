@@ -108,6 +108,14 @@ def _wrong_node(b: Any, node_id: str) -> Violation:
                      f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}")
 
 
+def _received_batch(msg: Any, sink: Sink) -> tuple[Any, bytes]:
+    """A batch message's Batch and the bytes it came as, the Hello's ids put back where a batch of
+    a version-2 stream left them out."""
+    payload = batch_payload(msg)
+    b = msg.batch
+    return with_ids(b, payload, *sink.ids) if not b.node_id and sink.ids is not None else (b, payload)
+
+
 def choose_encoding(hello: pb.Hello, allowed: list[str]) -> str:
     """The batch encoding a Welcome chooses: the newest compact one that the agent offers and the
     configuration (`[ingest] batch_encodings`) allows; "" (Sample messages) where there is none."""
@@ -234,10 +242,7 @@ class IngestSession(pb_grpc.IngestServicer):
             async for msg in request_iterator:
                 kind = msg.WhichOneof("msg")
                 if kind == "batch":
-                    payload = batch_payload(msg)   # first: before anything here awaits (wire.py)
-                    b = msg.batch
-                    if not b.node_id and sink.ids is not None:
-                        b, payload = with_ids(b, payload, *sink.ids)
+                    b, payload = _received_batch(msg, sink)   # first: before anything here awaits (wire.py)
                     got = self.batch_refused(b, node_id, sink.welcome, peer) or sink.take_now(b, payload)
                 elif kind == "series":
                     table = msg.series
@@ -265,10 +270,7 @@ class IngestSession(pb_grpc.IngestServicer):
                 size = getattr(request_iterator, "wire_bytes", 0)   # limits.GuardedRequests
                 kind = msg.WhichOneof("msg")
                 if kind == "batch":
-                    payload = batch_payload(msg)   # first: before anything here awaits (wire.py)
-                    b = msg.batch
-                    if not b.node_id and sink.ids is not None:
-                        b, payload = with_ids(b, payload, *sink.ids)
+                    b, payload = _received_batch(msg, sink)   # first: before anything here awaits (wire.py)
                     got = self.batch_refused(b, node_id, sink.welcome, peer) or await sink.take(b, payload, size)
                 elif kind == "series":
                     table = msg.series
