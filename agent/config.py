@@ -81,7 +81,9 @@ AGENT_SCHEMA: dict[str, Any] = {
                                  "one subdirectory per node id (env XPUSENSE_SPOOL_DIR)"),
         "max_bytes": Key(int, 256 * 2**20, positive, help="disk budget; over it the oldest batches are dropped and counted"),
         "segment_bytes": Key(int, 4 * 2**20, positive),
-        "fsync": Key(str, "interval", one_of("batch", "interval", "never")),
+        "fsync": Key(str, "interval", one_of("batch", "interval", "never"),
+                     help="batch: each batch before it is sent; interval: every fsync_interval_s, once a batch "
+                          "has waited a whole interval for its acknowledgement; never"),
         "fsync_interval_s": Key((int, float), 1.0, positive),
         "max_batches": Key(int, 50_000, positive,
                            help="batches kept unacknowledged (bounds memory); over it the oldest are dropped, counted"),

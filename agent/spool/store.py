@@ -60,8 +60,9 @@ class Spool:
     out again. `append` returns None when a record cannot be written, after cutting the segment
     back to its last whole record: the change of state is logged once, and the next append that
     succeeds puts the spool back to `ok`. `fsync`: `batch` before each batch is sent; `interval`
-    every `fsync_interval_s` unless all of the open segment is acknowledged (a power loss can take
-    that interval's unacknowledged batches); `never`. Over
+    every `fsync_interval_s` once a batch of the open segment has waited a whole interval for its
+    acknowledgement (a healthy stream's batches are acknowledged first and never fsync'ed; a power
+    loss can take up to two intervals' unacknowledged batches); `never`. Over
     `max_bytes` or `max_batches` the oldest segments are deleted, every batch in them counted."""
 
     @staticmethod
@@ -94,6 +95,7 @@ class Spool:
         self._lock = threading.Lock()
         self._lockf: TextIO | None = None
         self._dirty = False
+        self._waiting: tuple[str, int] | None = None   # the oldest unacknowledged batch at the last flush
         self._acks_dirty = False
         self._aside_dirty = False          # a batch set aside since acked.json was last written
         self._acks_saved_at = 0.0          # time.monotonic() of that write
@@ -465,12 +467,16 @@ class Spool:
 
     def _flush_once(self) -> None:
         with self._lock:
-            if self._dirty and self._cur is not None and not self._cur.unacked:
+            oldest = next(iter(self._cur.unacked), None) if self._cur is not None else None
+            if self._dirty and oldest is None:
                 # Everything written to the open segment was acknowledged already: the collector has
                 # it, so nothing on disk is needed any more and there is nothing to fsync (a healthy
                 # stream's every second; the fsync was most of this thread's CPU).
                 self._dirty = False
-            if self._dirty and self._fd is not None and self.fsync == "interval":
+            # A batch sent since the last round is most likely acknowledged before the next one: an
+            # fsync now would write its page again for nothing (a page a second for one batch a second).
+            waited, self._waiting = oldest is not None and oldest == self._waiting, oldest
+            if self._dirty and waited and self._fd is not None and self.fsync == "interval":
                 try:
                     os.fsync(self._fd)
                     self._dirty = False
