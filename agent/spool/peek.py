@@ -14,7 +14,7 @@ def unacked(directory: str) -> list[tuple[str, int]]:
         acked, _ = ack_file.load(directory)
     except (OSError, ValueError):
         acked = {}
-    out: list[tuple[str, int]] = []
+    found: list[tuple[str, int]] = []
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".seg"):
             continue
@@ -23,8 +23,11 @@ def unacked(directory: str) -> list[tuple[str, int]]:
         except FileNotFoundError:   # acknowledged and deleted meanwhile
             continue
         try:
-            out.extend((r.boot, r.seq) for r in records.scan(fd)
-                       if isinstance(r, records.Good) and r.seq > acked.get(r.boot, 0))
+            for r in records.scan(fd):
+                if isinstance(r, records.Good):
+                    found.append((r.boot, r.seq))
+                elif isinstance(r, records.Acks):
+                    acked.update((b, max(s, acked.get(b, 0))) for b, s in r.marks.items())
         finally:
             os.close(fd)
-    return out
+    return [(b, s) for b, s in found if s > acked.get(b, 0)]

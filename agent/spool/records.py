@@ -1,6 +1,7 @@
-"""The spool's records: a batch with its boot, sequence number and sample count, in a checksummed
-frame (xpusense.common.framing) of the spool's own magic; a scan that survives damaged bytes, and
-the reader of segments written before framing (layout: docs/design.md, on-disk formats).
+"""The spool's records: a batch with its boot, sequence number and sample count, or the
+acknowledged marks of boots (`Acks`), each in a checksummed frame (xpusense.common.framing) of the
+spool's own magic; a scan that survives damaged bytes, and the reader of segments written before
+framing (layout: docs/design.md, on-disk formats).
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ class Good:
 
 
 @dataclasses.dataclass(frozen=True)
+class Acks:
+    """The highest acknowledged seq of some boots, as the agent knew them when it wrote the record."""
+    marks: dict[str, int]
+    offset: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Damaged:
     offset: int
     length: int
@@ -47,12 +56,29 @@ def encode(boot: str, seq: int, samples: int, batch: bytes) -> bytes:
     return framing.encode(MAGIC, msgpack.packb([boot, seq, samples, batch], use_bin_type=True))
 
 
-def decode_payload(payload: bytes) -> tuple[str, int, int, bytes]:
+def encode_acks(marks: dict[str, int]) -> bytes:
+    return framing.encode(MAGIC, msgpack.packb({"acked": marks}, use_bin_type=True))
+
+
+def _unpack(payload: bytes) -> object:
     try:
-        rec = msgpack.unpackb(payload, raw=False)
+        return msgpack.unpackb(payload, raw=False)
     except (ValueError, msgpack.UnpackException) as e:
         raise RecordError(f"payload is not msgpack ({e})") from None
-    return fields(rec)
+
+
+def decode_payload(payload: bytes) -> tuple[str, int, int, bytes]:
+    return fields(_unpack(payload))
+
+
+def marks(rec: dict) -> dict[str, int]:
+    """The marks of a decoded acknowledgement record, or RecordError."""
+    got = rec.get("acked")
+    if not (len(rec) == 1 and isinstance(got, dict)
+            and all(isinstance(b, str) and 0 < len(b) <= MAX_BOOT_ID and type(s) is int and s > 0
+                    for b, s in got.items())):
+        raise RecordError("payload is not {acked: {boot: seq}}")
+    return got
 
 
 def fields(rec: object) -> tuple[str, int, int, bytes]:
@@ -82,7 +108,7 @@ def read_at(fd: int, offset: int, length: int) -> tuple[str, int, int, bytes]:
     return decode_payload(payload)
 
 
-def scan(fd: int) -> Iterator[Good | Damaged]:
+def scan(fd: int) -> Iterator[Good | Acks | Damaged]:
     """Every record of an open segment in order, damaged spans reported in between."""
     buf = framing.FileBytes(fd)
     for span in framing.scan(buf, 0, os.fstat(fd).st_size, MAGIC, MAX_RECORD_BYTES):
@@ -92,7 +118,11 @@ def scan(fd: int) -> Iterator[Good | Damaged]:
             yield Damaged(span.start, length, held, span.damage)
             continue
         try:
-            boot, seq, samples, batch = decode_payload(span.payload)
+            rec = _unpack(span.payload)
+            if isinstance(rec, dict):
+                yield Acks(marks(rec), span.start, length)
+                continue
+            boot, seq, samples, batch = fields(rec)
         except RecordError as e:
             yield Damaged(span.start, length, 1, str(e))
             continue

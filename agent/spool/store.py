@@ -1,8 +1,9 @@
 """The agent's on-disk spool: every batch is written here when it is cut, and forgotten when the
 collector has acknowledged it, so batches survive a collector outage and a `kill -9` of the agent.
 
-Segments `NNNNNNNN.seg` of checksummed records (records.py) and `acked.json` (ack_file.py); on
-start the unacknowledged records of earlier boots are handed back, in order. Damaged records are
+Segments `NNNNNNNN.seg` of checksummed records (records.py): batches and acknowledged marks; and
+`acked.json` (ack_file.py); on start the unacknowledged records of earlier boots are handed back,
+in order. Damaged records are
 skipped, counted and kept aside (aside.py); a failing disk is a state, not a crash (Spool).
 """
 
@@ -26,7 +27,7 @@ from .aside import Aside
 log = logging.getLogger("xpusense.agent.spool")
 
 _SEGMENT = re.compile(r"^(\d{8,12})\.seg$")
-ACKS_SAVE_S = 10.0          # acked.json at most this often for acknowledgements alone (module text)
+ACKS_SAVE_S = 10.0          # acknowledged marks recorded at most this often for acknowledgements alone
 _LOGGED_PER_START = 20      # damaged spans logged one by one at start; the rest in the summary
 
 
@@ -53,9 +54,11 @@ class SpoolError(Exception):
 
 
 class Spool:
-    """A segment is deleted once all its batches are acknowledged; acked.json is written at most
-    every ACKS_SAVE_S while batches are only acknowledged (a lagging one means a few batches sent
-    again, which the collector drops). A record whose framing, checksum or content (`validate`)
+    """A segment is deleted once all its batches are acknowledged. While batches are only
+    acknowledged, the marks are appended to the open segment at most every ACKS_SAVE_S (lagging
+    marks mean a few batches sent again, which the collector drops); acked.json, a new file each
+    time (a few pages of file system metadata), is written when a segment is deleted, a batch set
+    aside, and at close. A record whose framing, checksum or content (`validate`)
     does not check out at start, or that cannot be read back later (`set_aside`), is never handed
     out again. `append` returns None when a record cannot be written, after cutting the segment
     back to its last whole record: the change of state is logged once, and the next append that
@@ -193,6 +196,9 @@ class Spool:
                 if isinstance(item, records.Damaged):
                     self._damaged(fd, seg, item.offset, item.length, item.records, item.reason)
                     continue
+                if isinstance(item, records.Acks):
+                    self._acked_at_open(item.marks, found, seg)
+                    continue
                 key = (item.boot, item.seq)
                 if item.seq <= self.acked.get(item.boot, 0) or self.set_aside_keys.get(key) == seg.id:
                     continue
@@ -211,6 +217,16 @@ class Spool:
             return False
         finally:
             os.close(fd)
+
+    def _acked_at_open(self, marks: dict[str, int], found: dict, scanning: Segment) -> None:
+        """Marks read at start: the batches found so far that they cover are not handed out."""
+        raised = {b: m for b, m in marks.items() if m > self.acked.get(b, 0)}
+        if not raised:
+            return
+        self.acked.update(raised)
+        for key in [k for k in found if k[1] <= raised.get(k[0], 0)]:
+            loc = found.pop(key)
+            (scanning if loc.segment == scanning.id else self.segments[loc.segment]).unacked.pop(key, None)
 
     def _drop_oldest_found(self, found: dict, scanning: Segment) -> None:
         key = next(iter(found))
@@ -428,14 +444,35 @@ class Spool:
             self._delete(seg)
             self._save_acked()
 
+    def _marks(self) -> dict[str, int]:
+        """Called locked: the marks worth keeping, those of boots that still have batches in the spool
+        (all of them when none has)."""
+        live = {b for s in self.segments.values() for b, _ in s.unacked}
+        return {b: s for b, s in self.acked.items() if b in live} or dict(self.acked)
+
+    def _append_acks(self) -> bool:
+        """Called locked: the marks as a record of the open segment, whose last page is being written
+        anyway; False where there is no segment to take it."""
+        cur = self._cur
+        if cur is None or self._fd is None or self._tainted:
+            return False
+        rec = records.encode_acks(self._marks())
+        try:
+            offset = self._write(self._fd, rec)
+        except OSError:
+            return False
+        self._bytes += offset + len(rec) - cur.size
+        cur.size = offset + len(rec)
+        self._acks_dirty = False
+        self._acks_saved_at = time.monotonic()
+        return True
+
     def _save_acked(self) -> None:
         """Called locked. A failure is logged once per change and tried again at the next flush."""
-        # Keep marks only for boots that still have batches in the spool, and the newest one.
-        live = {b for s in self.segments.values() for b, _ in s.unacked}
         # Batches set aside are remembered while the segment that holds them is there.
         self.set_aside_keys = {k: sid for k, sid in self.set_aside_keys.items() if sid in self.segments}
         try:
-            ack_file.save(self.dir, {b: s for b, s in self.acked.items() if b in live} or self.acked, self.set_aside_keys)
+            ack_file.save(self.dir, self._marks(), self.set_aside_keys)
         except OSError as e:
             self._acks_dirty = True
             if self._acks_error != str(e):
@@ -486,7 +523,8 @@ class Spool:
                     self._tainted = True
                     self._failed(e, "fsync")
             if self._acks_dirty and (self._aside_dirty or time.monotonic() - self._acks_saved_at >= ACKS_SAVE_S):
-                self._save_acked()
+                if self._aside_dirty or not self._append_acks():
+                    self._save_acked()
 
     def close(self) -> None:
         self._stop.set()

@@ -11,7 +11,7 @@ import subprocess
 import msgpack
 import pytest
 
-from xpusense.agent.spool import Spool, SpoolError, records
+from xpusense.agent.spool import Spool, SpoolError, peek, records
 
 
 def fill(sp, boot, seqs, size=100):
@@ -338,9 +338,23 @@ def test_interval_fsync_only_for_a_batch_that_waited_a_whole_interval(tmp_path, 
         sp.close()
 
 
-def test_acknowledgements_alone_are_recorded_at_most_every_acks_save_s(tmp_path, monkeypatch):
-    """acked.json only saves resending batches after a restart (the collector drops repeats): for
-    acknowledgements alone it is rewritten at most every ACKS_SAVE_S; a batch set aside at once."""
+def segment_marks(path):
+    """The acknowledged marks recorded in the spool's segments, in order."""
+    out = []
+    for seg in sorted(path.glob("*.seg")):
+        fd = os.open(seg, os.O_RDONLY)
+        try:
+            out += [r.marks for r in records.scan(fd) if isinstance(r, records.Acks)]
+        finally:
+            os.close(fd)
+    return out
+
+
+def test_acknowledgements_alone_are_recorded_in_the_segment_at_most_every_acks_save_s(tmp_path, monkeypatch):
+    """Marks only save resending batches after a restart (the collector drops repeats): for
+    acknowledgements alone they are appended to the open segment at most every ACKS_SAVE_S, and no
+    acked.json is made for them (a new file is pages of metadata); a batch set aside writes acked.json
+    at once."""
     from xpusense.agent.spool import store as store_mod
     sp = Spool(str(tmp_path), fsync_interval_s=3600)
     sp.open()
@@ -348,18 +362,44 @@ def test_acknowledgements_alone_are_recorded_at_most_every_acks_save_s(tmp_path,
         locs = fill(sp, "b1", [1, 2, 3])
         sp.ack("b1", 1, locs[1])
         sp._flush_once()
-        assert json.loads((tmp_path / "acked.json").read_text())["acked"] == {"b1": 1}
+        assert segment_marks(tmp_path) == [{"b1": 1}] and not (tmp_path / "acked.json").exists()
         sp.ack("b1", 2, locs[2])
         sp._flush_once()
-        assert json.loads((tmp_path / "acked.json").read_text())["acked"] == {"b1": 1}   # not yet
+        assert segment_marks(tmp_path) == [{"b1": 1}]   # not yet
         sp.set_aside(("b1", 3), locs[3], "test")
         sp._flush_once()
         saved = json.loads((tmp_path / "acked.json").read_text())
         assert saved["acked"] == {"b1": 2} and saved["aside"] == [["b1", 3, locs[3].segment]]
         monkeypatch.setattr(store_mod, "ACKS_SAVE_S", 0.0)
-        locs = fill(sp, "b1", [4])
+        locs = fill(sp, "b1", [4, 5])
         sp.ack("b1", 4, locs[4])
         sp._flush_once()
-        assert json.loads((tmp_path / "acked.json").read_text())["acked"] == {"b1": 4}
+        assert segment_marks(tmp_path)[-1] == {"b1": 4}
+        assert json.loads((tmp_path / "acked.json").read_text())["acked"] == {"b1": 2}
+        assert peek.unacked(str(tmp_path)) == [("b1", 5)]
     finally:
         sp.close()
+
+
+def test_marks_in_a_segment_cover_batches_after_a_kill(tmp_path, monkeypatch):
+    """Killed with only the marks in its segments (acked.json older, or none): a restart hands out
+    only the batches above them, across segments and boots, and the mark of a later record wins."""
+    from xpusense.agent.spool import store as store_mod
+    monkeypatch.setattr(store_mod, "ACKS_SAVE_S", 0.0)
+    sp = Spool(str(tmp_path), fsync_interval_s=3600, segment_bytes=600)
+    sp.open()
+    locs = fill(sp, "b1", [1, 2, 3, 4, 5])
+    locs2 = fill(sp, "b2", [1, 2])
+    assert len(list(tmp_path.glob("*.seg"))) > 1
+    for seq in (1, 2, 3):
+        sp.ack("b1", seq, locs[seq])
+    sp._flush_once()
+    sp.ack("b2", 1, locs2[1])
+    sp._flush_once()
+    killed(sp)
+    assert not (tmp_path / "acked.json").exists()
+    assert segment_marks(tmp_path)[-1] == {"b1": 3, "b2": 1}
+    again = Spool(str(tmp_path))
+    assert [k for k, _ in again.open()] == [("b1", 4), ("b1", 5), ("b2", 2)]
+    assert again.lost_at_open == {"dropped_batches": 0, "dropped_samples": 0, "damaged_records": 0}
+    again.close()
