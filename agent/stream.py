@@ -135,7 +135,7 @@ class StreamClient:
         self.encoding, version = batch_encoding, compact.VERSIONS.get(batch_encoding, 0)   # 0: Sample messages
         self.refs = SeriesRefs(4 * max_samples_per_batch, series_idle_s,
                                max_refs=max_series_defs if version else 0xFFFFFFFF)
-        self.defs = SeriesDefs(spool.dir if spool is not None else None, max_series_defs)
+        self.defs = SeriesDefs.beside(spool, max_series_defs)
         self.builder = BatchBuilder(self.refs, self.defs if version else None, boot_id, self._unencodable, version)
         self._conn: Connection = Connection(self.defs, "")
         self._welcomed = False    # this connection's Welcome came (batches wait for it when compact is offered)

@@ -1,18 +1,22 @@
 """Each boot's series definitions for the compact encoding (name, unit, kind, labels of each
 series_ref; common/compact.py), append-only since a boot never reuses a number; with a spool, kept
-beside it in one file of checksummed frames per boot (`series-BOOT.xsd`), written and fsynced before
-the batches that use them are spooled, read back at start for the old boots' spooled batches and
-deleted once a boot has no batch left (layout: docs/design.md, agent spool)."""
+beside it in one file of checksummed frames per boot (`series-BOOT.xsd`), written before the batches
+that use them are spooled and fsynced before the spool fsyncs any, read back at start for the old
+boots' spooled batches and deleted once a boot has no batch left (layout: docs/design.md, agent
+spool)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import re
+import threading
 from collections.abc import Iterable
 
 from xpusense.common import compact, framing
 from xpusense.v1 import telemetry_pb2 as pb
+
+from .store import Spool
 
 log = logging.getLogger("xpusense.agent.stream")
 
@@ -40,6 +44,16 @@ class SeriesDefs:
         self.write_failures = 0     # saves that failed (tried again with the next batch)
         self.bytes = 0              # of the definitions files
         self._error = ""
+        self._unsynced: set[str] = set()   # files written since their last fsync
+        self._sync_lock = threading.Lock()
+
+    @classmethod
+    def beside(cls, spool: Spool | None, max_per_boot: int) -> SeriesDefs:
+        """Definitions kept with `spool` (in memory only without one), fsynced before it fsyncs."""
+        defs = cls(spool.dir if spool is not None else None, max_per_boot)
+        if spool is not None:
+            spool.before_fsync = defs.sync
+        return defs
 
     def __len__(self) -> int:
         return sum(len(d) for d in list(self.boots.values()))   # a copy: status() reads it unlocked
@@ -53,21 +67,24 @@ class SeriesDefs:
             self._unsaved.setdefault(boot, []).append(definition)
 
     def save(self) -> None:
-        """Write and fsync the definitions added since the last save, one frame a boot (before the
-        batches using them are spooled). A failure is logged once per change and tried again."""
+        """Write the definitions added since the last save, one frame a boot (before the batches
+        using them are spooled; `sync` makes them durable). A failure is logged once per change and
+        tried again."""
         for boot in list(self._unsaved):
             assert self.dir is not None
             data = framing.encode(MAGIC, pb.SeriesTable(boot_id=boot, defs=compact.encode_defs(
                 self._unsaved[boot])).SerializeToString())
+            path = _path(self.dir, boot)
             try:
-                fd = os.open(_path(self.dir, boot), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
                 try:
                     view = memoryview(data)
                     while view:
                         view = view[os.write(fd, view):]
-                    os.fsync(fd)
                 finally:
                     os.close(fd)
+                with self._sync_lock:
+                    self._unsynced.add(path)
             except OSError as e:
                 self.write_failures += 1
                 if self._error != str(e):
@@ -79,6 +96,28 @@ class SeriesDefs:
             self._error = ""
             self.bytes += len(data)
             del self._unsaved[boot]
+
+    def sync(self) -> None:
+        """fsync the files written since their last fsync: the spool calls it before each fsync of its
+        own, so a batch on disk has its definitions on disk. A file that fails is tried again next time."""
+        with self._sync_lock:
+            paths, self._unsynced = self._unsynced, set()
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except FileNotFoundError:   # the boot's definitions were deleted meanwhile
+                continue
+            except OSError as e:
+                with self._sync_lock:
+                    self._unsynced.add(path)
+                self.write_failures += 1
+                if self._error != str(e):
+                    log.warning("spool %s: cannot fsync series definitions (%s)", self.dir, e.strerror or e)
+                self._error = str(e)
 
     def load(self, boots: set[str], current: str) -> int:
         """At start: the definitions of `boots` (those with batches in the spool) read back; the files

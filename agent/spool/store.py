@@ -97,6 +97,7 @@ class Spool:
         self._tainted = False             # the open segment's tail could not be cut back: write a new one
         self._lock = threading.Lock()
         self._lockf: TextIO | None = None
+        self.before_fsync: Callable[[], None] | None = None   # run before each fsync (series definitions)
         self._dirty = False
         self._waiting: tuple[str, int] | None = None   # the oldest unacknowledged batch at the last flush
         self._acks_dirty = False
@@ -276,7 +277,7 @@ class Spool:
             self._fd = None
             try:
                 if old is None or old.unacked:   # all acknowledged: it is deleted below, no fsync
-                    os.fsync(fd)
+                    self._fsync(fd)
             finally:
                 os.close(fd)
             self._tainted = False
@@ -329,6 +330,11 @@ class Spool:
             self._enforce_budget()
             return Loc(seg.id, offset, len(rec), samples)
 
+    def _fsync(self, fd: int) -> None:
+        if self.before_fsync is not None:
+            self.before_fsync()
+        os.fsync(fd)
+
     def _write(self, fd: int, rec: bytes) -> int:
         """Append one whole record or nothing (a partial one is cut off again); its offset."""
         offset = os.lseek(fd, 0, os.SEEK_END)
@@ -337,7 +343,7 @@ class Spool:
             while view:
                 view = view[os.write(fd, view):]
             if self.fsync == "batch":
-                os.fsync(fd)
+                self._fsync(fd)
         except OSError:
             try:
                 os.ftruncate(fd, offset)
@@ -515,7 +521,7 @@ class Spool:
             waited, self._waiting = oldest is not None and oldest == self._waiting, oldest
             if self._dirty and waited and self._fd is not None and self.fsync == "interval":
                 try:
-                    os.fsync(self._fd)
+                    self._fsync(self._fd)
                     self._dirty = False
                 except OSError as e:
                     # What was written since the last fsync may not be on disk: later batches go
@@ -533,7 +539,7 @@ class Spool:
         with self._lock:
             if self._fd is not None:
                 try:
-                    os.fsync(self._fd)
+                    self._fsync(self._fd)
                 except OSError as e:
                     log.warning("spool %s: final fsync failed: %s", self.dir, e.strerror or e)
                 os.close(self._fd)

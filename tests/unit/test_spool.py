@@ -403,3 +403,28 @@ def test_marks_in_a_segment_cover_batches_after_a_kill(tmp_path, monkeypatch):
     assert [k for k, _ in again.open()] == [("b1", 4), ("b1", 5), ("b2", 2)]
     assert again.lost_at_open == {"dropped_batches": 0, "dropped_samples": 0, "damaged_records": 0}
     again.close()
+
+
+def test_series_definitions_are_fsynced_before_the_spool_fsyncs_a_batch(tmp_path, monkeypatch):
+    """Definitions are written when given but fsynced only when the spool fsyncs (a healthy
+    stream's batches are acknowledged first and never are): then before the segment, so a batch on
+    disk has its definitions on disk; once each."""
+    from xpusense.agent.spool.defs import SeriesDefs
+    from xpusense.v1 import telemetry_pb2 as pb
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    sp = Spool(str(tmp_path), fsync="batch")
+    sp.open()
+    try:
+        defs = SeriesDefs.beside(sp, 100)
+        defs.add("b1", pb.Sample(name="gpu.temp", series_ref=1))
+        defs.save()
+        assert (tmp_path / "series-b1.xsd").stat().st_size > 0 and synced == []
+        fill(sp, "b1", [1])
+        assert synced == ["series-b1.xsd", "00000001.seg"]
+        fill(sp, "b1", [2])
+        assert synced[2:] == ["00000001.seg"]
+    finally:
+        sp.close()
