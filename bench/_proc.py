@@ -36,6 +36,13 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # fields 14, 15 of proc(5)
 
 
+def write_bytes(pid: int) -> int:
+    """The bytes process `pid` has sent to the storage layer so far (/proc/PID/io write_bytes: a page
+    counts each time it is dirtied, so an fsync'ed append of a few bytes counts a whole page)."""
+    with open(f"/proc/{pid}/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("write_bytes:"))
+
+
 def machine_ticks(cpu: int | None = None) -> tuple[int, int]:
     """(all CPU time, stolen time) of the machine (or of one CPU) so far, in clock ticks (/proc/stat's
     `cpu` or `cpuN` line): on a VM, stolen time is when the host ran something else while this

@@ -26,7 +26,7 @@ import time
 import uuid
 
 import load_agents
-from _proc import cpu_s, free_port, machine_ticks, steal_pct, stop, tail, tool, wait_collector
+from _proc import cpu_s, free_port, machine_ticks, steal_pct, stop, tail, tool, wait_collector, write_bytes
 
 GOAL_BATCHES_S = 2000.0
 GOAL_P99_MS = 100.0
@@ -407,7 +407,7 @@ def restart_figures(prefix: list[str], data_dir: str, cfg_path: str, tmp: str) -
     try:
         wait_collector(address, 300.0)
         ready_s = time.monotonic() - t0
-        holds = sum(n.batches_stored for n in list_bench_nodes(address))   # from the snapshot and the log
+        holds = sum(n.batches_stored for n in list_bench_nodes(address)[0])   # from the snapshot and the log
     finally:
         stop(proc)
     with open(log_path) as f:
@@ -420,7 +420,8 @@ def restart_figures(prefix: list[str], data_dir: str, cfg_path: str, tmp: str) -
 
 
 
-def list_bench_nodes(address: str) -> list:
+def list_bench_nodes(address: str) -> tuple[list, dict[str, float]]:
+    """The simulated agents' nodes, and the collector's counters."""
     import grpc
 
     from xpusense.collector.views import fetch_all
@@ -430,7 +431,7 @@ def list_bench_nodes(address: str) -> list:
         stub = pb_grpc.QueryStub(ch)
         # Every page; a prefix no series has: node figures without every series' latest value.
         reply = fetch_all(lambda req: stub.ListNodes(req, timeout=60), pb.ListNodesRequest(name_prefix="\x00none"))
-    return [n for n in reply.nodes if n.node_id.startswith(NODE_PREFIX)]
+    return [n for n in reply.nodes if n.node_id.startswith(NODE_PREFIX)], dict(reply.counters)
 
 
 def rss_bytes() -> int:
@@ -530,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
                         "and restart replay figures")
     p.add_argument("--data-dir", metavar="DIR",
                    help="the durable store here (implies --durable; DIR must not hold a store yet, and is kept)")
+    p.add_argument("--commit-interval-s", type=float, default=None, metavar="S",
+                   help="with --durable: the store's [store] commit_interval_s (default: the collector's)")
     p.add_argument("--compact", action="store_true",
                    help="agents send the compact encoding (series definitions once, then columns)")
     p.add_argument("--no-series-ref", action="store_true",
@@ -586,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
         f.write("[limits]\nbatches_per_s = 1000000\nburst_batches = 1000000\n")
         if args.index_refresh_ms is not None:   # how old the scheduler index may be (its refresh off ingest)
             f.write(f"[scheduler]\nindex_refresh_ms = {args.index_refresh_ms:g}\n")
+        if args.commit_interval_s is not None:
+            f.write(f"[store]\ncommit_interval_s = {args.commit_interval_s:g}\n")
     serve = ["serve", "--listen", address, "--log-level", "warning", "--config", cfg_path]
     data_dir = os.path.abspath(args.data_dir) if args.data_dir else os.path.join(tmp, "collector-data")
     if args.durable:   # every batch fsync'ed to the store before its ack (group commit)
@@ -635,9 +640,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
         pid, gen_pids = collector.pid, gen.pids
-        (c0, g0, w0, m0), (c1, g1, w1, m1) = load_agents.window(
+        (c0, g0, w0, m0, d0), (c1, g1, w1, m1, d1) = load_agents.window(
             gen, args.warmup_s, args.seconds,
-            lambda: (cpu_s(pid), sum(map(cpu_s, gen_pids)), time.monotonic(), machine_ticks()))
+            lambda: (cpu_s(pid), sum(map(cpu_s, gen_pids)), time.monotonic(), machine_ticks(), write_bytes(pid)))
         stolen = steal_pct(m0, m1)
 
         try:
@@ -648,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         if collector.poll() is not None:
             print(f"collector exited {collector.returncode}:\n{tail(col_log)}", file=sys.stderr)
             return 1
-        nodes = list_bench_nodes(address)
+        nodes, counters = list_bench_nodes(address)
         if args.durable:
             stop(collector)
             restart = restart_figures(tool("xpusense-collector") if args.profile else prefix, data_dir, cfg_path, tmp)
@@ -675,6 +680,11 @@ def main(argv: list[str] | None = None) -> int:
     col_pct = 100 * (c1 - c0) / wall
     cpu_us = 1e6 * (c1 - c0) / max(window_acked, 1)   # steadier than batches/s on a shared machine
     gen_pct = 100 * (g1 - g0) / wall
+    # Everything the collector had written to storage in the window (log, snapshots; a page each time
+    # one is dirtied again after an fsync) a sample acknowledged in it.
+    disk_per_sample = (d1 - d0) / max(window_acked * DEVICES * len(SERIES), 1)
+    store_written = {k: counters.get(f"store.{k}_bytes_written", 0) / max(stored * DEVICES * len(SERIES), 1)
+                     for k in ("log", "snapshot")}
     # Saturation: the issue's rate; at a cadence, everything offered (acks in a window of wall
     # seconds come in a hair under rate x agents even when none is late)
     goal_rate = GOAL_BATCHES_S if args.rate == 0 else 0.995 * args.rate * args.agents
@@ -710,6 +720,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.durable:
         rows += [
             ("store on disk, bytes per stored batch", f"{restart['store_bytes'] / max(stored, 1):.0f}", "", None),
+            ("collector disk writes in the window, B/sample", f"{disk_per_sample:.2f}", "", None),
+            ("  the store wrote to its log, whole run, B/sample", f"{store_written['log']:.2f}", "", None),
+            ("  the store wrote to snapshots, whole run, B/sample", f"{store_written['snapshot']:.2f}", "", None),
             ("restart: batches replayed" + (" after the snapshot" if restart["snapshot"] else ""),
              f"{restart['replayed']}", "", None if restart["snapshot"] else restart["replayed"] == stored),
             ("restart: batches the nodes hold after it", f"{restart['holds']}", "= stored", restart["holds"] == stored),
@@ -734,6 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"bench": "collector_ingest", "mode": "saturation" if args.rate == 0 else "cadence",
                "agents": args.agents, "rate_per_agent": args.rate, "window": args.window, "procs": procs,
                "generator": args.generator, **({"compact": True} if args.compact else {}),
+               **({"commit_interval_s": args.commit_interval_s} if args.commit_interval_s is not None else {}),
                "idle_share": args.idle_share,
                "seconds": round(wall, 1), "batches_per_s": round(rate_s, 1),
                "samples_per_s": round(rate_s * DEVICES * len(SERIES)), "p50_ms": round(p50, 2),
@@ -746,7 +760,9 @@ def main(argv: list[str] | None = None) -> int:
                "connect_s": round(connect_s, 1), "connect_retries": connect_retries, "errors": len(fails),
                "goal_batches_met": rate_s >= goal_rate, "goal_p99_met": p99 <= GOAL_P99_MS,
                "warmup_p99_ms": round(startup_p99, 2), "p99_settled_s": settled,
-               **({"durable": True, **restart, "bytes_per_batch": round(restart["store_bytes"] / max(stored, 1))}
+               **({"durable": True, **restart, "bytes_per_batch": round(restart["store_bytes"] / max(stored, 1)),
+                   "disk_write_bytes_per_sample": round(disk_per_sample, 2),
+                   **{f"store_{k}_bytes_per_sample": round(v, 2) for k, v in store_written.items()}}
                   if args.durable else {})}
     print(json.dumps(summary))
     return 0 if not fails else 1

@@ -27,7 +27,7 @@ from collections import deque
 from datetime import UTC, datetime
 from pathlib import Path
 
-from _proc import free_port, stop, tool, wait_collector
+from _proc import free_port, stop, tool, wait_collector, write_bytes
 from ebpf_cost import sh, wait_for
 from fleet_scale import cpu_model
 from footprint import agent_config, make_fakes
@@ -205,13 +205,6 @@ class Log:
 
     def tail(self) -> str:
         return "".join(self.lines)
-
-
-def write_bytes(pid: int) -> int:
-    """The bytes process `pid` has sent to the storage layer so far (/proc/PID/io write_bytes: a page
-    counts each time it is dirtied, so an fsync'ed append of a few bytes counts a whole page)."""
-    with open(f"/proc/{pid}/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("write_bytes:"))
 
 
 def default_encoding() -> str | None:

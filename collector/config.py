@@ -30,7 +30,7 @@ COLLECTOR_SCHEMA = {
                                  help="records held in memory, not yet on disk (a slow or failing disk); past "
                                       "it new batches are refused (UNAVAILABLE, counted) and resent by agents"),
         "retry_s": Key((int, float), 1.0, positive, help="while the disk cannot be written, how often to try again"),
-        "commit_interval_s": Key((int, float), 0.005, between(0, 1),
+        "commit_interval_s": Key((int, float), 0.025, between(0, 1),
                                  help="a group commit (one write and fsync of every record queued) begins at most "
                                       "this often (records queued meanwhile join it): a batch waits up to this long "
                                       "more for its ack, and a busy collector fsyncs far less often (0: each group as "
