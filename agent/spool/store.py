@@ -2,9 +2,9 @@
 collector has acknowledged it, so batches survive a collector outage and a `kill -9` of the agent.
 
 Segments `NNNNNNNN.seg` of checksummed records (records.py): batches and acknowledged marks; and
-`acked.json` (ack_file.py); on start the unacknowledged records of earlier boots are handed back,
-in order. Damaged records are
-skipped, counted and kept aside (aside.py); a failing disk is a state, not a crash (Spool).
+`acked.json` (ack_file.py). On start the unacknowledged batches of earlier boots are handed back,
+in order. Damaged records are skipped, counted and kept aside (aside.py); a failing disk is a
+state, not a crash (Spool).
 """
 
 from __future__ import annotations
@@ -335,14 +335,15 @@ class Spool:
             self.before_fsync()
         os.fsync(fd)
 
-    def _write(self, fd: int, rec: bytes) -> int:
-        """Append one whole record or nothing (a partial one is cut off again); its offset."""
+    def _write(self, fd: int, rec: bytes, batch: bool = True) -> int:
+        """Append one whole record or nothing (a partial one is cut off again); its offset. `batch`:
+        a batch, fsynced at once with `fsync = "batch"`."""
         offset = os.lseek(fd, 0, os.SEEK_END)
         try:
             view = memoryview(rec)
             while view:
                 view = view[os.write(fd, view):]
-            if self.fsync == "batch":
+            if batch and self.fsync == "batch":
                 self._fsync(fd)
         except OSError:
             try:
@@ -464,7 +465,7 @@ class Spool:
             return False
         rec = records.encode_acks(self._marks())
         try:
-            offset = self._write(self._fd, rec)
+            offset = self._write(self._fd, rec, batch=False)
         except OSError:
             return False
         self._bytes += offset + len(rec) - cur.size
