@@ -146,7 +146,7 @@ class Agent:
             self.spool = Spool(Spool.for_node(sp.dir, cfg.node_id), sp.max_bytes, sp.segment_bytes, sp.fsync,
                                sp.fsync_interval_s, on_drop=lambda keys, n: self.stream.spool_dropped(keys, n),
                                max_batches=sp.max_batches, damaged_max_bytes=sp.damaged_max_bytes,
-                               validate=batch_problem(cfg.node_id))
+                               validate=batch_problem(cfg.node_id), node_id=cfg.node_id)
             spooled = self.spool.open()   # SpoolError: the CLI says what to fix
         sources = build_sources(cfg)
         self._states_lock = threading.Lock()

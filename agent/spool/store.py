@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from xpusense.common.supervise import TASKS
+from xpusense.v1 import telemetry_pb2 as pb
 
 from . import ack_file, records
 from .aside import Aside
@@ -66,7 +67,9 @@ class Spool:
     every `fsync_interval_s` once a batch of the open segment has waited a whole interval for its
     acknowledgement (a healthy stream's batches are acknowledged first and never fsync'ed; a power
     loss can take up to two intervals' unacknowledged batches); `never`. Over
-    `max_bytes` or `max_batches` the oldest segments are deleted, every batch in them counted."""
+    `max_bytes` or `max_batches` the oldest segments are deleted, every batch in them counted.
+    With `node_id`, a batch that begins with it and its record's boot (a Batch's fields 1 and 2,
+    written first) is kept without them and handed back whole."""
 
     @staticmethod
     def for_node(base: str, node_id: str) -> str:
@@ -77,8 +80,9 @@ class Spool:
                  fsync: str = "interval", fsync_interval_s: float = 1.0,
                  on_drop: Callable[[list[tuple[str, int]], int], None] | None = None,
                  max_batches: int = 50_000, damaged_max_bytes: int = 16 * 2**20,
-                 validate: Callable[[str, int, bytes], str | None] | None = None):
+                 validate: Callable[[str, int, bytes], str | None] | None = None, node_id: str = ""):
         self.dir = directory
+        self.node_id = node_id
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes
         self.max_batches = max_batches
@@ -207,7 +211,7 @@ class Spool:
                     log.warning("spool %s: batch %s again at byte %d of %s, the copy is skipped", self.dir, key,
                                 item.offset, os.path.basename(seg.path))
                     continue
-                why = self.validate(item.boot, item.seq, item.batch) if self.validate else None
+                why = self.validate(item.boot, item.seq, self._whole(item.boot, item.batch)) if self.validate else None
                 if why:
                     self._damaged(fd, seg, item.offset, item.length, 1, why)
                     continue
@@ -293,8 +297,17 @@ class Spool:
                 sid += 1
         self._cur = self.segments[sid] = Segment(sid, path)
 
+    def _ids(self, boot: str) -> bytes:
+        return pb.Batch(node_id=self.node_id, boot_id=boot).SerializeToString()
+
+    def _whole(self, boot: str, batch: bytes) -> bytes:
+        """A stored batch with the ids `append` left out put back (one that has a node id as it was)."""
+        return batch if not self.node_id or batch[:1] == b"\x0a" else self._ids(boot) + batch
+
     def append(self, boot: str, seq: int, samples: int, data: bytes) -> Loc | None:
         """Write one batch; its place in the spool, or None when it could not be written (see `error`)."""
+        if self.node_id and data.startswith(ids := self._ids(boot)):
+            data = data[len(ids):]
         rec = records.encode(boot, seq, samples, data)
         with self._lock:
             if self._stop.is_set():
@@ -409,7 +422,7 @@ class Spool:
             os.close(fd)
         if key is not None and (boot, seq) != key:
             raise records.RecordError(f"the record there holds batch {(boot, seq)}, not {key}")
-        return batch
+        return self._whole(boot, batch)
 
     def set_aside(self, key: tuple[str, int], loc: Loc, why: str) -> None:
         """A batch that cannot be sent (unreadable, or not a batch of ours): keep its bytes aside,

@@ -428,3 +428,37 @@ def test_series_definitions_are_fsynced_before_the_spool_fsyncs_a_batch(tmp_path
         assert synced[2:] == ["00000001.seg"]
     finally:
         sp.close()
+
+
+def test_a_batch_is_kept_without_the_node_and_boot_ids_and_handed_back_whole(tmp_path):
+    """With its node id the spool leaves out the first bytes of a batch that are that node's and the
+    record's boot (~50 bytes a batch, the most of what a compact batch adds to its columns), and
+    puts them back: on reading, for the check at start, and for a record written with them."""
+    from xpusense.v1 import telemetry_pb2 as pb
+    whole = {seq: pb.Batch(node_id="node-a", boot_id="b1", seq=seq, columns=b"c" * 40).SerializeToString()
+             for seq in (1, 2)}
+    old = Spool(str(tmp_path))                        # a spool of the version before: batches as given
+    old.open()
+    old.append("b1", 1, 3, whole[1])
+    killed(old)
+    seen = []
+    sp = Spool(str(tmp_path), node_id="node-a", validate=lambda boot, seq, data: seen.append(data))
+    locs = dict(sp.open())
+    loc2 = sp.append("b1", 2, 3, whole[2])
+    other = pb.Batch(node_id="node-b", boot_id="b1", seq=3).SerializeToString()
+    loc3 = sp.append("b1", 3, 3, other)
+    assert seen == [whole[1]]
+    assert sp.read(locs[("b1", 1)]) == whole[1] and sp.read(loc2) == whole[2] and sp.read(loc3) == other
+    killed(sp)
+    stored = {}
+    for seg in sorted(tmp_path.glob("*.seg")):
+        fd = os.open(seg, os.O_RDONLY)
+        stored.update({r.seq: r.batch for r in records.scan(fd) if isinstance(r, records.Good)})
+        os.close(fd)
+    assert stored[2] == whole[2][len(pb.Batch(node_id="node-a", boot_id="b1").SerializeToString()):]
+    assert stored[1] == whole[1] and stored[3] == other
+    seen.clear()
+    again = Spool(str(tmp_path), node_id="node-a", validate=lambda boot, seq, data: seen.append(data))
+    assert [again.read(loc) for _, loc in again.open()] == [whole[1], whole[2], other]
+    assert seen == [whole[1], whole[2], other]
+    again.close()
