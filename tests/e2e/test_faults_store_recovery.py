@@ -22,10 +22,12 @@ DISK = "8m"
 BALLAST_BYTES = 7 * 2**20   # other data on the same file system: the store fills the rest (~1 MB)
 FLOOD_BATCHES = 3000        # ~1.5 KB each: 4.5 MB offered, more than the room left
 # Small writes (a batch or two at a time: max_pending_bytes) fill the disk to its last page, as a
-# fleet's steady ingest does: a snapshot then finds no room at all.
+# fleet's steady ingest does: a snapshot then finds no room at all. A group commit as soon as the
+# last is on disk: at a batch or two a commit, the default interval would take minutes to fill it.
 STORE = """
 history_s = 10.0
 [store]
+commit_interval_s = 0
 segment_s = 0.5
 segment_bytes = 262144
 snapshot_every_s = 0.3
