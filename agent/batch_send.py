@@ -11,6 +11,7 @@ from xpusense.v1 import telemetry_pb2 as pb
 
 from .batch_build import MAX_ROWS
 from .spool.defs import SeriesDefs
+from .spool.records import batch_ids, without_ids
 
 TABLE_DEFS = 5000     # definitions per SeriesTable message (the first of a stream may need many)
 
@@ -59,7 +60,7 @@ class Connection:
         Hello's boot defined up to its series_defined_up_to, at most `top` (the agent's highest ref)."""
         chosen = w.batch_encoding if w.batch_encoding in compact.offered(encoding) else ""
         defined = {hello_boot: min(w.series_defined_up_to, top)} if w.boot_id == hello_boot else None
-        return cls(defs, chosen, defined, pb.Batch(node_id=node_id, boot_id=hello_boot).SerializeToString())
+        return cls(defs, chosen, defined, batch_ids(node_id, hello_boot))
 
     def messages(self, boot: str, batch: pb.Batch | bytes, top: int) -> list[pb.AgentMessage | bytes]:
         """The messages for one batch of `boot` (a pb.Batch, or a Batch encoded). `top`: the highest
@@ -98,7 +99,7 @@ class Connection:
             return self._older(batch)
         if self.ids:
             data = batch if isinstance(batch, bytes) else batch.SerializeToString()
-            return batch_message(data[len(self.ids):] if data.startswith(self.ids) else data)
+            return batch_message(without_ids(data, self.ids))
         return batch_message(batch) if isinstance(batch, bytes) else pb.AgentMessage(batch=batch)
 
     def _older(self, batch: pb.Batch | bytes) -> pb.AgentMessage:

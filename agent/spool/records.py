@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import msgpack
 
 from xpusense.common import framing
+from xpusense.v1 import telemetry_pb2 as pb
 
 MAGIC = b"XSR1"
 HEADER = framing.HEADER
@@ -50,6 +51,17 @@ class Damaged:
     length: int
     records: int         # how many records the span held, at least 1 (an estimate: magics seen)
     reason: str
+
+
+def batch_ids(node_id: str, boot: str) -> bytes:
+    """A serialized Batch's first bytes where it carries `node_id` and `boot` (fields 1 and 2, which
+    protobuf writes first): what a batch may leave out, on a version-2 stream and in the spool."""
+    return pb.Batch(node_id=node_id, boot_id=boot).SerializeToString()
+
+
+def without_ids(batch: bytes, ids: bytes) -> bytes:
+    """`batch` less its first bytes where they are `ids` (batch_ids); as it is otherwise."""
+    return batch[len(ids):] if ids and batch.startswith(ids) else batch
 
 
 def encode(boot: str, seq: int, samples: int, batch: bytes) -> bytes:

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import TextIO
 
 from xpusense.common.supervise import TASKS
-from xpusense.v1 import telemetry_pb2 as pb
 
 from . import ack_file, records
 from .aside import Aside
@@ -297,17 +296,14 @@ class Spool:
                 sid += 1
         self._cur = self.segments[sid] = Segment(sid, path)
 
-    def _ids(self, boot: str) -> bytes:
-        return pb.Batch(node_id=self.node_id, boot_id=boot).SerializeToString()
-
     def _whole(self, boot: str, batch: bytes) -> bytes:
         """A stored batch with the ids `append` left out put back (one that has a node id as it was)."""
-        return batch if not self.node_id or batch[:1] == b"\x0a" else self._ids(boot) + batch
+        return batch if not self.node_id or batch[:1] == b"\x0a" else records.batch_ids(self.node_id, boot) + batch
 
     def append(self, boot: str, seq: int, samples: int, data: bytes) -> Loc | None:
         """Write one batch; its place in the spool, or None when it could not be written (see `error`)."""
-        if self.node_id and data.startswith(ids := self._ids(boot)):
-            data = data[len(ids):]
+        if self.node_id:
+            data = records.without_ids(data, records.batch_ids(self.node_id, boot))
         rec = records.encode(boot, seq, samples, data)
         with self._lock:
             if self._stop.is_set():
