@@ -1,12 +1,14 @@
 """What the stream sends for a batch. Where the collector's Welcome chose a compact encoding: the
 SeriesTable of the series the batch uses that this connection has not had defined yet, then the
-batch as built (its columns written again in the older version a collector chose); where it chose
-none, a compact batch expanded to the Sample messages it stands for (common/compact.py's `sample`,
-with the boot's definitions). A spooled batch goes as its bytes where nothing is written again."""
+batch as built (its columns written again in the older version a collector chose, or chained on
+the block sent before them, common/compact_chain.py); where it chose none, a compact batch
+expanded to the Sample messages it stands for (common/compact.py's `sample`, with the boot's
+definitions). A spooled batch goes as its bytes where nothing is written again."""
 
 from __future__ import annotations
 
 from xpusense.common import compact
+from xpusense.common.compact_chain import Chain, columns_span, varint, with_columns
 from xpusense.v1 import telemetry_pb2 as pb
 
 from .batch_build import MAX_ROWS
@@ -24,12 +26,7 @@ def encode_message(m: pb.AgentMessage | bytes) -> bytes:
 def batch_message(batch: bytes) -> bytes:
     """AgentMessage{batch} encoded around an encoded Batch (field 2, length-delimited): what
     AgentMessage(batch=Batch.FromString(batch)).SerializeToString() would be, without the decoding."""
-    n, head = len(batch), bytearray(b"\x12")
-    while n >= 0x80:
-        head.append(n & 0x7F | 0x80)
-        n >>= 7
-    head.append(n)
-    return bytes(head) + batch
+    return b"\x12" + varint(len(batch)) + batch
 
 
 class Unsendable(Exception):
@@ -52,6 +49,7 @@ class Connection:
         # them where the collector reads version 2 (it puts them back).
         self.ids = ids if self.version >= 2 else b""
         self.sent: dict[str, int] = dict(defined or {}) if self.compact else {}
+        self.chain = Chain(MAX_ROWS) if encoding == compact.CHAINED else None
 
     @classmethod
     def welcomed(cls, defs: SeriesDefs, encoding: str, w: pb.Welcome, node_id: str, hello_boot: str,
@@ -97,8 +95,14 @@ class Connection:
         """The AgentMessage that carries the batch on this connection."""
         if self.compact and self.version < compact.VERSION:
             return self._older(batch)
-        if self.ids:
+        if self.ids or self.chain is not None:   # version 2
             data = batch if isinstance(batch, bytes) else batch.SerializeToString()
+            if self.chain is not None:
+                try:
+                    if span := columns_span(data):
+                        data = with_columns(data, self.chain.send(data[span[1]:span[2]]), span)
+                except compact.CompactError as e:
+                    raise Unsendable(f"its columns do not decode ({e})") from None
             return batch_message(without_ids(data, self.ids))
         return batch_message(batch) if isinstance(batch, bytes) else pb.AgentMessage(batch=batch)
 

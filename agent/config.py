@@ -107,7 +107,8 @@ AGENT_SCHEMA: dict[str, Any] = {
                                   "of references does not only grow); one that comes back gets a new number"),
         "batch_encoding": Key(str, compact.ENCODING, _encoding,
                               help="batches built as compressed columns, each series defined once per stream "
-                                   "(offered in Hello with the older compact encodings; a collector that chooses an "
+                                   "(\"columns-zlib-2-chained\": each block sent deflated on the one sent before it; "
+                                   "offered in Hello with the older compact encodings; a collector that chooses an "
                                    "older one gets the columns in it, one that chooses none Sample messages); "
                                    "\"\": Sample messages only"),
         "max_series_defs": Key(int, 100_000, positive,

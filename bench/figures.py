@@ -248,6 +248,7 @@ FIGURES: list[dict[str, Any]] = [
 WIRE_COLS = [("points/s", "runs.after.points_per_s"), ("after", "runs.after.encoding"),
              ("wire B/pt before", "runs.before.wire_bytes_per_point"),
              ("wire B/pt columns-zlib-1", "runs.columns-1.wire_bytes_per_point"),
+             ("wire B/pt columns-zlib-2", "runs.columns-2.wire_bytes_per_point"),
              ("wire B/pt", "runs.after.wire_bytes_per_point"),
              ("of it batches", "runs.after.batch_bytes_per_point"), ("series tables", "runs.after.series_bytes_per_point"),
              ("disk B/pt before", "runs.before.collector_disk_bytes_per_point"),
@@ -263,10 +264,11 @@ FIGURES += [
      "what": f"A real agent ({devices} at 1 s, the host, every eBPF probe that runs here) streaming through a "
              "byte-counting relay, cut once, to a durable collector: bytes on the wire (agent to collector), written "
              "to the collector's disk (write_bytes) and to the agent's spool, per point the collector serves, with "
-             "Sample messages (before), the compact encoding's version 1 (columns-1; a run that has it) and the agent's "
-             "default encoding (after). With one agent fsyncing a batch a "
-             "second, write_bytes counts a 4 KiB page a fsync (~20 B a point whatever the encoding); what the store "
-             "wrote itself (log and snapshots, its own counters) and the spool's files are the bytes at rest.",
+             "Sample messages (before), the compact encoding's version 1 (columns-1) and 2 with each block "
+             "deflated alone (columns-2; each in a run that has it) and the agent's default encoding (after). "
+             "With one agent fsyncing a batch a second, write_bytes counts a 4 KiB page a fsync (~20 B a point "
+             "whatever the encoding); what the store wrote itself (log and snapshots, its own counters) and the "
+             "spool's files are the bytes at rest.",
      "command": f"sudo {PY} bench/wire_bytes.py" + (" --npu" if npu else ""),
      "goal": "after: wire <= 4, collector disk <= 6 B a point, spool no more than the wire",
      "cols": WIRE_COLS, "checks": WIRE_CHECKS}

@@ -83,7 +83,8 @@ COLLECTOR_SCHEMA = {
         "batch_encodings": Key(list, list(compact.ENCODINGS), one_of(*compact.ENCODINGS),
                                help="batch encodings a Welcome may choose, the newest an agent's Hello offers "
                                     "(series defined once per stream, samples as compressed columns; "
-                                    "\"columns-zlib-2\" writes decimal values as their digits); []: agents send "
+                                    "\"columns-zlib-2\" writes decimal values as their digits; \"-chained\" deflates "
+                                    "each block on the stream's one before it, deflated alone again here); []: agents send "
                                     "Sample messages"),
     },
     "scheduler": SCHEDULER_SCHEMA,

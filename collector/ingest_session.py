@@ -16,12 +16,14 @@ from typing import Any
 import grpc
 
 from xpusense.common import compact
+from xpusense.common.compact_chain import Chain
 from xpusense.common.ids import bad_id
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
+from .limits import DEFAULTS as LIMITS
 from .limits import MalformedRequest, Violation, short_boot
-from .wire import WireBatch, batch_payload, with_ids
+from .wire import WireBatch, batch_payload, with_block, with_ids
 
 
 class PendingWindow:
@@ -71,6 +73,7 @@ class Sink:
     node_id: str
     welcome: pb.Welcome
     ids: tuple[str, str] | None = None   # the Hello's node and boot, where a batch may leave them out
+    chain: Chain | None = None           # where the Welcome chose chained blocks: the stream's end of the chain
     window: PendingWindow | None = None
     stopped = False   # set by `take`: the message it returned is the last one to read
 
@@ -108,12 +111,31 @@ def _wrong_node(b: Any, node_id: str) -> Violation:
                      f"batch for node {b.node_id!r} on a stream opened by node {node_id!r}")
 
 
+class ChainBroken(MalformedRequest):
+    """Columns deflated on the stream's block before them that do not inflate on it: the stream ends
+    FAILED_PRECONDITION, and the agent's next stream starts a chain anew (nothing is set aside)."""
+
+    def __init__(self, why: str):
+        Exception.__init__(self, why)
+        self.violation = Violation(grpc.StatusCode.FAILED_PRECONDITION, why)
+
+
 def _received_batch(msg: Any, sink: Sink) -> tuple[Any, bytes]:
-    """A batch message's Batch and the bytes it came as, the Hello's ids put back where a batch of
-    a version-2 stream left them out."""
+    """A batch message's Batch and the bytes it came as: the Hello's ids put back where a batch of
+    a version-2 stream left them out, and chained columns deflated alone again (ChainBroken where
+    they do not inflate)."""
     payload = batch_payload(msg)
     b = msg.batch
-    return with_ids(b, payload, *sink.ids) if not b.node_id and sink.ids is not None else (b, payload)
+    if not b.node_id and sink.ids is not None:
+        b, payload = with_ids(b, payload, *sink.ids)
+    if sink.chain is not None and (block := b.columns).__class__ is bytes and block:
+        try:
+            alone = sink.chain.receive(block)
+        except compact.CompactError as e:
+            raise ChainBroken(f"batch {b.seq} of node {b.node_id!r}: {e}") from None
+        if alone is not block:
+            b, payload = with_block(b, payload, alone)
+    return b, payload
 
 
 def choose_encoding(hello: pb.Hello, allowed: list[str]) -> str:
@@ -196,6 +218,8 @@ class IngestSession(pb_grpc.IngestServicer):
         sink = await self.open(hello, peer, context)
         if compact.VERSIONS.get(sink.welcome.batch_encoding, 0) >= 2:   # its batches may leave the ids out
             sink.ids = (hello.node_id, hello.boot_id)
+        if sink.welcome.batch_encoding == compact.CHAINED:
+            sink.chain = Chain(int(self.limits.max_samples_per_batch if self.limits else LIMITS["max_samples_per_batch"]))
         self.log.info("node %s connected from %s (boot %s, stored up to %d)", sink.node_id, peer,
                       short_boot(hello.boot_id), sink.welcome.stored_up_to)
         window = sink.window
@@ -257,6 +281,8 @@ class IngestSession(pb_grpc.IngestServicer):
                 elif got is not None:
                     yield pb.CollectorMessage(ack=got)
         except MalformedRequest as e:
+            if isinstance(e, ChainBroken):
+                self.refused(e.violation, peer)
             await context.abort(e.violation.code, e.violation.message)
         finally:   # an abort's traceback keeps this frame alive (a cycle): let go of the messages now
             request_iterator = msg = got = b = table = None
@@ -288,6 +314,8 @@ class IngestSession(pb_grpc.IngestServicer):
                 if window.add(size):   # full: not read further until acks go out
                     await window.wait()
         except MalformedRequest as e:   # aborted by the handler's task, not this one (see MalformedRequest)
+            if isinstance(e, ChainBroken):
+                self.refused(e.violation, peer)
             pending.put_nowait(e.violation)
         finally:
             pending.put_nowait(None)

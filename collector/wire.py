@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from xpusense.common import compact
+from xpusense.common.compact_chain import with_columns
 from xpusense.v1 import telemetry_pb2 as pb
 
 from .limits import DEFAULTS as LIMITS
@@ -98,6 +99,16 @@ def with_ids(b: Any, payload: bytes, node_id: str, boot_id: str) -> tuple[Any, b
     if isinstance(b, _ReadLean):
         b.wire, b._batch = head + b.wire, None
     return b, head + payload
+
+
+def with_block(b: Any, payload: bytes, block: bytes) -> tuple[Any, bytes]:
+    """A batch with its columns replaced by `block` (a chained block deflated alone again,
+    common/compact_chain.py), and the bytes it would have come as."""
+    payload = with_columns(payload, block)
+    b.columns = block
+    if isinstance(b, _ReadLean):
+        b.wire, b._batch = payload, None
+    return b, payload
 
 
 def _lean(read: tuple) -> WireBatch | CompactWire:

@@ -1,5 +1,6 @@
-# common/_compact.c: compact.decode_columns' reader in C.
+# common/_compact.c: compact.decode_columns' reader and compact.deflate in C.
 from typing import Any
 
 def decode(data: bytes | bytearray | memoryview, max_samples: int, last_ref_deltas: bytes | None,
            /) -> tuple[Any, ...] | None: ...
+def deflate(raw: bytes | bytearray | memoryview, level: int, zdict: bytes | bytearray | memoryview = ..., /) -> bytes: ...

@@ -2,8 +2,8 @@
 of series references, times and values, zlib-compressed, with each series' name, unit, kind and
 labels sent once per stream as a definition (`SeriesTable`) rather than with every sample. Version 2
 writes a value that is a decimal of at most 9 places as its digits (a varint) instead of 8 bytes;
-version 1 is still read and written for a peer that knows no other. Layout: docs/design.md, "The
-compact encoding"."""
+version 1 is still read and written for a peer that knows no other; on the wire, blocks may be
+chained (compact_chain.py). Layout: docs/design.md, "The compact encoding"."""
 
 from __future__ import annotations
 
@@ -23,8 +23,12 @@ try:   # decode_columns' reader in C (common/_compact.c), built with the package
 except ImportError:
     _compact = None  # type: ignore[assignment]
 
-ENCODING = "columns-zlib-2"   # Hello.batch_encodings / Welcome.batch_encoding: what this version writes
-VERSIONS = {ENCODING: 2, "columns-zlib-1": 1}   # every encoding read, newest first, and its block's version
+# Hello.batch_encodings / Welcome.batch_encoding: what this version writes. CHAINED is version 2's
+# blocks, each deflated on the stream's block before it (compact_chain.py): the wire's form only.
+CHAINED = "columns-zlib-2-chained"
+ENCODING = CHAINED
+# every encoding read, newest first, and its block's version
+VERSIONS = {CHAINED: 2, "columns-zlib-2": 2, "columns-zlib-1": 1}
 ENCODINGS = tuple(VERSIONS)
 VERSION = VERSIONS[ENCODING]
 LEVEL = 6                     # zlib level: 9 saves <1% of the bytes here for 2x the agent's time
@@ -127,7 +131,23 @@ def encode_columns(rows: Sequence[Row], histograms: dict[int, Histogram] | None 
         parts.append(_HIST.pack(i, len(bounds), len(counts)))
         parts.append(_le(array("d", bounds)))
         parts.append(_le(array("Q", counts)))
-    return zlib.compress(b"".join(parts), LEVEL)
+    return deflate(b"".join(parts))
+
+
+def deflate(raw: bytes, zdict: bytes = b"") -> bytes:
+    """zlib.compress(raw, LEVEL)'s bytes; with `zdict`, a compressobj's with it as the preset
+    dictionary. In C where it is built (one deflate state kept, not made anew for each block)."""
+    if _compact is not None:
+        return _compact.deflate(raw, LEVEL, zdict)
+    if not zdict:
+        return zlib.compress(raw, LEVEL)
+    z = zlib.compressobj(LEVEL, zlib.DEFLATED, zlib.MAX_WBITS, 8, zlib.Z_DEFAULT_STRATEGY, zdict)
+    return z.compress(raw) + z.flush()
+
+
+def inflated_limit(max_samples: int) -> int:
+    """The most bytes a block of at most `max_samples` samples inflates to."""
+    return _HEAD.size + 4 + max_samples * (_PER_SAMPLE + _HIST.size + 16 * MAX_BUCKETS + 8)
 
 
 def version_of(data: bytes) -> int:
@@ -196,9 +216,10 @@ def decode_columns(data: bytes, max_samples: int, last: Columns | None = None) -
     return decode_columns_python(data, max_samples, last)
 
 
-def _inflate(data: bytes, limit: int, what: str, why: str = "") -> bytes:
-    """`data` inflated, never past `limit` bytes; CompactError naming `what` otherwise."""
-    d = zlib.decompressobj()
+def inflate(data: bytes, limit: int, what: str, why: str = "", zdict: bytes = b"") -> bytes:
+    """`data` inflated (with `zdict` as the preset dictionary it may ask for), never past `limit`
+    bytes; CompactError naming `what` otherwise."""
+    d = zlib.decompressobj(zdict=zdict) if zdict else zlib.decompressobj()
     try:
         raw = d.decompress(data, limit)
     except zlib.error as e:
@@ -212,8 +233,8 @@ def _inflate(data: bytes, limit: int, what: str, why: str = "") -> bytes:
 
 def decode_columns_python(data: bytes, max_samples: int, last: Columns | None = None) -> Columns:
     """decode_columns read in Python: the same result, or CompactError saying what is wrong."""
-    limit = _HEAD.size + 4 + max_samples * (_PER_SAMPLE + _HIST.size + 16 * MAX_BUCKETS + 8)
-    raw = _inflate(data, limit, "columns", f", more than {max_samples} samples take")
+    limit = inflated_limit(max_samples)
+    raw = inflate(data, limit, "columns", f", more than {max_samples} samples take")
     if len(raw) < _HEAD.size:
         raise CompactError(f"columns of {len(raw)} bytes, shorter than their header")
     version, n, t0 = _HEAD.unpack_from(raw)
@@ -299,12 +320,12 @@ def _read_values_v2(raw: bytes, p: int, n: int) -> tuple[bytes, int]:
 
 def encode_defs(series: Iterable[pb.Sample]) -> bytes:
     """Series definitions (name, unit, kind, labels and series_ref of each) as SeriesTable.defs."""
-    return zlib.compress(pb.SeriesDefs(series=series).SerializeToString(), LEVEL)
+    return deflate(pb.SeriesDefs(series=series).SerializeToString())
 
 
 def decode_defs(data: bytes, max_bytes: int) -> list[pb.Sample]:
     """SeriesTable.defs, inflated to at most `max_bytes`; CompactError otherwise."""
-    raw = _inflate(data, max_bytes, "series definitions")
+    raw = inflate(data, max_bytes, "series definitions")
     try:
         defs = pb.SeriesDefs.FromString(raw)
     except Exception as e:   # protobuf's DecodeError

@@ -1,7 +1,8 @@
 """Fuzz driver of the compact encoding's C reader (common/_compact.c), run in a subprocess against a
 build with AddressSanitizer and UBSan (tests/unit/test_wire_rows_sanitized.py): valid blocks mutated
 as compressed bytes and as inflated bytes recompressed, header counts at their bounds, zlib bombs,
-each read from bytes and from an exact-size malloc'd buffer, against decode_columns read in Python.
+each read from bytes and from an exact-size malloc'd buffer, against decode_columns read in Python;
+and its deflate, with and without a preset dictionary, at each level, against zlib's own.
     python tests/compact_c_fuzz.py MODULE.so SECONDS SEED LAST_INPUT_FILE [HEX MAX_SAMPLES]
 Prints its counts as JSON; exit 1 with the input's hex on a disagreement (HEX: that one input)."""
 
@@ -36,7 +37,7 @@ def _key(c) -> tuple:
 class Driver:
     def __init__(self, module, last_input: str):
         self.m = module
-        self.counts = dict.fromkeys(("inputs", "read", "refused", "like_last"), 0)
+        self.counts = dict.fromkeys(("inputs", "read", "refused", "like_last", "deflated"), 0)
         self._f = open(last_input, "r+b")
         self._last = mmap.mmap(self._f.fileno(), 0)
 
@@ -71,6 +72,15 @@ class Driver:
         w = (want.refs, want.time, want.times, want.values, want.rising, want.histograms, want.ref_deltas)
         assert _key((refs, got[1], got[2], got[3], rising, got[5], got[6])) == _key(w), "read otherwise than Python"
 
+    def deflate(self, raw: bytes, level: int, zdict: bytes) -> None:
+        """The C deflate gives zlib's bytes, which inflate back to `raw`."""
+        self.counts["deflated"] += 1
+        got = self.m.deflate(raw, level, zdict)
+        z = zlib.compressobj(level, zlib.DEFLATED, zlib.MAX_WBITS, 8, zlib.Z_DEFAULT_STRATEGY, *([zdict] if zdict else []))
+        assert got == z.compress(raw) + z.flush(), f"deflated otherwise than zlib (level {level}, dictionary {len(zdict)} bytes)"
+        back = zlib.decompressobj(zdict=zdict) if zdict else zlib.decompressobj()
+        assert back.decompress(got) == raw and back.eof, "deflated bytes that do not inflate back"
+
 
 def main(argv: list[str]) -> int:
     module = load(argv[1], "_compact")
@@ -82,6 +92,12 @@ def main(argv: list[str]) -> int:
         except TypeError:
             continue
         raise AssertionError(f"decode{wrong!r} raised no TypeError")
+    for wrong in ((None, 6), (b"", "x"), (b"", 6, "text"), (b"",)):
+        try:
+            module.deflate(*wrong)
+        except TypeError:
+            continue
+        raise AssertionError(f"deflate{wrong!r} raised no TypeError")
     if len(argv) > 5:
         inputs = [(bytes.fromhex(argv[5]), int(argv[6]), None)]
     else:
@@ -104,6 +120,8 @@ def main(argv: list[str]) -> int:
                 raw = inflated() if k % 2 else _header_edits(rng.choice(inflated.corpus), rng)
                 for data in (compressed(), zlib.compress(raw, rng.choice([0, 1, 6, 9]))):
                     d.check(data, rng.choice(BOUNDS), rng.choice(lasts))
+                if k % 10 == 0:   # the same raw bytes deflated alone and on a dictionary, at levels that differ
+                    d.deflate(raw, rng.choice([0, 1, 6, 6, 9]), rng.choice([b"", raw[::-1], rng.randbytes(40_000)]))
     except AssertionError as e:
         print(f"FUZZ FAILURE: {e}; input {data.hex()}", file=sys.stderr)
         return 1

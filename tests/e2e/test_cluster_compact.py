@@ -20,6 +20,7 @@ from test_cluster_scheduler import start_scheduler
 
 from xpusense.collector.cluster.subjects import MSG_ID, RECEIVED, msg_id, node_filter, node_subject, partition
 from xpusense.common import compact
+from xpusense.common.compact_chain import Chain
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
@@ -75,6 +76,8 @@ class Client:
         self.out.put(pb.AgentMessage(hello=hello))
         self.calls = pb_grpc.IngestStub(self.channel).Stream(iter(self.out.get, None))
         self.welcome = next(self.calls).welcome
+        # chained (as the agent sends): each block after the stream's first deflated on the one before
+        self.chain = Chain(10_000) if self.welcome.batch_encoding == compact.CHAINED else None
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -99,7 +102,9 @@ class Client:
         else:
             b.samples.extend(compact.sample(DEFS[r[0] - 1], r, hists.get(i)) for i, r in enumerate(rows))
             b.samples.extend(whole)
-        self.sent[seq] = b.SerializeToString()
+        self.sent[seq] = b.SerializeToString()   # as the stream keeps it: its block deflated alone
+        if self.chain is not None:
+            b.columns = self.chain.send(b.columns)
         self.out.put(msg)
 
     def acked(self, seq: int) -> bool:
@@ -172,7 +177,7 @@ backoff_max_s = 0.5
         # Through gateway 1: series 1-5 defined, then ten batches; the twin sends Sample messages.
         compact_1, twin = Client(gw1, "compact-n", offer=True), Client(gw1, "sample-n", offer=False)
         clients += [compact_1, twin]
-        assert compact_1.welcome.batch_encoding == compact.ENCODING and twin.welcome.batch_encoding == ""
+        assert compact_1.welcome.batch_encoding == compact.CHAINED and twin.welcome.batch_encoding == ""
         compact_1.table([1, 2, 3, 4, 5])
         for seq in range(1, 11):
             compact_1.send(seq)
@@ -201,7 +206,7 @@ backoff_max_s = 0.5
         assert len(got) == 2 * len(DEVICES) + 2    # kept: utilisation, memory per device, power, memory limit
         nodes = q.ListNodes(pb.ListNodesRequest(), timeout=10)
         assert not [k for k in nodes.counters if k.startswith("worker.skipped")], dict(nodes.counters)
-        # JetStream keeps the compact batches as they were sent.
+        # JetStream keeps the compact batches as they were sent, their blocks deflated alone again.
         stored = run(_stored(nats_cluster, "compact-n"))
         assert stored == {seq: data for c in (compact_1, compact_2) for seq, data in c.sent.items()}
         sample_bytes = sum(map(len, run(_stored(nats_cluster, "sample-n")).values()))

@@ -7,6 +7,7 @@ naming why, counted, and nothing of it is stored."""
 from __future__ import annotations
 
 import signal
+import zlib
 
 import grpc
 import pytest
@@ -15,6 +16,7 @@ from compact_support import as_compact, rounds
 from helpers import BIN, free_port, wait_until
 
 from xpusense.common import compact
+from xpusense.common.compact_chain import Chain
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
 
@@ -66,9 +68,8 @@ def stream(addr: str, msgs: list[pb.AgentMessage]) -> tuple[list[pb.CollectorMes
     return got, None
 
 
-def hello(node: str, offer: bool) -> pb.AgentMessage:
-    return pb.AgentMessage(hello=pb.Hello(node_id=node, boot_id=BOOT,
-                                          batch_encodings=[compact.ENCODING] if offer else []))
+def hello(node: str, offer: bool, encodings: tuple[str, ...] = (compact.ENCODING,)) -> pb.AgentMessage:
+    return pb.AgentMessage(hello=pb.Hello(node_id=node, boot_id=BOOT, batch_encodings=encodings if offer else []))
 
 
 def table(defs: list[pb.Sample], boot: str = BOOT) -> pb.AgentMessage:
@@ -141,7 +142,8 @@ def test_batches_without_the_hellos_ids_are_held_as_with_them_where_version_2_is
     replies, err = stream(coll.addr, [hello("with", offer=True)] + compact_messages(rounds("with")))
     assert err is None and acks(replies) == [(b.seq, False) for b in rounds("with")]
     bare = rounds("bare")
-    replies, err = stream(coll.addr, [hello("bare", offer=True)] + without_ids(compact_messages(bare)))
+    replies, err = stream(coll.addr, [hello("bare", offer=True, encodings=("columns-zlib-2",))]
+                          + without_ids(compact_messages(bare)))
     assert err is None and replies[0].welcome.batch_encoding == "columns-zlib-2"
     assert acks(replies) == [(b.seq, False) for b in bare]
     want = coll.held("with")
@@ -155,6 +157,51 @@ def test_batches_without_the_hellos_ids_are_held_as_with_them_where_version_2_is
     replies, err = stream(again.addr, [v1] + without_ids(compact_messages(rounds("v1")[:1])))
     assert replies[0].welcome.batch_encoding == "columns-zlib-1" and not acks(replies)
     assert err is not None and "batch for node '' on a stream opened by node 'v1'" in err.details()
+
+
+def chained(msgs: list[pb.AgentMessage]) -> list[pb.AgentMessage]:
+    """The messages with each batch's block deflated on the one before it, as an agent sends them."""
+    chain = Chain(10_000)
+    for m in msgs:
+        if m.HasField("batch") and m.batch.columns:
+            m.batch.columns = chain.send(m.batch.columns)
+    return msgs
+
+
+def test_chained_blocks_are_held_and_stored_as_the_blocks_deflated_alone(procs, tmp_path):
+    coll = Collector(procs, tmp_path, data_dir=True)
+    replies, err = stream(coll.addr, [hello("alone", True, ("columns-zlib-2",))] + compact_messages(rounds("alone")))
+    assert err is None and replies[0].welcome.batch_encoding == "columns-zlib-2"
+    batches = rounds("chained")
+    msgs = chained(compact_messages(batches))
+    assert sum(m.batch.columns[1] & 0x20 for m in msgs if m.HasField("batch")) == 0x20 * (len(batches) - 1)
+    replies, err = stream(coll.addr, [hello("chained", True)] + msgs)
+    assert err is None and replies[0].welcome.batch_encoding == compact.CHAINED
+    assert acks(replies) == [(b.seq, False) for b in batches]
+    want = coll.held("alone")
+    assert coll.held("chained") == want
+
+    # A block deflated on another block than the one before it: FAILED_PRECONDITION (the agent
+    # reconnects, and its new stream starts a chain anew); nothing of it is stored.
+    msgs = compact_messages(rounds("broken"))
+    third = next(m.batch for m in msgs if m.HasField("batch") and m.batch.seq == 3)
+    raw = zlib.decompress(third.columns)
+    msgs = chained(msgs)
+    third.columns = compact.deflate(raw, b"another block")
+    replies, err = stream(coll.addr, [hello("broken", True)] + msgs)
+    assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
+    assert "batch 3 of node 'broken': columns do not inflate" in err.details()
+    assert acks(replies) == [(1, False), (2, False)] and coll.node("broken").stored_up_to == 2
+    # and one deflated on a block before it where none came before it on the stream
+    replies, err = stream(coll.addr, [hello("broken", True)] + [m for m in msgs if m.HasField("series")] + [
+        m for m in msgs if m.HasField("batch") and m.batch.seq == 4])
+    assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
+    assert "with none before them on this stream" in err.details()
+
+    # The store holds blocks that read alone: killed, the collector replays them to the same points.
+    coll.proc.kill(signal.SIGKILL)
+    again = Collector(procs, tmp_path, data_dir=True)
+    assert again.held("chained") == want and again.node("broken").stored_up_to == 2
 
 
 def test_what_cannot_be_read_is_refused_and_nothing_of_it_stored(procs, tmp_path):

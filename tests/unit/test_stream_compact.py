@@ -20,6 +20,7 @@ from xpusense.agent.sources.base import Sample
 from xpusense.agent.spool import Spool
 from xpusense.agent.stream import StreamClient
 from xpusense.common import compact
+from xpusense.common.compact_chain import Chain
 from xpusense.common.config import ConfigError
 from xpusense.v1 import telemetry_pb2 as pb
 from xpusense.v1 import telemetry_pb2_grpc as pb_grpc
@@ -40,6 +41,7 @@ class Recorder(pb_grpc.IngestServicer):
         self.problems: list[str] = []
         self.versions: set[int] = set()                  # of the columns received
         self.ids_left_out = 0                            # batches that came without their node and boot id
+        self.chained = 0                                 # blocks that came deflated on the one before them
         self.lock = threading.Lock()
 
     def Stream(self, request_iterator, context):
@@ -48,6 +50,7 @@ class Recorder(pb_grpc.IngestServicer):
         with self.lock:
             self.streams.append(msgs)
         chosen = ""
+        chain = Chain(100_000)
         for m in request_iterator:
             with self.lock:
                 msgs.append(m)
@@ -74,6 +77,13 @@ class Recorder(pb_grpc.IngestServicer):
                     self.abort_at.discard(b.seq)
                     context.abort(grpc.StatusCode.UNAVAILABLE, "cut by the test")
                 got = list(b.samples)
+                if b.columns and chosen == compact.CHAINED:
+                    block = b.columns
+                    b.columns = chain.receive(block)
+                    if b.columns != block:
+                        self.chained += 1
+                        if not self.chained_on_stream(msgs):
+                            self.problems.append(f"batch {b.seq}: the stream's first block chained")
                 if b.columns:
                     if not chosen:
                         self.problems.append(f"compact batch {b.seq} on a stream that did not choose it")
@@ -92,6 +102,11 @@ class Recorder(pb_grpc.IngestServicer):
                         self.stored[b.boot_id] = b.seq
                         self.samples.setdefault(b.boot_id, []).extend(got)
                 yield pb.CollectorMessage(ack=pb.Ack(boot_id=b.boot_id, seq=b.seq))
+
+    @staticmethod
+    def chained_on_stream(msgs: list[pb.AgentMessage]) -> bool:
+        """Whether a compact batch came on this stream before the last message."""
+        return any(m.WhichOneof("msg") == "batch" and m.batch.columns for m in msgs[:-1])
 
     def kinds(self, i: int) -> list[str]:
         with self.lock:
@@ -267,7 +282,9 @@ def test_after_a_restart_an_old_boots_spooled_batches_go_with_their_definitions(
         assert tables == ["boot-old", "boot-old", "boot-new"]
         assert rec.versions == {compact.VERSIONS[collector_encoding]}
         # version 2 leaves the Hello's ids out of its boot's batches (round 3's), not the old boot's
-        assert rec.ids_left_out == (1 if collector_encoding == compact.ENCODING else 0)
+        assert rec.ids_left_out == (1 if compact.VERSIONS[collector_encoding] >= 2 else 0)
+        # chained: every block after the stream's first goes deflated on the one before it
+        assert (rec.chained >= 2) if collector_encoding == compact.CHAINED else rec.chained == 0
     client.put(round_of(4))     # the next cut lets the old boot's definitions go
     client.flush()
     wait_until(lambda: not os.path.exists(tmp_path / "spool" / "series-boot-old.xsd"),
@@ -323,7 +340,7 @@ def test_spooled_batches_whose_definitions_are_gone_are_set_aside_never_sent(
 def test_batch_encoding_other_than_the_compact_one_or_none_is_a_config_error(tmp_path):
     cfg = tmp_path / "agent.toml"
     cfg.write_text('[stream]\nbatch_encoding = "zstd"\n')
-    with pytest.raises(ConfigError, match=r"agent.toml: 'stream.batch_encoding' must be one of 'columns-zlib-2', "
-                                          r"'columns-zlib-1' or \"\""):
+    with pytest.raises(ConfigError, match=r"agent.toml: 'stream.batch_encoding' must be one of 'columns-zlib-2-chained', "
+                                          r"'columns-zlib-2', 'columns-zlib-1' or \"\""):
         load_agent(str(cfg), env={})
     assert load_agent(None, env={}).stream.batch_encoding == compact.ENCODING

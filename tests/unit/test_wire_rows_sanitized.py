@@ -131,6 +131,7 @@ def test_mutated_compact_blocks_give_no_sanitizer_report_and_read_as_python_read
     counts = json.loads(r.stdout)
     assert counts["inputs"] >= 4000 and counts["read"] >= 200 and counts["refused"] >= 200, counts
     assert counts["like_last"] >= 20, counts   # the shortcut of a block whose refs are the last one's
+    assert counts["deflated"] >= 100, counts   # the deflate kept between calls, at levels and dictionaries that change
 
 
 # A bug planted in a copy of the compact reader: a 32-bit little-endian read whose top byte is
