@@ -35,10 +35,12 @@ DEVICES = 8
 # through the environment so that spawned load-generator processes see it too.
 NO_SERIES_REF = os.environ.get("XPUSENSE_BENCH_NO_SERIES_REF") == "1"
 BDP_PROBE = os.environ.get("XPUSENSE_BENCH_BDP_PROBE") == "1"   # --bdp-probe, likewise
-COMPACT = os.environ.get("XPUSENSE_BENCH_COMPACT") == "1"        # --compact, likewise
-# The compact encoding the simulated agents speak: version 1, the one the C generator writes (its
-# values are float64; version 2 would write most of them as digits, as a real agent does).
-SIM_ENCODING, SIM_VERSION = "columns-zlib-1", 1
+COMPACT = os.environ.get("XPUSENSE_BENCH_COMPACT", "0") in ("1", "chained")   # --compact, likewise
+CHAINED = os.environ.get("XPUSENSE_BENCH_COMPACT") == "chained"               # --chained
+# The compact encoding the simulated agents speak: version 1's blocks, the one the C generator
+# writes (its values are float64; version 2 would write most of them as digits, as a real agent
+# does); --chained: those blocks chained, offered as columns-zlib-2-chained (which reads any block).
+SIM_ENCODING, SIM_VERSION = ("columns-zlib-2-chained" if CHAINED else "columns-zlib-1"), 1
 # --idle-share: this share of the agents (every agent whose index % 100 is below it x 100) send
 # idle accelerators: their gauges the same every round (utilisation, HBM used, bandwidth...), their
 # counters still counting; the others' gauges move every round (the default: all of them).
@@ -113,7 +115,8 @@ class SimAgent:
         from xpusense.common import compact
         from xpusense.v1 import telemetry_pb2 as pb
         self.pb, self.compact = pb, compact
-        self.compact_mode = COMPACT
+        self.compact_mode = 2 if CHAINED else int(COMPACT)   # the C generator's plan says it so
+        self.chain = None
         self.node_id = f"{NODE_PREFIX}{index:05d}"
         self.idle = index % 100 < IDLE_SHARE * 100
         self.boot_id = uuid.uuid4().hex
@@ -209,8 +212,13 @@ class SimAgent:
         """The batch in the compact encoding: the samples' values in their order (the pieces hold
         them at 1, 6, 11, ...), refs 1..N, one time."""
         rows = [(i + 1, now, v) for i, v in enumerate(self.pieces[1::5])]
+        block = self.compact.encode_columns(rows, version=SIM_VERSION)
+        if self.compact_mode == 2:
+            from xpusense.common.compact_chain import Chain
+            self.chain = self.chain or Chain(len(rows))
+            block = self.chain.send(block)
         batch = self.pb.Batch(node_id=self.header[0], boot_id=self.header[1], seq=seq, sent_unix_nano=now,
-                              columns=self.compact.encode_columns(rows, version=SIM_VERSION)).SerializeToString()
+                              columns=block).SerializeToString()
         return b"\x12" + _varint(len(batch)) + batch
 
     def _bytes(self, seq: int, now: int) -> bytes:
@@ -535,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --durable: the store's [store] commit_interval_s (default: the collector's)")
     p.add_argument("--compact", action="store_true",
                    help="agents send the compact encoding (series definitions once, then columns)")
+    p.add_argument("--chained", action="store_true",
+                   help="--compact with each agent's blocks chained (columns-zlib-2-chained, common/compact_chain.py)")
     p.add_argument("--no-series-ref", action="store_true",
                    help="send samples without series_ref (the collector then keys every sample by its labels)")
     p.add_argument("--bdp-probe", action="store_true",
@@ -609,8 +619,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.no_series_ref:
         os.environ["XPUSENSE_BENCH_NO_SERIES_REF"] = "1"
-    if args.compact:
-        os.environ["XPUSENSE_BENCH_COMPACT"] = "1"
+    if args.compact or args.chained:
+        os.environ["XPUSENSE_BENCH_COMPACT"] = "chained" if args.chained else "1"
     if args.bdp_probe:
         os.environ["XPUSENSE_BENCH_BDP_PROBE"] = "1"
     os.environ["XPUSENSE_BENCH_IDLE_SHARE"] = repr(args.idle_share)
@@ -746,7 +756,8 @@ def main(argv: list[str] | None = None) -> int:
         pstats.Stats(args.profile).sort_stats("tottime").print_stats(25)
     summary = {"bench": "collector_ingest", "mode": "saturation" if args.rate == 0 else "cadence",
                "agents": args.agents, "rate_per_agent": args.rate, "window": args.window, "procs": procs,
-               "generator": args.generator, **({"compact": True} if args.compact else {}),
+               "generator": args.generator, **({"compact": True} if args.compact or args.chained else {}),
+               **({"chained": True} if args.chained else {}),
                **({"commit_interval_s": args.commit_interval_s} if args.commit_interval_s is not None else {}),
                "idle_share": args.idle_share,
                "seconds": round(wall, 1), "batches_per_s": round(rate_s, 1),

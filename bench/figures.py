@@ -54,7 +54,7 @@ FIGURES: list[dict[str, Any]] = [
               ("collector CPU %", "collector_cpu_pct"), ("p99 ms", "p99_ms"), ("bytes a batch", "bytes_per_batch")],
      "checks": [("batches_per_s", ">=", 2000)]},
     {"title": "Collector ingest at saturation, compact encoding", "bench": "collector_ingest",
-     "match": {"compact": True, "mode": "saturation", "durable": None},
+     "match": {"compact": True, "chained": None, "mode": "saturation", "durable": None},
      "what": "The first figure with the agents sending the compact encoding (series defined once, then "
              "zlib-compressed columns): the collector's CPU a stored batch against Sample messages' in the same run.",
      "command": f"{PY} bench/collector_ingest.py --agents 8 --rate 0 --seconds 15 --compact",
@@ -62,8 +62,18 @@ FIGURES: list[dict[str, Any]] = [
      "cols": [("batches/s", "batches_per_s"), ("us a batch", "collector_cpu_us_per_batch"),
               ("collector CPU %", "collector_cpu_pct"), ("p99 ms", "p99_ms")],
      "checks": [("batches_per_s", ">=", 2500)]},
+    {"title": "Collector ingest at saturation, compact encoding chained", "bench": "collector_ingest",
+     "match": {"chained": True, "mode": "saturation", "durable": None},
+     "what": "The same with each agent's blocks chained (columns-zlib-2-chained): the collector inflates each "
+             "on the block before it and deflates it alone again. Run right after the --compact run above, so "
+             "that the two lines of one date compare the chain's cost on one VM.",
+     "command": f"{PY} bench/collector_ingest.py --agents 8 --rate 0 --seconds 15 --chained",
+     "goal": "the chain's cost a batch, against the run before it",
+     "cols": [("batches/s", "batches_per_s"), ("us a batch", "collector_cpu_us_per_batch"),
+              ("collector CPU %", "collector_cpu_pct"), ("p99 ms", "p99_ms")],
+     "checks": [("batches_per_s", ">=", 2500)]},
     {"title": "Collector, 2,000 agents at 1 s, compact encoding", "bench": "collector_ingest",
-     "match": {"compact": True, "mode": "cadence", "agents": 2000, "durable": None},
+     "match": {"compact": True, "chained": None, "mode": "cadence", "agents": 2000, "durable": None},
      "what": "The 2,000-agent run with the agents sending the compact encoding.",
      "command": f"{PY} bench/collector_ingest.py --agents 2000 --rate 1 --seconds 30 --warmup-s 40 --compact",
      "goal": "everything stored, p99 <= 100 ms, within one core",

@@ -65,7 +65,7 @@ def write_plan(path: str, agents: list, address: str, rate: float, window: int, 
     host, port = address.rsplit(":", 1)
     with open(path, "w") as f:
         f.write(f"host {host}\nport {port}\nrate {rate!r}\nwindow {window}\nkeepalive_ms {keepalive_ms}\n"
-                f"compact {int(bool(agents) and agents[0].compact_mode)}\nagents {len(agents)}\n")
+                f"compact {int(agents[0].compact_mode) if agents else 0}\nagents {len(agents)}\n")
         for ag in agents:
             f.write("\n".join(plan_lines(ag)) + "\n")
 

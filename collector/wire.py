@@ -104,7 +104,9 @@ def with_ids(b: Any, payload: bytes, node_id: str, boot_id: str) -> tuple[Any, b
 def with_block(b: Any, payload: bytes, block: bytes) -> tuple[Any, bytes]:
     """A batch with its columns replaced by `block` (a chained block deflated alone again,
     common/compact_chain.py), and the bytes it would have come as."""
-    payload = with_columns(payload, block)
+    # A CompactWire's fields are the ones the C reader checked (ids, seq, sent time, columns): its
+    # columns found at its end need no walk over its fields.
+    payload = with_columns(payload, block, old=b.columns if b.__class__ is CompactWire else b"")
     b.columns = block
     if isinstance(b, _ReadLean):
         b.wire, b._batch = payload, None

@@ -40,10 +40,16 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
-def columns_span(batch: bytes) -> tuple[int, int, int] | None:
+def columns_span(batch: bytes, block: bytes = b"") -> tuple[int, int, int] | None:
     """Where a Batch's bytes hold its columns: (the field's key, its value's first byte, the byte
     after it), of the last such field as protobuf reads it; None for a Batch without one. A field
-    it cannot walk over: CompactError."""
+    it cannot walk over: CompactError. `block`: the columns, where known; found at once where they
+    end the bytes (as protobuf writes them, field 7 last)."""
+    if block and batch.endswith(block):
+        key = bytes((COLUMNS_KEY,)) + varint(len(block))
+        start = len(batch) - len(block) - len(key)
+        if start >= 0 and batch[start:start + len(key)] == key:
+            return start, start + len(key), len(batch)
     span, i = None, 0
     while i < len(batch):
         start = i
@@ -67,10 +73,10 @@ def columns_span(batch: bytes) -> tuple[int, int, int] | None:
     return span
 
 
-def with_columns(batch: bytes, columns: bytes, span: tuple[int, int, int] | None = None) -> bytes:
-    """A Batch's bytes with its columns (which it has; `span`: where, as columns_span says)
-    replaced by `columns`, in the same place."""
-    span = span or columns_span(batch)
+def with_columns(batch: bytes, columns: bytes, span: tuple[int, int, int] | None = None, old: bytes = b"") -> bytes:
+    """A Batch's bytes with its columns (which it has: `old`, where known; `span`: where, as
+    columns_span says) replaced by `columns`, in the same place."""
+    span = span or columns_span(batch, old)
     if span is None:
         raise compact.CompactError("a Batch without columns")
     start, _, end = span

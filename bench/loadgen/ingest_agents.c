@@ -25,6 +25,8 @@
    Hello offers it, the Welcome must choose it, a SeriesTable (the plan's S line) goes first, and a
    batch's samples are zlib-compressed columns (refs 1..N, one time, the values in sample order),
    as SimAgent builds them in Python (zlib's compress2 at level 6 = Python's zlib.compress(data, 6)).
+   With "compact 2", chained (common/compact_chain.py): each block after an agent's first deflated
+   with its block before as zlib's preset dictionary.
    argv: PLAN_FILE --dump K NOW_NS: agent 0's next K batches (AgentMessage bytes, hex, a line each)
    with every time = NOW_NS, for the test that holds them equal to the Python generator's. */
 #define _GNU_SOURCE
@@ -64,6 +66,7 @@ typedef struct {
     uint8_t *table; size_t table_len;         /* compact: AgentMessage{series} */
     int *order;                               /* compact: the V entries in sample order */
     uint8_t *raw, *z; size_t raw_len, z_cap;  /* compact: the columns, and compressed */
+    uint8_t *prev;                            /* compact 2: the block before, inflated */
     /* connection */
     int fd, state, attempts;
     nghttp2_session *s;
@@ -238,7 +241,22 @@ static size_t compact_columns(agent_t *a, int64_t now, double wobble) {
         memcpy(vals + 8 * k, &v, 8);
     }
     uLongf zl = a->z_cap;
-    if (compress2(a->z, &zl, a->raw, a->raw_len, 6) != Z_OK) die("zlib compress2 failed");
+    if (compact_mode == 2 && a->prev) {   /* chained: on the block before */
+        static z_stream z;
+        static int z_ready;
+        if (!z_ready && deflateInit2(&z, 6, Z_DEFLATED, 15, 8, Z_DEFAULT_STRATEGY) != Z_OK) die("zlib deflateInit2 failed");
+        z_ready = 1;
+        if (deflateReset(&z) != Z_OK || deflateSetDictionary(&z, a->prev, a->raw_len) != Z_OK) die("zlib dictionary failed");
+        z.next_in = a->raw; z.avail_in = a->raw_len; z.next_out = a->z; z.avail_out = a->z_cap;
+        if (deflate(&z, Z_FINISH) != Z_STREAM_END) die("zlib deflate failed");
+        zl = a->z_cap - z.avail_out;
+    } else if (compress2(a->z, &zl, a->raw, a->raw_len, 6) != Z_OK) {
+        die("zlib compress2 failed");
+    }
+    if (compact_mode == 2) {
+        if (!a->prev) a->prev = xmalloc(a->raw_len);
+        memcpy(a->prev, a->raw, a->raw_len);
+    }
     return zl;
 }
 

@@ -27,12 +27,16 @@ def binary():
         pytest.fail(str(e))
 
 
-@pytest.mark.parametrize("index,vendor,idle,compact", [(0, "nvidia", False, False), (1, "huawei", False, False),
-                                                     (37, "nvidia", True, False), (0, "nvidia", False, True)])
+@pytest.mark.parametrize("index,vendor,idle,compact", [(0, "nvidia", False, 0), (1, "huawei", False, 0),
+                                                     (37, "nvidia", True, 0), (0, "nvidia", False, 1),
+                                                     (1, "huawei", False, 2)])
 def test_c_agents_send_the_bytes_of_the_python_agent(binary, tmp_path, index, vendor, idle, compact):
     """Twenty batches in a row (gauges wobbling with seq, counters counting, times stamped) are
     byte for byte the Python generator's, as Sample messages and in the compact encoding (zlib's
-    own compression on both sides): the C generator offers the collector what it was measured on."""
+    own compression on both sides; 2: chained): the C generator offers the collector what it was
+    measured on."""
+    from xpusense.common.compact_chain import Chain
+    reader = Chain(5000)
     ag = SimAgent(index, vendor)
     ag.idle = idle
     ag.compact_mode = compact
@@ -49,7 +53,10 @@ def test_c_agents_send_the_bytes_of_the_python_agent(binary, tmp_path, index, ve
             from xpusense.common.compact import decode_columns
             from xpusense.v1 import telemetry_pb2 as pb
             full = pb.AgentMessage.FromString(ag._bytes(ag.seq, now)).batch
-            got = decode_columns(pb.AgentMessage.FromString(bytes.fromhex(line)).batch.columns, 5000)
+            block = pb.AgentMessage.FromString(bytes.fromhex(line)).batch.columns
+            alone = reader.receive(block) if compact == 2 else block
+            assert (alone != block) == (compact == 2 and k > 0)   # chained: every block after the first
+            got = decode_columns(alone, 5000)
             assert got.rows() == [(s.series_ref, s.time_unix_nano, s.value) for s in full.samples]
 
 
