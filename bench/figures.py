@@ -259,6 +259,7 @@ WIRE_COLS = [("points/s", "runs.after.points_per_s"), ("after", "runs.after.enco
              ("wire B/pt before", "runs.before.wire_bytes_per_point"),
              ("wire B/pt columns-zlib-1", "runs.columns-1.wire_bytes_per_point"),
              ("wire B/pt columns-zlib-2", "runs.columns-2.wire_bytes_per_point"),
+             ("wire B/pt chained", "runs.chained.wire_bytes_per_point"),
              ("wire B/pt", "runs.after.wire_bytes_per_point"),
              ("of it batches", "runs.after.batch_bytes_per_point"), ("series tables", "runs.after.series_bytes_per_point"),
              ("disk B/pt before", "runs.before.collector_disk_bytes_per_point"),
@@ -274,8 +275,9 @@ FIGURES += [
      "what": f"A real agent ({devices} at 1 s, the host, every eBPF probe that runs here) streaming through a "
              "byte-counting relay, cut once, to a durable collector: bytes on the wire (agent to collector), written "
              "to the collector's disk (write_bytes) and to the agent's spool, per point the collector serves, with "
-             "Sample messages (before), the compact encoding's version 1 (columns-1) and 2 with each block "
-             "deflated alone (columns-2; each in a run that has it) and the agent's default encoding (after). "
+             "Sample messages (before), the compact encoding's version 1 (columns-1), the agent's default encoding "
+             "(after) and its blocks chained (chained; a run that has it; where a run has columns-2, the agent's "
+             "default was chained and columns-2 is version 2's blocks alone). "
              "With one agent fsyncing a batch a second, write_bytes counts a 4 KiB page a fsync (~20 B a point "
              "whatever the encoding); what the store wrote itself (log and snapshots, its own counters) and the "
              "spool's files are the bytes at rest.",

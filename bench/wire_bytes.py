@@ -1,12 +1,11 @@
 """Wire and disk bytes a point of a real agent streaming to a durable collector in Sample messages, the
-compact encoding's version 1, its version 2 with blocks deflated alone, and the agent's default: the
-agent (8 fake H100 at 1 s, the host, every eBPF probe that runs here; `--npu`: 8 Ascend 910B4
-through the fake npu-smi) sends through a
-byte-counting TCP relay, cut once mid-run so it reconnects and resends, to `xpusense-collector serve
---data-dir`; every point the collector then serves (GetHistory) is counted. Needs root (eBPF,
-network namespaces, a device node).
+compact encoding's version 1, the agent's default and its blocks chained (`[stream] batch_encoding`):
+the agent (8 fake H100 at 1 s, the host, every eBPF probe that runs here; `--npu`: 8 Ascend 910B4
+through the fake npu-smi) sends through a byte-counting TCP relay, cut once mid-run so it reconnects
+and resends, to `xpusense-collector serve --data-dir`; every point the collector then serves
+(GetHistory) is counted. Needs root (eBPF, network namespaces, a device node).
 
-    sudo .venv/bin/python bench/wire_bytes.py [--seconds 60] [--npu] [--only before|columns-1|columns-2|after ...] [--record]
+    sudo .venv/bin/python bench/wire_bytes.py [--seconds 60] [--npu] [--only before|columns-1|after|chained ...] [--record]
 
 Prints a table, then one line of JSON (bench/README.md says what each figure is)."""
 
@@ -40,7 +39,7 @@ NPU_SCENARIO = ROOT / "tests" / "fixtures" / "npu-smi" / "scenario-8x910B4"
 GOALS = {"wire_bytes_per_point": 4.0, "collector_disk_bytes_per_point": 6.0}
 # The agent's [stream] batch_encoding per run: "" is Sample messages only; None leaves the key out
 # (the agent's default, the compact encoding where the agent has it).
-RUNS = {"before": "", "columns-1": "columns-zlib-1", "columns-2": "columns-zlib-2", "after": None}
+RUNS = {"before": "", "columns-1": "columns-zlib-1", "after": None, "chained": "columns-zlib-2-chained"}
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 KEEP_BYTES = 256 * 2**20   # upstream bytes the relay keeps to read apart (far above a run's)
 

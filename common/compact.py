@@ -23,10 +23,11 @@ try:   # decode_columns' reader in C (common/_compact.c), built with the package
 except ImportError:
     _compact = None  # type: ignore[assignment]
 
-# Hello.batch_encodings / Welcome.batch_encoding: what this version writes. CHAINED is version 2's
-# blocks, each deflated on the stream's block before it (compact_chain.py): the wire's form only.
+# Hello.batch_encodings / Welcome.batch_encoding: what this version writes by default. CHAINED is
+# version 2's blocks, each deflated on the stream's block before it (compact_chain.py), the wire's
+# form only: an agent offers it where configured to, since it costs the collector a deflate a batch.
 CHAINED = "columns-zlib-2-chained"
-ENCODING = CHAINED
+ENCODING = "columns-zlib-2"
 # every encoding read, newest first, and its block's version
 VERSIONS = {CHAINED: 2, "columns-zlib-2": 2, "columns-zlib-1": 1}
 ENCODINGS = tuple(VERSIONS)

@@ -46,10 +46,10 @@ def columns_span(batch: bytes, block: bytes = b"") -> tuple[int, int, int] | Non
     it cannot walk over: CompactError. `block`: the columns, where known; found at once where they
     end the bytes (as protobuf writes them, field 7 last)."""
     if block and batch.endswith(block):
-        key = bytes((COLUMNS_KEY,)) + varint(len(block))
-        start = len(batch) - len(block) - len(key)
-        if start >= 0 and batch[start:start + len(key)] == key:
-            return start, start + len(key), len(batch)
+        head = bytes((COLUMNS_KEY,)) + varint(len(block))
+        start = len(batch) - len(block) - len(head)
+        if start >= 0 and batch[start:start + len(head)] == head:
+            return start, start + len(head), len(batch)
     span, i = None, 0
     while i < len(batch):
         start = i

@@ -58,7 +58,7 @@ def test_wire_bytes_bench_counts_the_points_and_bytes_of_an_agent_through_its_re
     and --record appended the line printed."""
     record = tmp_path / "wire_bytes.jsonl"
     got = _summary("wire_bytes.py", "--seconds", "6", "--cut-at", "3", "--no-ebpf", "--record", str(record))
-    assert got["bench"] == "wire_bytes" and set(got["runs"]) == {"before", "columns-1", "columns-2", "after"}, got
+    assert got["bench"] == "wire_bytes" and set(got["runs"]) == {"before", "columns-1", "after", "chained"}, got
     for run in got["runs"].values():
         assert run["points"] > 0 and run["series"] > 0 and run["batches"] > 0, run
         assert run["wire_up_bytes"] > 0 and run["wire_down_bytes"] > 0 and run["reconnects"] >= 1, run
@@ -66,9 +66,9 @@ def test_wire_bytes_bench_counts_the_points_and_bytes_of_an_agent_through_its_re
         # the upstream bytes read apart into messages and framing, every byte in one part
         assert sum(run["wire_up_parts"].values()) == run["wire_up_bytes"], run
         assert run["wire_up_parts"]["batch"] > 0 and run["wire_up_parts"]["hello"] > 0, run
-    assert all(got["runs"][r]["wire_up_parts"]["series"] > 0 for r in ("columns-1", "columns-2", "after"))
+    assert all(got["runs"][r]["wire_up_parts"]["series"] > 0 for r in ("columns-1", "after", "chained"))
     assert "series" not in got["runs"]["before"]["wire_up_parts"]
-    assert [got["runs"][r]["encoding"] for r in ("columns-1", "columns-2", "after")] == [
+    assert [got["runs"][r]["encoding"] for r in ("columns-1", "after", "chained")] == [
         "columns-zlib-1", "columns-zlib-2", "columns-zlib-2-chained"]
     # offering the compact encoding, the agent's Hellos (one a connection) went gzip'd, its batches as they are
     assert got["runs"]["after"]["wire_up_compressed"].get("hello", 0) >= 2, got["runs"]["after"]

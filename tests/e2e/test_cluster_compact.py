@@ -72,7 +72,7 @@ class Client:
         inv = pb.Inventory(hostname=node_id, labels={"region": "r1"})
         inv.resources.add(type="GPU", vendor="nvidia", model="H100", id="gpu0", attributes={"memory": "80GB"})
         hello = pb.Hello(node_id=node_id, boot_id=self.boot, inventory=inv, time_unix_nano=time.time_ns(),
-                         batch_encodings=[compact.ENCODING] if offer else [])
+                         batch_encodings=compact.offered(compact.CHAINED) if offer else [])
         self.out.put(pb.AgentMessage(hello=hello))
         self.calls = pb_grpc.IngestStub(self.channel).Stream(iter(self.out.get, None))
         self.welcome = next(self.calls).welcome

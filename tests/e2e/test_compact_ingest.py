@@ -175,7 +175,7 @@ def test_chained_blocks_are_held_and_stored_as_the_blocks_deflated_alone(procs, 
     batches = rounds("chained")
     msgs = chained(compact_messages(batches))
     assert sum(m.batch.columns[1] & 0x20 for m in msgs if m.HasField("batch")) == 0x20 * (len(batches) - 1)
-    replies, err = stream(coll.addr, [hello("chained", True)] + msgs)
+    replies, err = stream(coll.addr, [hello("chained", True, (compact.CHAINED,))] + msgs)
     assert err is None and replies[0].welcome.batch_encoding == compact.CHAINED
     assert acks(replies) == [(b.seq, False) for b in batches]
     want = coll.held("alone")
@@ -188,12 +188,12 @@ def test_chained_blocks_are_held_and_stored_as_the_blocks_deflated_alone(procs, 
     raw = zlib.decompress(third.columns)
     msgs = chained(msgs)
     third.columns = compact.deflate(raw, b"another block")
-    replies, err = stream(coll.addr, [hello("broken", True)] + msgs)
+    replies, err = stream(coll.addr, [hello("broken", True, (compact.CHAINED,))] + msgs)
     assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
     assert "batch 3 of node 'broken': columns do not inflate" in err.details()
     assert acks(replies) == [(1, False), (2, False)] and coll.node("broken").stored_up_to == 2
     # and one deflated on a block before it where none came before it on the stream
-    replies, err = stream(coll.addr, [hello("broken", True)] + [m for m in msgs if m.HasField("series")] + [
+    replies, err = stream(coll.addr, [hello("broken", True, (compact.CHAINED,))] + [m for m in msgs if m.HasField("series")] + [
         m for m in msgs if m.HasField("batch") and m.batch.seq == 4])
     assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
     assert "with none before them on this stream" in err.details()

@@ -137,7 +137,7 @@ def client_factory():
 
     def make(addr, boot="boot-1", **kw):
         kw = {"flush_s": 0.02, "backoff_initial_s": 0.02, "backoff_max_s": 0.2, "reconnect_max_s": 0.2,
-              "batch_encoding": compact.ENCODING, **kw}
+              "batch_encoding": compact.CHAINED, **kw}   # offering every compact encoding
         c = StreamClient(addr, "node-a", boot, lambda: pb.Inventory(hostname="h"), **kw)
         made.append(c)
         return c
