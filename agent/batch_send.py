@@ -64,11 +64,10 @@ class Connection:
         """The messages for one batch of `boot` (a pb.Batch, or a Batch encoded). `top`: the highest
         series_ref it uses, known for a batch built in this run (whose definitions are all held); -1
         to read it from the batch, checking that every one of its references has a definition."""
-        whole = self._whole(batch)
         if top < 0 or not self.compact:
             b = batch if isinstance(batch, pb.Batch) else pb.Batch.FromString(batch)
             if not b.columns:
-                return [whole]
+                return [self._whole(batch)]
             try:
                 cols = compact.decode_columns(b.columns, MAX_ROWS)
             except compact.CompactError as e:
@@ -79,6 +78,9 @@ class Connection:
             if not self.compact:
                 return [pb.AgentMessage(batch=compact.expand(b, cols, defs))]
             top = max(cols.refs, default=0)
+        # Once nothing can refuse it: a chained block moves the chain on, which the collector follows
+        # only for the blocks it is sent.
+        whole = self._whole(batch)
         out: list[pb.AgentMessage | bytes] = []
         sent = self.sent.get(boot, 0)
         if top > sent:

@@ -15,9 +15,12 @@ from compact_rounds import expected, norm, round_of
 from helpers import free_port, wait_until
 
 from xpusense.agent.batch_build import batch_problem
+from xpusense.agent.batch_send import Connection, Unsendable
 from xpusense.agent.config import load_agent
 from xpusense.agent.sources.base import Sample
 from xpusense.agent.spool import Spool
+from xpusense.agent.spool.defs import SeriesDefs
+from xpusense.agent.spool.records import batch_ids
 from xpusense.agent.stream import StreamClient
 from xpusense.common import compact
 from xpusense.common.compact_chain import Chain
@@ -344,3 +347,31 @@ def test_batch_encoding_other_than_the_compact_one_or_none_is_a_config_error(tmp
                                           r"'columns-zlib-2', 'columns-zlib-1' or \"\""):
         load_agent(str(cfg), env={})
     assert load_agent(None, env={}).stream.batch_encoding == compact.ENCODING
+
+
+def test_a_batch_that_cannot_be_sent_leaves_the_chain_where_it_was():
+    """A chained connection moves its chain on only for a batch it hands over: one set aside (a ref
+    whose definition is gone) does not, so the collector inflates the next block on the one it had."""
+    defs = SeriesDefs(None, 100)
+    for ref in (1, 2, 3):
+        defs.add("boot-1", pb.Sample(name=f"m{ref}", unit="1", kind=pb.GAUGE, series_ref=ref))
+    conn = Connection(defs, compact.CHAINED, {"boot-1": 3}, batch_ids("node-a", "boot-1"))
+
+    def batch(seq: int, refs: list[int]) -> tuple[bytes, list]:
+        rows = [(r, 1_000 + seq, seq + r / 4) for r in refs]
+        return pb.Batch(node_id="node-a", boot_id="boot-1", seq=seq,
+                        columns=compact.encode_columns(rows)).SerializeToString(), rows
+
+    reader, got = Chain(100), []
+    for seq, refs in ((1, [1, 2, 3]), (2, [1, 9]), (3, [1, 2, 3]), (4, [2, 3])):
+        data, rows = batch(seq, refs)
+        try:
+            msgs = conn.messages("boot-1", data, -1)
+        except Unsendable as e:
+            assert seq == 2 and "no definition for series_ref 9" in str(e)
+            continue
+        block = pb.AgentMessage.FromString(msgs[-1]).batch.columns
+        alone = reader.receive(block)
+        assert (alone != block) == (seq > 1)   # every block after the stream's first went chained
+        got.append(compact.decode_columns(alone, 100).rows() == rows)
+    assert got == [True, True, True]
