@@ -68,10 +68,10 @@ FIGURES: list[dict[str, Any]] = [
              "on the block before it and deflates it alone again. Run right after the --compact run above, so "
              "that the two lines of one date compare the chain's cost on one VM.",
      "command": f"{PY} bench/collector_ingest.py --agents 8 --rate 0 --seconds 15 --chained",
-     "goal": "the chain's cost a batch, against the run before it",
+     "goal": "none: the chain's cost a batch, against the compact run before it",
      "cols": [("batches/s", "batches_per_s"), ("us a batch", "collector_cpu_us_per_batch"),
               ("collector CPU %", "collector_cpu_pct"), ("p99 ms", "p99_ms")],
-     "checks": [("batches_per_s", ">=", 2500)]},
+     "checks": []},
     {"title": "Collector, 2,000 agents at 1 s, compact encoding", "bench": "collector_ingest",
      "match": {"compact": True, "chained": None, "mode": "cadence", "agents": 2000, "durable": None},
      "what": "The 2,000-agent run with the agents sending the compact encoding.",
