@@ -115,27 +115,9 @@ class ChainBroken(MalformedRequest):
     """Columns deflated on the stream's block before them that do not inflate on it: the stream ends
     FAILED_PRECONDITION, and the agent's next stream starts a chain anew (nothing is set aside)."""
 
-    def __init__(self, why: str):
-        Exception.__init__(self, why)
-        self.violation = Violation(grpc.StatusCode.FAILED_PRECONDITION, why)
-
-
-def _received_batch(msg: Any, sink: Sink) -> tuple[Any, bytes]:
-    """A batch message's Batch and the bytes it came as: the Hello's ids put back where a batch of
-    a version-2 stream left them out, and chained columns deflated alone again (ChainBroken where
-    they do not inflate)."""
-    payload = batch_payload(msg)
-    b = msg.batch
-    if not b.node_id and sink.ids is not None:
-        b, payload = with_ids(b, payload, *sink.ids)
-    if sink.chain is not None and (block := b.columns).__class__ is bytes and block:
-        try:
-            alone = sink.chain.receive(block)
-        except compact.CompactError as e:
-            raise ChainBroken(f"batch {b.seq} of node {b.node_id!r}: {e}") from None
-        if alone is not block:
-            b, payload = with_block(b, payload, alone)
-    return b, payload
+    def __init__(self, violation: Violation):
+        Exception.__init__(self, violation.message)
+        self.violation = violation
 
 
 def choose_encoding(hello: pb.Hello, allowed: list[str]) -> str:
@@ -180,6 +162,26 @@ class IngestSession(pb_grpc.IngestServicer):
     def __init__(self, security=None, limits=None):
         self.security = security   # collector/auth.py: who may report as which node
         self.limits = limits       # collector/limits.py: what one agent may send
+        self.max_samples = int(limits.max_samples_per_batch if limits else LIMITS["max_samples_per_batch"])
+
+    def received_batch(self, msg: Any, sink: Sink, peer: str) -> tuple[Any, bytes]:
+        """A batch message's Batch and the bytes it came as: the Hello's ids put back where a batch
+        of a version-2 stream left them out, and chained columns deflated alone again (ChainBroken,
+        counted, where they do not inflate)."""
+        payload = batch_payload(msg)
+        b = msg.batch
+        if not b.node_id and sink.ids is not None:
+            b, payload = with_ids(b, payload, *sink.ids)
+        if sink.chain is not None and (block := b.columns).__class__ is bytes and block:
+            try:
+                alone = sink.chain.receive(block)
+            except compact.CompactError as e:
+                v = Violation(grpc.StatusCode.FAILED_PRECONDITION, f"batch {b.seq} of node {b.node_id!r}: {e}")
+                self.refused(v, peer)
+                raise ChainBroken(v) from None
+            if alone is not block:
+                b, payload = with_block(b, payload, alone)
+        return b, payload
 
     def refused(self, v: Violation | None, peer: str) -> Violation | None:
         """`v`, counted and logged (None passes)."""
@@ -219,7 +221,7 @@ class IngestSession(pb_grpc.IngestServicer):
         if compact.VERSIONS.get(sink.welcome.batch_encoding, 0) >= 2:   # its batches may leave the ids out
             sink.ids = (hello.node_id, hello.boot_id)
         if sink.welcome.batch_encoding == compact.CHAINED:
-            sink.chain = Chain(int(self.limits.max_samples_per_batch if self.limits else LIMITS["max_samples_per_batch"]))
+            sink.chain = Chain(self.max_samples)
         self.log.info("node %s connected from %s (boot %s, stored up to %d)", sink.node_id, peer,
                       short_boot(hello.boot_id), sink.welcome.stored_up_to)
         window = sink.window
@@ -266,7 +268,7 @@ class IngestSession(pb_grpc.IngestServicer):
             async for msg in request_iterator:
                 kind = msg.WhichOneof("msg")
                 if kind == "batch":
-                    b, payload = _received_batch(msg, sink)   # first: before anything here awaits (wire.py)
+                    b, payload = self.received_batch(msg, sink, peer)   # first: before anything here awaits (wire.py)
                     got = self.batch_refused(b, node_id, sink.welcome, peer) or sink.take_now(b, payload)
                 elif kind == "series":
                     table = msg.series
@@ -281,8 +283,6 @@ class IngestSession(pb_grpc.IngestServicer):
                 elif got is not None:
                     yield pb.CollectorMessage(ack=got)
         except MalformedRequest as e:
-            if isinstance(e, ChainBroken):
-                self.refused(e.violation, peer)
             await context.abort(e.violation.code, e.violation.message)
         finally:   # an abort's traceback keeps this frame alive (a cycle): let go of the messages now
             request_iterator = msg = got = b = table = None
@@ -296,7 +296,7 @@ class IngestSession(pb_grpc.IngestServicer):
                 size = getattr(request_iterator, "wire_bytes", 0)   # limits.GuardedRequests
                 kind = msg.WhichOneof("msg")
                 if kind == "batch":
-                    b, payload = _received_batch(msg, sink)   # first: before anything here awaits (wire.py)
+                    b, payload = self.received_batch(msg, sink, peer)   # first: before anything here awaits (wire.py)
                     got = self.batch_refused(b, node_id, sink.welcome, peer) or await sink.take(b, payload, size)
                 elif kind == "series":
                     table = msg.series
@@ -314,8 +314,6 @@ class IngestSession(pb_grpc.IngestServicer):
                 if window.add(size):   # full: not read further until acks go out
                     await window.wait()
         except MalformedRequest as e:   # aborted by the handler's task, not this one (see MalformedRequest)
-            if isinstance(e, ChainBroken):
-                self.refused(e.violation, peer)
             pending.put_nowait(e.violation)
         finally:
             pending.put_nowait(None)

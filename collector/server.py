@@ -164,7 +164,6 @@ class IngestServicer(IngestSession):
         self.state = state
         # [ingest] batch_encodings: what a Welcome may choose when the agent offers it.
         self.batch_encodings = list(compact.ENCODINGS) if batch_encodings is None else list(batch_encodings)
-        self.max_samples = int(limits.max_samples_per_batch if limits else LIMITS["max_samples_per_batch"])
         # collector/store/: batches are durable there before they are acknowledged (None: memory only).
         self.store = store
         # Batches submitted to the store, not yet durable, per (node, boot): a Welcome waits for them.
